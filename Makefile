@@ -1,0 +1,34 @@
+# The two commands a fresh machine needs: `make demo` and `make test`.
+# Both install what is missing first (scripts/install.sh), into ./.venv.
+SHELL := /bin/bash
+VENV ?= $(CURDIR)/.venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.redsync-installed
+NP ?= 2
+# OpenMPI refuses to start as root without these (containers, CI).
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export PATH := $(VENV)/bin:$(PATH)
+
+.PHONY: install demo test test-fast bench clean
+
+$(STAMP): setup.py scripts/install.sh
+	REDSYNC_VENV=$(VENV) bash scripts/install.sh
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	bash scripts/demo.sh $(NP)
+
+test: install
+	$(PY) -m pytest tests -q -ra
+
+test-fast: install
+	$(PY) -m pytest tests -q -ra -m "not slow"
+
+bench: install
+	$(PY) scripts/bench_selection.py
+
+clean:
+	rm -rf runs build *.egg-info

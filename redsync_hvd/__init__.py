@@ -1,0 +1,16 @@
+"""redsync_hvd: residual gradient compression for Horovod.
+
+Framework adapters live in ``redsync_hvd.torch`` (and ``redsync_hvd.tensorflow``);
+this top level holds only the framework-neutral pieces, so importing it needs no Horovod.
+"""
+__version__ = "0.1.0"
+
+
+def select_topk(x, k, method="tbs", **options):
+    """Indices (int64, into ``x.flatten()``) of the k largest-magnitude elements; see
+    :func:`redsync_hvd.core.selection.select_topk`."""
+    from .core.selection import select_topk as _select
+    return _select(x, k, method=method, **options)
+
+
+__all__ = ["select_topk", "__version__"]

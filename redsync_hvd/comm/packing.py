@@ -1,0 +1,54 @@
+"""Fusing several layers' variable-size messages into one allgather.
+
+A bucket's message on one rank is a header (element count of every wire tensor
+of every layer, int32) plus one uint8 payload: the raw bytes of those tensors,
+each padded to 8 bytes so it can be viewed back as its dtype without a copy.
+Headers have a fixed size (the bucket's layers are the same on every rank), so
+they are allgathered side by side with the payload and tell every receiver how
+to cut the concatenated payloads, including ranks that sent zero elements.
+"""
+from __future__ import annotations
+
+import torch
+
+_ALIGN = 8
+
+
+def _padded(nbytes: int) -> int:
+    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def pack(tensors: list, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """tensors -> (header int32 [len(tensors)], payload uint8)."""
+    counts = torch.tensor([t.numel() for t in tensors], dtype=torch.int32)
+    parts = []
+    for t in tensors:
+        raw = t.contiguous().reshape(-1).view(torch.uint8)
+        parts.append(raw)
+        pad = _padded(raw.numel()) - raw.numel()
+        if pad:
+            parts.append(torch.zeros(pad, dtype=torch.uint8, device=raw.device))
+    payload = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8, device=device)
+    return counts, payload
+
+
+def unpack_gathered(headers: torch.Tensor, payload: torch.Tensor, dtypes: list, size: int) -> list[list]:
+    """Cut the allgathered bytes back into per-rank lists of tensors.
+
+    headers: int32 [size * len(dtypes)] as allgathered; payload: uint8 concatenation of
+    every rank's payload; dtypes: the dtype of each wire tensor (same order on all ranks).
+    """
+    counts = headers.view(size, len(dtypes)).tolist()
+    itemsizes = [torch.empty(0, dtype=d).element_size() for d in dtypes]
+    out, offset = [], 0
+    for rank_counts in counts:
+        tensors = []
+        for n, dt, sz in zip(rank_counts, dtypes, itemsizes):
+            nbytes = n * sz
+            tensors.append(payload[offset:offset + nbytes].view(dt))
+            offset += _padded(nbytes)
+        out.append(tensors)
+    if offset != payload.numel():
+        raise RuntimeError(f"allgather payload has {payload.numel()} bytes but headers describe {offset}: "
+                           "ranks disagree on the bucket layout (different models or configs?)")
+    return out

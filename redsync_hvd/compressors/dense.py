@@ -1,0 +1,30 @@
+"""Dense baselines: fp32 (Horovod's default) and fp16 allreduce."""
+from __future__ import annotations
+
+import torch
+
+from .base import Compressor, Layer, Message
+
+
+class NoneCompressor(Compressor):
+    """Send the gradient as it is; Horovod averages it (and fuses small layers)."""
+    collective = "allreduce"
+
+    def wire_dtypes(self, layer: Layer) -> tuple:
+        return (torch.float32,)
+
+    def compress(self, x: torch.Tensor, layer: Layer, step: int) -> Message:
+        return Message([x], ("values",))
+
+    def decompress_add(self, out, tensors, layer, alpha=1.0):
+        out.add_(tensors[0].to(out.dtype), alpha=alpha)
+
+
+class FP16Compressor(NoneCompressor):
+    """Half-precision values: 2x fewer bytes; rounding error is not fed back."""
+
+    def wire_dtypes(self, layer: Layer) -> tuple:
+        return (torch.float16,)
+
+    def compress(self, x: torch.Tensor, layer: Layer, step: int) -> Message:
+        return Message([x.to(torch.float16)], ("values",))

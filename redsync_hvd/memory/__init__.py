@@ -1,0 +1,3 @@
+from .residual import ResidualMemory
+
+__all__ = ["ResidualMemory"]

@@ -1,0 +1,48 @@
+"""Residual (error-feedback) memory with transactional steps.
+
+Per layer it keeps ``residual`` r. ``compensate`` returns r + g in a spare
+buffer; the compressor then subtracts what it sent from that buffer in place.
+``commit`` makes the spare buffer the new residual; ``rollback`` drops it. So a
+step that fails after compression (NaN on some rank, an exception in a
+collective) leaves the residuals exactly as they were: nothing is lost.
+
+Double buffering costs one extra layer-sized buffer but no allocation per step.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class ResidualMemory:
+    def __init__(self) -> None:
+        self.residual: dict[str, torch.Tensor] = {}
+        self._spare: dict[str, torch.Tensor] = {}
+        self._pending: dict[str, torch.Tensor] = {}
+
+    def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """Return a buffer holding residual + grad; the caller subtracts the sent part from it."""
+        r = self.residual.get(name)
+        if r is None:
+            r = self.residual[name] = torch.zeros_like(grad, dtype=torch.float32)
+        spare = self._spare.get(name)
+        if spare is None or spare.shape != r.shape or spare.device != r.device:
+            spare = self._spare[name] = torch.empty_like(r)
+        torch.add(r, grad, out=spare)
+        self._pending[name] = spare
+        return spare
+
+    def commit(self) -> None:
+        for name, buf in self._pending.items():
+            self._spare[name], self.residual[name] = self.residual[name], buf
+        self._pending.clear()
+
+    def rollback(self) -> None:
+        self._pending.clear()
+
+    def state_dict(self) -> dict:
+        return {"residual": {k: v.detach().clone() for k, v in self.residual.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.residual = {k: v.detach().clone().float() for k, v in state["residual"].items()}
+        self._spare.clear()
+        self._pending.clear()

@@ -1,0 +1,148 @@
+"""Drop-in replacement for ``horovod.torch.DistributedOptimizer`` with stateful compression.
+
+Like Horovod, it subclasses the user's optimizer class on the fly, so LR schedulers,
+``isinstance`` checks and ``param_groups`` keep working. Gradient hooks
+(``register_post_accumulate_grad_hook``) hand each parameter's gradient to the
+:class:`~redsync_hvd.exchange.GradientExchange` as soon as backward produces it
+(after ``backward_passes_per_step`` passes), so communication overlaps backward.
+``step()`` waits for the exchange, writes the averaged gradients into ``.grad``
+and runs the wrapped optimizer's update.
+"""
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+
+import torch
+
+from ..compressors import build_compressor
+from ..exchange import GradientExchange
+from ..memory import ResidualMemory
+from ..policy import LayerPolicy
+from ..compressors.base import Layer
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    def __init__(self, params, named_parameters, compressor, config, backward_passes_per_step, comm):
+        super(self.__class__, self).__init__(params)
+        self._comm = comm
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
+        self.backward_passes_per_step = backward_passes_per_step
+        named = _resolve_names(named_parameters, self.param_groups)
+        self._params = dict(named)
+        self._names = {p: n for n, p in named}
+        layers = [Layer(n, tuple(p.shape), p.numel(), i, p.device) for i, (n, p) in enumerate(named)]
+        _check_same_everywhere(comm, config, layers)
+        memory = ResidualMemory() if config.uses_memory else None
+        self._exchange = GradientExchange(layers, compressor, comm, LayerPolicy(config), memory,
+                                          check_finite=config.check_finite, fusion_bytes=config.fusion_bytes)
+        self.compression_config = config
+        self._passes = {n: 0 for n, _ in named}
+        self._synchronized = False
+        self._skip_sync = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(n)) for n, p in named]
+
+    def _make_hook(self, name):
+        def hook(p):
+            self._passes[name] += 1
+            if self._passes[name] == self.backward_passes_per_step:
+                self._exchange.submit(name, p.grad)
+        return hook
+
+    def synchronize(self):
+        """Finish this step's exchange and write the averaged gradients into ``.grad``."""
+        for name in self._exchange.missing():
+            p = self._params[name]
+            self._exchange.submit(name, p.grad if p.grad is not None else torch.zeros_like(p))
+        try:
+            averaged = self._exchange.finish()
+        finally:
+            self._passes = dict.fromkeys(self._passes, 0)
+        for name, flat in averaged.items():
+            p = self._params[name]
+            g = flat.view(p.shape).to(p.dtype)
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.copy_(g)
+        self._synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self):
+        """Use after an explicit ``synchronize()`` (e.g. to clip gradients) so ``step()`` does not wait again."""
+        self._skip_sync = True
+        try:
+            yield
+        finally:
+            self._skip_sync = False
+
+    def step(self, closure=None):
+        if not (self._synchronized or self._skip_sync):
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def communication_stats(self) -> dict:
+        """Cumulative per-worker figures since start; see :class:`~redsync_hvd.core.stats.CommStats`."""
+        out = self._exchange.stats.summary()
+        out["last_step"] = dict(getattr(self._exchange.stats, "last", {}))
+        out["layers"] = dict(self._exchange.stats.layers)
+        return out
+
+    def state_dict(self):
+        state = super(self.__class__, self).state_dict()
+        state["redsync"] = self._exchange.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("redsync", None)
+        super(self.__class__, self).load_state_dict(state_dict)
+        if extra is not None:
+            self._exchange.load_state_dict(extra)
+
+
+def _resolve_names(named_parameters, param_groups):
+    params = [p for g in param_groups for p in g["params"] if p.requires_grad]
+    if named_parameters is None:
+        return [(f"param.{i}", p) for i, p in enumerate(params)]
+    named = [(n, p) for n, p in named_parameters if p.requires_grad]
+    names = [n for n, _ in named]
+    dupes = {n for n in names if names.count(n) > 1}
+    if dupes:
+        raise ValueError(f"named_parameters has duplicate names {sorted(dupes)[:5]}; pass model.named_parameters()")
+    known = {id(p) for _, p in named}
+    unnamed = [i for i, p in enumerate(params) if id(p) not in known]
+    if unnamed:
+        raise ValueError(f"{len(unnamed)} optimizer parameters are missing from named_parameters; "
+                         "pass named_parameters=model.named_parameters() for the same model the optimizer holds")
+    in_opt = {id(p) for p in params}
+    return [(n, p) for n, p in named if id(p) in in_opt]
+
+
+def _check_same_everywhere(comm, config, layers):
+    """Ranks must agree on config and layer list before the first collective, or they would hang."""
+    mine = json.dumps({"compression": config.model_dump(mode="json"),
+                       "layers": [(l.name, list(l.shape)) for l in layers]}, sort_keys=True)
+    everyone = comm.allgather_object(mine, name="rsync.config_check")
+    if any(other != mine for other in everyone):
+        bad = [r for r, other in enumerate(everyone) if other != everyone[0]]
+        raise ValueError(f"ranks {bad} have a different compression config or model than rank 0; "
+                         "every rank must build the same model and pass the same compression settings")
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step=1,
+                         communicator=None):
+    """Wrap ``optimizer`` so gradients are compressed and averaged across workers.
+
+    compression: a dict like the YAML ``compression:`` section, e.g.
+        ``{"method": "topk", "density": 0.01}``, a config object, or a Compressor.
+    backward_passes_per_step: gradients of that many backward passes accumulate
+        (summed, as PyTorch does) before they are exchanged.
+    """
+    from ..comm import HorovodCommunicator
+    compressor, config = build_compressor(compression)
+    comm = communicator or HorovodCommunicator()
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
+    return cls(optimizer.param_groups, named_parameters, compressor, config, backward_passes_per_step, comm)

@@ -1,0 +1,24 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="redsync_hvd",
+    version="0.1.0",
+    description="Residual gradient compression (RedSync, SBC, IWP, DCD/ECD-PSGD) on Horovod",
+    packages=find_packages(include=["redsync_hvd", "redsync_hvd.*"]),
+    package_data={"redsync_hvd": ["configs/*.yaml"]},
+    python_requires=">=3.9",
+    # torch and horovod are installed by scripts/install.sh (horovod needs a patched
+    # source build against the torch in the venv), so they are not pinned here.
+    install_requires=[
+        "numpy",
+        "pyyaml",
+        "pydantic>=2",
+        "tqdm",
+        "matplotlib",
+        "scikit-learn",
+    ],
+    extras_require={
+        "dev": ["pytest", "hypothesis", "pytest-timeout"],
+        "tensorflow": ["tensorflow-cpu==2.15.1"],
+    },
+)

@@ -1,0 +1,43 @@
+"""Launch real `horovodrun` jobs from tests, with a hard timeout.
+
+A hang in a collective must fail the test in seconds, not eat the CI budget:
+the job runs in its own process group and the whole group is killed on timeout.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def horovodrun(args: list, np: int = 2, timeout: float = 180, env: dict | None = None,
+               check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``horovodrun -np N -H localhost:N <args>`` (args after the launcher, e.g. ["python", "x.py"])."""
+    cmd = [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}"]
+    cmd += [sys.executable if a == "python" else str(a) for a in args]
+    full_env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                "PYTHONPATH": str(REPO), "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+                "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"horovodrun timed out after {timeout}s (hang?): {' '.join(cmd)}\n{out[-4000:]}")
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    if check and proc.returncode != 0:
+        raise AssertionError(f"horovodrun failed with exit code {proc.returncode}: {' '.join(cmd)}\n{out[-6000:]}")
+    return result
+
+
+def run_script(name: str, *script_args, np: int = 2, timeout: float = 180, **kw) -> subprocess.CompletedProcess:
+    """Run tests/mp/<name> under horovodrun."""
+    return horovodrun(["python", str(REPO / "tests" / "mp" / name), *map(str, script_args)], np=np,
+                      timeout=timeout, **kw)

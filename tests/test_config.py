@@ -1,0 +1,70 @@
+"""Config schema: defaults, base files, overrides and the errors users see."""
+from pathlib import Path
+
+import pytest
+
+from redsync_hvd.config import ConfigError, load_config, validate
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_repo_configs_validate():
+    files = sorted((REPO / "configs").rglob("*.yaml"))
+    assert files
+    for f in files:
+        if f.name == "base.yaml" or "bench" in f.parts:
+            continue
+        cfg = load_config(f)
+        assert cfg.output.name == f.stem
+
+
+def test_base_file_is_overridden(tmp_path):
+    (tmp_path / "base.yaml").write_text("model: {name: mlp}\ntraining: {epochs: 3, batch_size: 16}\n")
+    (tmp_path / "run.yaml").write_text("base: base.yaml\ntraining: {epochs: 5}\ncompression: {method: topk}\n")
+    cfg = load_config(tmp_path / "run.yaml")
+    assert cfg.model.name == "mlp" and cfg.training.epochs == 5 and cfg.training.batch_size == 16
+    assert cfg.compression.method == "topk" and cfg.compression.density == 0.01
+
+
+def test_cli_overrides_use_the_same_names():
+    cfg = load_config(REPO / "configs/digits/topk.yaml", ["compression.density=0.001", "training.seed=7"])
+    assert cfg.compression.density == 0.001 and cfg.training.seed == 7
+    cfg = load_config(REPO / "configs/digits/topk.yaml", ["compression.method=fp16"])
+    assert cfg.compression.method == "fp16"
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["compression.density=1.5"], ["density", "(0, 1]"]),
+    (["compression.density=0"], ["density", "(0, 1]"]),
+    (["compression.densty=0.1"], ["densty", "unknown key", "density"]),
+    (["compression.method=magic"], ["magic", "topk"]),
+    (["training.epoch=3"], ["training.epoch", "unknown key"]),
+    (["optimizer.lr=-1"], ["optimizer.lr"]),
+    (["training.batch_size=abc"], ["training.batch_size"]),
+    (["nonsense"], ["section.key=value"]),
+])
+def test_bad_values_name_field_and_fix(overrides, words):
+    with pytest.raises(ConfigError) as info:
+        load_config(REPO / "configs/digits/topk.yaml", overrides)
+    for w in words:
+        assert w in str(info.value), str(info.value)
+
+
+def test_unknown_top_level_section():
+    with pytest.raises(ConfigError, match="modle"):
+        validate({"modle": {"name": "cnn"}})
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    (tmp_path / "bad.yaml").write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(tmp_path / "bad.yaml")
+
+
+def test_fingerprint_changes_with_any_knob():
+    a = load_config(REPO / "configs/digits/topk.yaml")
+    b = load_config(REPO / "configs/digits/topk.yaml", ["compression.density=0.02"])
+    assert a.fingerprint() != b.fingerprint()
+    assert a.fingerprint() == load_config(REPO / "configs/digits/topk.yaml").fingerprint()

@@ -1,0 +1,43 @@
+"""Real horovodrun jobs: correctness of the exchange across processes."""
+import json
+
+import pytest
+
+from launch import horovodrun, run_script
+
+
+@pytest.mark.parametrize("compression", [
+    {"method": "none"},
+    {"method": "topk", "density": 1.0},          # density 1 with residual: exactly dense
+    {"method": "topk", "density": 1.0, "residual": False},
+])
+def test_dense_equals_single_process(compression):
+    out = run_script("dense_equals_single.py", json.dumps(compression), np=2).stdout
+    assert out.count("OK") == 2, out
+
+
+def test_dense_equals_single_process_4_workers():
+    out = run_script("dense_equals_single.py", json.dumps({"method": "none"}), np=4).stdout
+    assert out.count("OK") == 4, out
+
+
+@pytest.mark.parametrize("np", [2, 4])
+def test_uneven_allgather_with_empty_rank(np):
+    out = run_script("uneven_allgather.py", np=np).stdout
+    assert out.count("OK uneven allgather") == np, out
+
+
+def test_config_mismatch_across_ranks_is_an_error_not_a_hang():
+    out = run_script("config_mismatch.py", np=2, timeout=90).stdout
+    assert out.count("OK mismatch detected") == 2, out
+
+
+def test_nan_gradient_on_one_rank_fails_everywhere_and_keeps_residuals():
+    out = run_script("nonfinite.py", np=2).stdout
+    assert out.count("raised at step 2") == 2, out
+    assert out.count("OK nonfinite handling") == 2, out
+
+
+def test_mpi4py_shares_horovods_world():
+    out = run_script("mpi_world.py", np=2).stdout
+    assert out.count("OK mpi4py") == 2, out
