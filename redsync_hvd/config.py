@@ -69,6 +69,7 @@ class TrainingConfig(_Section):
     checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every N steps (0: only at the end)")
     resume: Optional[str] = Field(None, description="checkpoint file to resume from")
     progress: bool = Field(True, description="tqdm progress bar on rank 0")
+    threads: Optional[int] = Field(None, gt=0, description="torch threads per worker (default: cores / local workers)")
 
 
 class OutputConfig(_Section):

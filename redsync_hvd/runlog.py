@@ -25,8 +25,7 @@ class RunLog:
     def __init__(self, root: str, name: str, rank: int):
         self.dir = Path(root) / name
         self.rank = rank
-        if rank == 0:
-            self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(parents=True, exist_ok=True)  # every rank: each writes its own checkpoint here
         self._metrics = None
 
     def write_config(self, config: dict) -> None:
@@ -52,11 +51,12 @@ class RunLog:
 
 
 def rank_checkpoint(path: str, rank: int) -> str:
-    """``resume`` may name a run folder, a checkpoint of any rank, or use {rank}."""
+    """``resume`` may name a run folder (its latest checkpoint), a file with ``{rank}`` in it
+    (e.g. ``runs/x/checkpoint-step30-rank{rank}.pt``), or any rank's ``checkpoint-rank<r>.pt``."""
     p = Path(path.format(rank=rank))
     if p.is_dir():
         p = p / f"checkpoint-rank{rank}.pt"
-    elif "checkpoint-rank" in p.name:
+    elif p.name.startswith("checkpoint-rank"):
         p = p.with_name(f"checkpoint-rank{rank}.pt")
     if not p.is_file():
         raise FileNotFoundError(f"training.resume: no checkpoint for rank {rank} at {p}. Point it at a run folder "

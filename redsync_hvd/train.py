@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 
@@ -102,6 +103,8 @@ def run(cfg: RunConfig) -> int:
 
     rhvd.init()
     rank, size = rhvd.rank(), rhvd.size()
+    # workers sharing a host split its cores; oversubscribed intra-op threads thrash
+    torch.set_num_threads(cfg.training.threads or max(1, (os.cpu_count() or 1) // rhvd.local_size()))
     prints = rhvd.allgather_object(cfg.fingerprint(), name="rsync.cfg")
     if len(set(prints)) != 1:
         raise ConfigError(f"ranks loaded different configs (fingerprints {prints}); start every rank with the "
@@ -141,9 +144,13 @@ def run(cfg: RunConfig) -> int:
         gen.set_state(ckpt["generator"])
         step = ckpt["step"]
 
-    def save():
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                    "generator": epoch_rng, "step": step, "config": cfg.to_dict()}, log.checkpoint_path())
+    def save(keep: bool = False):
+        """Latest state per rank (residuals are per-worker); ``keep`` also leaves a per-step copy."""
+        blob = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                "generator": epoch_rng, "step": step, "config": cfg.to_dict()}
+        torch.save(blob, log.checkpoint_path())
+        if keep:
+            torch.save(blob, log.dir / f"checkpoint-step{step}-rank{rank}.pt")
 
     bar = None
     if rank == 0 and cfg.training.progress:
@@ -183,7 +190,7 @@ def run(cfg: RunConfig) -> int:
                 log.metrics({"step": step, "epoch": step / steps_per_epoch, **result,
                              "wire_bytes": opt.communication_stats()["wire_bytes"]})
             if cfg.training.checkpoint_every and step % cfg.training.checkpoint_every == 0:
-                save()
+                save(keep=True)
             if step >= total:
                 break
     if bar is not None:

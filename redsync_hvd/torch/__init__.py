@@ -17,6 +17,8 @@ allgather_object = _hvd.allgather_object
 allreduce = _hvd.allreduce
 mpi_enabled = _hvd.mpi_enabled
 shutdown = _hvd.shutdown
+Sum = _hvd.Sum
+Average = _hvd.Average
 
 
 def broadcast_optimizer_state(optimizer, root_rank: int = 0) -> None:
@@ -38,4 +40,4 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0) -> None:
 
 __all__ = ["init", "rank", "size", "local_rank", "local_size", "broadcast_parameters",
            "broadcast_optimizer_state", "broadcast_object", "allgather_object", "allreduce",
-           "DistributedOptimizer", "mpi_enabled", "shutdown"]
+           "DistributedOptimizer", "mpi_enabled", "shutdown", "Sum", "Average"]

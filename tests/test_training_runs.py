@@ -1,0 +1,108 @@
+"""End-to-end runs of `python -m redsync_hvd.train` under real horovodrun."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from launch import REPO, horovodrun
+
+
+def train(tmp_path, config, *overrides, np=2, check=True, timeout=300):
+    args = ["python", "-m", "redsync_hvd.train", "--config", str(REPO / config),
+            "--set", f"output.dir={tmp_path}", "--set", "training.progress=false", *sum((["--set", o] for o in overrides), [])]
+    return horovodrun(args, np=np, check=check, timeout=timeout)
+
+
+def summary(folder):
+    return json.loads((folder / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def digits_runs(tmp_path_factory):
+    """Dense and top-k (density 0.01) runs of the digits CNN on 2 workers, shared by the tests below."""
+    out = tmp_path_factory.mktemp("runs")
+    for cfg in ("dense", "topk"):
+        train(out, f"configs/digits/{cfg}.yaml", "training.epochs=10")
+    return out
+
+
+@pytest.mark.parametrize("name", ["dense", "topk"])
+def test_digits_reaches_90_percent(digits_runs, name):
+    s = summary(digits_runs / name)
+    assert s["final_accuracy"] >= 0.9, s["final_accuracy"]
+    for key in ("final_accuracy", "final_loss", "wire_bytes", "dense_bytes", "compression_ratio", "steps",
+                "wall_time_s", "time_breakdown"):
+        assert key in s, key
+    assert set(s["time_breakdown"]) >= {"select", "communicate", "decompress", "compute"}
+
+
+def test_topk_sends_far_fewer_bytes_than_dense(digits_runs):
+    dense, topk = summary(digits_runs / "dense"), summary(digits_runs / "topk")
+    assert dense["dense_bytes"] == topk["dense_bytes"]          # same gradients, same steps
+    assert 0.99 < dense["compression_ratio"] <= 1.0            # dense sends a little more: the finite check
+    assert topk["compression_ratio"] > 10
+    assert topk["wire_bytes"] * 10 < dense["wire_bytes"]
+
+
+def test_run_folder_contents(digits_runs):
+    folder = digits_runs / "topk"
+    cfg = (folder / "config.yaml").read_text()
+    assert "density: 0.01" in cfg and "method: topk" in cfg
+    lines = [json.loads(l) for l in (folder / "metrics.jsonl").read_text().splitlines()]
+    evals = [l for l in lines if "test_accuracy" in l]
+    steps = [l for l in lines if "loss" in l and "test_accuracy" not in l]
+    assert len(evals) == 10 and steps
+    assert all(b["wire_bytes"] >= a["wire_bytes"] for a, b in zip(steps, steps[1:]))
+    assert {"step_wire_bytes", "select", "communicate", "decompress", "selected", "k"} <= set(steps[-1])
+    assert (folder / "checkpoint-rank0.pt").is_file() and (folder / "checkpoint-rank1.pt").is_file()
+
+
+def test_plot_script_writes_pngs(digits_runs, tmp_path):
+    res = subprocess.run([sys.executable, str(REPO / "scripts/plot.py"), str(digits_runs / "dense"),
+                          str(digits_runs / "topk"), "--out", str(tmp_path)], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    for name in ("accuracy_vs_steps", "accuracy_vs_wire_bytes"):
+        png = tmp_path / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_script_prints_table(digits_runs):
+    res = subprocess.run([sys.executable, str(REPO / "scripts/compare_runs.py"), str(digits_runs / "dense"),
+                          str(digits_runs / "topk")], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "topk" in res.stdout and "ratio" in res.stdout, res.stdout
+
+
+def test_bad_config_fails_fast_with_clear_message(tmp_path):
+    res = train(tmp_path, "configs/digits/topk.yaml", "compression.density=1.5", check=False, timeout=120)
+    assert res.returncode != 0
+    assert "compression.density" in res.stdout and "(0, 1]" in res.stdout, res.stdout[-2000:]
+    res = train(tmp_path, "configs/digits/topk.yaml", "compression.densty=0.1", check=False, timeout=120)
+    assert res.returncode != 0 and "unknown key" in res.stdout and "densty" in res.stdout
+
+
+def test_missing_dataset_path_is_a_clear_error(tmp_path):
+    res = train(tmp_path, "configs/digits/dense.yaml", "data.name=cifar10", f"data.path={tmp_path}/nowhere",
+                check=False, timeout=120)
+    assert res.returncode != 0
+    assert "nowhere" in res.stdout and "cifar" in res.stdout.lower(), res.stdout[-2000:]
+
+
+def test_resume_continues_identically(tmp_path):
+    """A run interrupted at step 30 and resumed ends bit-identical to the uninterrupted run,
+    residuals included (top-k keeps most of each gradient in the residual)."""
+    common = ["training.steps=60", "training.eval_every=30", "compression.density=0.05"]
+    train(tmp_path, "configs/digits/topk.yaml", *common, "training.checkpoint_every=30", "output.name=full")
+    train(tmp_path, "configs/digits/topk.yaml", *common, "output.name=resumed",
+          f"training.resume={tmp_path}/full/checkpoint-step30-rank{{rank}}.pt")
+    for rank in (0, 1):
+        a = torch.load(tmp_path / "full" / f"checkpoint-rank{rank}.pt", weights_only=False)
+        b = torch.load(tmp_path / "resumed" / f"checkpoint-rank{rank}.pt", weights_only=False)
+        assert a["step"] == b["step"] == 60
+        for k in a["model"]:
+            assert torch.equal(a["model"][k], b["model"][k]), k
+        ra, rb = a["optimizer"]["redsync"]["memory"]["residual"], b["optimizer"]["redsync"]["memory"]["residual"]
+        assert ra.keys() == rb.keys() and all(torch.equal(ra[k], rb[k]) for k in ra)
+        assert any(v.abs().sum() > 0 for v in ra.values())
