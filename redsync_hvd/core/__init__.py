@@ -1,0 +1,1 @@
+"""Numerical kernels shared by all compressors: selection, position coding, accounting."""
