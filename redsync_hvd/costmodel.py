@@ -1,0 +1,399 @@
+"""Alpha-beta communication cost model (algorithms.md sections 4 and 6).
+
+Framework-neutral, pure Python (``probe_network`` imports torch on demand).
+Sending m bytes costs ``alpha + m/B`` (alpha: seconds of latency per message,
+B: bytes/s). Assumes a homogeneous, full-duplex, contention-free network, no
+reduction arithmetic and no Horovod negotiation cycle (fold those into alpha).
+Every collective takes 0 s for N = 1; sizes are bytes per worker per step.
+
+Why per-layer decisions: a ring allgather of m bytes per worker moves (N-1)*m
+bytes into each worker, growing with N, while a ring allreduce of M bytes moves
+about 2*M whatever N. With k = D*n selected elements of b bytes (dense: 4),
+sparse allgather beats dense allreduce on bandwidth only while
+``N * D * (b/4) < 2`` (``crossover_workers``); for 64-bit pairs, N*D < 1. IWP
+escapes this: its values go through allreduce (constant in N) plus a log2(N)
+index broadcast.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+PHI = (1.0 + math.sqrt(5.0)) / 2.0  # golden ratio (Golomb parameter choice)
+PAIR_HEADER_BYTES = 8  # per layer and worker: element count + layer id
+FUSION_BYTES = 64 * 1024 * 1024  # Horovod's default HOROVOD_FUSION_THRESHOLD
+
+
+@dataclass
+class Network:
+    """alpha: seconds of latency per message; bandwidth: bytes per second per link."""
+    alpha: float
+    bandwidth: float
+
+    @classmethod
+    def from_config(cls, latency_s: float = 25e-6, bandwidth_gbit: float = 10.0) -> "Network":
+        """Build from a latency in seconds and a bandwidth in Gbit/s (1e9 bits/s)."""
+        return cls(alpha=float(latency_s), bandwidth=float(bandwidth_gbit) * 1e9 / 8.0)
+
+    def send(self, m: float) -> float:
+        """Time of one point-to-point message of m bytes."""
+        return self.alpha + m / self.bandwidth
+
+
+def _log2ceil(n: int) -> int:
+    return math.ceil(math.log2(n)) if n > 1 else 0
+
+
+def ring_allreduce(N: int, M: float, net: Network) -> float:
+    """Ring allreduce (reduce-scatter + allgather): ``2(N-1)*alpha + 2(N-1)/N * M/B``."""
+    return 0.0 if N <= 1 else 2 * (N - 1) * net.alpha + 2.0 * (N - 1) / N * M / net.bandwidth
+
+
+def tree_allreduce(N: int, M: float, net: Network) -> float:
+    """Binary-tree reduce then broadcast, whole message per hop:
+    ``2*ceil(log2 N)*(alpha + M/B)`` (ceil: a tree over N ranks has that depth;
+    equals ``2*log2(N)*(alpha + M/B)`` for powers of two). Latency-optimal,
+    bandwidth-poor: it wins over the ring only for small M or large N."""
+    return 0.0 if N <= 1 else 2 * _log2ceil(N) * net.send(M)
+
+
+def ring_allgather(N: int, m: float, net: Network) -> float:
+    """Ring allgather of m bytes per worker: ``(N-1)*alpha + (N-1)*m/B``.
+    Every worker receives the (N-1) other pieces: volume grows linearly with N."""
+    return 0.0 if N <= 1 else (N - 1) * (net.alpha + m / net.bandwidth)
+
+
+def recursive_doubling_allgather(N: int, m: float, net: Network) -> float:
+    """Recursive doubling: ``ceil(log2 N)*alpha + (N-1)*m/B``. Fewer messages than
+    the ring, same volume (ceil: non-powers of two need one extra round)."""
+    return 0.0 if N <= 1 else _log2ceil(N) * net.alpha + (N - 1) * m / net.bandwidth
+
+
+def tree_broadcast(N: int, m: float, net: Network) -> float:
+    """Binomial-tree broadcast of m bytes from one root: ``ceil(log2 N)*(alpha + m/B)``."""
+    return 0.0 if N <= 1 else _log2ceil(N) * net.send(m)
+
+
+def neighbor_exchange(m: float, net: Network, degree: int = 2, N: int = 2) -> float:
+    """Decentralized exchange with ``degree`` neighbours (ring: 2), messages sent
+    one after another: ``degree*(alpha + m/B)``. Independent of N (N = 1: 0)."""
+    return 0.0 if N <= 1 else degree * net.send(m)
+
+
+def crossover_workers(density: float, bytes_per_element: float) -> float:
+    """Bandwidth-only N above which a sparse ring allgather of ``D*n`` elements
+    of ``b`` bytes costs more than a dense fp32 ring allreduce of n elements:
+    ``(N-1)*D*n*b = 2(N-1)/N*4n``  =>  ``N = 8/(D*b)``, i.e. ``N*D*(b/4) = 2``."""
+    return 8.0 / (density * bytes_per_element)
+
+
+def num_selected(n: int, density: float) -> int:
+    """k = ceil(D*n), at least 1 for a non-empty layer, at most n."""
+    return 0 if n <= 0 else min(n, max(1, math.ceil(density * n - 1e-9)))
+
+
+def dense_bytes(n: int, fp16: bool = False) -> int:
+    """Dense gradient: 4n bytes (fp32) or 2n bytes (fp16)."""
+    return (2 if fp16 else 4) * n
+
+
+def sparse_pair_bytes(n: int, density: float, fp16: bool = False) -> int:
+    """(int32 index, value) pairs: ``k*(4 + 4|2) + 8`` header bytes."""
+    return num_selected(n, density) * (4 + (2 if fp16 else 4)) + PAIR_HEADER_BYTES
+
+
+def sign_mean_bytes(n: int, density: float) -> int:
+    """Sign-mean quantised residual: 4 bytes per int32 index + 4 bytes (the mean)."""
+    return 4 * num_selected(n, density) + 4
+
+
+def golomb_bits_per_position(p: float) -> float:
+    """Expected bits per position of a Golomb-Rice code for gaps of a Bernoulli(p)
+    mask (SBC): ``b* + 1/(1-(1-p)^(2^b*))`` with
+    ``b* = 1 + floor(log2(ln(phi-1)/ln(1-p)))``. Approx. 8.11 at p=0.01, 11.49 at 0.001."""
+    if not 0.0 < p < 1.0:
+        raise ValueError("p must be in (0, 1)")
+    b = max(0, 1 + math.floor(math.log2(math.log(PHI - 1.0) / math.log1p(-p))))
+    return b + 1.0 / (1.0 - (1.0 - p) ** (2 ** b))
+
+
+def golomb_bytes(n: int, density: float) -> int:
+    """Golomb-coded positions plus one fp32 mean (SBC): ``ceil(k*bits/8) + 4``."""
+    k = num_selected(n, density)
+    p = min(max(k / n, 1e-12), 1 - 1e-12) if n else 0.5
+    return math.ceil(k * golomb_bits_per_position(p) / 8.0) + 4
+
+
+def iwp_bytes(n: int, density: float) -> tuple[int, int]:
+    """IWP: (bytes of int32 indices broadcast once, bytes of fp32 values allreduced)."""
+    return 4 * num_selected(n, density), 4 * num_selected(n, density)
+
+
+def quantized_bytes(n: int, bits: int = 8) -> int:
+    """Min-max quantised full tensor (decentralized): ``ceil(n*bits/8)`` + fp32 min, max."""
+    return math.ceil(n * bits / 8) + 8
+
+
+ALIASES = {"topk": "pairs", "redsync": "sign_mean", "sbc": "golomb", "fp16": "dense_fp16",
+           "neighbor": "decentralized", "dcd": "decentralized"}
+METHODS = ("dense", "dense_fp16", "pairs", "pairs_fp16", "sign_mean", "golomb", "iwp", "decentralized")
+
+
+def canonical(method: str) -> str:
+    m = ALIASES.get(method, method)
+    if m not in METHODS:
+        raise ValueError(f"unknown method {method!r}; one of {METHODS + tuple(ALIASES)}")
+    return m
+
+
+def message_bytes(n: int, density: float, method: str) -> float:
+    """Bytes per worker per step for one layer (IWP: indices + values)."""
+    m = canonical(method)
+    if m.startswith("dense"):
+        return dense_bytes(n, m == "dense_fp16")
+    if m.startswith("pairs"):
+        return sparse_pair_bytes(n, density, m == "pairs_fp16")
+    return {"sign_mean": sign_mean_bytes, "golomb": golomb_bytes, "decentralized":
+            lambda n, d: quantized_bytes(n), "iwp": lambda n, d: sum(iwp_bytes(n, d)),
+            }[m](n, density)
+
+
+@dataclass
+class ComputeModel:
+    """Linear ``c0 + c1*x`` estimates of the extra work compression adds, used
+    when nothing was measured. Defaults are rough CPU numbers, not measurements:
+    threshold-binary-search selection ~0.5 ns per element (a few counting passes
+    over memory) + 10 us fixed; IWP's importance |r|/(|w|+eps) adds ~0.5 ns per
+    element; decompression is a scatter-add of the N*k gathered elements at
+    ~2 ns each + 5 us (IWP scatters only its k reduced values); 8-bit min-max
+    quantisation ~1 ns per element + 5 us. Override for GPUs (far cheaper per
+    element, larger fixed launch cost)."""
+    select_c0: float = 10e-6  # s per call
+    select_c1: float = 0.5e-9  # s per element of the layer
+    importance_c1: float = 0.5e-9  # IWP only, s per element
+    decompress_c0: float = 5e-6  # s per call
+    decompress_c1: float = 2e-9  # s per received element (N*k; IWP: k)
+    quantize_c0: float = 5e-6  # decentralized only
+    quantize_c1: float = 1e-9
+
+    def select(self, n: int, method: str = "sign_mean") -> float:
+        m = canonical(method)
+        if m.startswith("dense"):
+            return 0.0
+        if m == "decentralized":
+            return self.quantize_c0 + self.quantize_c1 * n
+        return self.select_c0 + (self.select_c1 + (self.importance_c1 if m == "iwp" else 0)) * n
+
+    def decompress(self, n: int, density: float, N: int, method: str = "sign_mean") -> float:
+        m = canonical(method)
+        if m.startswith("dense"):
+            return 0.0
+        if m == "decentralized":  # dequantise the two neighbours' messages
+            return self.quantize_c0 + self.quantize_c1 * 2 * n
+        k = num_selected(n, density)
+        return self.decompress_c0 + self.decompress_c1 * (k if m == "iwp" else N * k)
+
+
+@dataclass
+class LayerCost:
+    """Predicted seconds of one layer per step; ``total_s`` = select + comm + decompress."""
+    method: str
+    n: int
+    k: int
+    bytes_per_worker: float
+    select_s: float
+    comm_s: float
+    decompress_s: float
+    dense_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.select_s + self.comm_s + self.decompress_s
+
+
+def comm_time(n: int, density: float, N: int, net: Network, method: str,
+              allgather: str = "ring") -> float:
+    """Wire time of one layer: dense -> ring allreduce of 4n (2n) bytes; sparse
+    -> allgather (``ring`` or ``doubling``) of the per-worker message; IWP ->
+    tree broadcast of 4k index bytes + ring allreduce of 4k value bytes;
+    decentralized -> ring neighbour exchange of the 8-bit quantised tensor."""
+    m = canonical(method)
+    if N <= 1 or m.startswith("dense"):
+        return ring_allreduce(N, message_bytes(n, density, m), net)
+    if m == "iwp":  # indices once from the leader, then the values reduce
+        return tree_broadcast(N, 4 * num_selected(n, density), net) + ring_allreduce(
+            N, 4 * num_selected(n, density), net)
+    if m == "decentralized":
+        return neighbor_exchange(message_bytes(n, density, m), net, N=N)
+    gather = ring_allgather if allgather == "ring" else recursive_doubling_allgather
+    return gather(N, message_bytes(n, density, m), net)
+
+
+def predict_layer(n: int, density: float, N: int, net: Network, method: str = "sign_mean",
+                  select_time_s: float | None = None, decompress_time_s: float | None = None,
+                  compute: ComputeModel | None = None, allgather: str = "ring") -> LayerCost:
+    """Predicted cost of one layer: dense allreduce, sparse (select + allgather +
+    decompress) or IWP (select + broadcast + allreduce + scatter). Measured
+    select/decompress times override the ``ComputeModel`` estimates. With N = 1
+    nothing is communicated (and nothing is selected or decompressed)."""
+    m = canonical(method)
+    cm = compute or ComputeModel()
+    dense = ring_allreduce(N, dense_bytes(n), net)
+    sel = cm.select(n, m) if select_time_s is None else select_time_s
+    dec = cm.decompress(n, density, N, m) if decompress_time_s is None else decompress_time_s
+    sel, dec = (0.0, 0.0) if N <= 1 else (sel, dec)
+    k = n if m.startswith("dense") or m == "decentralized" else num_selected(n, density)
+    return LayerCost(m, n, k, message_bytes(n, density, m), sel,
+                     comm_time(n, density, N, net, m, allgather), dec, dense)
+
+
+def decide(n: int, density: float, N: int, net: Network, method: str = "sign_mean",
+           fused: bool = False, **kw) -> bool:
+    """Compress this layer? True iff the compressed path's predicted time is below
+    the dense ring allreduce time (RedSync's per-layer rule). ``fused=True``
+    compares with the layer's marginal cost inside a Horovod fusion buffer (the
+    bandwidth term only; the latency is shared), so small layers (biases, norms)
+    stay dense. Unfused, a tiny layer's allgather ((N-1) alphas) can beat its own
+    ring allreduce (2(N-1) alphas): an artefact of not fusing."""
+    c = predict_layer(n, density, N, net, method, **kw)
+    dense = ring_allreduce(N, dense_bytes(n), Network(0.0, net.bandwidth)) if fused else c.dense_s
+    return c.total_s < dense
+
+
+def step_time(layers, N: int, net: Network, compute_s: float, overlap: bool = False,
+              compute: ComputeModel | None = None, allgather: str = "ring",
+              fusion_bytes: float = 0) -> float:
+    """One step: ``compute_s + comm``, or ``max(compute_s, comm)`` with ``overlap``
+    (perfect overlap of backward and communication: a lower bound). ``comm`` sums
+    the layers' ``predict_layer`` totals; ``layers``: iterable of (n, density,
+    method). With ``fusion_bytes > 0`` the dense layers, in order, are packed
+    greedily into buffers of at most that many bytes (Horovod tensor fusion,
+    default 64 MiB), one ring allreduce per buffer."""
+    comm, buf = 0.0, 0
+    for n, d, m in layers:
+        if not canonical(m).startswith("dense"):
+            comm += predict_layer(n, d, N, net, m, compute=compute, allgather=allgather).total_s
+            continue
+        nb = message_bytes(n, d, m)
+        if buf and buf + nb > fusion_bytes:
+            comm, buf = comm + ring_allreduce(N, buf, net), 0
+        buf += nb
+    comm += ring_allreduce(N, buf, net) if buf else 0.0
+    return max(compute_s, comm) if overlap else compute_s + comm
+
+
+def plan_layers(numels, method: str, density: float, N: int, net: Network,
+                per_layer: bool = True, compute: ComputeModel | None = None,
+                fused: bool = True):
+    """(n, density, method) per layer; with ``per_layer`` a layer that ``decide``
+    rejects goes dense (never for the decentralized method: it replaces allreduce)."""
+    m = canonical(method)
+    skip = not per_layer or m in ("dense", "decentralized")
+    return [(n, density, m if skip or decide(n, density, N, net, m, fused, compute=compute)
+             else "dense") for n in numels]
+
+
+def project_speedup(layer_shapes, N_values, bandwidths, method: str, density: float,
+                    compute_s, latency_s: float = 25e-6, overlap: bool = False,
+                    per_layer: bool = True, compute: ComputeModel | None = None,
+                    fusion_bytes: float = FUSION_BYTES) -> list[dict]:
+    """Predicted speedup of ``method`` over dense fp32 ring allreduce.
+
+    ``layer_shapes``: {model name: [numel per parameter tensor]}; ``bandwidths``
+    in Gbit/s; ``compute_s``: seconds of compute per step, a float or {model: s}.
+    Dense layers (the whole baseline, and layers the per-layer rule leaves dense)
+    go through ``fusion_bytes`` fusion buffers. One row per (model, bandwidth, N):
+    model, N, bandwidth_gbit, method, density, dense_s, method_s, speedup,
+    compressed_layers."""
+    rows = []
+    for model, numels in layer_shapes.items():
+        cs = compute_s[model] if isinstance(compute_s, dict) else compute_s
+        for bw in bandwidths:
+            net = Network.from_config(latency_s=latency_s, bandwidth_gbit=bw)
+            for N in N_values:
+                plan = plan_layers(numels, method, density, N, net, per_layer, compute,
+                                   fused=fusion_bytes > 0)
+                kw = dict(overlap=overlap, compute=compute, fusion_bytes=fusion_bytes)
+                dense = step_time([(n, 1.0, "dense") for n in numels], N, net, cs, **kw)
+                t = step_time(plan, N, net, cs, **kw)
+                rows.append(dict(model=model, N=N, bandwidth_gbit=bw, method=canonical(method),
+                                 density=density, dense_s=dense, method_s=t, speedup=dense / t,
+                                 compressed_layers=sum(p[2] != "dense" for p in plan)))
+    return rows
+
+
+def _conv(cin, cout, k, bias=True):
+    return [cout * cin * k * k] + ([cout] if bias else [])
+
+
+def _alexnet():  # torchvision AlexNet (one-tower Krizhevsky 2014 variant), ~61.1M
+    convs = [(3, 64, 11), (64, 192, 5), (192, 384, 3), (384, 256, 3), (256, 256, 3)]
+    fcs = [(256 * 6 * 6, 4096), (4096, 4096), (4096, 1000)]
+    return [x for c in convs for x in _conv(*c)] + [x for i, o in fcs for x in (o * i, o)]
+
+
+def _vgg16():  # Simonyan & Zisserman configuration D, ~138.4M
+    cfg = [3, 64, 64, 128, 128, 256, 256, 256, 512, 512, 512, 512, 512, 512]
+    fcs = [(512 * 7 * 7, 4096), (4096, 4096), (4096, 1000)]
+    return [x for i, o in zip(cfg, cfg[1:]) for x in _conv(i, o, 3)] + [
+        x for i, o in fcs for x in (o * i, o)]
+
+
+def _resnet50():  # He et al. 2016 bottleneck [3, 4, 6, 3]; BN weight+bias, ~25.6M
+    bn = lambda c: [c, c]  # noqa: E731
+    layers, cin = _conv(3, 64, 7, False) + bn(64), 64
+    for width, blocks in [(64, 3), (128, 4), (256, 6), (512, 3)]:
+        for b in range(blocks):
+            layers += _conv(cin, width, 1, False) + bn(width)
+            layers += _conv(width, width, 3, False) + bn(width)
+            layers += _conv(width, 4 * width, 1, False) + bn(4 * width)
+            if b == 0:
+                layers += _conv(cin, 4 * width, 1, False) + bn(4 * width)
+            cin = 4 * width
+    return layers + [1000 * 2048, 1000]
+
+
+def _lstm_lm(vocab=10000, h=1500, nlayers=2):  # PTB "large" LM, ~66M
+    lstm = [4 * h * h, 4 * h * h, 4 * h, 4 * h] * nlayers  # PyTorch: W_ih, W_hh, b_ih, b_hh
+    return [vocab * h] + lstm + [vocab * h, vocab]  # embedding, LSTMs, softmax
+
+
+#: {model: [numel of each parameter tensor]}, from the architectures' definitions.
+PAPER_MODELS = {"alexnet": _alexnet(), "vgg16": _vgg16(), "resnet50": _resnet50(),
+                "lstm_lm": _lstm_lm()}
+
+
+def probe_network(comm, sizes=(8, 1 << 20), repeats: int = 5, warmup: int = 1,
+                  reduce=max) -> Network:
+    """Fit alpha and B from timed allreduces of ``sizes`` bytes (fp32 tensors).
+
+    ``comm`` is duck-typed: ``allreduce_async(tensor, name, average)``,
+    ``wait(handle)``, ``size``. Per size, ``reduce`` (default ``max``: the slowest,
+    conservative; ``min`` resists a noisy shared host) of ``repeats`` timings after
+    ``warmup`` untimed calls. Solving the ring formula
+    ``t = 2(N-1)*alpha + 2(N-1)/N*M/B`` for the smallest and the largest size gives
+    ``1/B = (t_l - t_s) / (2(N-1)/N*(M_l - M_s))`` and
+    ``alpha = (t_s - 2(N-1)/N*M_s/B) / (2(N-1))``. The two timings are averaged
+    over ranks by one more allreduce, so every rank fits the same Network
+    (the caller may still broadcast rank 0's). N = 1 gives alpha 0, B = inf.
+    """
+    import torch  # on demand: the model itself is framework-neutral
+    N = int(comm.size)
+    if N <= 1:
+        return Network(0.0, math.inf)
+    lo, hi = (4 * max(1, s // 4) for s in (min(sizes), max(sizes)))  # whole fp32 elements
+    times = []
+    for s in (lo, hi):
+        buf, ts = torch.zeros(s // 4, dtype=torch.float32), []
+        for r in range(warmup + repeats):
+            t0 = time.perf_counter()
+            comm.wait(comm.allreduce_async(buf, name=f"costmodel.probe.{s}.{r}", average=True))
+            ts.append(time.perf_counter() - t0)
+        times.append(reduce(ts[warmup:]))
+    agreed = comm.wait(comm.allreduce_async(torch.tensor(times, dtype=torch.float64),
+                                            name="costmodel.probe.agree", average=True))
+    (t_s, t_l), f = (float(x) for x in agreed), 2.0 * (N - 1) / N
+    inv_b = max((t_l - t_s) / (f * (hi - lo)), 1e-15)
+    alpha = max((t_s - f * lo * inv_b) / (2 * (N - 1)), 0.0)
+    return Network(alpha=alpha, bandwidth=1.0 / inv_b)

@@ -1,0 +1,226 @@
+"""Alpha-beta cost model: closed forms, monotonicity, decisions, probe fit."""
+import math
+import time
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from redsync_hvd import costmodel as cm
+from redsync_hvd.costmodel import Network
+
+NET = Network(alpha=1e-5, bandwidth=1e9)
+NOLAT = Network(alpha=0.0, bandwidth=1e9)
+
+
+def test_network_from_config():
+    net = Network.from_config(latency_s=2e-6, bandwidth_gbit=10)
+    assert net.alpha == 2e-6 and net.bandwidth == pytest.approx(1.25e9)
+
+
+def test_closed_forms_n2():
+    M = 1e6
+    assert cm.ring_allreduce(2, M, NET) == pytest.approx(2 * 1e-5 + 1e-3)   # 2(N-1)a + 2(N-1)/N M/B
+    assert cm.tree_allreduce(2, M, NET) == pytest.approx(2 * (1e-5 + 1e-3))
+    assert cm.ring_allgather(2, M, NET) == pytest.approx(1e-5 + 1e-3)
+    assert cm.recursive_doubling_allgather(2, M, NET) == pytest.approx(1e-5 + 1e-3)
+    assert cm.tree_broadcast(2, M, NET) == pytest.approx(1e-5 + 1e-3)
+    assert cm.neighbor_exchange(M, NET) == pytest.approx(2 * (1e-5 + 1e-3))
+
+
+def test_closed_forms_n8():
+    M = 1e6
+    assert cm.ring_allreduce(8, M, NET) == pytest.approx(14e-5 + 1.75e-3)
+    assert cm.tree_allreduce(8, M, NET) == pytest.approx(6 * (1e-5 + 1e-3))
+    assert cm.ring_allgather(8, M, NET) == pytest.approx(7 * (1e-5 + 1e-3))
+    assert cm.recursive_doubling_allgather(8, M, NET) == pytest.approx(3e-5 + 7e-3)
+    assert cm.tree_broadcast(8, M, NET) == pytest.approx(3 * (1e-5 + 1e-3))
+    assert cm.tree_broadcast(5, M, NET) == pytest.approx(3 * (1e-5 + 1e-3))  # ceil(log2 5)
+
+
+def test_single_worker_is_free():
+    for f in (cm.ring_allreduce, cm.tree_allreduce, cm.ring_allgather,
+              cm.recursive_doubling_allgather, cm.tree_broadcast):
+        assert f(1, 1e6, NET) == 0.0
+    assert cm.neighbor_exchange(1e6, NET, N=1) == 0.0
+    for m in cm.METHODS:
+        assert cm.predict_layer(10**6, 0.01, 1, NET, m).total_s == 0.0
+
+
+def test_monotone_in_n():
+    ns = [2, 4, 8, 16, 64, 256, 1024]
+    ag = [cm.ring_allgather(n, 1e4, NET) for n in ns]
+    assert all(a < b for a, b in zip(ag, ag[1:]))
+    rd = [cm.recursive_doubling_allgather(n, 1e4, NET) for n in ns]
+    assert all(a < b for a, b in zip(rd, rd[1:]))
+    ne = {cm.neighbor_exchange(1e4, NET, N=n) for n in ns}
+    assert len(ne) == 1
+
+
+def test_decreasing_in_bandwidth():
+    for f in (cm.ring_allreduce, cm.tree_allreduce, cm.ring_allgather, cm.tree_broadcast):
+        ts = [f(16, 1e6, Network(1e-5, b)) for b in (1e8, 1e9, 1e10)]
+        assert ts[0] > ts[1] > ts[2]
+    ts = [cm.predict_layer(10**6, 0.001, 16, Network(1e-5, b), "sign_mean").comm_s
+          for b in (1e8, 1e9, 1e10)]
+    assert ts[0] > ts[1] > ts[2]
+
+
+def test_message_sizes():
+    n = 10**6
+    assert cm.message_bytes(n, 1, "dense") == 4 * n
+    assert cm.message_bytes(n, 1, "dense_fp16") == 2 * n
+    assert cm.message_bytes(n, 0.001, "pairs") == 1000 * 8 + 8
+    assert cm.message_bytes(n, 0.001, "pairs_fp16") == 1000 * 6 + 8
+    assert cm.message_bytes(n, 0.001, "redsync") == 1000 * 4 + 4
+    assert cm.iwp_bytes(n, 0.01) == (40000, 40000)
+    assert cm.message_bytes(n, 0.01, "golomb") == math.ceil(10000 * cm.golomb_bits_per_position(0.01) / 8) + 4
+    assert cm.num_selected(1000, 0.001) == 1 and cm.num_selected(1001, 0.001) == 2
+    with pytest.raises(ValueError):
+        cm.message_bytes(n, 0.1, "nope")
+
+
+def test_golomb_bits():
+    assert cm.golomb_bits_per_position(0.01) == pytest.approx(8.11, abs=0.01)
+    assert cm.golomb_bits_per_position(0.001) == pytest.approx(11.50, abs=0.01)
+
+
+def test_sparse_beats_dense_at_low_density_only():
+    n = 4 * 10**6
+    assert cm.decide(n, 0.001, 8, NET, "sign_mean")
+    assert cm.decide(n, 0.001, 8, NET, "pairs")
+    assert not cm.decide(n, 1.0, 8, NET, "pairs")
+    assert not cm.decide(n, 1.0, 8, NET, "sign_mean")
+    # a bias: inside a fusion buffer its dense cost is tiny, fixed costs dominate
+    assert not cm.decide(100, 0.001, 8, NET, "sign_mean", fused=True)
+    assert cm.decide(n, 0.001, 8, NET, "sign_mean", fused=True)
+
+
+def test_fusion_packs_dense_layers():
+    layers = [(1000, 1.0, "dense")] * 10 + [(10**6, 0.001, "pairs")]
+    sparse = cm.predict_layer(10**6, 0.001, 8, NET, "pairs").total_s
+    unfused = cm.step_time(layers, 8, NET, 0.0)
+    fused = cm.step_time(layers, 8, NET, 0.0, fusion_bytes=cm.FUSION_BYTES)
+    assert unfused == pytest.approx(10 * cm.ring_allreduce(8, 4000, NET) + sparse)
+    assert fused == pytest.approx(cm.ring_allreduce(8, 40000, NET) + sparse)
+    two = cm.step_time([(1000, 1.0, "dense")] * 10, 8, NET, 0.0, fusion_bytes=20000)
+    assert two == pytest.approx(2 * cm.ring_allreduce(8, 20000, NET))
+
+
+def test_measured_times_override():
+    c = cm.predict_layer(10**6, 0.001, 8, NET, "pairs", select_time_s=1.0, decompress_time_s=2.0)
+    assert c.select_s == 1.0 and c.decompress_s == 2.0
+    assert c.total_s == pytest.approx(3.0 + c.comm_s)
+    assert not cm.decide(10**6, 0.001, 8, NET, "pairs", select_time_s=1.0)
+
+
+@pytest.mark.parametrize("method,b", [("pairs", 8), ("sign_mean", 4), ("pairs_fp16", 6)])
+def test_allgather_crossover(method, b):
+    n, d = 10**7, 0.001
+    nstar = cm.crossover_workers(d, b)  # 8/(D*b): 1000 for pairs, 2000 for sign_mean
+    dense = lambda N: cm.ring_allreduce(N, cm.dense_bytes(n), NOLAT)  # noqa: E731
+    sparse = lambda N: cm.comm_time(n, d, N, NOLAT, method)  # noqa: E731
+    lo, hi = int(nstar * 0.9), int(nstar * 1.1)
+    assert sparse(lo) < dense(lo) and sparse(hi) > dense(hi)
+
+
+def test_iwp_beats_allgather_at_large_n():
+    n, d = 10**7, 0.01
+    net = Network.from_config(25e-6, 10)
+    small = {m: cm.predict_layer(n, d, 4, net, m).total_s for m in ("pairs", "iwp")}
+    big = {m: cm.predict_layer(n, d, 512, net, m).total_s for m in ("pairs", "iwp")}
+    assert big["iwp"] < big["pairs"]
+    assert big["pairs"] / small["pairs"] > 10 * big["iwp"] / small["iwp"]  # allgather grows
+
+
+def test_step_time_and_overlap():
+    layers = [(10**6, 0.001, "sign_mean"), (1000, 1.0, "dense")]
+    comm = sum(cm.predict_layer(n, d, 8, NET, m).total_s for n, d, m in layers)
+    assert cm.step_time(layers, 8, NET, 0.1) == pytest.approx(0.1 + comm)
+    assert cm.step_time(layers, 8, NET, 0.1, overlap=True) == pytest.approx(max(0.1, comm))
+    assert cm.step_time(layers, 1, NET, 0.1) == pytest.approx(0.1)
+
+
+def test_paper_models_and_projection():
+    tot = {k: sum(v) for k, v in cm.PAPER_MODELS.items()}
+    assert tot["alexnet"] == pytest.approx(61.1e6, rel=0.01)
+    assert tot["vgg16"] == pytest.approx(138.4e6, rel=0.01)
+    assert tot["resnet50"] == pytest.approx(25.6e6, rel=0.01)
+    assert tot["lstm_lm"] == pytest.approx(66.0e6, rel=0.01)
+    rows = cm.project_speedup(cm.PAPER_MODELS, [8, 64, 1024], [10, 100], "redsync", 0.001,
+                              {"alexnet": 0.04, "vgg16": 0.3, "resnet50": 0.18, "lstm_lm": 0.05})
+    assert len(rows) == 4 * 2 * 3
+    for r in rows:
+        assert r["speedup"] > 0 and r["dense_s"] >= 0.04
+        assert r["speedup"] >= 0.999  # per-layer decision never loses to dense (no overlap)
+    vgg = {(r["N"], r["bandwidth_gbit"]): r["speedup"] for r in rows if r["model"] == "vgg16"}
+    assert vgg[(8, 10)] > vgg[(8, 100)] > 1.0  # compression matters more on slow links
+
+
+class FakeComm:
+    """Sleeps the ring-allreduce time of a known network in ``wait`` (or, with a
+    ``clock``, advances that virtual clock instead, jittered by ``extra`` per call)."""
+
+    def __init__(self, size, net, clock=None, extra=()):
+        self.size, self.net, self.clock, self.extra, self.calls = size, net, clock, list(extra), 0
+
+    def allreduce_async(self, tensor, name, average=True):
+        return tensor, cm.ring_allreduce(self.size, tensor.numel() * tensor.element_size(), self.net)
+
+    def wait(self, handle):
+        tensor, t = handle
+        t += self.extra[self.calls % len(self.extra)] if self.extra else 0.0
+        self.calls += 1
+        if self.clock is None:
+            time.sleep(t)
+        else:
+            self.clock[0] += t
+        return tensor.clone()
+
+
+def test_probe_recovers_network_real_sleep():
+    true = Network(alpha=4e-3, bandwidth=2e7)  # small: 24 ms, large: ~103 ms at N=4
+    # min over repeats: on 2 shared cores sleep() overshoots by a few ms now and then
+    fit = cm.probe_network(FakeComm(4, true), sizes=(8, 1 << 20), repeats=3, reduce=min)
+    assert fit.alpha == pytest.approx(true.alpha, rel=0.2)
+    assert fit.bandwidth == pytest.approx(true.bandwidth, rel=0.2)
+    single = cm.probe_network(FakeComm(1, true))
+    assert single.alpha == 0.0 and math.isinf(single.bandwidth)
+
+
+def test_probe_fit_exact_and_takes_max(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(cm.time, "perf_counter", lambda: clock[0])
+    true = Network(alpha=3e-5, bandwidth=1.25e9)
+    fit = cm.probe_network(FakeComm(8, true, clock), sizes=(8, 1 << 20), repeats=5)
+    assert fit.alpha == pytest.approx(true.alpha, rel=1e-6)
+    assert fit.bandwidth == pytest.approx(true.bandwidth, rel=1e-6)
+    # one slow repeat per size (calls 3 and 9): the max keeps it, min ignores it
+    slow = [0, 0, 0, 1e-3, 0, 0, 0, 0, 0, 1e-3, 0, 0, 0]
+    hi = cm.probe_network(FakeComm(8, true, clock, slow), repeats=5)
+    lo = cm.probe_network(FakeComm(8, true, clock, slow), repeats=5, reduce=min)
+    assert hi.alpha > true.alpha * 2 and lo.alpha == pytest.approx(true.alpha, rel=1e-6)
+
+
+sizes = st.floats(min_value=0, max_value=1e10, allow_nan=False)
+workers = st.integers(min_value=1, max_value=4096)
+nets = st.builds(Network, st.floats(0, 1e-2), st.floats(1e6, 1e12))
+
+
+@settings(max_examples=200, deadline=None)
+@given(N=workers, a=sizes, b=sizes, net=nets)
+def test_collectives_nonnegative_and_monotone(N, a, b, net):
+    lo, hi = sorted((a, b))
+    for f in (cm.ring_allreduce, cm.tree_allreduce, cm.ring_allgather,
+              cm.recursive_doubling_allgather, cm.tree_broadcast):
+        assert 0.0 <= f(N, lo, net) <= f(N, hi, net)
+    assert 0.0 <= cm.neighbor_exchange(lo, net, N=N) <= cm.neighbor_exchange(hi, net, N=N)
+
+
+@settings(max_examples=100, deadline=None)
+@given(N=workers, n1=st.integers(1, 10**8), n2=st.integers(1, 10**8),
+       d=st.floats(1e-4, 1.0), net=nets, method=st.sampled_from(cm.METHODS))
+def test_layer_cost_nonnegative_and_monotone(N, n1, n2, d, net, method):
+    lo, hi = sorted((n1, n2))
+    a, b = cm.predict_layer(lo, d, N, net, method), cm.predict_layer(hi, d, N, net, method)
+    assert 0.0 <= a.total_s <= b.total_s * (1 + 1e-12)
+    assert 0 < a.bytes_per_worker <= b.bytes_per_worker
