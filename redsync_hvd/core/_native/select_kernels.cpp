@@ -1,0 +1,293 @@
+// Fused CPU passes for magnitude-threshold selection (redsync_hvd.core.selection).
+//
+// Why native: every pure-torch way to ask "how many |x| > t" or "which |x| > t"
+// materialises |x| (4 B/elem) and/or a boolean mask (1 B/elem) and then reads it
+// again. These kernels read x once per pass and write nothing the size of x:
+//   stats        : max|x|, sum|x| and a finite check           (1 pass)
+//   count_multi  : #{|x| > t_j} for T thresholds at once        (1 pass, T compares/elem)
+//   select_above : sorted int64 indices of |x| > t, its count,  (1 pass)
+//                  optionally their |x| and the finite check
+// Threads come from at::parallel_for, so torch.set_num_threads applies.
+// Loops are written as `omp simd` reductions (needs -fopenmp) and compiled for
+// AVX2 and the baseline ISA via target_clones; the loader picks at run time.
+// ATen + torch's pybind casters only: <torch/extension.h> would pull in the whole C++
+// frontend and triple the compile time.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGrain = 1 << 16;   // elements per task: amortises thread start-up
+constexpr int64_t kBlock = 4096;      // count_multi block: stays in L1 across threshold groups
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define RS_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define RS_CLONES
+#endif
+
+// ---- stats -------------------------------------------------------------------------
+// Float partial sums per 4096-block, then double: fast, and an overflow to inf can
+// only produce a false "non-finite" which the Python side re-checks exactly.
+template <typename T>
+static inline __attribute__((always_inline)) void stats_impl(
+    const T* p, int64_t b, int64_t e, double* mx_out, double* sum_out) {
+  T mx = 0;
+  double sum = 0;
+  for (int64_t b0 = b; b0 < e; b0 += 4096) {
+    const int64_t e0 = std::min(e, b0 + 4096);
+    T s = 0;
+#pragma omp simd reduction(+ : s) reduction(max : mx)
+    for (int64_t i = b0; i < e0; ++i) {
+      const T a = std::abs(p[i]);
+      s += a;
+      mx = a > mx ? a : mx;
+    }
+    sum += static_cast<double>(s);
+  }
+  *mx_out = static_cast<double>(mx);
+  *sum_out = sum;
+}
+RS_CLONES static void stats_f(const float* p, int64_t b, int64_t e, double* m, double* s) { stats_impl(p, b, e, m, s); }
+RS_CLONES static void stats_d(const double* p, int64_t b, int64_t e, double* m, double* s) { stats_impl(p, b, e, m, s); }
+
+// ---- count_multi ---------------------------------------------------------------------
+// One load + abs per vector, then G compares against G broadcast thresholds held in
+// registers (G <= 7: 7 thresholds + 7 accumulators + data fit the 16 ymm registers).
+// A compare-per-pass loop instead re-loads x per threshold and is ~2x slower.
+template <typename T, int G>
+static inline __attribute__((always_inline)) void count_group(
+    const T* p, int64_t b, int64_t e, const T* thr, int64_t* cnt) {
+  using I = std::conditional_t<sizeof(T) == 4, int32_t, int64_t>;
+  constexpr int W = 32 / sizeof(T);
+  typedef T vT __attribute__((vector_size(32)));
+  typedef I vI __attribute__((vector_size(32)));
+  const vI absmask = vI{} + std::numeric_limits<I>::max();  // clears the sign bit
+  vT tv[G];
+  vI acc[G];
+  for (int j = 0; j < G; ++j) {
+    tv[j] = vT{} + thr[j];
+    acc[j] = vI{};
+  }
+  int64_t i = b;
+  for (; i + W <= e; i += W) {
+    vT v;
+    std::memcpy(&v, p + i, sizeof(v));
+    v = (vT)((vI)v & absmask);
+    for (int j = 0; j < G; ++j) acc[j] -= (vI)(v > tv[j]);  // true lanes are -1
+  }
+  for (int j = 0; j < G; ++j) {
+    int64_t c = 0;
+    for (int l = 0; l < W; ++l) c += acc[j][l];  // a chunk (kGrain) cannot overflow a lane
+    for (int64_t r = i; r < e; ++r) c += std::abs(p[r]) > thr[j] ? 1 : 0;
+    cnt[j] += c;
+  }
+}
+
+template <typename T>
+static inline __attribute__((always_inline)) void count_impl(
+    const T* p, int64_t b, int64_t e, const T* thr, int64_t nt, int64_t* cnt) {
+  for (int64_t b0 = b; b0 < e; b0 += kBlock) {  // groups after the first re-read from L1
+    const int64_t e0 = std::min(e, b0 + kBlock);
+    for (int64_t j = 0; j < nt; j += 7) {
+      const int64_t g = std::min<int64_t>(7, nt - j);
+      T t[7];  // pad with +inf: counts nothing (x is finite by the time we count)
+      int64_t c[7] = {0, 0, 0, 0, 0, 0, 0};
+      for (int l = 0; l < 7; ++l) t[l] = l < g ? thr[j + l] : std::numeric_limits<T>::infinity();
+      if (g == 1) count_group<T, 1>(p, b0, e0, t, c);
+      else if (g <= 3) count_group<T, 3>(p, b0, e0, t, c);
+      else count_group<T, 7>(p, b0, e0, t, c);
+      for (int l = 0; l < g; ++l) cnt[j + l] += c[l];
+    }
+  }
+}
+RS_CLONES static void count_f(const float* p, int64_t b, int64_t e, const float* t, int64_t nt, int64_t* c) { count_impl(p, b, e, t, nt, c); }
+RS_CLONES static void count_d(const double* p, int64_t b, int64_t e, const double* t, int64_t nt, int64_t* c) { count_impl(p, b, e, t, nt, c); }
+
+// ---- select_above --------------------------------------------------------------------
+// Works on the bit patterns: for t >= 0, |x| > t  <=>  (bits(x) & 0x7f..f) > bits(t) as
+// signed integers (IEEE order), and max of those masked bits >= bits(inf) <=> a NaN/Inf
+// is present. So the finite check is one integer max per vector, not an FP reduction.
+// One branch per 4 vectors: only groups holding a hit (rare) take the scalar path.
+template <typename T>
+static inline __attribute__((always_inline)) void select_impl(
+    const T* p, int64_t b, int64_t e, T t, int64_t cap, bool check,
+    std::vector<int64_t>* out, std::vector<T>* vals, int64_t* count, bool* finite) {
+  using I = std::conditional_t<sizeof(T) == 4, int32_t, int64_t>;
+  constexpr int W = 32 / sizeof(T), U = 4;
+  typedef I vI __attribute__((vector_size(32)));
+  typedef int64_t vL __attribute__((vector_size(32)));
+  const I mask = std::numeric_limits<I>::max();
+  const I inf_bits = sizeof(T) == 4 ? I(0x7f800000) : I(0x7ff0000000000000LL);
+  if (t == 0) t = 0;  // -0.0 would compare below every +0 in the integer domain
+  I tb;
+  std::memcpy(&tb, &t, sizeof(T));
+  const vI vt = vI{} + tb, vm = vI{} + mask;
+  vI vmax = vI{};
+  I smax = 0;
+  int64_t c = 0, i = b;
+  auto scalar = [&](int64_t j) {
+    I u;
+    std::memcpy(&u, p + j, sizeof(T));
+    u &= mask;
+    smax = u > smax ? u : smax;
+    if (u > tb) {
+      if (c < cap) {
+        out->push_back(j);
+        if (vals) {  // |x| while the line is in cache: no gather later
+          T a;
+          std::memcpy(&a, &u, sizeof(T));
+          vals->push_back(a);
+        }
+      }
+      ++c;
+    }
+  };
+  for (; i + U * W <= e; i += U * W) {
+    vI u[U];
+    for (int l = 0; l < U; ++l) {
+      std::memcpy(&u[l], p + i + l * W, sizeof(vI));
+      u[l] &= vm;
+    }
+    const vL h = (vL)((u[0] > vt) | (u[1] > vt) | (u[2] > vt) | (u[3] > vt));
+    if (check)
+      for (int l = 0; l < U; ++l) vmax = u[l] > vmax ? u[l] : vmax;
+    if (h[0] | h[1] | h[2] | h[3])
+      for (int64_t j = i; j < i + U * W; ++j) scalar(j);
+  }
+  for (; i < e; ++i) scalar(i);
+  for (int l = 0; l < W; ++l) smax = vmax[l] > smax ? vmax[l] : smax;
+  *count = c;
+  *finite = smax < inf_bits;
+}
+RS_CLONES static void select_f(const float* p, int64_t b, int64_t e, float t, int64_t cap, bool ck,
+                               std::vector<int64_t>* o, std::vector<float>* v, int64_t* c, bool* fin) {
+  select_impl(p, b, e, t, cap, ck, o, v, c, fin);
+}
+RS_CLONES static void select_d(const double* p, int64_t b, int64_t e, double t, int64_t cap, bool ck,
+                               std::vector<int64_t>* o, std::vector<double>* v, int64_t* c, bool* fin) {
+  select_impl(p, b, e, t, cap, ck, o, v, c, fin);
+}
+
+void check_input(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu(), "redsync native selection: CPU tensors only");
+  TORCH_CHECK(x.is_contiguous(), "redsync native selection: contiguous tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble,
+              "redsync native selection: float32/float64 only");
+}
+
+int64_t n_chunks(int64_t n) { return std::max<int64_t>(1, (n + kGrain - 1) / kGrain); }
+
+}  // namespace
+
+// Returns (max|x|, sum|x|); sum is non-finite iff x (probably) holds NaN/Inf.
+std::tuple<double, double> stats(const at::Tensor& x) {
+  check_input(x);
+  const int64_t n = x.numel(), nc = n_chunks(n);
+  std::vector<double> mx(nc, 0.0), sm(nc, 0.0);
+  const bool f32 = x.scalar_type() == at::kFloat;
+  const void* base = x.data_ptr();
+  at::parallel_for(0, nc, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t b = c * kGrain, e = std::min(n, b + kGrain);
+      if (f32) stats_f(static_cast<const float*>(base), b, e, &mx[c], &sm[c]);
+      else stats_d(static_cast<const double*>(base), b, e, &mx[c], &sm[c]);
+    }
+  });
+  double m = 0, s = 0;
+  for (int64_t c = 0; c < nc; ++c) { m = std::max(m, mx[c]); s += sm[c]; }
+  return {m, s};
+}
+
+// counts[j] = #{i : |x_i| > thr_j}; thr must have x's dtype.
+at::Tensor count_multi(const at::Tensor& x, const at::Tensor& thr) {
+  check_input(x);
+  TORCH_CHECK(thr.scalar_type() == x.scalar_type() && thr.is_contiguous() && thr.device().is_cpu(),
+              "count_multi: thresholds must be a contiguous CPU tensor of x's dtype");
+  const int64_t n = x.numel(), nt = thr.numel(), nc = n_chunks(n);
+  std::vector<int64_t> part(nc * nt, 0);
+  const bool f32 = x.scalar_type() == at::kFloat;
+  at::parallel_for(0, nc, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t b = c * kGrain, e = std::min(n, b + kGrain);
+      if (f32) count_f(x.data_ptr<float>(), b, e, thr.data_ptr<float>(), nt, &part[c * nt]);
+      else count_d(x.data_ptr<double>(), b, e, thr.data_ptr<double>(), nt, &part[c * nt]);
+    }
+  });
+  auto out = at::zeros({nt}, at::kLong);
+  auto* o = out.data_ptr<int64_t>();
+  for (int64_t c = 0; c < nc; ++c)
+    for (int64_t j = 0; j < nt; ++j) o[j] += part[c * nt + j];
+  return out;
+}
+
+// Returns (indices of |x| > thr in ascending order, their |x| (empty unless
+// with_values), total count, finite flag). Over `cap` hits both tensors are empty
+// (the caller re-plans instead of paying for a huge write); the count stays exact.
+template <typename T>
+static std::tuple<at::Tensor, at::Tensor, int64_t, bool> select_typed(
+    const at::Tensor& x, T thr, int64_t cap, bool check_finite, bool with_values) {
+  const int64_t n = x.numel(), nc = n_chunks(n);
+  const T* p = x.data_ptr<T>();
+  std::vector<std::vector<int64_t>> bufs(nc);
+  std::vector<std::vector<T>> vbufs(with_values ? nc : 0);
+  std::vector<int64_t> cnt(nc, 0);
+  std::vector<char> fin(nc, 1);
+  at::parallel_for(0, nc, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t b = c * kGrain, e = std::min(n, b + kGrain);
+      bool f = true;
+      if constexpr (std::is_same_v<T, float>)
+        select_f(p, b, e, thr, cap, check_finite, &bufs[c], with_values ? &vbufs[c] : nullptr, &cnt[c], &f);
+      else
+        select_d(p, b, e, thr, cap, check_finite, &bufs[c], with_values ? &vbufs[c] : nullptr, &cnt[c], &f);
+      fin[c] = f;
+    }
+  });
+  std::vector<int64_t> off(nc + 1, 0);
+  bool finite = true;
+  for (int64_t c = 0; c < nc; ++c) {
+    off[c + 1] = off[c] + cnt[c];
+    finite = finite && fin[c];
+  }
+  const int64_t total = off[nc];
+  const auto vopt = at::TensorOptions().dtype(x.scalar_type());
+  if (total > cap) return {at::empty({0}, at::kLong), at::empty({0}, vopt), total, finite};
+  auto out = at::empty({total}, at::kLong);
+  auto vout = at::empty({with_values ? total : 0}, vopt);
+  int64_t* o = out.data_ptr<int64_t>();
+  T* vo = vout.data_ptr<T>();
+  at::parallel_for(0, nc, 4, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      std::copy(bufs[c].begin(), bufs[c].end(), o + off[c]);
+      if (with_values) std::copy(vbufs[c].begin(), vbufs[c].end(), vo + off[c]);
+    }
+  });
+  return {out, vout, total, finite};
+}
+
+std::tuple<at::Tensor, at::Tensor, int64_t, bool> select_above(
+    const at::Tensor& x, double thr, int64_t cap, bool check_finite, bool with_values) {
+  check_input(x);
+  if (x.scalar_type() == at::kFloat)
+    return select_typed<float>(x, static_cast<float>(thr), cap, check_finite, with_values);
+  return select_typed<double>(x, thr, cap, check_finite, with_values);
+}
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "redsync_hvd fused selection passes (CPU)";
+  m.def("stats", &stats, "(max|x|, sum|x|) in one pass", py::arg("x"));
+  m.def("count_multi", &count_multi, "#{|x| > t_j} for every threshold, one pass", py::arg("x"), py::arg("thr"));
+  m.def("select_above", &select_above, "(indices of |x| > thr ascending, their |x|, count, finite flag)",
+        py::arg("x"), py::arg("thr"), py::arg("cap"), py::arg("check_finite"), py::arg("with_values") = false);
+}

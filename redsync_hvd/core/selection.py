@@ -1,0 +1,388 @@
+"""Top-k selection by magnitude for residual gradient compression (digest section 1).
+
+    idx = select_topk(v, k, "tbs", state=layer_state, threshold_reuse=5)
+
+Returns int64 indices into ``v.flatten()`` on v's device. Methods and contracts:
+
+=========  ==========================================================  ============
+method     how                                                          returns
+=========  ==========================================================  ============
+exact      torch.topk(|x|, k): the reference, slow on big layers        exactly k
+trimmed    counts at thr = mean + r*(max-mean), r = 1-eps, 1-2eps, ...; exactly k,
+           first r with >= k candidates, exact top-k over those         the top-k set
+tbs        binary search on r (at most ``tbs_max_probes`` probes),      k .. 2k
+           accept when k <= count <= 2k, else exact top-k over the
+           candidates of the last too-low threshold
+sampled    DGC: k-th largest of a strided sample (``sample_fraction``), k .. 2k
+           >1.3k hits -> exact top-k over them, <k -> thr *= 0.8
+=========  ==========================================================  ============
+
+Options (keyword arguments; any method accepts any of them, irrelevant ones are ignored):
+  trimmed_eps=0.2        trimmed: step of r. Smaller = tighter candidate set, more counts.
+  tbs_max_probes=20      tbs: probe budget. Each probe halves the r-interval; 20 probes
+                         resolve 1e-6 of (max-mean), so the fallback is for ties/odd data.
+  sample_fraction=0.01   sampled: fraction sampled (stride = floor(1/fraction)).
+  sample_max_retries=8   sampled: thr *= 0.8 retries before the exact fallback.
+  threshold_reuse=1      R: with a SelectionState, reuse its threshold (one counting pass)
+                         for up to R-1 steps after a search; re-search early as soon as the
+                         reused count leaves [k/2, 2k]. Counts in [k/2, k) lower the reused
+                         threshold by 0.8 (one more pass) to honour the method's contract.
+                         Ignored by ``exact``.
+  backend="auto"         "native" | "torch" | "auto" (native when built and x is a CPU
+                         float32/float64 tensor).
+  name=None              tensor name used in the non-finite error message.
+
+Compute paths:
+  * native (CPU float32/float64, ``_native`` built by ``python redsync_hvd/core/_native/build.py``):
+    fused OpenMP passes, none of which materialises |x| or a mask: one stats pass
+    (max, sum, finite check), one multi-threshold count pass (TBS evaluates
+    ``_NATIVE_LEVELS`` levels of its search tree per pass; trimmed all its ratios), one
+    index-writing pass. 16M elements: 3 passes instead of torch.topk's radix select.
+  * torch (CUDA, other dtypes, or native missing): |x| once, then count_nonzero/nonzero
+    per probe. On CUDA these are bandwidth-bound kernels; no CuPy kernel is used yet.
+NaN/Inf raise ValueError("non-finite gradient values in ...") from a check fused into a
+pass already made (stats, the index pass, or the top-k values for ``exact``).
+"""
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from redsync_hvd.core import _native
+
+__all__ = ["SelectionState", "select_topk", "METHODS", "native_available"]
+
+METHODS = ("exact", "trimmed", "tbs", "sampled")
+_DEFAULTS: Dict[str, Any] = {
+    "trimmed_eps": 0.2,
+    "tbs_max_probes": 20,
+    "sample_fraction": 0.01,
+    "sample_max_retries": 8,
+    "threshold_reuse": 1,
+    "backend": "auto",
+    "name": None,
+}
+_BACKENDS = ("auto", "native", "torch")
+_NATIVE_LEVELS = 3       # TBS levels per native count pass: 7 compares/elem stays memory-bound
+_SHORTCUT_FRACTION = 16  # TBS: once <= n/16 elements exceed the low threshold, gather them
+_COUNT_CHUNK = 16        # trimmed: thresholds per count pass (bounds compute for tiny eps)
+_F32 = struct.Struct("f")
+_TRIM_SLACK = 4          # trimmed: bisect further while more than 4k candidates remain
+
+
+@dataclass
+class SelectionState:
+    """Per-layer memory for threshold reuse. Keep one per compressed tensor.
+
+    threshold: last magnitude threshold found (None: search on the next call).
+    steps_since_search: calls since that search (0 right after one).
+    last_count: elements above the threshold on the last call; searches: searches run.
+    """
+
+    threshold: Optional[float] = None
+    steps_since_search: int = 0
+    last_count: int = 0
+    searches: int = 0
+
+    def state_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, d: Dict[str, Any]) -> None:
+        self.threshold = None if d.get("threshold") is None else float(d["threshold"])
+        self.steps_since_search = int(d.get("steps_since_search", 0))
+        self.last_count = int(d.get("last_count", 0))
+        self.searches = int(d.get("searches", 0))
+
+
+def native_available() -> bool:
+    return _native.load() is not None
+
+
+def _nonfinite(name: Optional[str], x: torch.Tensor) -> ValueError:
+    where = name or "tensor of shape %s" % (tuple(x.shape),)
+    return ValueError("non-finite gradient values in %s (NaN or Inf): refusing to select" % where)
+
+
+class _Native:
+    """Fused passes from the C++ module; x is a contiguous 1-D CPU float32/float64."""
+
+    levels = _NATIVE_LEVELS
+
+    def __init__(self, mod: Any, flat: torch.Tensor, err: ValueError):
+        self.m, self.x, self.err = mod, flat, err
+
+    def stats(self) -> Tuple[float, float]:
+        mx, s = self.m.stats(self.x)
+        if not math.isfinite(s):  # float partial sums may overflow: confirm before raising
+            if not bool(torch.isfinite(self.x).all()):
+                raise self.err
+            s = float(self.x.double().abs().sum())
+        return mx, s / self.x.numel()
+
+    def count(self, thr: List[float]) -> List[int]:
+        return self.m.count_multi(self.x, torch.tensor(thr, dtype=self.x.dtype)).tolist()
+
+    def select(self, thr: float, cap: int, check: bool, values: bool = False):
+        """(indices of |x| > thr or None past cap, count, their |x| if values)."""
+        idx, vals, c, finite = self.m.select_above(self.x, thr, cap, check, values)
+        if check and not finite:
+            raise self.err
+        return (idx, c, vals if values else None) if c <= cap else (None, c, None)
+
+    def sub(self, vals: torch.Tensor) -> "_Native":
+        return _Native(self.m, vals.contiguous(), self.err)
+
+
+class _Torch:
+    """Plain torch ops (any device/dtype): |x| is built once, then one kernel per probe."""
+
+    def __init__(self, flat: torch.Tensor, err: ValueError):
+        self.x, self.err = flat, err
+        self.a = flat.abs()
+        self.levels = 2 if flat.is_cuda else 1  # CUDA: batch launches per sync; CPU: passes cost
+
+    def stats(self) -> Tuple[float, float]:
+        mx, s = torch.stack([self.a.max().double(), self.a.sum(dtype=torch.float64)]).tolist()
+        if not (math.isfinite(mx) and math.isfinite(s)):
+            raise self.err
+        return mx, s / self.a.numel()
+
+    def count(self, thr: List[float]) -> List[int]:
+        return torch.stack([torch.count_nonzero(self.a > t) for t in thr]).tolist()
+
+    def select(self, thr: float, cap: int, check: bool, values: bool = False):
+        if check and not math.isfinite(float(self.a.max())):
+            raise self.err
+        idx = torch.nonzero(self.a > thr).flatten()
+        c = idx.numel()
+        return (idx, c, self.a[idx] if values else None) if c <= cap else (None, c, None)
+
+    def sub(self, vals: torch.Tensor) -> "_Torch":
+        return _Torch(vals, self.err)
+
+
+def _cast(t: float, dtype: torch.dtype) -> float:
+    """Round a threshold to x's dtype once, so every pass compares against the same value."""
+    if dtype == torch.float32 and abs(t) < 3e38:  # struct rounds like torch, no tensor
+        return _F32.unpack(_F32.pack(t))[0]
+    if dtype == torch.float64:
+        return float(t)
+    return float(torch.tensor(t, dtype=torch.float64).to(dtype))
+
+
+def _topk_over(flat: torch.Tensor, cand: torch.Tensor, k: int,
+               vals: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, float]:
+    """Exact top-k among candidate indices, plus a threshold counting ~1.5k for reuse."""
+    vals = flat[cand].abs() if vals is None else vals
+    kk = min(cand.numel(), k + (k + 1) // 2 + 1)
+    top = torch.topk(vals, kk, sorted=True)
+    return cand[top.indices[:k]], float(top.values[kk - 1])
+
+
+def _exact(flat: torch.Tensor, k: int, err: ValueError, for_state: bool = True) -> Tuple[torch.Tensor, float]:
+    kk = min(flat.numel(), k + (k + 1) // 2 + 1) if for_state else k
+    top = torch.topk(flat.abs(), kk, sorted=for_state)
+    # torch.topk ranks NaN and Inf above every finite |x|: any present shows up here.
+    if not math.isfinite(float(top.values.max())):
+        raise err
+    return top.indices[:k], float(top.values[kk - 1]) if for_state else math.nan
+
+
+def _bisect(flat, k, be, thr, lo: float, hi: float, c_lo: Optional[int], probes: int, upper: int):
+    """The reference TBS walk on r in (lo, hi): accept the first probe with k <= count <= upper.
+
+    Counts for ``be.levels`` consecutive probes come from one pass (all thresholds of that
+    subtree); once <= n/16 elements exceed thr(lo), they are gathered and probed alone.
+    Returns (indices of |x| > t, t, their |x| or None) for the accepted t; else the
+    candidates above thr(lo) (count > upper: the caller takes an exact top-k over them);
+    None when no such candidate set is known.
+    """
+    n = flat.numel()
+    cand, sub = None, None  # after the shortcut: elements above thr(lo), a backend on their |x|
+    while probes > 0:
+        if sub is None and c_lo is not None and c_lo <= max(4 * k, n // _SHORTCUT_FRACTION):
+            cand, _, vals = be.select(thr(lo), c_lo, False, True)
+            if cand is None:
+                break
+            sub = be.sub(vals)
+        cur = be if sub is None else sub
+        levels = min(cur.levels, probes)
+        grid = [lo + (hi - lo) * j / 2 ** levels for j in range(1, 2 ** levels)]
+        counts = dict(zip(grid, cur.count([thr(r) for r in grid])))
+        for _ in range(levels):  # the probes the reference would make, one per level
+            mid = (lo + hi) / 2
+            c, probes = counts[mid], probes - 1
+            if k <= c <= upper:
+                t = thr(mid)
+                if sub is not None:
+                    keep = sub.x > t
+                    return cand[keep], t, sub.x[keep]
+                idx, got, vals = be.select(t, upper, False, True)
+                if idx is not None and got >= k:
+                    return idx, t, vals
+                probes = 0  # count and index pass disagree (cannot on CPU): fall back
+                break
+            if c < k:
+                hi = mid
+            else:
+                lo, c_lo = mid, c
+    if sub is not None:
+        return cand, thr(lo), sub.x
+    if c_lo is None:
+        return None
+    cand, c, vals = be.select(thr(lo), max(n // 4, 4 * k), False, True)
+    return (cand, thr(lo), vals) if cand is not None and c >= k else None
+
+
+def _tbs(flat, k, be, o) -> Tuple[torch.Tensor, float]:
+    mx, mean = be.stats()
+    thr = lambda r: _cast(mean + r * (mx - mean), flat.dtype)  # noqa: E731
+    res = _bisect(flat, k, be, thr, 0.0, 1.0, None, o["tbs_max_probes"], 2 * k)
+    if res is None:
+        return _exact(flat, k, be.err)
+    cand, t, vals = res
+    return (cand, t) if cand.numel() <= 2 * k else _topk_over(flat, cand, k, vals)
+
+
+def _trimmed(flat, k, be, o) -> Tuple[torch.Tensor, float]:
+    mx, mean = be.stats()
+    thr = lambda r: _cast(mean + r * (mx - mean), flat.dtype)  # noqa: E731
+    eps = o["trimmed_eps"]
+    ratios = [1.0 - j * eps for j in range(1, int(math.ceil(1.0 / eps)) + 1) if 1.0 - j * eps > 1e-9]
+    lo, hi, c_lo = 0.0, 1.0, None
+    for i in range(0, len(ratios), _COUNT_CHUNK):
+        chunk = ratios[i:i + _COUNT_CHUNK]
+        for r, c in zip(chunk, be.count([thr(r) for r in chunk])):
+            if c >= k:
+                lo, c_lo = r, c
+                break
+            hi = r
+        if c_lo is not None:
+            break
+    if c_lo is not None and c_lo <= _TRIM_SLACK * k:
+        cand, _, vals = be.select(thr(lo), c_lo, False, True)
+        return _topk_over(flat, cand, k, vals)
+    # Heavy tails: max >> the k-th value, so steps of eps in r jump from < k candidates to
+    # a large share of the layer (or to "everything" at r = 0). Bisect (lo, hi) by counting
+    # until <= 4k candidates remain: the top-k set, and so the result, is the same.
+    res = _bisect(flat, k, be, thr, lo, hi, c_lo, o["tbs_max_probes"], _TRIM_SLACK * k)
+    return _exact(flat, k, be.err) if res is None else _topk_over(flat, res[0], k, res[2])
+
+
+def _sampled(flat, k, be, o) -> Tuple[torch.Tensor, float]:
+    n = flat.numel()
+    # >= sample_fraction of the elements, and >= ~1000 of them so small layers sample sanely
+    stride = max(1, min(int(1.0 / o["sample_fraction"]), n // 1000))
+    sample = flat[::stride].abs()
+    ks = min(sample.numel(), int(math.ceil(k * sample.numel() / n)) + 1)
+    t = _cast(float(torch.topk(sample, ks, sorted=True).values[-1]), flat.dtype)
+    for attempt in range(o["sample_max_retries"] + 1):
+        cand, c, vals = be.select(t, n, attempt == 0, True)
+        if c > 1.3 * k:
+            return _topk_over(flat, cand, k, vals)
+        if c >= k:
+            return cand, t
+        if t <= 0.0:
+            break
+        t = _cast(t * 0.8, flat.dtype)
+    return _exact(flat, k, be.err)
+
+
+def _reuse(flat, k, be, state: SelectionState, method: str):
+    """One counting pass at the stored threshold; None means 'search now'."""
+    t = _cast(state.threshold, flat.dtype)
+    cap = max(8 * k, 1024)
+    idx, c, vals = be.select(t, cap, True, True)
+    state.last_count = c
+    if c < k / 2 or c > 2 * k:
+        return None  # the threshold went stale
+    tries = 0
+    while c < k:  # inside the band but below the contract: loosen, keep reusing
+        if tries == 3 or t <= 0.0:
+            return None
+        t, tries = _cast(t * 0.8, flat.dtype), tries + 1
+        idx, c, vals = be.select(t, cap, False, True)
+        if idx is None:
+            return None
+    state.threshold = t
+    if method == "trimmed" or c > 2 * k:
+        return _topk_over(flat, idx, k, vals)[0]
+    return idx
+
+
+_SEARCH = {"trimmed": _trimmed, "tbs": _tbs, "sampled": _sampled}
+
+
+def _options(method: str, options: Dict[str, Any]) -> Dict[str, Any]:
+    if method not in METHODS:
+        raise ValueError("unknown selection method %r; valid methods: %s" % (method, ", ".join(METHODS)))
+    bad = sorted(set(options) - set(_DEFAULTS))
+    if bad:
+        raise ValueError("unknown selection option(s) %s; valid options: %s" % (", ".join(bad), ", ".join(sorted(_DEFAULTS))))
+    o = dict(_DEFAULTS, **options)
+    if not 0.0 < float(o["trimmed_eps"]) <= 1.0:
+        raise ValueError("trimmed_eps must be in (0, 1], got %r" % o["trimmed_eps"])
+    if int(o["tbs_max_probes"]) < 1:
+        raise ValueError("tbs_max_probes must be >= 1, got %r" % o["tbs_max_probes"])
+    if not 0.0 < float(o["sample_fraction"]) <= 1.0:
+        raise ValueError("sample_fraction must be in (0, 1], got %r" % o["sample_fraction"])
+    if int(o["sample_max_retries"]) < 0:
+        raise ValueError("sample_max_retries must be >= 0, got %r" % o["sample_max_retries"])
+    if int(o["threshold_reuse"]) < 1:
+        raise ValueError("threshold_reuse must be an int >= 1, got %r" % o["threshold_reuse"])
+    if o["backend"] not in _BACKENDS:
+        raise ValueError("unknown backend %r; valid backends: %s" % (o["backend"], ", ".join(_BACKENDS)))
+    return o
+
+
+def _backend(flat: torch.Tensor, choice: str, err: ValueError):
+    ok = flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.float64)
+    mod = _native.load() if choice != "torch" and ok else None
+    if choice == "native" and mod is None:
+        why = _native.load_error if ok else "needs a CPU float32/float64 tensor"
+        raise ValueError("backend='native' unavailable: %s" % why)
+    return _Native(mod, flat.contiguous(), err) if mod is not None else _Torch(flat, err)
+
+
+def select_topk(x: torch.Tensor, k: int, method: str = "tbs", *,
+                state: Optional[SelectionState] = None, **options: Any) -> torch.Tensor:
+    """Indices (int64, x's device) of about the k largest |x| in ``x.flatten()``.
+
+    exact/trimmed return exactly min(k, numel) indices; tbs/sampled between k and 2k.
+    k >= numel returns every index; k == 0 or an empty x returns an empty tensor.
+    Raises ValueError for k < 0, unknown methods/options, and NaN/Inf in x.
+    With ``state`` and ``threshold_reuse=R > 1`` most calls cost one counting pass.
+    """
+    o = _options(method, options)
+    k = int(k)
+    if k < 0:
+        raise ValueError("k must be >= 0, got %d" % k)
+    flat = x.detach().reshape(-1)
+    n = flat.numel()
+    if k == 0 or n == 0:
+        return torch.empty(0, dtype=torch.int64, device=x.device)
+    err = _nonfinite(o["name"], x)
+    if k >= n:
+        if not bool(torch.isfinite(flat).all()):
+            raise err
+        return torch.arange(n, dtype=torch.int64, device=x.device)
+    if method == "exact":
+        return _exact(flat, k, err, for_state=False)[0]
+    be = _backend(flat, o["backend"], err)
+    flat = be.x
+    reuse = int(o["threshold_reuse"])
+    if state is not None and reuse > 1 and state.threshold is not None \
+            and state.steps_since_search + 1 < reuse:
+        idx = _reuse(flat, k, be, state, method)
+        if idx is not None:
+            state.steps_since_search += 1
+            return idx
+    idx, thr = _SEARCH[method](flat, k, be, o)
+    if state is not None:
+        state.threshold, state.steps_since_search = thr, 0
+        state.last_count, state.searches = idx.numel(), state.searches + 1
+    return idx

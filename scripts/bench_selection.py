@@ -1,0 +1,140 @@
+#!/usr/bin/env python
+"""Benchmark redsync_hvd selection methods against torch.topk(x.abs(), k).
+
+    python scripts/bench_selection.py                          # 1M..64M, CPU
+    python scripts/bench_selection.py --sizes 16M --repeats 9 --out sel.md
+    python scripts/bench_selection.py --device cuda --out sel.json
+
+For every size x distribution (Gaussian, Student-t with 3 dof) x density, both the
+baseline and each method run in this process on the same tensor; the table gives the
+median time over --repeats (after one warm-up), speedup = topk_ms / method_ms, and the
+number selected over k (exact/trimmed: 1.0; tbs/sampled: within 1..2).
+Timings on a loaded machine are noise: the load average is recorded with the results.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from redsync_hvd.core.selection import native_available, select_topk  # noqa: E402
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper()
+    mult = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}.get(s[-1:], 1)
+    return int(float(s[:-1] if s[-1:] in "KMG" else s) * mult)
+
+
+def make(dist: str, n: int, device: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(n)
+    z = torch.randn(n, generator=g)
+    if dist == "t3":  # z / sqrt(chi2_3 / 3): heavy-tailed like embedding/LSTM gradients
+        chi2 = sum(torch.randn(n, generator=g) ** 2 for _ in range(3))
+        z = z / torch.sqrt(chi2 / 3)
+    return z.to(device)
+
+
+def timeit(fn, repeats: int, device: str) -> float:
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    fn()
+    sync()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def run(args) -> dict:
+    rows = []
+    for n in [parse_size(s) for s in args.sizes.split(",")]:
+        for dist in args.dists.split(","):
+            x = make(dist, n, args.device)
+            for density in [float(d) for d in args.densities.split(",")]:
+                k = max(1, int(n * density))
+                base = timeit(lambda: torch.topk(x.abs(), k), args.repeats, args.device)
+                rows.append(dict(n=n, dist=dist, density=density, k=k, method="torch.topk",
+                                 ms=base, speedup=1.0, count_over_k=1.0))
+                for m in args.methods.split(","):
+                    opts = {} if m == "exact" else {"backend": args.backend}
+                    ms = timeit(lambda: select_topk(x, k, m, **opts), args.repeats, args.device)
+                    cnt = select_topk(x, k, m, **opts).numel()
+                    rows.append(dict(n=n, dist=dist, density=density, k=k, method=m, ms=ms,
+                                     speedup=base / ms, count_over_k=cnt / k))
+                    print("  %6.1fM %-5s d=%-6g %-10s %9.2f ms  x%6.1f  count/k=%.3f"
+                          % (n / 2 ** 20, dist, density, m, ms, base / ms, cnt / k), file=sys.stderr)
+            del x
+    return rows
+
+
+def machine(args) -> dict:
+    info = dict(torch=torch.__version__, python=platform.python_version(), device=args.device,
+                threads=torch.get_num_threads(), native=native_available(), backend=args.backend,
+                cpu=platform.processor() or platform.machine(), cores=os.cpu_count())
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    if args.device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def markdown(rows, info) -> str:
+    out = ["Machine: %s, %s cores, %d torch threads, torch %s, device %s%s, native kernel: %s."
+           % (info["cpu"], info["cores"], info["threads"], info["torch"], info["device"],
+              " (%s)" % info["gpu"] if "gpu" in info else "", info["native"]),
+           "Load average before/after: %s / %s." % (info.get("load_before"), info.get("load_after")),
+           "",
+           "| elements | dist | density | k | method | median ms | speedup vs topk | selected / k |",
+           "|---:|---|---:|---:|---|---:|---:|---:|"]
+    for r in rows:
+        out.append("| %dM | %s | %g | %d | %s | %.2f | %.1fx | %.3f |" % (
+            r["n"] // 2 ** 20 if r["n"] >= 2 ** 20 else 0, r["dist"], r["density"], r["k"],
+            r["method"], r["ms"], r["speedup"], r["count_over_k"]))
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="1M,4M,16M,64M", help="comma list, suffix K/M/G = 2**10/20/30")
+    p.add_argument("--dists", default="gauss,t3")
+    p.add_argument("--densities", default="0.001,0.01")
+    p.add_argument("--methods", default="exact,trimmed,tbs,sampled")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--backend", choices=["auto", "native", "torch"], default="auto")
+    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave)")
+    p.add_argument("--out", default="", help="write results: *.json, or markdown otherwise")
+    args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but CUDA is not available")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    info = machine(args)
+    info["load_before"] = "%.2f" % os.getloadavg()[0]
+    rows = run(args)
+    info["load_after"] = "%.2f" % os.getloadavg()[0]
+    md = markdown(rows, info)
+    print(md)
+    if args.out:
+        with open(args.out, "w") as f:
+            if args.out.endswith(".json"):
+                json.dump({"machine": info, "rows": rows}, f, indent=1)
+            else:
+                f.write(md + "\n")
+
+
+if __name__ == "__main__":
+    main()

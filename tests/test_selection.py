@@ -1,0 +1,335 @@
+"""Tests for redsync_hvd.core.selection (digest section 1)."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from redsync_hvd.core import _native
+from redsync_hvd.core.selection import METHODS, SelectionState, native_available, select_topk
+
+BACKENDS = ["torch"] + (["native"] if native_available() else [])
+RANGE_METHODS = ("tbs", "sampled")
+EXACT_METHODS = ("exact", "trimmed")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def distinct(n, seed=0, dtype=torch.float32):
+    """Ties-free magnitudes (a permutation of 1..n, random signs), so top-k is one set."""
+    g = torch.Generator().manual_seed(seed)
+    mags = (torch.randperm(n, generator=g) + 1).to(dtype) / n
+    signs = torch.randint(0, 2, (n,), generator=g).to(dtype) * 2 - 1
+    return mags * signs
+
+
+def sample(dist, n, seed=0):
+    torch.manual_seed(seed)
+    if dist == "gauss":
+        return torch.randn(n)
+    if dist == "laplace":
+        return torch.distributions.Laplace(0.0, 1.0).sample((n,))
+    return torch.distributions.StudentT(3.0).sample((n,))
+
+
+def true_topk(x, k):
+    return set(torch.topk(x.flatten().abs(), k).indices.tolist())
+
+
+def check_range(x, idx, k):
+    """tbs/sampled: k..2k distinct indices, containing the top-k, closed under |x| order."""
+    a = x.flatten().abs()
+    assert idx.dtype == torch.int64 and idx.device == x.device
+    sel = idx.tolist()
+    assert len(set(sel)) == len(sel), "duplicate indices"
+    assert k <= len(sel) <= 2 * k, (len(sel), k)
+    mask = torch.zeros_like(a, dtype=torch.bool)
+    mask[idx] = True
+    if (~mask).any():
+        assert a[mask].min() >= a[~mask].max()  # every selected beats every unselected
+
+
+# ---- contracts -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("method", EXACT_METHODS)
+@pytest.mark.parametrize("n,k", [(1, 0), (2, 1), (10, 3), (1000, 1), (1000, 10), (4097, 300), (50000, 50), (50000, 5000)])
+def test_exact_and_trimmed_return_true_topk(method, backend, n, k):
+    x = distinct(n, seed=n + k)
+    idx = select_topk(x, k, method, backend=backend)
+    assert idx.dtype == torch.int64 and idx.numel() == k
+    assert set(idx.tolist()) == (true_topk(x, k) if k else set())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("method", RANGE_METHODS + ("trimmed",))
+@pytest.mark.parametrize("dist", ["gauss", "laplace", "t3"])
+@pytest.mark.parametrize("n,density", [(20000, 0.001), (20000, 0.01), (20000, 0.1), (1_000_000, 0.001), (1_000_000, 0.01)])
+def test_distributions(method, backend, dist, n, density):
+    x = sample(dist, n, seed=n)
+    k = max(1, int(n * density))
+    idx = select_topk(x, k, method, backend=backend)
+    if method == "trimmed":
+        assert idx.numel() == k and set(idx.tolist()) == true_topk(x, k)
+    else:
+        check_range(x, idx, k)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 3000), frac=st.floats(0.0, 1.2), seed=st.integers(0, 2**16),
+       method=st.sampled_from(METHODS), backend=st.sampled_from(BACKENDS))
+def test_property_any_size(n, frac, seed, method, backend):
+    x = distinct(n, seed=seed).reshape(-1, 1) if n % 2 else distinct(n, seed=seed)
+    k = int(n * frac)
+    idx = select_topk(x, k, method, backend=backend)
+    if k >= n:
+        assert idx.tolist() == list(range(n))
+    elif k == 0:
+        assert idx.numel() == 0
+    elif method in EXACT_METHODS:
+        assert set(idx.tolist()) == true_topk(x, k) and idx.numel() == k
+    else:
+        check_range(x, idx, k)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_constant_and_sparse_tensors_fall_back(method):
+    for x in (torch.ones(5000), torch.zeros(5000), torch.cat([torch.zeros(4990), torch.arange(1.0, 11.0)])):
+        idx = select_topk(x, 100, method)
+        assert (idx.numel() == 100) if method in EXACT_METHODS else (100 <= idx.numel() <= 200)
+        assert torch.equal(torch.sort(x[idx].abs(), descending=True).values[:10],
+                           torch.sort(x.abs(), descending=True).values[:10])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_layouts_and_dtypes(method):
+    base = distinct(6000, seed=3).reshape(60, 100)
+    for x in (base.t(), base.double(), base[:, ::2]):  # non-contiguous, float64, strided
+        k = 37
+        idx = select_topk(x, k, method)
+        flat = x.flatten()
+        if method in EXACT_METHODS:
+            assert set(idx.tolist()) == true_topk(flat, k)
+        else:
+            check_range(flat, idx, k)
+    for dt in (torch.float16, torch.bfloat16):  # torch path; ties possible in 16-bit
+        x = torch.randn(5000).to(dt)
+        idx = select_topk(x, 50, method)
+        lo, hi = (50, 50) if method in EXACT_METHODS else (50, 100)
+        assert lo <= idx.numel() <= hi
+
+
+def test_tbs_probe_budget_falls_back():
+    x = sample("t3", 100000)
+    idx = select_topk(x, 100, "tbs", tbs_max_probes=1)  # one probe cannot reach the tail
+    check_range(x, idx, 100)
+
+
+# ---- edge cases and errors --------------------------------------------------------------
+
+@pytest.mark.parametrize("method", METHODS)
+def test_edge_cases(method):
+    x = torch.randn(7, 3)
+    assert select_topk(x, 0, method).numel() == 0 and select_topk(x, 0, method).dtype == torch.int64
+    assert select_topk(x, 21, method).tolist() == list(range(21))
+    assert select_topk(x, 500, method).tolist() == list(range(21))
+    e = select_topk(torch.empty(0), 5, method)
+    assert e.numel() == 0 and e.dtype == torch.int64
+    with pytest.raises(ValueError, match="k must be >= 0"):
+        select_topk(x, -1, method)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_raises(method, backend, bad):
+    for n, k in ((100, 5), (200000, 200), (10, 10)):
+        x = torch.randn(n)
+        x[n // 3] = bad
+        with pytest.raises(ValueError, match="non-finite gradient values in layer.w"):
+            select_topk(x, k, method, backend=backend, name="layer.w")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("method", METHODS)
+def test_huge_finite_values_are_not_non_finite(method, backend):
+    x = distinct(20000, seed=9) * 3e38  # float32 partial sums of |x| overflow: not an error
+    idx = select_topk(x, 20, method, backend=backend)
+    assert (idx.numel() == 20) if method in EXACT_METHODS else (20 <= idx.numel() <= 40)
+    assert true_topk(x, 20) <= set(idx.tolist())
+
+
+def test_non_finite_on_reuse_step():
+    x = torch.randn(10000)
+    st_ = SelectionState()
+    select_topk(x, 10, "tbs", state=st_, threshold_reuse=10)
+    x[5] = float("nan")
+    with pytest.raises(ValueError, match="non-finite gradient values in"):
+        select_topk(x, 10, "tbs", state=st_, threshold_reuse=10)
+
+
+def test_bad_arguments():
+    x = torch.randn(100)
+    with pytest.raises(ValueError, match=r"unknown selection method 'topk'.*exact, trimmed, tbs, sampled"):
+        select_topk(x, 5, "topk")
+    with pytest.raises(ValueError, match=r"unknown selection option\(s\) tbs_probes.*tbs_max_probes"):
+        select_topk(x, 5, "tbs", tbs_probes=3)
+    with pytest.raises(ValueError, match="unknown backend 'gpu'"):
+        select_topk(x, 5, backend="gpu")
+    for opt in ({"trimmed_eps": 0.0}, {"tbs_max_probes": 0}, {"sample_fraction": 2.0},
+                {"threshold_reuse": 0}, {"sample_max_retries": -1}):
+        with pytest.raises(ValueError, match=list(opt)[0]):
+            select_topk(x, 5, "tbs", **opt)
+    with pytest.raises(ValueError, match="backend='native' unavailable"):
+        select_topk(x.half(), 5, "tbs", backend="native")
+
+
+# ---- threshold reuse ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("method", ("trimmed", "tbs", "sampled"))
+def test_reuse_counts_only_then_researches_every_R(method, backend):
+    x, k, R = sample("gauss", 100000, seed=1), 100, 4
+    s = SelectionState()
+    searches = []
+    for step in range(9):
+        xi = x * (1 + 0.002 * step)  # slow drift: the threshold stays good
+        idx = select_topk(xi, k, method, state=s, threshold_reuse=R, backend=backend)
+        searches.append(s.searches)
+        if method == "trimmed":
+            assert set(idx.tolist()) == true_topk(xi, k)
+        else:
+            check_range(xi, idx, k)
+    assert searches == [1, 1, 1, 1, 2, 2, 2, 2, 3]  # search, R-1 reuse steps, search, ...
+    assert s.steps_since_search == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("method", ("trimmed", "tbs", "sampled"))
+def test_reuse_researches_when_count_leaves_band(method, backend):
+    x, k = sample("laplace", 50000, seed=2), 50
+    for scale in (10.0, 0.1):  # count explodes (> 2k) / vanishes (< k/2)
+        s = SelectionState()
+        select_topk(x, k, method, state=s, threshold_reuse=100, backend=backend)
+        assert s.searches == 1
+        y = x * scale
+        idx = select_topk(y, k, method, state=s, threshold_reuse=100, backend=backend)
+        assert s.searches == 2 and s.steps_since_search == 0
+        assert (idx.numel() == k) if method == "trimmed" else (k <= idx.numel() <= 2 * k)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("method", ("trimmed", "tbs", "sampled"))
+def test_reuse_low_count_inside_band_loosens_without_search(method, backend):
+    x, k = sample("gauss", 50000, seed=4), 100  # a tail where thr * 0.8 is a moderate step
+    s = SelectionState()
+    select_topk(x, k, method, state=s, threshold_reuse=100, backend=backend)
+    t = s.threshold
+    above = (x.abs() > t).nonzero().flatten()
+    y = x.clone()
+    y[above[: above.numel() - int(0.7 * k)]] *= 0.01  # leave 0.7k above t: inside [k/2, 2k)
+    assert k / 2 <= int((y.abs() > t).sum()) < k
+    idx = select_topk(y, k, method, state=s, threshold_reuse=100, backend=backend)
+    assert s.searches == 1 and s.steps_since_search == 1  # no search: loosened by 0.8
+    assert s.threshold < t
+    if method == "trimmed":
+        assert set(idx.tolist()) == true_topk(y, k)
+    else:
+        check_range(y, idx, k)
+
+
+def test_exact_ignores_reuse_and_state_round_trip():
+    x = torch.randn(3000)
+    s = SelectionState()
+    assert select_topk(x, 30, "exact", state=s, threshold_reuse=5).numel() == 30
+    assert s.threshold is None
+    select_topk(x, 30, "tbs", state=s, threshold_reuse=5)
+    select_topk(x, 30, "tbs", state=s, threshold_reuse=5)
+    d = s.state_dict()
+    assert d == {"threshold": s.threshold, "steps_since_search": 1, "last_count": s.last_count, "searches": 1}
+    s2 = SelectionState()
+    s2.load_state_dict(d)
+    assert s2 == s
+    a = select_topk(x, 30, "tbs", state=s, threshold_reuse=5)
+    b = select_topk(x, 30, "tbs", state=s2, threshold_reuse=5)
+    assert torch.equal(a, b) and s == s2
+    s3 = SelectionState()
+    s3.load_state_dict({})  # defaults: next call searches
+    assert s3.threshold is None and s3.steps_since_search == 0
+
+
+# ---- native path ------------------------------------------------------------------------
+
+needs_native = pytest.mark.skipif(not native_available(), reason="native kernel not built")
+
+
+@needs_native
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dist", ["gauss", "t3"])
+def test_native_and_torch_agree(method, dist):
+    for n, k in ((3000, 3), (100000, 100), (100000, 5000)):
+        x = sample(dist, n, seed=k)
+        a = set(select_topk(x, k, method, backend="native").tolist())
+        b = set(select_topk(x, k, method, backend="torch").tolist())
+        # Same probes, same thresholds up to the last bit of the mean: equal in practice.
+        assert len(a ^ b) <= max(2, 0.01 * k), (len(a), len(b))
+
+
+@needs_native
+def test_native_kernels_directly():
+    m = _native.load()
+    x = torch.randn(300001)
+    mx, s = m.stats(x)
+    assert mx == float(x.abs().max()) and math.isclose(s, float(x.double().abs().sum()), rel_tol=1e-5)
+    thr = torch.tensor([0.0, 0.5, 2.0, 9.0])
+    assert m.count_multi(x, thr).tolist() == [int((x.abs() > t).sum()) for t in thr]
+    idx, vals, c, finite = m.select_above(x, 2.0, 10**9, True, True)
+    assert finite and c == idx.numel() and torch.equal(idx, (x.abs() > 2.0).nonzero().flatten())
+    assert torch.equal(vals, x.abs()[idx])
+    idx, vals, c, _ = m.select_above(x, 2.0, 10, False)  # over the cap: count only
+    assert idx.numel() == 0 and vals.numel() == 0 and c > 10
+    x[123] = float("inf")
+    assert not m.select_above(x, 2.0, 10**9, True)[3]
+    x[123] = float("nan")
+    assert not m.select_above(x, 2.0, 10**9, True)[3]
+    for dt in (torch.float64,):
+        y = x.to(dt)
+        y[123] = 0.5
+        assert m.count_multi(y, thr.to(dt)).tolist() == [int((y.abs() > t).sum()) for t in thr.to(dt)]
+        assert torch.equal(m.select_above(y, 1.5, 10**9, True)[0], (y.abs() > 1.5).nonzero().flatten())
+
+
+def test_loader_can_be_disabled(monkeypatch):
+    monkeypatch.setenv("REDSYNC_NO_NATIVE", "1")
+    assert _native.load(force=True) is None and "REDSYNC_NO_NATIVE" in _native.load_error
+    assert select_topk(torch.randn(1000), 10, "tbs").numel() >= 10  # torch path
+    monkeypatch.delenv("REDSYNC_NO_NATIVE")
+    _native.load(force=True)
+
+
+# ---- CUDA -----------------------------------------------------------------------------
+
+@cuda
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dist", ["gauss", "t3"])
+def test_cuda(method, dist):
+    x = sample(dist, 1_000_000).cuda()
+    k = 1000
+    idx = select_topk(x, k, method)
+    assert idx.is_cuda and idx.dtype == torch.int64
+    if method in EXACT_METHODS:
+        assert set(idx.cpu().tolist()) == true_topk(x.cpu(), k)
+    else:
+        check_range(x, idx, k)
+    x[7] = float("nan")
+    with pytest.raises(ValueError, match="non-finite gradient values in"):
+        select_topk(x, k, method)
+
+
+@cuda
+def test_cuda_reuse():
+    x = sample("gauss", 200000).cuda()
+    s = SelectionState()
+    for _ in range(3):
+        check_range(x, select_topk(x, 200, "tbs", state=s, threshold_reuse=3), 200)
+    assert s.searches == 2
