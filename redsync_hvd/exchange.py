@@ -37,7 +37,8 @@ class _Bucket:
 
 class GradientExchange:
     def __init__(self, layers: list, compressor: Compressor, comm, policy, memory=None,
-                 check_finite: bool = True, fusion_bytes: int = 16 << 20):
+                 check_finite: bool = True, fusion_bytes: int = 16 << 20, clip_norm: float | None = None,
+                 network=None):
         self.layers = {l.name: l for l in layers}
         self.order = [l.name for l in layers]
         self.compressor = compressor
@@ -48,11 +49,13 @@ class GradientExchange:
         self.check_finite = check_finite
         self.stats = CommStats()
         self.step = 0
+        # DGC's local clipping: each worker's share of the global norm budget is N**-0.5
+        self.clip = clip_norm * comm.size ** -0.5 if clip_norm else None
         for layer in layers:
             if layer.numel == 0:
                 raise ValueError(f"parameter {layer.name!r} has zero elements: there is nothing to exchange. "
                                  "Remove it from named_parameters or set requires_grad=False")
-            layer.compressed = policy.is_compressed(layer)
+        policy.setup(layers, comm.size, network)
         self._buckets, self._bucket_of = self._make_buckets(layers, fusion_bytes)
         self._reset_step()
 
@@ -100,11 +103,17 @@ class GradientExchange:
                 # keep the residual clean: communicate zeros, fail on every rank in finish()
                 self._bad.append(name)
                 flat = torch.zeros_like(flat)
-            use_memory = self.memory is not None and layer.compressed
+            if self.clip is not None:
+                norm = float(flat.norm())
+                if norm > self.clip:
+                    flat = flat * (self.clip / norm)
+            use_memory = self.memory is not None and (layer.compressed or self.memory.applies_to_dense)
             x = self.memory.compensate(name, flat) if use_memory else flat
             msg = comp.compress(x, layer, self.step)
             if use_memory:
                 comp.decompress_add(x, msg.tensors, layer, alpha=-1.0)  # x is now the new residual
+                if layer.compressed:
+                    self.memory.mask(name, comp.sent_indices(msg, layer))
         wire = msg.nbytes()
         self.stats.add_bytes(wire, "sparse" if layer.compressed else "dense")
         self.stats.add("dense_bytes", 4 * layer.numel)

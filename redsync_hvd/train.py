@@ -132,6 +132,11 @@ def run(cfg: RunConfig) -> int:
         return 2
     total = total_steps(cfg, steps_per_epoch)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, steps_per_epoch))
+    opt.set_steps_per_epoch(steps_per_epoch)
+    if rank == 0:
+        for d in opt.layer_decisions():   # the per-layer decision, logged once
+            print(f"[layers] {d['name']}: {'compressed' if d['compressed'] else 'dense'} "
+                  f"(numel {d['numel']}, density {d['density']:g}; {d['why']})", file=sys.stderr)
     log = RunLog(cfg.output.dir, cfg.output.name or "run", rank)
     log.write_config(cfg.to_dict())
 
@@ -179,7 +184,8 @@ def run(cfg: RunConfig) -> int:
                 stats.pop("layers", None)
                 log.metrics({"step": step, "epoch": step / steps_per_epoch, "loss": loss.item(),
                              "train_accuracy": correct / n, "lr": sched.get_last_lr()[0],
-                             "step_wire_bytes": last.get("wire_bytes", 0), **stats})
+                             "step_wire_bytes": last.get("wire_bytes", 0), **stats,
+                             "last_step": {k: v for k, v in last.items() if k != "dense_bytes"}})
             end_of_epoch = step % steps_per_epoch == 0
             due = (cfg.training.eval_every and step % cfg.training.eval_every == 0) or \
                   (not cfg.training.eval_every and end_of_epoch) or step == total
@@ -208,7 +214,7 @@ def run(cfg: RunConfig) -> int:
         "wall_time_s": wall,
         "time_breakdown": {**phases, "eval": t_eval, "compute": max(0.0, wall - t_eval - sum(phases.values()))},
         "compression": cfg.compression.model_dump(mode="json"), "comm_detail": stats,
-        "layers": layers,
+        "layers": layers, "layer_decisions": opt.layer_decisions(),
     }
     log.summary(summary)
     log.close()

@@ -10,6 +10,12 @@ from launch import horovodrun, run_script
     {"method": "none"},
     {"method": "topk", "density": 1.0},          # density 1 with residual: exactly dense
     {"method": "topk", "density": 1.0, "residual": False},
+    # RedSync at density 1, no quantisation, no momentum correction: exactly dense
+    {"method": "redsync", "density": 1.0, "quantize": "none", "momentum_correction": False,
+     "min_compress_numel": 0, "selection": "tbs"},
+    # momentum correction without masking at density 1 is plain momentum SGD (momentum is linear)
+    {"method": "redsync", "density": 1.0, "quantize": "none", "momentum_correction": True,
+     "momentum_masking": False, "min_compress_numel": 0, "selection": "trimmed"},
 ])
 def test_dense_equals_single_process(compression):
     out = run_script("dense_equals_single.py", json.dumps(compression), np=2).stdout
@@ -41,3 +47,28 @@ def test_nan_gradient_on_one_rank_fails_everywhere_and_keeps_residuals():
 def test_mpi4py_shares_horovods_world():
     out = run_script("mpi_world.py", np=2).stdout
     assert out.count("OK mpi4py") == 2, out
+
+
+@pytest.mark.parametrize("options", [
+    {"density": 0.01, "selection": "tbs", "quantize": "sign_mean", "sign_rule": "alternate"},
+    {"density": 0.02, "selection": "trimmed", "quantize": "fp16", "index_coding": "golomb"},
+    {"density": 0.005, "selection": "sampled", "quantize": "sign_mean", "sign_rule": "larger",
+     "index_coding": "golomb", "threshold_reuse": 3},
+])
+def test_redsync_exchange_matches_every_ranks_message(options):
+    out = run_script("redsync_exchange.py", json.dumps(options), np=2).stdout
+    assert out.count("OK redsync exchange") == 2, out
+
+
+def test_redsync_exchange_4_workers():
+    out = run_script("redsync_exchange.py", json.dumps({"density": 0.01, "selection": "tbs"}), np=4).stdout
+    assert out.count("OK redsync exchange") == 4, out
+
+
+@pytest.mark.parametrize("compression", [
+    {"method": "none"},
+    {"method": "redsync", "density": 1.0, "quantize": "none", "momentum_correction": False, "min_compress_numel": 0},
+])
+def test_gradient_accumulation(compression):
+    out = run_script("accumulate.py", json.dumps(compression), np=2).stdout
+    assert out.count("OK accumulate") == 2, out

@@ -6,6 +6,7 @@ from typing import Any
 from .base import Compressor, Layer, Message
 from .config import CompressionConfig, method_names, parse_compression
 from .dense import FP16Compressor, NoneCompressor
+from .redsync import RedSyncCompressor
 from .topk import RandomKCompressor, TopKCompressor
 
 COMPRESSORS: dict[str, type] = {
@@ -13,6 +14,7 @@ COMPRESSORS: dict[str, type] = {
     "fp16": FP16Compressor,
     "topk": TopKCompressor,
     "randomk": RandomKCompressor,
+    "redsync": RedSyncCompressor,
 }
 
 
@@ -31,4 +33,4 @@ def build_compressor(compression: Any) -> tuple[Compressor, CompressionConfig]:
 
 __all__ = ["Compressor", "Layer", "Message", "CompressionConfig", "COMPRESSORS", "build_compressor",
            "parse_compression", "method_names", "NoneCompressor", "FP16Compressor", "TopKCompressor",
-           "RandomKCompressor"]
+           "RandomKCompressor", "RedSyncCompressor"]

@@ -71,6 +71,10 @@ class Compressor(ABC):
     def decompress_add(self, out: torch.Tensor, tensors: list, layer: Layer, alpha: float = 1.0) -> None:
         """out += alpha * decode(tensors); out is flat fp32 of layer.numel elements."""
 
+    def sent_indices(self, message: Message, layer: Layer):
+        """Positions this rank sent (for momentum masking); None when not position-based."""
+        return None
+
     def state_dict(self) -> dict:
         return {}
 

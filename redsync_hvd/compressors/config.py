@@ -105,3 +105,94 @@ def parse_compression(value: Any) -> CompressionConfig:
             else:
                 problems.append(f"{loc}: {err['msg']}")
         raise ValueError("; ".join(problems)) from None
+
+
+class LayerOverride(BaseModel):
+    """Per-layer settings by parameter-name pattern (fnmatch, e.g. ``"embedding.*"``, ``"*fc*.weight"``).
+    The first matching entry wins."""
+    model_config = ConfigDict(extra="forbid")
+    pattern: str
+    density: float | None = None
+    selection: str | None = None
+    dense: bool = Field(False, description="send this layer dense (fused allreduce)")
+
+    @field_validator("density")
+    @classmethod
+    def _density(cls, v):
+        return None if v is None else check_density(v, "layers[].density")
+
+
+@register_method("redsync")
+class RedSyncConfig(_SparseConfig):
+    """RedSync: residual gradient compression with fast selection and quantised messages.
+    See docs/redsync.md for each knob's trade-off."""
+    density: float = Field(0.001, description="fraction of each compressed layer sent per step, in (0, 1]")
+    selection: str = Field("tbs", description="exact | trimmed | tbs | sampled")
+    tbs_max_probes: int = Field(20, gt=0, description="tbs: probe budget before the exact fallback")
+    trimmed_eps: float = Field(0.2, gt=0, lt=1, description="trimmed: step of the threshold ratio")
+    sample_fraction: float = Field(0.01, gt=0, le=1, description="sampled: fraction of elements sampled")
+    threshold_reuse: int = Field(1, ge=1, description="re-search a layer's threshold every R steps "
+                                                      "(or when the count leaves [k/2, 2k]); else only count")
+    quantize: str = Field("sign_mean", description="none | fp16 | sign_mean")
+    sign_rule: str = Field("alternate", description="sign_mean: alternate (RedSync) | larger (SBC)")
+    index_coding: str = Field("raw", description="raw (int32) | golomb (Golomb-Rice coded gaps)")
+    min_compress_numel: int = Field(4096, ge=0, description="smaller layers go dense (fused allreduce)")
+    momentum_correction: bool = Field(True, description="DGC: accumulate velocity, not gradient, in the "
+                                                        "residual; takes momentum out of the base optimizer")
+    momentum_masking: bool = Field(True, description="DGC: zero the velocity where values were sent")
+    clip_norm: float | None = Field(None, gt=0, description="local per-layer gradient clipping at "
+                                                            "clip_norm * N**-0.5 before accumulation")
+    warmup_epochs: float = Field(0.0, ge=0, description="DGC density warm-up length in epochs")
+    warmup_steps: int = Field(0, ge=0, description="... or in steps (takes precedence when > 0)")
+    warmup_start_density: float = Field(0.25, description="density at the start of warm-up")
+    warmup_stages: int = Field(4, ge=1, description="exponential decay in this many equal stages")
+    layers: list[LayerOverride] = Field(default_factory=list, description="per-layer overrides")
+    policy: str = Field("static", description="static | cost_model")
+    latency_s: float | None = Field(None, ge=0, description="cost_model: link latency (None: probe)")
+    bandwidth_gbit: float | None = Field(None, gt=0, description="cost_model: bandwidth (None: probe)")
+
+    uses_memory: ClassVar[bool] = True
+
+    @field_validator("selection")
+    @classmethod
+    def _selection(cls, v):
+        return _choice(v, "selection", ("exact", "trimmed", "tbs", "sampled"))
+
+    @field_validator("quantize")
+    @classmethod
+    def _quantize(cls, v):
+        return _choice(v, "quantize", ("none", "fp16", "sign_mean"))
+
+    @field_validator("sign_rule")
+    @classmethod
+    def _sign_rule(cls, v):
+        return _choice(v, "sign_rule", ("alternate", "larger"))
+
+    @field_validator("index_coding")
+    @classmethod
+    def _coding(cls, v):
+        return _choice(v, "index_coding", ("raw", "golomb"))
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, v):
+        return _choice(v, "policy", ("static", "cost_model"))
+
+    @field_validator("warmup_start_density")
+    @classmethod
+    def _wsd(cls, v):
+        return check_density(v, "warmup_start_density")
+
+    @field_validator("layers")
+    @classmethod
+    def _layers(cls, v):
+        for o in v:
+            if o.selection is not None:
+                _choice(o.selection, "layers[].selection", ("exact", "trimmed", "tbs", "sampled"))
+        return v
+
+
+def _choice(value: str, field: str, choices: tuple) -> str:
+    if value not in choices:
+        raise ValueError(f"{field}={value!r} is not one of {list(choices)}")
+    return value

@@ -29,6 +29,9 @@ class TopKCompressor(Compressor):
         vals = x.index_select(0, idx)
         return Message([idx.to(layer.index_dtype), vals], ("indices", "values"), selected=idx.numel(), k=k)
 
+    def sent_indices(self, message, layer):
+        return message.tensors[0]
+
     def decompress_add(self, out, tensors, layer, alpha=1.0):
         idx, vals = tensors
         if idx.numel():

@@ -1,3 +1,4 @@
+from .momentum import MomentumCorrectionMemory
 from .residual import ResidualMemory
 
-__all__ = ["ResidualMemory"]
+__all__ = ["ResidualMemory", "MomentumCorrectionMemory"]

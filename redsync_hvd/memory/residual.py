@@ -14,6 +14,11 @@ import torch
 
 
 class ResidualMemory:
+    applies_to_dense = False   # dense layers send everything: a residual would stay zero
+
+    def mask(self, name: str, indices) -> None:
+        """Hook for memories that react to which positions were sent (momentum masking)."""
+
     def __init__(self) -> None:
         self.residual: dict[str, torch.Tensor] = {}
         self._spare: dict[str, torch.Tensor] = {}

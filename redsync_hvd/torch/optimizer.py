@@ -17,7 +17,7 @@ import torch
 
 from ..compressors import build_compressor
 from ..exchange import GradientExchange
-from ..memory import ResidualMemory
+from ..memory import MomentumCorrectionMemory, ResidualMemory
 from ..policy import LayerPolicy
 from ..compressors.base import Layer
 
@@ -34,9 +34,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._names = {p: n for n, p in named}
         layers = [Layer(n, tuple(p.shape), p.numel(), i, p.device) for i, (n, p) in enumerate(named)]
         _check_same_everywhere(comm, config, layers)
-        memory = ResidualMemory() if config.uses_memory else None
+        memory, self._weight_decay = _build_memory(config, self.param_groups, self._names)
         self._exchange = GradientExchange(layers, compressor, comm, LayerPolicy(config), memory,
-                                          check_finite=config.check_finite, fusion_bytes=config.fusion_bytes)
+                                          check_finite=config.check_finite, fusion_bytes=config.fusion_bytes,
+                                          clip_norm=getattr(config, "clip_norm", None),
+                                          network=_network(config, comm))
         self.compression_config = config
         self._passes = {n: 0 for n, _ in named}
         self._synchronized = False
@@ -47,14 +49,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         def hook(p):
             self._passes[name] += 1
             if self._passes[name] == self.backward_passes_per_step:
-                self._exchange.submit(name, p.grad)
+                self._exchange.submit(name, self._grad(name, p))
         return hook
+
+    def _grad(self, name, p):
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        wd = self._weight_decay.get(name, 0.0)
+        # with momentum correction, weight decay joins the gradient before it enters the velocity
+        return g.add(p.detach(), alpha=wd) if wd else g
+
+    def set_steps_per_epoch(self, steps: int) -> None:
+        """Needed by epoch-based schedules such as ``warmup_epochs``."""
+        self._exchange.policy.steps_per_epoch = int(steps)
+
+    def layer_decisions(self) -> list:
+        """How each layer travels (compressed or dense, density, and why), decided once at start."""
+        return list(self._exchange.policy.decisions)
 
     def synchronize(self):
         """Finish this step's exchange and write the averaged gradients into ``.grad``."""
         for name in self._exchange.missing():
             p = self._params[name]
-            self._exchange.submit(name, p.grad if p.grad is not None else torch.zeros_like(p))
+            self._exchange.submit(name, self._grad(name, p))
         try:
             averaged = self._exchange.finish()
         finally:
@@ -101,6 +117,34 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).load_state_dict(state_dict)
         if extra is not None:
             self._exchange.load_state_dict(extra)
+
+
+def _build_memory(config, param_groups, names):
+    """Residual memory for the method; with DGC momentum correction the wrapper takes
+    momentum (and weight decay) out of the wrapped optimizer so they are not applied twice."""
+    if not getattr(config, "momentum_correction", False):
+        return (ResidualMemory() if config.uses_memory else None), {}
+    momentum, decay, nesterov = {}, {}, False
+    for group in param_groups:
+        for p in group["params"]:
+            if p in names:
+                momentum[names[p]] = group.get("momentum", 0.0)
+                decay[names[p]] = group.get("weight_decay", 0.0)
+        nesterov = nesterov or group.get("nesterov", False)
+        for key in ("momentum", "weight_decay", "nesterov"):
+            if key in group:
+                group[key] = False if key == "nesterov" else 0.0
+    masking = getattr(config, "momentum_masking", True)
+    return MomentumCorrectionMemory(momentum, nesterov=nesterov, masking=masking), decay
+
+
+def _network(config, comm):
+    if getattr(config, "policy", "static") != "cost_model":
+        return None
+    from ..costmodel import Network, probe_network
+    if config.latency_s is not None and config.bandwidth_gbit is not None:
+        return Network.from_config(latency_s=config.latency_s, bandwidth_gbit=config.bandwidth_gbit)
+    return probe_network(comm)
 
 
 def _resolve_names(named_parameters, param_groups):

@@ -1,0 +1,78 @@
+"""DGC's momentum correction and factor masking on top of the residual.
+
+Plain momentum SGD applied after sparse averaging would apply momentum to a
+sparse, delayed signal and drift. DGC instead keeps, per worker and layer,
+a velocity u and accumulates it into the residual v:
+
+    u = m*u + g                 (nesterov: v += g + m*u, else v += u)
+    send part of v;  v[sent] -= what was sent
+    u[sent] = 0                 (momentum factor masking: stale velocity stops pushing)
+
+The wrapped optimizer then takes a plain SGD step on the average of what was
+sent: its own momentum must be 0 (the DistributedOptimizer takes it out).
+Dense layers go through the same memory with everything sent, which is exactly
+momentum SGD on the averaged gradient (momentum is linear).
+
+Like :class:`ResidualMemory`, updates go to spare buffers and only ``commit``
+makes them current, so a failed step leaves u and v untouched.
+"""
+from __future__ import annotations
+
+import torch
+
+from .residual import ResidualMemory
+
+
+class MomentumCorrectionMemory(ResidualMemory):
+    applies_to_dense = True
+
+    def __init__(self, momentum: dict | float, nesterov: bool = False, masking: bool = True):
+        super().__init__()
+        self.momentum = momentum          # float, or {layer name: momentum} from the param groups
+        self.nesterov = nesterov
+        self.masking = masking
+        self.velocity: dict[str, torch.Tensor] = {}
+        self._spare_u: dict[str, torch.Tensor] = {}
+        self._pending_u: dict[str, torch.Tensor] = {}
+
+    def _m(self, name: str) -> float:
+        return self.momentum.get(name, 0.0) if isinstance(self.momentum, dict) else self.momentum
+
+    def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        m = self._m(name)
+        u = self.velocity.get(name)
+        if u is None:
+            u = self.velocity[name] = torch.zeros_like(grad, dtype=torch.float32)
+        u_new = self._spare_u.get(name)
+        if u_new is None or u_new.shape != u.shape:
+            u_new = self._spare_u[name] = torch.empty_like(u)
+        torch.add(grad, u, alpha=m, out=u_new)       # u = m*u + g
+        self._pending_u[name] = u_new
+        step = grad + m * u_new if self.nesterov else u_new
+        return super().compensate(name, step)       # v + step, in v's spare buffer
+
+    def mask(self, name: str, indices: torch.Tensor) -> None:
+        """Zero the (pending) velocity at the positions that were sent."""
+        if self.masking and indices is not None and indices.numel():
+            self._pending_u[name].index_fill_(0, indices.to(torch.int64), 0.0)
+
+    def commit(self) -> None:
+        for name, buf in self._pending_u.items():
+            self._spare_u[name], self.velocity[name] = self.velocity[name], buf
+        self._pending_u.clear()
+        super().commit()
+
+    def rollback(self) -> None:
+        self._pending_u.clear()
+        super().rollback()
+
+    def state_dict(self) -> dict:
+        out = super().state_dict()
+        out["velocity"] = {k: v.detach().clone() for k, v in self.velocity.items()}
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.velocity = {k: v.detach().clone().float() for k, v in state.get("velocity", {}).items()}
+        self._spare_u.clear()
+        self._pending_u.clear()

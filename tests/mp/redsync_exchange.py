@@ -1,0 +1,63 @@
+"""RedSync over real allgather: every rank gets exactly the average of what each rank's
+message decodes to, ranks select different counts (tbs lands anywhere in [k, 2k], sign
+filtering halves it unevenly), and all ranks end with identical gradients."""
+import json
+import sys
+
+import torch
+
+import redsync_hvd.torch as rhvd
+from redsync_hvd.comm import HorovodCommunicator
+from redsync_hvd.compressors import build_compressor
+from redsync_hvd.compressors.base import Layer
+from redsync_hvd.exchange import GradientExchange
+from redsync_hvd.memory import ResidualMemory
+from redsync_hvd.policy import LayerPolicy
+
+
+def main(options):
+    rhvd.init()
+    rank, size = rhvd.rank(), rhvd.size()
+    spec = [("big", 20000), ("mid", 3000), ("small", 64)]
+    comp, cfg = build_compressor({"method": "redsync", "min_compress_numel": 100, "fusion_bytes": 40000,
+                                  "momentum_correction": False, **options})
+    layers = [Layer(n, (m,), m, i) for i, (n, m) in enumerate(spec)]
+    ex = GradientExchange(layers, comp, HorovodCommunicator(), LayerPolicy(cfg), ResidualMemory(),
+                          fusion_bytes=cfg.fusion_bytes)
+    # a replica of every rank's compressor state lets each rank predict every message
+    replicas = [build_compressor(dict(cfg.model_dump()))[0] for _ in range(size)]
+    mems = [ResidualMemory() for _ in range(size)]
+    counts = []
+    for step in range(4):
+        grads = [{n: torch.randn(m, generator=torch.Generator().manual_seed(1000 * r + 10 * step + i)) * (r + 1)
+                  for i, (n, m) in enumerate(spec)} for r in range(size)]
+        for layer in reversed(layers):
+            ex.submit(layer.name, grads[rank][layer.name])
+        out = ex.finish()
+        for layer in layers:
+            if not layer.compressed:
+                expect = sum(g[layer.name] for g in grads) / size
+            else:
+                expect = torch.zeros(layer.numel)
+                for r in range(size):
+                    x = mems[r].compensate(layer.name, grads[r][layer.name])
+                    msg = replicas[r].compress(x, layer, step)
+                    replicas[r].decompress_add(x, msg.tensors, layer, alpha=-1.0)
+                    replicas[r].sent_indices(msg, layer)
+                    replicas[r].decompress_add(expect, msg.tensors, layer)
+                    counts.append(msg.selected)
+                expect /= size
+            assert torch.allclose(out[layer.name], expect, atol=1e-6), (step, layer.name)
+        for m in mems:
+            m.commit()
+        for layer in layers:
+            if layer.compressed:
+                assert torch.allclose(ex.memory.residual[layer.name], mems[rank].residual[layer.name])
+    everyone = rhvd.allgather_object(out["big"].tolist())
+    assert all(o == everyone[0] for o in everyone), "ranks ended with different gradients"
+    assert len(set(counts)) > 1, "expected uneven selection counts"
+    print(f"rank {rank}: OK redsync exchange {options} counts={sorted(set(counts))[:6]}")
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

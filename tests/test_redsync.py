@@ -1,0 +1,150 @@
+"""RedSync pieces without communication: messages, residual, schedule, policy, state."""
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+
+from redsync_hvd.compressors import build_compressor
+from redsync_hvd.compressors.base import Layer
+from redsync_hvd.costmodel import Network
+from redsync_hvd.memory import MomentumCorrectionMemory, ResidualMemory
+from redsync_hvd.policy import LayerPolicy
+
+
+def layer(n, density, name="w"):
+    l = Layer(name, (n,), n, 0, density=density)
+    l.selection = None
+    return l
+
+
+@pytest.mark.parametrize("coding", ["raw", "golomb"])
+@pytest.mark.parametrize("rule", ["alternate", "larger"])
+def test_sign_mean_reconstructs_mean_times_sign_at_sent_indices(coding, rule):
+    comp, _ = build_compressor({"method": "redsync", "density": 0.05, "quantize": "sign_mean",
+                                "sign_rule": rule, "index_coding": coding, "selection": "exact"})
+    x = torch.randn(2000, generator=torch.Generator().manual_seed(0))
+    for step in (0, 1):
+        lay = layer(2000, 0.05)
+        msg = comp.compress(x, lay, step)
+        sent = comp.sent_indices(msg, lay)
+        mean = msg.tensors[-1]
+        assert mean.numel() == 1 and msg.selected >= 100
+        vals = x[sent]
+        assert (vals > 0).all() or (vals < 0).all(), "one sign only"
+        if rule == "alternate":
+            assert bool((vals > 0).all()) == (step == 0)
+        assert torch.allclose(mean, vals.mean().reshape(1))
+        out = torch.zeros(2000)
+        comp.decompress_add(out, msg.tensors, lay)
+        expect = torch.zeros(2000)
+        expect[sent] = mean
+        assert torch.equal(out, expect)
+        by_kind = msg.nbytes()
+        assert by_kind["scalars"] == 4
+        if coding == "golomb":
+            assert by_kind["indices"] < 2 * sent.numel()   # ~8-12 bits, not 32
+        else:
+            assert by_kind["indices"] == 4 * sent.numel()
+
+
+def test_larger_rule_keeps_the_side_with_larger_mean_magnitude():
+    comp, _ = build_compressor({"method": "redsync", "density": 0.5, "quantize": "sign_mean",
+                                "sign_rule": "larger", "selection": "exact"})
+    x = torch.tensor([5.0, 4.0, -1.0, -1.5, 0.1, 0.0, 0.2, -0.1])
+    msg = comp.compress(x, layer(8, 0.5), 1)
+    assert sorted(comp.sent_indices(msg, layer(8, 0.5)).tolist()) == [0, 1]
+    assert msg.tensors[-1].item() == pytest.approx(4.5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(10, 400), steps=st.integers(1, 5), density=st.floats(0.01, 1.0),
+       quantize=st.sampled_from(["none", "fp16", "sign_mean"]), coding=st.sampled_from(["raw", "golomb"]),
+       selection=st.sampled_from(["exact", "trimmed", "tbs", "sampled"]), seed=st.integers(0, 999))
+def test_conservation_with_every_quantiser(n, steps, density, quantize, coding, selection, seed):
+    comp, _ = build_compressor({"method": "redsync", "density": density, "quantize": quantize,
+                                "index_coding": coding, "selection": selection, "momentum_correction": False})
+    mem, gen = ResidualMemory(), torch.Generator().manual_seed(seed)
+    sent, total = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    for step in range(steps):
+        g = torch.randn(n, generator=gen)
+        total += g.double()
+        lay = layer(n, density)
+        x = mem.compensate("w", g)
+        msg = comp.compress(x, lay, step)
+        comp.decompress_add(x, msg.tensors, lay, alpha=-1.0)
+        comp.sent_indices(msg, lay)
+        out = torch.zeros(n)
+        comp.decompress_add(out, msg.tensors, lay)
+        sent += out.double()
+        mem.commit()
+    assert torch.allclose(sent + mem.residual["w"].double(), total, atol=1e-4)
+
+
+def test_momentum_correction_masks_sent_velocity_and_rolls_back():
+    mem = MomentumCorrectionMemory(0.9, masking=True)
+    v = mem.compensate("w", torch.ones(4))
+    v[1] = 0.0
+    mem.mask("w", torch.tensor([1]))
+    mem.commit()
+    assert mem.velocity["w"].tolist() == [1, 0, 1, 1] and mem.residual["w"].tolist() == [1, 0, 1, 1]
+    v = mem.compensate("w", torch.ones(4))            # u = 0.9u + g, v += u
+    assert v.tolist() == pytest.approx([2.9, 1.0, 2.9, 2.9])
+    mem.rollback()
+    assert mem.velocity["w"].tolist() == [1, 0, 1, 1] and mem.residual["w"].tolist() == [1, 0, 1, 1]
+    state = mem.state_dict()
+    other = MomentumCorrectionMemory(0.9)
+    other.load_state_dict(state)
+    assert torch.equal(other.velocity["w"], mem.velocity["w"])
+
+
+def test_dgc_warmup_schedule():
+    _, cfg = build_compressor({"method": "redsync", "density": 0.001, "warmup_epochs": 4})
+    pol = LayerPolicy(cfg)
+    lay = layer(100000, 0.001)
+    pol.setup([lay])
+    with pytest.raises(ValueError, match="steps per epoch"):
+        pol.density(lay, 0)
+    pol.steps_per_epoch = 10
+    got = [pol.density(lay, s) for s in (0, 9, 10, 20, 30, 40, 100)]
+    # exponential decay 0.25 -> 0.001 in 4 stages: DGC's 25%, ~6.25%, ~1.56%, ~0.4%, then 0.1%
+    stage = [0.25 * (0.001 / 0.25) ** (i / 4) for i in range(4)]
+    assert got == pytest.approx([stage[0], stage[0], stage[1], stage[2], stage[3], 0.001, 0.001])
+    assert stage[1:] == pytest.approx([0.0625, 0.015625, 0.0039], rel=0.02)
+
+
+def test_layer_overrides_and_small_layers():
+    _, cfg = build_compressor({"method": "redsync", "density": 0.01, "min_compress_numel": 100, "layers": [
+        {"pattern": "embedding.*", "density": 0.001},
+        {"pattern": "classifier.*", "dense": True},
+        {"pattern": "conv*", "selection": "trimmed"}]})
+    layers = [layer(10000, 1, "embedding.weight"), layer(10000, 1, "classifier.weight"),
+              layer(10000, 1, "conv1.weight"), layer(50, 1, "conv1.bias"), layer(10000, 1, "rnn.weight")]
+    pol = LayerPolicy(cfg)
+    pol.setup(layers)
+    got = {l.name: (l.compressed, pol.density(l, 0), l.selection) for l in layers}
+    assert got == {"embedding.weight": (True, 0.001, None), "classifier.weight": (False, 1.0, None),
+                   "conv1.weight": (True, 0.01, "trimmed"), "conv1.bias": (False, 1.0, "trimmed"),
+                   "rnn.weight": (True, 0.01, None)}
+    assert any("dense by layers" in d["why"] for d in pol.decisions)
+
+
+def test_cost_model_policy_compresses_only_where_it_pays():
+    _, cfg = build_compressor({"method": "redsync", "density": 0.001, "policy": "cost_model",
+                               "min_compress_numel": 0})
+    sizes = [64, 4096, 1 << 20, 1 << 24]
+    slow, fast = LayerPolicy(cfg), LayerPolicy(cfg)
+    slow.setup([layer(n, 1, f"l{n}") for n in sizes], size=8, network=Network(alpha=1e-4, bandwidth=1.25e7))
+    fast.setup([layer(n, 1, f"l{n}") for n in sizes], size=8, network=Network(alpha=1e-6, bandwidth=1e14))
+    assert [d["compressed"] for d in slow.decisions][-2:] == [True, True]     # big layers on a slow link
+    assert not any(d["compressed"] for d in fast.decisions)                     # nothing pays on a fast link
+    assert all("cost model" in d["why"] for d in slow.decisions)
+
+
+def test_selection_state_round_trips_through_compressor_state():
+    comp, _ = build_compressor({"method": "redsync", "density": 0.01, "threshold_reuse": 4})
+    x = torch.randn(50000)
+    comp.compress(x, layer(50000, 0.01), 0)
+    state = comp.state_dict()
+    other, _ = build_compressor({"method": "redsync", "density": 0.01, "threshold_reuse": 4})
+    other.load_state_dict(state)
+    assert other.state_dict() == state and state["selection"]["w"]["threshold"] is not None
