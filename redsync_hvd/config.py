@@ -43,18 +43,19 @@ class DataConfig(_Section):
 
 
 class ScheduleConfig(_Section):
-    type: Literal["constant", "step", "cosine"] = "constant"
+    type: Literal["constant", "step", "cosine"] = Field("constant", description="constant | step | cosine")
     milestones: list[int] = Field(default_factory=list, description="epochs at which lr *= gamma (step)")
-    gamma: float = Field(0.1, gt=0)
+    gamma: float = Field(0.1, gt=0, description="step: lr factor at each milestone")
     warmup_epochs: float = Field(0.0, ge=0, description="linear lr warm-up from 0")
 
 
 class OptimizerConfig(_Section):
-    name: Literal["sgd", "adam"] = "sgd"
-    lr: float = Field(0.1, gt=0)
-    momentum: float = Field(0.0, ge=0, lt=1)
-    nesterov: bool = False
-    weight_decay: float = Field(0.0, ge=0)
+    name: Literal["sgd", "adam"] = Field("sgd", description="sgd | adam (the wrapped optimizer)")
+    lr: float = Field(0.1, gt=0, description="learning rate")
+    momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum; with compression.momentum_correction "
+                                                          "it moves into the compression wrapper")
+    nesterov: bool = Field(False, description="Nesterov momentum")
+    weight_decay: float = Field(0.0, ge=0, description="L2 weight decay")
     scale_lr_by_workers: bool = Field(False, description="multiply lr by the number of workers")
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
 
@@ -63,7 +64,7 @@ class TrainingConfig(_Section):
     epochs: Optional[float] = Field(10, gt=0, description="epochs over this rank's shard")
     steps: Optional[int] = Field(None, gt=0, description="if set, stop after this many steps (overrides epochs)")
     batch_size: int = Field(32, gt=0, description="per-worker batch size")
-    seed: int = 0
+    seed: int = Field(0, description="seeds model init, data split/shards and shuffling")
     eval_every: int = Field(0, ge=0, description="evaluate every N steps (0: at the end of each epoch)")
     log_every: int = Field(10, gt=0, description="write a metrics.jsonl line every N steps")
     checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every N steps (0: only at the end)")
@@ -73,12 +74,12 @@ class TrainingConfig(_Section):
 
 
 class OutputConfig(_Section):
-    dir: str = "runs"
+    dir: str = Field("runs", description="parent folder of run folders")
     name: Optional[str] = Field(None, description="run folder name; default <config stem>")
 
 
 class RunConfig(_Section):
-    framework: Literal["torch", "tensorflow"] = "torch"
+    framework: Literal["torch", "tensorflow"] = Field("torch", description="torch (tensorflow: not yet)")
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)

@@ -68,3 +68,11 @@ def test_fingerprint_changes_with_any_knob():
     b = load_config(REPO / "configs/digits/topk.yaml", ["compression.density=0.02"])
     assert a.fingerprint() != b.fingerprint()
     assert a.fingerprint() == load_config(REPO / "configs/digits/topk.yaml").fingerprint()
+
+
+def test_configuration_reference_is_up_to_date():
+    import subprocess
+    import sys
+    res = subprocess.run([sys.executable, str(REPO / "scripts/gen_config_docs.py"), "--check"], capture_output=True,
+                         text=True, cwd=REPO, env={"PYTHONPATH": str(REPO)})
+    assert res.returncode == 0, res.stderr

@@ -8,38 +8,45 @@ Returns int64 indices into ``v.flatten()`` on v's device. Methods and contracts:
 method     how                                                          returns
 =========  ==========================================================  ============
 exact      torch.topk(|x|, k): the reference, slow on big layers        exactly k
-trimmed    counts at thr = mean + r*(max-mean), r = 1-eps, 1-2eps, ...; exactly k,
+trimmed    counts at thr = mean + r*(max-mean), r = 1-eps, 1-2eps, ...; exactly k:
            first r with >= k candidates, exact top-k over those         the top-k set
 tbs        binary search on r (at most ``tbs_max_probes`` probes),      k .. 2k
            accept when k <= count <= 2k, else exact top-k over the
            candidates of the last too-low threshold
-sampled    DGC: k-th largest of a strided sample (``sample_fraction``), k .. 2k
-           >1.3k hits -> exact top-k over them, <k -> thr *= 0.8
+sampled    DGC: threshold from a strided sample (``sample_fraction``),  k .. 2k
+           > 1.3k hits -> exact top-k over them, < k -> thr *= 0.8
 =========  ==========================================================  ============
 
-Options (keyword arguments; any method accepts any of them, irrelevant ones are ignored):
-  trimmed_eps=0.2        trimmed: step of r. Smaller = tighter candidate set, more counts.
+Options (keyword arguments; any method accepts any of them, irrelevant ones are ignored,
+so one config dict can serve every method):
+  trimmed_eps=0.2        trimmed: step of r. Heavy tails (max >> k-th value) make a fixed
+                         step jump from < k candidates to a large share of the layer, so
+                         past 2k candidates the step is bisected by counting (same result).
   tbs_max_probes=20      tbs: probe budget. Each probe halves the r-interval; 20 probes
                          resolve 1e-6 of (max-mean), so the fallback is for ties/odd data.
-  sample_fraction=0.01   sampled: fraction sampled (stride = floor(1/fraction)).
+  sample_fraction=0.01   sampled: fraction sampled (stride floor(1/fraction), >= ~1000 samples).
   sample_max_retries=8   sampled: thr *= 0.8 retries before the exact fallback.
   threshold_reuse=1      R: with a SelectionState, reuse its threshold (one counting pass)
                          for up to R-1 steps after a search; re-search early as soon as the
                          reused count leaves [k/2, 2k]. Counts in [k/2, k) lower the reused
                          threshold by 0.8 (one more pass) to honour the method's contract.
-                         Ignored by ``exact``.
+                         After an exact top-k the state keeps the ~1.5k-th largest |x|, so
+                         the next count lands mid-band. Ignored by ``exact``.
   backend="auto"         "native" | "torch" | "auto" (native when built and x is a CPU
                          float32/float64 tensor).
   name=None              tensor name used in the non-finite error message.
 
 Compute paths:
-  * native (CPU float32/float64, ``_native`` built by ``python redsync_hvd/core/_native/build.py``):
-    fused OpenMP passes, none of which materialises |x| or a mask: one stats pass
-    (max, sum, finite check), one multi-threshold count pass (TBS evaluates
-    ``_NATIVE_LEVELS`` levels of its search tree per pass; trimmed all its ratios), one
-    index-writing pass. 16M elements: 3 passes instead of torch.topk's radix select.
+  * native (CPU float32/float64, built ahead of time by
+    ``python redsync_hvd/core/_native/build.py``): fused OpenMP passes that never
+    materialise |x| or a mask: a stats pass (max, sum, finite check); a count pass giving
+    ``_NATIVE_LEVELS`` probes of the TBS tree at once (all 7 thresholds of the subtree,
+    held in registers); an index pass that also returns |x| of the hits. Once few enough
+    elements exceed the low end of the search interval they are gathered and the rest
+    of the search runs on them. Gaussian 16M: 3 passes in all, against a radix select.
   * torch (CUDA, other dtypes, or native missing): |x| once, then count_nonzero/nonzero
-    per probe. On CUDA these are bandwidth-bound kernels; no CuPy kernel is used yet.
+    per probe (2 per sync on CUDA). On CUDA these are bandwidth-bound kernels; there is
+    no CuPy kernel yet.
 NaN/Inf raise ValueError("non-finite gradient values in ...") from a check fused into a
 pass already made (stats, the index pass, or the top-k values for ``exact``).
 """
@@ -69,9 +76,10 @@ _DEFAULTS: Dict[str, Any] = {
 _BACKENDS = ("auto", "native", "torch")
 _NATIVE_LEVELS = 3       # TBS levels per native count pass: 7 compares/elem stays memory-bound
 _SHORTCUT_FRACTION = 16  # TBS: once <= n/16 elements exceed the low threshold, gather them
-_COUNT_CHUNK = 16        # trimmed: thresholds per count pass (bounds compute for tiny eps)
+_COUNT_CHUNK = 7         # trimmed: thresholds per count pass (one register group native)
 _F32 = struct.Struct("f")
-_TRIM_SLACK = 4          # trimmed: bisect further while more than 4k candidates remain
+_SAMPLE_AIM = 1.15       # sampled: first threshold targets 1.15k hits
+_TRIM_SLACK = 2          # trimmed: bisect further while more than 2k candidates remain
 
 
 @dataclass
@@ -174,22 +182,28 @@ def _cast(t: float, dtype: torch.dtype) -> float:
     return float(torch.tensor(t, dtype=torch.float64).to(dtype))
 
 
-def _topk_over(flat: torch.Tensor, cand: torch.Tensor, k: int,
-               vals: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, float]:
-    """Exact top-k among candidate indices, plus a threshold counting ~1.5k for reuse."""
-    vals = flat[cand].abs() if vals is None else vals
-    kk = min(cand.numel(), k + (k + 1) // 2 + 1)
-    top = torch.topk(vals, kk, sorted=True)
-    return cand[top.indices[:k]], float(top.values[kk - 1])
+def _top(vals: torch.Tensor, k: int, for_state: bool):
+    """Positions of the k largest vals, the ~1.5k-th largest value (for a state: the next
+    reuse count then lands mid-band; nan otherwise) and the values topk looked at."""
+    kk = min(vals.numel(), k + (k + 1) // 2 + 1) if for_state else k
+    top = torch.topk(vals, kk, sorted=False)  # sorted=True would sort kk values: slow
+    pos = top.indices if kk == k else top.indices[torch.topk(top.values, k, sorted=False).indices]
+    return pos, (float(top.values.min()) if for_state else math.nan), top.values
 
 
-def _exact(flat: torch.Tensor, k: int, err: ValueError, for_state: bool = True) -> Tuple[torch.Tensor, float]:
-    kk = min(flat.numel(), k + (k + 1) // 2 + 1) if for_state else k
-    top = torch.topk(flat.abs(), kk, sorted=for_state)
-    # torch.topk ranks NaN and Inf above every finite |x|: any present shows up here.
-    if not math.isfinite(float(top.values.max())):
+def _topk_over(flat: torch.Tensor, cand: torch.Tensor, k: int, vals: Optional[torch.Tensor],
+               for_state: bool) -> Tuple[torch.Tensor, float]:
+    """Exact top-k among candidate indices (vals: their |x|, gathered if None)."""
+    pos, thr, _ = _top(flat[cand].abs() if vals is None else vals, k, for_state)
+    return cand[pos], thr
+
+
+def _exact(flat: torch.Tensor, k: int, err: ValueError, for_state: bool) -> Tuple[torch.Tensor, float]:
+    pos, thr, seen = _top(flat.abs(), k, for_state)
+    # torch.topk ranks NaN and Inf above every finite |x|: any present is among `seen`.
+    if not math.isfinite(float(seen.max())):
         raise err
-    return top.indices[:k], float(top.values[kk - 1]) if for_state else math.nan
+    return pos, thr
 
 
 def _bisect(flat, k, be, thr, lo: float, hi: float, c_lo: Optional[int], probes: int, upper: int):
@@ -211,13 +225,15 @@ def _bisect(flat, k, be, thr, lo: float, hi: float, c_lo: Optional[int], probes:
             sub = be.sub(vals)
         cur = be if sub is None else sub
         levels = min(cur.levels, probes)
-        grid = [lo + (hi - lo) * j / 2 ** levels for j in range(1, 2 ** levels)]
-        counts = dict(zip(grid, cur.count([thr(r) for r in grid])))
+        m = 2 ** levels  # the subtree's nodes: lo + (hi-lo)*j/m, walked by integer position
+        grid = [lo] + [lo + (hi - lo) * j / m for j in range(1, m)] + [hi]
+        counts = [None] + cur.count([thr(r) for r in grid[1:m]])
+        a, b = 0, m
         for _ in range(levels):  # the probes the reference would make, one per level
-            mid = (lo + hi) / 2
+            mid = (a + b) // 2
             c, probes = counts[mid], probes - 1
             if k <= c <= upper:
-                t = thr(mid)
+                t = thr(grid[mid])
                 if sub is not None:
                     keep = sub.x > t
                     return cand[keep], t, sub.x[keep]
@@ -227,9 +243,10 @@ def _bisect(flat, k, be, thr, lo: float, hi: float, c_lo: Optional[int], probes:
                 probes = 0  # count and index pass disagree (cannot on CPU): fall back
                 break
             if c < k:
-                hi = mid
+                b = mid
             else:
-                lo, c_lo = mid, c
+                a, c_lo = mid, c
+        lo, hi = grid[a], grid[b]
     if sub is not None:
         return cand, thr(lo), sub.x
     if c_lo is None:
@@ -243,9 +260,9 @@ def _tbs(flat, k, be, o) -> Tuple[torch.Tensor, float]:
     thr = lambda r: _cast(mean + r * (mx - mean), flat.dtype)  # noqa: E731
     res = _bisect(flat, k, be, thr, 0.0, 1.0, None, o["tbs_max_probes"], 2 * k)
     if res is None:
-        return _exact(flat, k, be.err)
+        return _exact(flat, k, be.err, be.for_state)
     cand, t, vals = res
-    return (cand, t) if cand.numel() <= 2 * k else _topk_over(flat, cand, k, vals)
+    return (cand, t) if cand.numel() <= 2 * k else _topk_over(flat, cand, k, vals, be.for_state)
 
 
 def _trimmed(flat, k, be, o) -> Tuple[torch.Tensor, float]:
@@ -265,12 +282,12 @@ def _trimmed(flat, k, be, o) -> Tuple[torch.Tensor, float]:
             break
     if c_lo is not None and c_lo <= _TRIM_SLACK * k:
         cand, _, vals = be.select(thr(lo), c_lo, False, True)
-        return _topk_over(flat, cand, k, vals)
+        return _topk_over(flat, cand, k, vals, be.for_state)
     # Heavy tails: max >> the k-th value, so steps of eps in r jump from < k candidates to
     # a large share of the layer (or to "everything" at r = 0). Bisect (lo, hi) by counting
-    # until <= 4k candidates remain: the top-k set, and so the result, is the same.
+    # until <= 2k candidates remain: the top-k set, and so the result, is the same.
     res = _bisect(flat, k, be, thr, lo, hi, c_lo, o["tbs_max_probes"], _TRIM_SLACK * k)
-    return _exact(flat, k, be.err) if res is None else _topk_over(flat, res[0], k, res[2])
+    return _exact(flat, k, be.err, be.for_state) if res is None else _topk_over(flat, res[0], k, res[2], be.for_state)
 
 
 def _sampled(flat, k, be, o) -> Tuple[torch.Tensor, float]:
@@ -278,18 +295,19 @@ def _sampled(flat, k, be, o) -> Tuple[torch.Tensor, float]:
     # >= sample_fraction of the elements, and >= ~1000 of them so small layers sample sanely
     stride = max(1, min(int(1.0 / o["sample_fraction"]), n // 1000))
     sample = flat[::stride].abs()
-    ks = min(sample.numel(), int(math.ceil(k * sample.numel() / n)) + 1)
+    # aim at ~1.15k so sampling noise mostly lands inside DGC's accept band [k, 1.3k]
+    ks = min(sample.numel(), int(math.ceil(_SAMPLE_AIM * k * sample.numel() / n)) + 1)
     t = _cast(float(torch.topk(sample, ks, sorted=True).values[-1]), flat.dtype)
     for attempt in range(o["sample_max_retries"] + 1):
         cand, c, vals = be.select(t, n, attempt == 0, True)
         if c > 1.3 * k:
-            return _topk_over(flat, cand, k, vals)
+            return _topk_over(flat, cand, k, vals, be.for_state)
         if c >= k:
             return cand, t
         if t <= 0.0:
             break
         t = _cast(t * 0.8, flat.dtype)
-    return _exact(flat, k, be.err)
+    return _exact(flat, k, be.err, be.for_state)
 
 
 def _reuse(flat, k, be, state: SelectionState, method: str):
@@ -310,7 +328,7 @@ def _reuse(flat, k, be, state: SelectionState, method: str):
             return None
     state.threshold = t
     if method == "trimmed" or c > 2 * k:
-        return _topk_over(flat, idx, k, vals)[0]
+        return _topk_over(flat, idx, k, vals, True)[0]
     return idx
 
 
@@ -373,6 +391,7 @@ def select_topk(x: torch.Tensor, k: int, method: str = "tbs", *,
     if method == "exact":
         return _exact(flat, k, err, for_state=False)[0]
     be = _backend(flat, o["backend"], err)
+    be.for_state = state is not None  # only then pay for the reuse threshold
     flat = be.x
     reuse = int(o["threshold_reuse"])
     if state is not None and reuse > 1 and state.threshold is not None \

@@ -70,6 +70,7 @@ static inline __attribute__((always_inline)) void count_group(
   constexpr int W = 32 / sizeof(T);
   typedef T vT __attribute__((vector_size(32)));
   typedef I vI __attribute__((vector_size(32)));
+  typedef I vIu __attribute__((vector_size(32), aligned(sizeof(T)), may_alias));
   const vI absmask = vI{} + std::numeric_limits<I>::max();  // clears the sign bit
   vT tv[G];
   vI acc[G];
@@ -79,9 +80,7 @@ static inline __attribute__((always_inline)) void count_group(
   }
   int64_t i = b;
   for (; i + W <= e; i += W) {
-    vT v;
-    std::memcpy(&v, p + i, sizeof(v));
-    v = (vT)((vI)v & absmask);
+    const vT v = (vT)(*reinterpret_cast<const vIu*>(p + i) & absmask);
     for (int j = 0; j < G; ++j) acc[j] -= (vI)(v > tv[j]);  // true lanes are -1
   }
   for (int j = 0; j < G; ++j) {
@@ -122,7 +121,7 @@ static inline __attribute__((always_inline)) void select_impl(
     const T* p, int64_t b, int64_t e, T t, int64_t cap, bool check,
     std::vector<int64_t>* out, std::vector<T>* vals, int64_t* count, bool* finite) {
   using I = std::conditional_t<sizeof(T) == 4, int32_t, int64_t>;
-  constexpr int W = 32 / sizeof(T), U = 4;
+  constexpr int W = 32 / sizeof(T);
   typedef I vI __attribute__((vector_size(32)));
   typedef int64_t vL __attribute__((vector_size(32)));
   const I mask = std::numeric_limits<I>::max();
@@ -130,6 +129,9 @@ static inline __attribute__((always_inline)) void select_impl(
   if (t == 0) t = 0;  // -0.0 would compare below every +0 in the integer domain
   I tb;
   std::memcpy(&tb, &t, sizeof(T));
+  // unaligned, aliasing-safe vector loads (memcpy into vector arrays made GCC split
+  // them into two 16-byte stores + a 32-byte reload: a store-forwarding stall)
+  typedef I vIu __attribute__((vector_size(32), aligned(sizeof(T)), may_alias));
   const vI vt = vI{} + tb, vm = vI{} + mask;
   vI vmax = vI{};
   I smax = 0;
@@ -151,17 +153,16 @@ static inline __attribute__((always_inline)) void select_impl(
       ++c;
     }
   };
-  for (; i + U * W <= e; i += U * W) {
-    vI u[U];
-    for (int l = 0; l < U; ++l) {
-      std::memcpy(&u[l], p + i + l * W, sizeof(vI));
-      u[l] &= vm;
+  for (; i + 4 * W <= e; i += 4 * W) {
+    const vIu* q = reinterpret_cast<const vIu*>(p + i);
+    const vI u0 = q[0] & vm, u1 = q[1] & vm, u2 = q[2] & vm, u3 = q[3] & vm;
+    const vL h = (vL)((u0 > vt) | (u1 > vt) | (u2 > vt) | (u3 > vt));
+    if (check) {
+      const vI m01 = u0 > u1 ? u0 : u1, m23 = u2 > u3 ? u2 : u3, m = m01 > m23 ? m01 : m23;
+      vmax = m > vmax ? m : vmax;
     }
-    const vL h = (vL)((u[0] > vt) | (u[1] > vt) | (u[2] > vt) | (u[3] > vt));
-    if (check)
-      for (int l = 0; l < U; ++l) vmax = u[l] > vmax ? u[l] : vmax;
     if (h[0] | h[1] | h[2] | h[3])
-      for (int64_t j = i; j < i + U * W; ++j) scalar(j);
+      for (int64_t j = i; j < i + 4 * W; ++j) scalar(j);
   }
   for (; i < e; ++i) scalar(i);
   for (int l = 0; l < W; ++l) smax = vmax[l] > smax ? vmax[l] : smax;
