@@ -209,6 +209,7 @@ def run(cfg: RunConfig) -> int:
     phases = {p: stats.pop(p) for p in ("select", "communicate", "decompress")}
     summary = {
         "final_accuracy": result.get("test_accuracy"), "final_loss": result.get("test_loss"),
+        **({"final_perplexity": math.exp(min(result["test_loss"], 50))} if data.task == "lm" and result else {}),
         "wire_bytes": stats["wire_bytes"], "dense_bytes": stats["dense_bytes"],
         "compression_ratio": stats["compression_ratio"], "steps": step, "workers": size,
         "wall_time_s": wall,

@@ -115,7 +115,7 @@ RS_CLONES static void count_d(const double* p, int64_t b, int64_t e, const doubl
 // Works on the bit patterns: for t >= 0, |x| > t  <=>  (bits(x) & 0x7f..f) > bits(t) as
 // signed integers (IEEE order), and max of those masked bits >= bits(inf) <=> a NaN/Inf
 // is present. So the finite check is one integer max per vector, not an FP reduction.
-// One branch per 4 vectors: only groups holding a hit (rare) take the scalar path.
+// One branch per 4 vectors: only groups holding a hit (rare) are compacted.
 template <typename T>
 static inline __attribute__((always_inline)) void select_impl(
     const T* p, int64_t b, int64_t e, T t, int64_t cap, bool check,
@@ -135,20 +135,21 @@ static inline __attribute__((always_inline)) void select_impl(
   const vI vt = vI{} + tb, vm = vI{} + mask;
   vI vmax = vI{};
   I smax = 0;
-  int64_t c = 0, i = b;
-  auto scalar = [&](int64_t j) {
+  int64_t c = 0, w = 0, i = b;  // hits seen, hits written (w == c until the cap)
+  auto scalar = [&](int64_t j) {  // branchy: tails, and groups near the cap
     I u;
     std::memcpy(&u, p + j, sizeof(T));
     u &= mask;
     smax = u > smax ? u : smax;
     if (u > tb) {
-      if (c < cap) {
-        out->push_back(j);
-        if (vals) {  // |x| while the line is in cache: no gather later
-          T a;
-          std::memcpy(&a, &u, sizeof(T));
-          vals->push_back(a);
+      if (w < cap) {
+        if (w == static_cast<int64_t>(out->size())) {
+          out->resize(std::max<size_t>(64, 2 * out->size()));
+          if (vals) vals->resize(out->size());
         }
+        (*out)[w] = j;
+        if (vals) std::memcpy(vals->data() + w, &u, sizeof(T));
+        ++w;
       }
       ++c;
     }
@@ -161,10 +162,33 @@ static inline __attribute__((always_inline)) void select_impl(
       const vI m01 = u0 > u1 ? u0 : u1, m23 = u2 > u3 ? u2 : u3, m = m01 > m23 ? m01 : m23;
       vmax = m > vmax ? m : vmax;
     }
-    if (h[0] | h[1] | h[2] | h[3])
+    if (!(h[0] | h[1] | h[2] | h[3])) continue;
+    if (w + 4 * W > cap) {
       for (int64_t j = i; j < i + 4 * W; ++j) scalar(j);
+      continue;
+    }
+    // Branchless compaction: write every slot, advance by the compare. Hits are ~random
+    // inside a group, so a branch per element would mispredict on most hits.
+    if (w + 4 * W > static_cast<int64_t>(out->size())) {
+      out->resize(std::max<size_t>(w + 4 * W, 2 * out->size()));
+      if (vals) vals->resize(out->size());
+    }
+    int64_t* o = out->data();
+    T* vo = vals ? vals->data() : nullptr;
+    const int64_t w0 = w;
+    for (int64_t j = i; j < i + 4 * W; ++j) {
+      I u;
+      std::memcpy(&u, p + j, sizeof(T));
+      u &= mask;
+      o[w] = j;
+      if (vo) std::memcpy(vo + w, &u, sizeof(T));  // |x| while in cache: no gather later
+      w += u > tb ? 1 : 0;
+    }
+    c += w - w0;
   }
   for (; i < e; ++i) scalar(i);
+  out->resize(w);
+  if (vals) vals->resize(w);
   for (int l = 0; l < W; ++l) smax = vmax[l] > smax ? vmax[l] : smax;
   *count = c;
   *finite = smax < inf_bits;
