@@ -42,6 +42,8 @@ class GradientExchange:
         self.layers = {l.name: l for l in layers}
         self.order = [l.name for l in layers]
         self.compressor = compressor
+        if hasattr(compressor, "comm") and compressor.comm is None:
+            compressor.comm = comm   # compressors that run their own collectives (IWP's broadcast)
         self.dense = NoneCompressor()
         self.comm = comm
         self.policy = policy
@@ -80,6 +82,7 @@ class GradientExchange:
 
     def _reset_step(self):
         self._submitted: dict = {}
+        self._deferred: dict = {}
         self._dense_handles: dict = {}
         self._bad: list = []
         for b in self._buckets:
@@ -95,6 +98,17 @@ class GradientExchange:
             raise RuntimeError(f"gradient of {name!r} submitted twice in one step; call step() or "
                                "synchronize() between backward passes, or raise backward_passes_per_step")
         self._submitted[name] = True
+        comp = self.compressor_for(layer)
+        if getattr(comp, "blocking", False) and layer.compressed:
+            # compressors that wait on a collective inside compress (IWP's broadcast) run in the
+            # fixed layer order in finish(): waiting inside a hook could deadlock ranks whose
+            # backward passes produce gradients in different orders
+            self._deferred[name] = grad
+            return
+        self._process(name, grad)
+
+    def _process(self, name: str, grad: torch.Tensor) -> None:
+        layer = self.layers[name]
         layer.density = self.policy.density(layer, self.step)
         comp = self.compressor_for(layer)
         with self.stats.timer("select"):
@@ -147,12 +161,14 @@ class GradientExchange:
         missing = self.missing()
         if missing:
             raise RuntimeError(f"finish() before gradients of {missing[:5]} were submitted")
-        flag = None
-        if self.check_finite:
-            flag = self.comm.allreduce_async(torch.tensor([float(len(self._bad))]), name="rsync.finite",
-                                             average=False)
-            self.stats.add_bytes({"scalars": 4})
         try:
+            for name in [n for n in self.order if n in self._deferred]:
+                self._process(name, self._deferred.pop(name))
+            flag = None
+            if self.check_finite:
+                flag = self.comm.allreduce_async(torch.tensor([float(len(self._bad))]), name="rsync.finite",
+                                                 average=False)
+                self.stats.add_bytes({"scalars": 4})
             out = self._collect()
             if flag is not None and float(self.comm.wait(flag)[0]) > 0:
                 raise NonFiniteGradientError(

@@ -16,6 +16,8 @@ from launch import horovodrun, run_script
     # momentum correction without masking at density 1 is plain momentum SGD (momentum is linear)
     {"method": "redsync", "density": 1.0, "quantize": "none", "momentum_correction": True,
      "momentum_masking": False, "min_compress_numel": 0, "selection": "trimmed"},
+    # IWP at density 1: the leader's indices cover everything, allreduce of all values = dense
+    {"method": "iwp", "density": 1.0, "min_compress_numel": 0},
 ])
 def test_dense_equals_single_process(compression):
     out = run_script("dense_equals_single.py", json.dumps(compression), np=2).stdout
@@ -72,3 +74,9 @@ def test_redsync_exchange_4_workers():
 def test_gradient_accumulation(compression):
     out = run_script("accumulate.py", json.dumps(compression), np=2).stdout
     assert out.count("OK accumulate") == 2, out
+
+
+@pytest.mark.parametrize("np", [2, 4])
+def test_iwp_shared_indices_and_rotating_leader(np):
+    out = run_script("iwp_leader.py", np=np, timeout=240).stdout
+    assert out.count("OK iwp") == np, out

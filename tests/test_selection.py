@@ -147,6 +147,26 @@ def test_tbs_matches_reference_probe_walk(dist, backend, k, probes):
         assert len(got ^ ref) <= max(2, 0.01 * k)
 
 
+@pytest.mark.parametrize("levels", [2, 4])
+def test_torch_path_batched_probes(monkeypatch, levels):
+    """The CUDA setting (several probes per sync) walks the same probes as one per pass."""
+    import redsync_hvd.core.selection as sel
+
+    init = sel._Torch.__init__
+
+    def batched(self, flat, err):
+        init(self, flat, err)
+        self.levels = levels
+
+    monkeypatch.setattr(sel._Torch, "__init__", batched)
+    for dist, k, probes in (("gauss", 200, 20), ("t3", 2000, 20), ("laplace", 200, 5)):
+        x = sample(dist, 100000, seed=k)
+        got = set(select_topk(x, k, "tbs", backend="torch", tbs_max_probes=probes).tolist())
+        ref = reference_tbs(x, k, probes)
+        assert got == ref if ref is not None else got == true_topk(x, k)
+        assert set(select_topk(x, k, "trimmed", backend="torch").tolist()) == true_topk(x, k)
+
+
 def test_tbs_probe_budget_falls_back():
     x = sample("t3", 100000)
     idx = select_topk(x, 100, "tbs", tbs_max_probes=1)  # one probe cannot reach the tail
@@ -316,6 +336,11 @@ def test_native_kernels_directly():
     assert torch.equal(vals, x.abs()[idx])
     idx, vals, c, _ = m.select_above(x, 2.0, 10, False)  # over the cap: count only
     assert idx.numel() == 0 and vals.numel() == 0 and c > 10
+    ref = (x.abs() > 0.3).nonzero().flatten()  # dense hits: the cap lands inside groups
+    for cap in (ref.numel(), ref.numel() - 1, 37):
+        idx, vals, c, _ = m.select_above(x, 0.3, cap, False, True)
+        assert c == ref.numel()
+        assert torch.equal(idx, ref) if cap >= c else idx.numel() == 0
     x[123] = float("inf")
     assert not m.select_above(x, 2.0, 10**9, True)[3]
     x[123] = float("nan")
@@ -332,6 +357,10 @@ def test_loader_can_be_disabled(monkeypatch):
     assert _native.load(force=True) is None and "REDSYNC_NO_NATIVE" in _native.load_error
     assert select_topk(torch.randn(1000), 10, "tbs").numel() >= 10  # torch path
     monkeypatch.delenv("REDSYNC_NO_NATIVE")
+    if native_available():  # a module built for another torch is never loaded
+        monkeypatch.setattr(torch, "__version__", "0.0.1+other")
+        assert _native.load(force=True) is None and "another torch" in _native.load_error
+        monkeypatch.undo()
     _native.load(force=True)
 
 

@@ -6,6 +6,7 @@ from typing import Any
 from .base import Compressor, Layer, Message
 from .config import CompressionConfig, method_names, parse_compression
 from .dense import FP16Compressor, NoneCompressor
+from .iwp import IWPCompressor
 from .redsync import RedSyncCompressor
 from .topk import RandomKCompressor, TopKCompressor
 
@@ -15,6 +16,7 @@ COMPRESSORS: dict[str, type] = {
     "topk": TopKCompressor,
     "randomk": RandomKCompressor,
     "redsync": RedSyncCompressor,
+    "iwp": IWPCompressor,
 }
 
 
@@ -33,4 +35,4 @@ def build_compressor(compression: Any) -> tuple[Compressor, CompressionConfig]:
 
 __all__ = ["Compressor", "Layer", "Message", "CompressionConfig", "COMPRESSORS", "build_compressor",
            "parse_compression", "method_names", "NoneCompressor", "FP16Compressor", "TopKCompressor",
-           "RandomKCompressor", "RedSyncCompressor"]
+           "RandomKCompressor", "RedSyncCompressor", "IWPCompressor"]

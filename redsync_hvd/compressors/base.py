@@ -31,6 +31,7 @@ class Layer:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     density: float = 1.0
     compressed: bool = True
+    param: Optional[torch.Tensor] = None   # the parameter itself, for methods that weigh by |w| (IWP)
 
     @property
     def index_dtype(self) -> torch.dtype:
@@ -45,9 +46,10 @@ class Message:
     kinds: tuple
     selected: Optional[int] = None   # elements selected this step (sparse methods)
     k: Optional[int] = None          # target count (sparse methods)
+    extra_bytes: dict = field(default_factory=dict)  # bytes sent by collectives run inside compress
 
     def nbytes(self) -> dict:
-        out: dict = {}
+        out: dict = dict(self.extra_bytes)
         for t, kind in zip(self.tensors, self.kinds):
             out[kind] = out.get(kind, 0) + t.numel() * t.element_size()
         return out

@@ -196,3 +196,21 @@ def _choice(value: str, field: str, choices: tuple) -> str:
     if value not in choices:
         raise ValueError(f"{field}={value!r} is not one of {list(choices)}")
     return value
+
+
+@register_method("iwp")
+class IWPConfig(_SparseConfig):
+    """Importance-weighted pruning (Cheng & Xu): a leader picks the top |residual|/(|w|+eps)
+    positions, broadcasts them, and every rank's values there are summed by one plain allreduce."""
+    density: float = Field(0.01, description="fraction of each compressed layer sent per step, in (0, 1]")
+    seed: int = Field(0, description="shared seed of the per-step leader draw (no communication to agree)")
+    eps: float = Field(1e-8, gt=0, description="importance = |residual| / (|weight| + eps)")
+    selection: str = Field("trimmed", description="exact | trimmed (exactly k indices are needed)")
+    min_compress_numel: int = Field(4096, ge=0, description="smaller layers go dense (fused allreduce)")
+
+    uses_memory: ClassVar[bool] = True
+
+    @field_validator("selection")
+    @classmethod
+    def _selection(cls, v):
+        return _choice(v, "selection", ("exact", "trimmed"))

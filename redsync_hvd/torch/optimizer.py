@@ -32,7 +32,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         named = _resolve_names(named_parameters, self.param_groups)
         self._params = dict(named)
         self._names = {p: n for n, p in named}
-        layers = [Layer(n, tuple(p.shape), p.numel(), i, p.device) for i, (n, p) in enumerate(named)]
+        layers = [Layer(n, tuple(p.shape), p.numel(), i, p.device, param=p) for i, (n, p) in enumerate(named)]
         _check_same_everywhere(comm, config, layers)
         memory, self._weight_decay = _build_memory(config, self.param_groups, self._names)
         self._exchange = GradientExchange(layers, compressor, comm, LayerPolicy(config), memory,
