@@ -80,3 +80,14 @@ def test_gradient_accumulation(compression):
 def test_iwp_shared_indices_and_rotating_leader(np):
     out = run_script("iwp_leader.py", np=np, timeout=240).stdout
     assert out.count("OK iwp") == np, out
+
+
+@pytest.mark.parametrize("options", [
+    {"local_steps": 1, "density": 1.0, "binarize": False, "check_dense": True},
+    {"local_steps": 1, "density": 1.0, "binarize": False, "index_coding": "raw", "check_dense": True},
+    {"local_steps": 4, "density": 0.05, "binarize": True},
+    {"local_steps": 3, "density": 0.01, "binarize": True, "index_coding": "raw"},
+])
+def test_sbc_rounds_keep_models_identical(options):
+    out = run_script("sbc_rounds.py", json.dumps(options), np=2).stdout
+    assert out.count("OK sbc") == 2, out

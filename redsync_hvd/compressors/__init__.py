@@ -8,6 +8,7 @@ from .config import CompressionConfig, method_names, parse_compression
 from .dense import FP16Compressor, NoneCompressor
 from .iwp import IWPCompressor
 from .redsync import RedSyncCompressor
+from .sbc import SBCCompressor
 from .topk import RandomKCompressor, TopKCompressor
 
 COMPRESSORS: dict[str, type] = {
@@ -17,6 +18,7 @@ COMPRESSORS: dict[str, type] = {
     "randomk": RandomKCompressor,
     "redsync": RedSyncCompressor,
     "iwp": IWPCompressor,
+    "sbc": SBCCompressor,
 }
 
 
@@ -35,4 +37,4 @@ def build_compressor(compression: Any) -> tuple[Compressor, CompressionConfig]:
 
 __all__ = ["Compressor", "Layer", "Message", "CompressionConfig", "COMPRESSORS", "build_compressor",
            "parse_compression", "method_names", "NoneCompressor", "FP16Compressor", "TopKCompressor",
-           "RandomKCompressor", "RedSyncCompressor", "IWPCompressor"]
+           "RandomKCompressor", "RedSyncCompressor", "IWPCompressor", "SBCCompressor"]

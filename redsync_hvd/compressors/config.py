@@ -214,3 +214,27 @@ class IWPConfig(_SparseConfig):
     @classmethod
     def _selection(cls, v):
         return _choice(v, "selection", ("exact", "trimmed"))
+
+
+@register_method("sbc")
+class SBCConfig(_SparseConfig):
+    """Sparse Binary Compression (Sattler et al.): n local steps, then the accumulated model
+    delta plus residual is sparsified, binarised (one mean, one sign) and its positions
+    Golomb-coded; every rank decodes all messages and applies their average."""
+    density: float = Field(0.01, description="fraction of each layer's delta sent per round, in (0, 1]")
+    local_steps: int = Field(10, ge=1, description="optimizer steps between communications (1: per-step "
+                                                   "gradient compression)")
+    binarize: bool = Field(True, description="send one mean for the side (top-k positive or top-k negative) "
+                                             "with the larger mean magnitude; false: send k values")
+    index_coding: str = Field("golomb", description="golomb (Golomb-Rice coded gaps) | raw (int32)")
+
+    uses_memory: ClassVar[bool] = True
+
+    @field_validator("index_coding")
+    @classmethod
+    def _coding(cls, v):
+        return _choice(v, "index_coding", ("raw", "golomb"))
+
+    @property
+    def quantize(self) -> str:
+        return "sign_mean" if self.binarize else "none"

@@ -43,7 +43,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._passes = {n: 0 for n, _ in named}
         self._synchronized = False
         self._skip_sync = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(n)) for n, p in named]
+        # communication delay (SBC): local steps, then the model delta goes through the exchange
+        self._local_steps = getattr(config, "local_steps", None)
+        self._snapshot, self._local = None, 0
+        self._hooks = [] if self._local_steps else \
+            [p.register_post_accumulate_grad_hook(self._make_hook(n)) for n, p in named]
 
     def _make_hook(self, name):
         def hook(p):
@@ -93,7 +97,32 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._skip_sync = False
 
+    def _delayed_step(self, closure):
+        """SBC: a local step; every ``local_steps`` steps, exchange W_local - W and restart from
+        W + average of the decoded deltas (identical on every rank)."""
+        if self._snapshot is None:   # after broadcast_parameters, before the first local step
+            self._snapshot = {n: p.detach().clone() for n, p in self._params.items()}
+        loss = super(self.__class__, self).step(closure)
+        self._local += 1
+        ex = self._exchange
+        if self._local % self._local_steps:
+            # dense SGD would have sent this step's gradients: count them for an honest ratio
+            ex.stats.add("dense_bytes", 4 * sum(p.numel() for p in self._params.values()))
+            ex.stats.end_step()
+            return loss
+        for name in ex.order:
+            ex.submit(name, self._params[name].detach() - self._snapshot[name])
+        averaged = ex.finish()
+        with torch.no_grad():
+            for name, flat in averaged.items():
+                p = self._params[name]
+                p.copy_(self._snapshot[name] + flat.view(p.shape).to(p.dtype))
+                self._snapshot[name].copy_(p)
+        return loss
+
     def step(self, closure=None):
+        if self._local_steps:
+            return self._delayed_step(closure)
         if not (self._synchronized or self._skip_sync):
             self.synchronize()
         self._synchronized = False
@@ -109,6 +138,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self):
         state = super(self.__class__, self).state_dict()
         state["redsync"] = self._exchange.state_dict()
+        if self._local_steps:
+            state["redsync"]["delay"] = {"local": self._local, "snapshot": self._snapshot}
         return state
 
     def load_state_dict(self, state_dict):
@@ -116,7 +147,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         extra = state_dict.pop("redsync", None)
         super(self.__class__, self).load_state_dict(state_dict)
         if extra is not None:
+            delay = extra.pop("delay", None)
             self._exchange.load_state_dict(extra)
+            if delay is not None:
+                self._local = delay["local"]
+                self._snapshot = None if delay["snapshot"] is None else \
+                    {k: v.clone() for k, v in delay["snapshot"].items()}
 
 
 def _build_memory(config, param_groups, names):

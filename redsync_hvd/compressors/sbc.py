@@ -1,0 +1,35 @@
+"""Sparse Binary Compression's message (digest section 3), on a model delta A = R + (W_local - W):
+
+    P = topk(A, k); Q = topk(-A, k); mu+ = mean(A[P]); mu- = mean(-A[Q])
+    S = mu+ at P  if mu+ >= mu-  else  -mu- at Q       (one sign, one value)
+    send (Golomb-coded positions of S, mu)             R = A - S (via decompress_add)
+
+The wire format (and its decoder) is RedSync's sign_mean/none message with
+Golomb-coded indices; only the choice of positions differs. Communication delay
+(``local_steps``) lives in the optimizer, which feeds model deltas instead of gradients.
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import Layer, Message
+from .redsync import RedSyncCompressor
+from .topk import k_for
+
+
+class SBCCompressor(RedSyncCompressor):
+    def compress(self, x: torch.Tensor, layer: Layer, step: int) -> Message:
+        k = min(k_for(layer), layer.numel)
+        if self.config.binarize:
+            pos_vals, pos_idx = torch.topk(x, k, sorted=False)
+            neg_vals, neg_idx = torch.topk(-x, k, sorted=False)
+            mu_pos, mu_neg = pos_vals.mean(), neg_vals.mean()
+            if bool(mu_pos >= mu_neg):
+                idx, value = pos_idx, mu_pos.reshape(1)
+            else:
+                idx, value = neg_idx, -mu_neg.reshape(1)
+        else:
+            idx = torch.topk(x.abs(), k, sorted=False).indices
+            value = x.index_select(0, idx)
+        self._sent[layer.name] = idx
+        return Message(self._encode_indices(idx, value.float(), layer), self._kinds(), selected=idx.numel(), k=k)
