@@ -24,8 +24,16 @@ VARIANTS = {
     "redsync 0.01 quantize=none": (RS, ["compression.quantize=none"]),
     "redsync 0.001 quantize=none": (RS, ["compression.density=0.001", "compression.quantize=none"]),
     "redsync 0.01 fp16": (RS, ["compression.quantize=fp16"]),
-    "redsync 0.01 sign_rule=larger": (RS, ["compression.sign_rule=larger", "compression.momentum_correction=true"]),
+    "redsync 0.01 momentum_correction sign_rule=larger": (RS, ["compression.sign_rule=larger", "compression.momentum_correction=true"]),
     "redsync 0.01 momentum_correction": (RS, ["compression.momentum_correction=true"]),
+    "sbc local_steps=10 density=0.01": ("configs/digits/sbc.yaml", []),
+    "sbc local_steps=10 density=0.01 binarize=false": ("configs/digits/sbc.yaml", ["compression.binarize=false"]),
+    "sbc local_steps=5 density=0.01": ("configs/digits/sbc.yaml", ["compression.local_steps=5"]),
+    "sbc local_steps=10 density=0.02": ("configs/digits/sbc.yaml", ["compression.density=0.02"]),
+    "iwp density=0.01": ("configs/digits/iwp.yaml", []),
+    "iwp density=0.05": ("configs/digits/iwp.yaml", ["compression.density=0.05"]),
+    "iwp density=0.02 min_compress_numel=0": ("configs/digits/iwp.yaml", ["compression.density=0.02",
+                                                                          "compression.min_compress_numel=0"]),
 }
 
 

@@ -1,0 +1,79 @@
+"""SBC's binarised message and IWP's importance, without communication."""
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+
+from redsync_hvd.compressors import build_compressor
+from redsync_hvd.compressors.base import Layer
+from redsync_hvd.core.golomb import expected_bits
+from redsync_hvd.memory import ResidualMemory
+
+
+def layer(n, density):
+    lay = Layer("w", (n,), n, 0, density=density)
+    lay.selection = None
+    return lay
+
+
+def test_sbc_keeps_the_side_with_larger_mean_and_codes_positions():
+    comp, _ = build_compressor({"method": "sbc", "density": 0.25})
+    x = torch.tensor([3.0, -1.0, 0.5, -0.2, 2.0, -4.5, -4.0, 0.1])   # top-2: +{3,2} mean 2.5, -{4.5,4} mean 4.25
+    msg = comp.compress(x, layer(8, 0.25), 0)
+    assert sorted(comp.sent_indices(msg, layer(8, 0.25)).tolist()) == [5, 6]
+    assert msg.tensors[-1].item() == pytest.approx(-4.25)
+    out = torch.zeros(8)
+    comp.decompress_add(out, msg.tensors, layer(8, 0.25))
+    assert out.tolist() == [0, 0, 0, 0, 0, -4.25, -4.25, 0]
+    assert msg.tensors[0].dtype == torch.uint8          # Golomb-coded bytes on the wire
+
+
+def test_sbc_message_size_follows_golomb_formula():
+    n, p = 1_000_000, 0.01
+    comp, _ = build_compressor({"method": "sbc", "density": p})
+    msg = comp.compress(torch.randn(n, generator=torch.Generator().manual_seed(1)), layer(n, p), 0)
+    bits = 8 * msg.nbytes()["indices"] / msg.selected
+    assert bits == pytest.approx(expected_bits(p), rel=0.02)   # top-k positions of noise are ~uniform
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(2, 300), rounds=st.integers(1, 5), density=st.floats(0.01, 1.0),
+       binarize=st.booleans(), coding=st.sampled_from(["golomb", "raw"]), seed=st.integers(0, 999))
+def test_sbc_conservation(n, rounds, density, binarize, coding, seed):
+    comp, _ = build_compressor({"method": "sbc", "density": density, "binarize": binarize, "index_coding": coding})
+    mem, gen = ResidualMemory(), torch.Generator().manual_seed(seed)
+    sent, total = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    for r in range(rounds):
+        delta = torch.randn(n, generator=gen)
+        total += delta.double()
+        x = mem.compensate("w", delta)
+        msg = comp.compress(x, layer(n, density), r)
+        comp.decompress_add(x, msg.tensors, layer(n, density), alpha=-1.0)
+        comp.sent_indices(msg, layer(n, density))
+        out = torch.zeros(n)
+        comp.decompress_add(out, msg.tensors, layer(n, density))
+        sent += out.double()
+        mem.commit()
+    assert torch.allclose(sent + mem.residual["w"].double(), total, atol=1e-4)
+
+
+class OneRank:
+    rank, size = 0, 1
+
+    def broadcast_async(self, tensor, root, name):
+        return tensor
+
+    def wait(self, handle):
+        return handle
+
+
+def test_iwp_importance_is_residual_over_weight():
+    comp, _ = build_compressor({"method": "iwp", "density": 0.25, "selection": "exact"})
+    comp.comm = OneRank()
+    lay = layer(8, 0.25)
+    lay.param = torch.tensor([100.0, 1.0, 1.0, 0.01, 1.0, 50.0, 1.0, 1.0])
+    x = torch.tensor([10.0, 0.5, 0.1, 0.2, 0.3, 9.0, 0.4, 0.1])   # importance: .1 .5 .1 20 .3 .18 .4 .1
+    msg = comp.compress(x, lay, 0)
+    assert sorted(comp.sent_indices(msg, lay).tolist()) == [1, 3]
+    assert msg.nbytes() == {"indices": 8, "values": 8}     # this rank led: it broadcast the indices
+    assert comp.leaders == [(0, 0)]
