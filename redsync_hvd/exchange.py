@@ -111,7 +111,8 @@ class GradientExchange:
         layer = self.layers[name]
         layer.density = self.policy.density(layer, self.step)
         comp = self.compressor_for(layer)
-        with self.stats.timer("select"):
+        group = "sparse" if layer.compressed else "dense"
+        with self.stats.timer("select", group):
             flat = grad.detach().reshape(-1).float()
             if self.check_finite and not bool(torch.isfinite(flat.sum())):
                 # keep the residual clean: communicate zeros, fail on every rank in finish()
@@ -134,6 +135,8 @@ class GradientExchange:
         if msg.selected is not None:
             self.stats.add("selected", msg.selected)
             self.stats.add("k", msg.k)
+            self.stats.add(f"selected[{layer.name}]", msg.selected)
+            self.stats.add(f"k[{layer.name}]", msg.k)
         self.stats.layer(name, "sparse" if layer.compressed else "dense", msg.selected, msg.k,
                          sum(wire.values()), 4 * layer.numel)
         if comp.collective == "allreduce":
@@ -193,15 +196,19 @@ class GradientExchange:
     def _collect(self) -> dict:
         out = {}
         size = self.comm.size
-        with self.stats.timer("communicate"):
+        # waiting and decoding are timed per collective: "allreduce" (dense layers, and the values
+        # of allreduce-based methods) and "allgather" (variable-size sparse messages)
+        with self.stats.timer("communicate", "allreduce"):
             reduced = {n: [self.comm.wait(h) for h in hs] for n, hs in self._dense_handles.items()}
+        with self.stats.timer("communicate", "allgather"):
             gathered = [(b, self.comm.wait(b.handles[0]), self.comm.wait(b.handles[1])) for b in self._buckets]
-        with self.stats.timer("decompress"):
+        with self.stats.timer("decompress", "allreduce"):
             for name, tensors in reduced.items():
                 layer = self.layers[name]
                 buf = torch.zeros(layer.numel, dtype=torch.float32, device=tensors[0].device)
                 self.compressor_for(layer).decompress_add(buf, tensors, layer)
                 out[name] = buf
+        with self.stats.timer("decompress", "allgather"):
             for bucket, header, payload in gathered:
                 dtypes = [d for l in bucket.layers for d in self.compressor.wire_dtypes(l)]
                 per_rank = unpack_gathered(header, payload, dtypes, size)

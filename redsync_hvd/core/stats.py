@@ -24,12 +24,17 @@ class CommStats:
         self.layers: dict[str, dict] = {}
 
     @contextmanager
-    def timer(self, phase: str):
+    def timer(self, phase: str, group: str | None = None):
+        """Time a phase; with ``group`` also under ``time_<phase>[group]``: select by layer kind
+        ("sparse"/"dense"), communicate and decompress by collective ("allreduce"/"allgather")."""
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            self.add(f"time_{phase}", time.perf_counter() - t0)
+            dt = time.perf_counter() - t0
+            self.add(f"time_{phase}", dt)
+            if group:
+                self.add(f"time_{phase}[{group}]", dt)
 
     def add(self, key: str, value: float) -> None:
         self.step[key] += value
@@ -37,6 +42,7 @@ class CommStats:
     def add_bytes(self, by_kind: dict, group: str = "all") -> None:
         for kind, n in by_kind.items():
             self.step[f"bytes_{kind}"] += n
+            self.step[f"bytes_{kind}[{group}]"] += n
             self.step["wire_bytes"] += n
             self.step[f"wire_bytes[{group}]"] += n
 
@@ -63,8 +69,11 @@ class CommStats:
         }
         for phase in self.PHASES:
             out[phase] = self.total.get(f"time_{phase}", 0.0)
+            for group in ("sparse", "dense", "allreduce", "allgather"):
+                if f"time_{phase}[{group}]" in self.total:
+                    out[f"{phase}[{group}]"] = self.total[f"time_{phase}[{group}]"]
         for key, value in self.total.items():
-            if key.startswith("bytes_") or key.startswith("wire_bytes[") or key in ("selected", "k"):
+            if key.startswith(("bytes_", "wire_bytes[", "selected", "k[")) or key == "k":
                 out[key] = int(value)
         return out
 

@@ -7,9 +7,10 @@
 //   count_multi  : #{|x| > t_j} for T thresholds at once        (1 pass, T compares/elem)
 //   select_above : sorted int64 indices of |x| > t, its count,  (1 pass)
 //                  optionally their |x| and the finite check
-// Threads come from at::parallel_for, so torch.set_num_threads applies.
-// Loops are written as `omp simd` reductions (needs -fopenmp) and compiled for
-// AVX2 and the baseline ISA via target_clones; the loader picks at run time.
+// Threads come from at::parallel_for (OpenMP in torch builds: compile with -fopenmp,
+// else it runs serially), so torch.set_num_threads applies. Hot loops use GCC vector
+// extensions or `omp simd` and are compiled for AVX2 and the baseline ISA via
+// target_clones; the dynamic loader picks one at load time.
 // ATen + torch's pybind casters only: <torch/extension.h> would pull in the whole C++
 // frontend and triple the compile time.
 #include <ATen/ATen.h>
@@ -85,7 +86,7 @@ static inline __attribute__((always_inline)) void count_group(
   }
   for (int j = 0; j < G; ++j) {
     int64_t c = 0;
-    for (int l = 0; l < W; ++l) c += acc[j][l];  // a chunk (kGrain) cannot overflow a lane
+    for (int l = 0; l < W; ++l) c += acc[j][l];  // a block (kBlock) cannot overflow a lane
     for (int64_t r = i; r < e; ++r) c += std::abs(p[r]) > thr[j] ? 1 : 0;
     cnt[j] += c;
   }
