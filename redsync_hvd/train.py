@@ -10,6 +10,7 @@ import math
 import os
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -90,9 +91,9 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if cfg.framework != "torch":
-        print("error: framework: tensorflow is not available in this build; use framework: torch", file=sys.stderr)
-        return 2
+    if cfg.framework == "tensorflow":
+        from .tensorflow.train import run as run_tensorflow
+        return run_tensorflow(cfg)
     return run(cfg)
 
 
@@ -191,7 +192,12 @@ def run(cfg: RunConfig) -> int:
                   (not cfg.training.eval_every and end_of_epoch) or step == total
             if due:
                 t0 = time.perf_counter()
-                result = evaluate(model, data.test, data.task, cfg.training.batch_size, rank, size, rhvd)
+                # decentralized workers hold different models: score their average
+                averaged = opt.averaged_parameters() if hasattr(opt, "averaged_parameters") else nullcontext()
+                with averaged:
+                    result = evaluate(model, data.test, data.task, cfg.training.batch_size, rank, size, rhvd)
+                if hasattr(opt, "consensus_distance"):
+                    result["consensus_distance"] = opt.consensus_distance()
                 t_eval += time.perf_counter() - t0
                 log.metrics({"step": step, "epoch": step / steps_per_epoch, **result,
                              "wire_bytes": opt.communication_stats()["wire_bytes"]})

@@ -22,7 +22,9 @@ def horovodrun(args: list, np: int = 2, timeout: float = 180, env: dict | None =
     cmd += [sys.executable if a == "python" else str(a) for a in args]
     full_env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
                 "PYTHONPATH": str(REPO), "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
-                "PYTHONUNBUFFERED": "1", **(env or {})}
+                "PYTHONUNBUFFERED": "1",
+                # more ranks than cores: let MPI yield instead of spinning while it waits
+                "OMPI_MCA_mpi_yield_when_idle": "1", **(env or {})}
     proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:

@@ -177,13 +177,10 @@ class FakeComm:
         return tensor.clone()
 
 
-def test_probe_recovers_network_real_sleep():
-    true = Network(alpha=4e-3, bandwidth=2e7)  # small: 24 ms, large: ~103 ms at N=4
-    # min over repeats: on 2 shared cores sleep() overshoots by a few ms now and then
-    fit = cm.probe_network(FakeComm(4, true), sizes=(8, 1 << 20), repeats=3, reduce=min)
-    assert fit.alpha == pytest.approx(true.alpha, rel=0.2)
-    assert fit.bandwidth == pytest.approx(true.bandwidth, rel=0.2)
-    single = cm.probe_network(FakeComm(1, true))
+def test_probe_single_worker_has_no_network():
+    # the fit itself is checked on a virtual clock below: wall-clock sleeps on a loaded
+    # 2-core machine made a timing-based version of this test flaky
+    single = cm.probe_network(FakeComm(1, Network(alpha=4e-3, bandwidth=2e7)))
     assert single.alpha == 0.0 and math.isinf(single.bandwidth)
 
 

@@ -28,6 +28,8 @@ def digits_runs(tmp_path_factory):
         train(out, f"configs/digits/{cfg}.yaml")
     for density in ("0.01", "0.001"):
         train(out, "configs/digits/redsync.yaml", f"compression.density={density}", f"output.name=redsync-{density}")
+    for cfg in ("dcd", "ecd"):
+        train(out, f"configs/digits/{cfg}.yaml")
     return out
 
 
@@ -50,6 +52,17 @@ def test_redsync_converges_close_to_dense(digits_runs, density):
     assert rs["compression_ratio"] > 15
     decisions = {d["name"]: d["compressed"] for d in rs["layer_decisions"]}
     assert decisions["classifier.1.weight"] and not decisions["classifier.1.bias"]
+
+
+@pytest.mark.parametrize("name", ["dcd", "ecd"])
+def test_decentralized_8bit_within_one_point_of_dense(digits_runs, name):
+    """The reported model is the average of the workers' models (allreduced at evaluation only)."""
+    dense, dec = summary(digits_runs / "dense"), summary(digits_runs / name)
+    assert dec["final_accuracy"] >= dense["final_accuracy"] - 0.01, (dec["final_accuracy"], dense["final_accuracy"])
+    assert 3.5 < dec["compression_ratio"] < 4.1                  # 8-bit codes + two floats per tensor
+    evals = [json.loads(l) for l in (digits_runs / name / "metrics.jsonl").read_text().splitlines()
+             if "consensus_distance" in l]
+    assert evals and all(e["consensus_distance"] >= 0 for e in evals)
 
 
 def test_topk_sends_far_fewer_bytes_than_dense(digits_runs):

@@ -238,3 +238,39 @@ class SBCConfig(_SparseConfig):
     @property
     def quantize(self) -> str:
         return "sign_mean" if self.binarize else "none"
+
+
+class DecentralizedConfig(CompressionConfig):
+    """Decentralized training (Tang et al. 2018), no allreduce: each worker mixes models with its
+    neighbours (ring by default) through mpi4py. dcd: compressed differences (minmax); ecd:
+    compressed extrapolations (grid); dpsgd: uncompressed D-PSGD; naive: compressed models (fails)."""
+    bits: int = Field(8, description="8 | 4 | 2 bits per element (minmax, grid)")
+    quantizer: str = Field("minmax", description="minmax (relative error: dcd, naive) | grid (absolute error: "
+                                                 "ecd) | topk | none")
+    step: float = Field(0.01, gt=0, description="grid: spacing; beyond +-step*(2**(bits-1)-1) values are clipped")
+    density: float = Field(0.1, description="topk: fraction of elements sent, in (0, 1]")
+    unbiased: bool = Field(True, description="topk: random-k scaled by n/k (unbiased) or plain top-k (biased)")
+    topology: Any = Field("ring", description="ring | N x N mixing matrix (list of lists) | path to a YAML file")
+    seed: int = Field(0, description="seed of the stochastic rounding (combined with the rank)")
+
+    @field_validator("bits")
+    @classmethod
+    def _bits(cls, v):
+        if v not in (8, 4, 2):
+            raise ValueError(f"bits={v!r} is not one of [8, 4, 2]")
+        return v
+
+    @field_validator("quantizer")
+    @classmethod
+    def _quantizer(cls, v):
+        return _choice(v, "quantizer", ("minmax", "grid", "topk", "none"))
+
+    @field_validator("density")
+    @classmethod
+    def _density(cls, v):
+        return check_density(v)
+
+
+DECENTRALIZED = ("dcd", "ecd", "dpsgd", "naive")
+for _name in DECENTRALIZED:
+    register_method(_name)(DecentralizedConfig)

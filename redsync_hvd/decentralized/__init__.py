@@ -14,12 +14,13 @@ in-place updates out. Importing this package does not initialise MPI.
 """
 from .algorithms import (ALGORITHMS, DCD, DPSGD, ECD, METHODS, DecentralizedAlgorithm, NaiveCompressed,
                          build_algorithm, optimizer_step_as_gradient)
-from .exchange import ExchangeBase, NeighborExchange, check_world, pack, unpack
+from .exchange import ExchangeBase, NeighborExchange, ThreadedExchange, ThreadedGroup, check_world, pack, unpack
 from .quantizers import (FixedGridQuantizer, IdentityQuantizer, MinMaxQuantizer, Quantizer, TopKSparsifier,
                          build_quantizer)
 from .topology import Topology, from_config, from_matrix, from_yaml, ring
 
 __all__ = ["ALGORITHMS", "DCD", "DPSGD", "ECD", "METHODS", "DecentralizedAlgorithm", "NaiveCompressed",
-           "build_algorithm", "optimizer_step_as_gradient", "ExchangeBase", "NeighborExchange", "check_world",
+           "build_algorithm", "optimizer_step_as_gradient", "ExchangeBase", "NeighborExchange", "ThreadedExchange",
+           "ThreadedGroup", "check_world",
            "pack", "unpack", "FixedGridQuantizer", "IdentityQuantizer", "MinMaxQuantizer", "Quantizer",
            "TopKSparsifier", "build_quantizer", "Topology", "from_config", "from_matrix", "from_yaml", "ring"]

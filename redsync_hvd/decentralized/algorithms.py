@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from .exchange import header_bytes
 from .quantizers import IdentityQuantizer, Quantizer, build_quantizer
 
 METHODS = ("dpsgd", "naive", "dcd", "ecd")
@@ -54,11 +55,14 @@ class DecentralizedAlgorithm:
         self.generator = torch.Generator().manual_seed(self.seed * 1_000_003 + exchange.rank)
         self.t = 0
         self.replicas: dict = {}          # rank -> list of tensors (neighbours; ECD: self too)
+        self._ready = False               # replicas initialised (one full exchange)
         self.dense_bytes = 0              # what fp32 neighbour exchange would have sent
 
     # -- helpers ---------------------------------------------------------------------------
     @staticmethod
-    def _flat(params) -> list:
+    def _flat(params, grads) -> list:
+        if len(grads) != len(params):
+            raise ValueError(f"got {len(grads)} gradients for {len(params)} parameter tensors")
         out = []
         for p in params:
             if p.dtype != torch.float32 or not p.is_contiguous():
@@ -68,10 +72,11 @@ class DecentralizedAlgorithm:
         return out
 
     def _setup(self, xs: list) -> None:
-        if self.replicas or not self.needs_replicas:
+        if self._ready or not self.needs_replicas:
             return
         got = self.ex.exchange([x.clone() for x in xs], kind="setup")
         self.replicas = {j: [w.clone() for w in wire] for j, wire in got.items()}
+        self._ready = True
 
     def _mix(self, own: torch.Tensor, values: dict) -> torch.Tensor:
         """sum_j W_ij v_j in ascending j (a fixed order: reproducible); ``own`` stands for j == rank."""
@@ -86,7 +91,8 @@ class DecentralizedAlgorithm:
         return [wire[i:i + n] for i in range(0, len(wire), n)]
 
     def _count_dense(self, xs) -> None:
-        self.dense_bytes += 4 * sum(x.numel() for x in xs) * len(self.ex.neighbors)
+        """What D-PSGD's fp32 message (same header format) would have cost this step."""
+        self.dense_bytes += (4 * sum(x.numel() for x in xs) + header_bytes(len(xs))) * len(self.ex.neighbors)
 
     # -- API -------------------------------------------------------------------------------
     def step(self, params, grads, lr: float) -> None:
@@ -126,6 +132,7 @@ class DecentralizedAlgorithm:
         self.t = int(state["t"])
         self.generator.set_state(state["generator"])
         self.replicas = {int(j): [r.clone() for r in reps] for j, reps in state["replicas"].items()}
+        self._ready = bool(self.replicas) or self.t > 0
         self.dense_bytes = int(state.get("dense_bytes", 0))
 
 
@@ -134,7 +141,7 @@ class NaiveCompressed(DecentralizedAlgorithm):
     name = "naive"
 
     def step(self, params, grads, lr):
-        xs = self._flat(params)
+        xs = self._flat(params, grads)
         self.t += 1
         wire = []
         for x in xs:
@@ -163,7 +170,7 @@ class DCD(DecentralizedAlgorithm):
     needs_replicas = True
 
     def step(self, params, grads, lr):
-        xs = self._flat(params)
+        xs = self._flat(params, grads)
         self._setup(xs)
         self.t += 1
         wire = []
@@ -185,12 +192,12 @@ class ECD(DecentralizedAlgorithm):
     needs_replicas = True
 
     def _setup(self, xs):
-        if not self.replicas:
+        if not self._ready:
             super()._setup(xs)
             self.replicas[self.ex.rank] = [x.clone() for x in xs]
 
     def step(self, params, grads, lr):
-        xs = self._flat(params)
+        xs = self._flat(params, grads)
         self._setup(xs)
         self.t += 1
         t = self.t
@@ -222,9 +229,10 @@ def build_algorithm(method: str, exchange=None, topology="ring", quantizer: str 
         raise ValueError(f"decentralized method {method!r} is unknown; choose one of {list(METHODS)}")
     if exchange is None:
         from mpi4py import MPI
-        from .exchange import NeighborExchange
+        from .exchange import NeighborExchange, check_world
         from .topology import from_config
         comm = MPI.COMM_WORLD if comm is None else comm
+        check_world(comm)   # before anything that could wait on a rank that is not there
         exchange = NeighborExchange(from_config(topology, comm.Get_size()), comm)
     q = None if method == "dpsgd" else build_quantizer(quantizer, bits, step, density, unbiased)
     return ALGORITHMS[method](exchange, q, seed)

@@ -23,10 +23,14 @@ mpi4py must see the same world as Horovod: launch with ``horovodrun`` (MPI
 controller, the default when Horovod is built with MPI) or ``mpirun``. Under
 Gloo (``horovodrun --gloo``) each process is an MPI world of one, so the check
 in :class:`NeighborExchange` raises instead of every rank waiting forever.
+
+:class:`ThreadedGroup` runs N workers as threads of one process through the same
+interface (simulations, unit tests); the algorithms accept either.
 """
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import defaultdict
 
@@ -174,3 +178,65 @@ class NeighborExchange(ExchangeBase):
 
     def barrier(self) -> None:
         self.comm.Barrier()
+
+    def free(self) -> None:
+        """Release the duplicated communicator (collective)."""
+        if self.comm is not None:
+            self.comm.Free()
+            self.comm = None
+
+
+class ThreadedGroup:
+    """N workers as threads of one process, for simulations and tests without MPI:
+    ``run(fn)`` calls ``fn(exchange)`` on each worker's thread and returns the results by
+    rank. Messages go through the same pack/unpack and byte accounting as MPI; a worker
+    that raises aborts the others (no hang) and the first error is re-raised."""
+
+    def __init__(self, topology: Topology):
+        self.topology = topology
+        self.barrier = threading.Barrier(topology.size)
+        self.box: dict = {}
+
+    def run(self, fn, timeout: float = 600.0) -> list:
+        out, errors = [None] * self.topology.size, []
+
+        def worker(rank):
+            try:
+                out[rank] = fn(ThreadedExchange(self, rank))
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+                errors.append(exc)
+                self.barrier.abort()
+        threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(self.topology.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+        if errors:
+            raise errors[0]
+        if any(t.is_alive() for t in threads):
+            self.barrier.abort()
+            raise TimeoutError(f"ThreadedGroup.run: workers still running after {timeout}s")
+        return out
+
+
+class ThreadedExchange(ExchangeBase):
+    """One worker of a :class:`ThreadedGroup`."""
+
+    def __init__(self, group: ThreadedGroup, rank: int):
+        super().__init__(group.topology, rank)
+        self.group = group
+
+    def _everyone(self, item):
+        self.group.box[self.rank] = item
+        self.group.barrier.wait()
+        got = dict(self.group.box)
+        self.group.barrier.wait()     # nobody overwrites the box before everyone has read it
+        return got
+
+    def _send_recv(self, buf):
+        got = self._everyone(buf)
+        return {j: got[j].copy() for j in self.neighbors}
+
+    def _allreduce(self, arr):
+        got = self._everyone(arr)
+        return sum(got[j] for j in range(self.size))   # rank order: identical on every worker

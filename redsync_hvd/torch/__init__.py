@@ -28,7 +28,7 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0) -> None:
     copying rank 0's residual to everyone would send it N times. To resume, let
     every rank load its own checkpoint (``train.py`` writes one per rank).
     """
-    if not hasattr(optimizer, "_exchange"):
+    if not (hasattr(optimizer, "_exchange") or hasattr(optimizer, "_algo")):
         _hvd.broadcast_optimizer_state(optimizer, root_rank=root_rank)
         return
     # The whole dict as one object: simpler than Horovod's per-tensor broadcast, which would

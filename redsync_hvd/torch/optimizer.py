@@ -222,6 +222,16 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         (summed, as PyTorch does) before they are exchanged.
     """
     from ..comm import HorovodCommunicator
+    from ..compressors import parse_compression
+    from ..compressors.config import DECENTRALIZED
+    if not hasattr(compression, "compress"):    # not a Compressor object: a dict or a config
+        config = parse_compression(compression if compression is not None else {"method": "none"})
+        if config.method in DECENTRALIZED:
+            from .decentralized import _DecentralizedOptimizer
+            if backward_passes_per_step != 1:
+                raise ValueError("backward_passes_per_step must be 1 for decentralized methods")
+            cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DecentralizedOptimizer.__dict__))
+            return cls(optimizer.param_groups, named_parameters, config)
     compressor, config = build_compressor(compression)
     comm = communicator or HorovodCommunicator()
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
