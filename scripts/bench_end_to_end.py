@@ -1,0 +1,526 @@
+#!/usr/bin/env python
+"""End-to-end training speed on an emulated, shaped network (needs root and iproute2).
+
+    sudo .venv/bin/python scripts/bench_end_to_end.py --config configs/bench/quick.yaml
+
+For every network setting of the sweep (hosts, bandwidth, added latency) it builds the
+hosts as network namespaces behind a bridge with tc-shaped links
+(``scripts/netbench/netns.py``), measures what the links carry (TCP goodput, RTT),
+and starts one Horovod worker per host (``scripts/netbench/launcher.py``). Each worker
+(``scripts/netbench/worker.py``) trains every model with every method on the same
+synthetic data for the same number of steps, methods interleaved over ``rounds``.
+Before that, each model's compute time is measured with no communication, by one
+process and by N processes at once (the CPU sharing of an N-worker run).
+
+Output, in ``<output_dir>/<name>-<timestamp>/``:
+
+* ``results.csv``: one row per (model, method, network): step time (median of the timed
+  steps; mean for SBC), speedup vs dense at the same setting, wire bytes per step and
+  per worker, the time split (compute / select / communicate / decompress), the
+  compression overhead in % of compute, the cost model's predicted step time
+  (``predicted_step_time_s``, see ``scripts/netbench/predict.py``) and its error;
+* ``models.csv``: parameters, compute time at 1 and N processes and the
+  compute/communication ratio of dense fp32 at each setting;
+* ``speedup_vs_bandwidth.png``, ``time_breakdown.png``, ``predicted_vs_measured.png``;
+* ``results.json`` (everything, per-step times included), ``config.yaml``, worker logs.
+
+Settings with added latency need the kernel's netem qdisc; without it they are
+reported as skipped (``status``), not run. The CSV path is printed as the last line.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as _dt
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from scripts.netbench import netns  # noqa: E402
+from scripts.netbench.launcher import LaunchError, launch  # noqa: E402
+from scripts.netbench.predict import network as cm_network, plan_from_run, predict, fusion_bytes  # noqa: E402
+from redsync_hvd import costmodel as cm  # noqa: E402
+
+COLUMNS = ["model", "method", "hosts", "bandwidth_mbit", "latency_ms", "step_time_s", "speedup_vs_dense",
+           "wire_bytes_per_step", "dense_bytes_per_step", "compression_ratio", "compute_s", "select_s",
+           "communicate_s", "decompress_s", "overhead_pct_of_compute", "compute_alone_s", "compute_nproc_s",
+           "predicted_step_time_s", "prediction_error_pct", "predicted_calibrated_s", "calibrated_error_pct",
+           "predicted_in_run_s", "in_run_error_pct", "predicted_overlap_s", "predicted_comm_s",
+           "compressed_layers", "goodput_mbit", "rtt_ms", "hvd_alpha_ms", "hvd_bandwidth_mbit", "loadavg_1min",
+           "status"]
+TOP_KEYS = {"name", "output_dir", "steps", "warmup", "rounds", "threads", "timeout_s", "seed", "lr",
+            "models", "methods", "networks", "compute_steps", "base_latency_s", "comm_only"}
+MODEL_KEYS = {"name", "model", "options", "batch_size", "input_shape", "num_classes", "seq_len", "methods"}
+NET_KEYS = {"hosts", "bandwidth_mbit", "latency_ms", "models", "methods"}
+
+
+class BenchConfigError(ValueError):
+    pass
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+# -- configuration ---------------------------------------------------------------------------
+def load_config(path: str) -> dict:
+    with open(path) as f:
+        cfg = yaml.safe_load(f) or {}
+    unknown = set(cfg) - TOP_KEYS
+    if unknown:
+        raise BenchConfigError(f"{path}: unknown keys {sorted(unknown)}; valid: {sorted(TOP_KEYS)}")
+    cfg.setdefault("name", Path(path).stem)
+    cfg.setdefault("output_dir", "runs/bench")
+    cfg.setdefault("steps", 6)
+    cfg.setdefault("warmup", 3)
+    cfg.setdefault("rounds", 2)
+    cfg.setdefault("threads", 1)
+    cfg.setdefault("timeout_s", 300)
+    cfg.setdefault("seed", 0)
+    cfg.setdefault("lr", 0.01)
+    cfg.setdefault("compute_steps", 6)
+    cfg.setdefault("base_latency_s", None)
+    cfg.setdefault("comm_only", [])   # methods also run without forward/backward: "<method>/comm"
+    for m in cfg.get("models") or []:
+        bad = set(m) - MODEL_KEYS
+        if bad or "name" not in m or "model" not in m:
+            raise BenchConfigError(f"models entry {m}: needs name and model; valid keys {sorted(MODEL_KEYS)}")
+    for n in cfg.get("networks") or []:
+        bad = set(n) - NET_KEYS
+        if bad or "hosts" not in n:
+            raise BenchConfigError(f"networks entry {n}: needs hosts; valid keys {sorted(NET_KEYS)}")
+    if not cfg.get("models") or not cfg.get("methods") or not cfg.get("networks"):
+        raise BenchConfigError(f"{path}: needs non-empty models, methods and networks")
+    return cfg
+
+
+def method_config(spec: dict, net: dict, base_latency_s: float | None = None) -> dict:
+    """The compression dict of a method at a network setting: a cost-model policy gets the
+    shaped network's latency (added latency + ``base_latency_s``, default the cost model's
+    25 us) and bandwidth, unless the config fixes them."""
+    c = dict(spec)
+    if c.get("policy") == "cost_model":
+        if c.get("latency_s") is None:
+            base = 25e-6 if base_latency_s is None else float(base_latency_s)
+            c["latency_s"] = float(net.get("latency_ms", 0.0)) / 1e3 + base
+        if c.get("bandwidth_gbit") is None:
+            c["bandwidth_gbit"] = float(net["bandwidth_mbit"]) / 1e3 if net.get("bandwidth_mbit") else 100.0
+    return c
+
+
+def validate_method(comp: dict) -> str | None:
+    """None if ``comp`` is a valid compression config, else the reason (it is then skipped)."""
+    from redsync_hvd.compressors import parse_compression
+    try:
+        parse_compression(comp)
+        return None
+    except (ValueError, TypeError) as exc:
+        return str(exc)
+
+
+# -- measurements ----------------------------------------------------------------------------
+def worker_spec(cfg: dict, model: dict, **extra) -> dict:
+    spec = {"model": model["model"], "model_options": model.get("options") or {},
+            "batch_size": model.get("batch_size", 16), "steps": cfg["steps"], "warmup": cfg["warmup"],
+            "threads": cfg["threads"], "seed": cfg["seed"], "lr": cfg["lr"], "rounds": cfg["rounds"]}
+    for k in ("input_shape", "num_classes", "seq_len"):
+        if k in model:
+            spec[k] = model[k]
+    spec.update(extra)
+    return spec
+
+
+def thread_env(cfg) -> dict:
+    t = str(cfg["threads"])
+    return {"OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t}
+
+
+def measure_compute(cfg: dict, model: dict, procs: int, run_dir: Path) -> dict:
+    """Compute-only step time (no Horovod): ``procs`` identical processes at once."""
+    spec = worker_spec(cfg, model, mode="compute", steps=cfg["compute_steps"], rounds=1)
+    env = {**os.environ, **thread_env(cfg), "PYTHONPATH": str(REPO)}
+    ps, outs = [], []
+    for i in range(procs):
+        out = run_dir / f"compute-{model['name']}-p{procs}-{i}.json"
+        log = open(run_dir / f"compute-{model['name']}-p{procs}-{i}.log", "w")
+        ps.append((subprocess.Popen([sys.executable, "-m", "scripts.netbench.worker", "--spec", json.dumps(spec),
+                                     "--out", str(out)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True), log))
+        outs.append(out)
+    try:
+        for p, log in ps:
+            p.wait(timeout=cfg["timeout_s"])
+    finally:
+        for p, log in ps:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            log.close()
+    times = []
+    for p_log, out in zip(ps, outs):
+        if p_log[0].returncode != 0 or not out.exists():
+            raise RuntimeError(f"compute measurement of {model['name']} failed; see {out.with_suffix('.log')}")
+        r = json.loads(out.read_text())
+        times.append(next(iter(r["runs"].values()))["compute_s"])
+        params = next(iter(r["runs"].values()))["parameters"]
+    times.sort()
+    return {"compute_s": times[len(times) // 2], "all": times, "parameters": params}
+
+
+def run_setting(cfg, net_cfg, models, methods, run_dir: Path, log) -> tuple[list, dict]:
+    """One network setting: build it, probe it, run every model; returns (results, probe)."""
+    hosts, bw, lat = int(net_cfg["hosts"]), net_cfg.get("bandwidth_mbit"), float(net_cfg.get("latency_ms", 0.0))
+    tag = f"n{hosts}-bw{bw or 'inf'}-lat{lat:g}"
+    results = []
+    with netns.ShapedNetwork(hosts=hosts, bandwidth_mbit=bw, latency_ms=lat) as net:
+        log(f"[{tag}] network up: {net.describe()}")
+        from scripts.netbench.probe import measure_link
+        probe = measure_link(net, nbytes=(8 << 20) if (bw or 1e9) < 500 else (64 << 20)) if hosts > 1 else {}
+        log(f"[{tag}] probe: goodput {probe.get('goodput_mbit', 0):.0f} Mbit/s, RTT {probe.get('rtt_ms', 0):.3f} ms")
+        for model in models:
+            runs = [{"label": name, "compression": comp} for name, comp in methods]
+            runs += [{"label": f"{name}/comm", "compression": comp, "comm_only": True} for name, comp in methods
+                     if name in cfg["comm_only"] and int(comp.get("local_steps", 1) or 1) == 1]
+            spec = worker_spec(cfg, model, runs=runs, probe_network=hosts > 1,
+                               probe_bytes=(2 << 20) if (bw or 1e9) < 500 else (8 << 20))
+            out = run_dir / f"result-{model['name']}-{tag}.json"
+            t0 = time.time()
+            for attempt in (1, 2):
+                try:
+                    launch(net, ["python", "-m", "scripts.netbench.worker", "--spec", json.dumps(spec),
+                                 "--out", str(out)], timeout=cfg["timeout_s"],
+                           log_dir=run_dir / f"logs-{model['name']}-{tag}-try{attempt}", env=thread_env(cfg))
+                    break
+                except LaunchError as exc:
+                    log(f"[{tag}] {model['name']}: attempt {attempt} failed: {str(exc)[:1500]}")
+                    if attempt == 2:
+                        out = None
+            log(f"[{tag}] {model['name']}: {len(runs)} methods x {cfg['rounds']} rounds in {time.time() - t0:.0f}s")
+            results.append((model, json.loads(out.read_text()) if out else None))
+    return results, probe
+
+
+# -- rows, tables, plots ---------------------------------------------------------------------
+def _fmt(v, nd=4):
+    if v is None or v == "":
+        return ""
+    if isinstance(v, float):
+        if math.isnan(v) or math.isinf(v):
+            return ""
+        return f"{v:.{nd}g}" if abs(v) < 1e4 else f"{v:.0f}"
+    return str(v)
+
+
+def build_rows(cfg, setting, model, result, methods, probe, compute) -> list[dict]:
+    hosts, bw, lat = int(setting["hosts"]), setting.get("bandwidth_mbit"), float(setting.get("latency_ms", 0.0))
+    base = dict(model=model["name"], hosts=hosts, bandwidth_mbit=bw, latency_ms=lat,
+                goodput_mbit=probe.get("goodput_mbit"), rtt_ms=probe.get("rtt_ms"))
+    rows = []
+    if result is None:
+        return [dict(base, method=name, status="failed") for name, _ in methods]
+    alpha0 = cfg["base_latency_s"] if cfg["base_latency_s"] is not None else (probe.get("rtt_ms", 0.0) / 2e3)
+    net = cm_network(bw, lat, alpha0)                       # nominal: tbf rate, added + base latency
+    hp = result.get("network_probe")                        # as Horovod sees it (costmodel.probe_network)
+    net_hvd = cm.Network(hp["alpha_s"], hp["bandwidth_Bps"]) if hp else None
+    fusion = fusion_bytes(result.get("horovod_env"))
+    labels = [name for name, _ in methods] + [k for k in result["runs"] if k.endswith("/comm")]
+    for name in labels:
+        r = result["runs"].get(name)
+        if r is None:
+            rows.append(dict(base, method=name, status="missing"))
+            continue
+        r = {**r, "horovod_env": result.get("horovod_env")}
+        if r.get("comm_only"):   # no forward/backward: the exchange and the update only
+            c_n = c_alone = 0.0
+        else:
+            c_alone = compute[model["name"]]["1"]["compute_s"]
+            c_n = compute[model["name"]].get(str(hosts), compute[model["name"]]["1"])["compute_s"]
+        p = predict(r, hosts, net, c_n, fusion)
+        row = dict(
+            base, method=name, step_time_s=r["step_time_s"], wire_bytes_per_step=r["wire_bytes_per_step"],
+            dense_bytes_per_step=r["dense_bytes_per_step"], compression_ratio=r.get("compression_ratio"),
+            compute_s=r["compute_s"], select_s=r["select_s"], communicate_s=r["communicate_s"],
+            decompress_s=r["decompress_s"],
+            overhead_pct_of_compute=100 * (r["select_s"] + r["decompress_s"]) / r["compute_s"]
+            if r["compute_s"] > 0 else None,
+            compute_alone_s=c_alone, compute_nproc_s=c_n, predicted_step_time_s=p["predicted_step_time_s"],
+            prediction_error_pct=_err(p["predicted_step_time_s"], r["step_time_s"]),
+            predicted_overlap_s=p["predicted_overlap_s"], predicted_comm_s=p["predicted_comm_s"],
+            compressed_layers=sum(1 for _, _, m in plan_from_run(r) if not m.startswith("dense")),
+            loadavg_1min=(result.get("loadavg") or [None])[0],
+            status=f"ok ({r['statistic']} of {len(r['steps_s'])} steps)")
+        if net_hvd is not None:
+            pc = predict(r, hosts, net_hvd, c_n, fusion)
+            row.update(hvd_alpha_ms=hp["alpha_s"] * 1e3, hvd_bandwidth_mbit=hp["bandwidth_Bps"] * 8 / 1e6,
+                       predicted_calibrated_s=pc["predicted_step_time_s"],
+                       calibrated_error_pct=_err(pc["predicted_step_time_s"], r["step_time_s"]))
+            # the slowest rank sets the pace: its own compute and overhead, Horovod's alpha/B
+            slow = max(r.get("per_rank") or [r], key=lambda x: x["compute_s"] + x["select_s"] + x["decompress_s"])
+            pr = predict({**r, "select_s": slow["select_s"], "decompress_s": slow["decompress_s"]}, hosts,
+                         net_hvd, slow["compute_s"] if not r.get("comm_only") else 0.0, fusion)
+            row.update(predicted_in_run_s=pr["predicted_step_time_s"],
+                       in_run_error_pct=_err(pr["predicted_step_time_s"], r["step_time_s"]))
+        rows.append(row)
+    by = {row["method"]: row for row in rows}
+    for row in rows:
+        dense = by.get("dense/comm" if row["method"].endswith("/comm") else "dense")
+        if dense and row.get("step_time_s") and dense.get("step_time_s"):
+            row["speedup_vs_dense"] = dense["step_time_s"] / row["step_time_s"]
+    return rows
+
+
+def _err(predicted, measured):
+    return 100 * (predicted - measured) / measured if measured else None
+
+
+def skipped_rows(setting, models, methods, why) -> list[dict]:
+    return [dict(model=m["name"], method=name, hosts=setting["hosts"], bandwidth_mbit=setting.get("bandwidth_mbit"),
+                 latency_ms=setting.get("latency_ms", 0.0), status=f"skipped: {why}")
+            for m in models for name, _ in methods]
+
+
+def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        w.writeheader()
+        for row in rows:
+            w.writerow({c: _fmt(row.get(c)) if isinstance(row.get(c), float) else row.get(c, "") for c in columns})
+
+
+def markdown(rows: list[dict]) -> str:
+    cols = ["model", "method", "hosts", "bandwidth_mbit", "latency_ms", "step_time_s", "speedup_vs_dense",
+            "wire_bytes_per_step", "compute_s", "select_s", "communicate_s", "decompress_s",
+            "overhead_pct_of_compute", "predicted_step_time_s", "prediction_error_pct"]
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        if not r.get("step_time_s"):
+            continue
+        out.append("| " + " | ".join(_fmt(r.get(c), 3) for c in cols) + " |")
+    return "\n".join(out)
+
+
+def plots(run_dir: Path, rows: list[dict]) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ok = [r for r in rows if r.get("step_time_s")]
+    files = []
+    # speedup vs bandwidth, one line per (model, method, hosts), at the smallest latency
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    keys = sorted({(r["model"], r["method"], r["hosts"]) for r in ok
+                   if r["method"] != "dense" and not r["method"].endswith("/comm")})
+    for model, method, hosts in keys:
+        pts = sorted((float(r["bandwidth_mbit"] or 1e5), r.get("speedup_vs_dense") or float("nan")) for r in ok
+                     if (r["model"], r["method"], r["hosts"]) == (model, method, hosts) and not r["latency_ms"])
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{model} {method} N={hosts}")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xscale("log")
+    ax.set_xlabel("link bandwidth (Mbit/s)")
+    ax.set_ylabel("speedup vs dense (step time)")
+    ax.set_title("End-to-end speedup on the shaped network")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    files.append(run_dir / "speedup_vs_bandwidth.png")
+    fig.savefig(files[-1], dpi=120)
+    plt.close(fig)
+    # time breakdown bars
+    fig, ax = plt.subplots(figsize=(max(6.4, 0.55 * len(ok) + 2), 4.4))
+    labels = [f"{r['model']}\n{r['method']}\nN={r['hosts']} {_fmt(r['bandwidth_mbit'])}M" for r in ok]
+    bottom = [0.0] * len(ok)
+    for part, color in (("compute_s", "#4c72b0"), ("select_s", "#dd8452"), ("communicate_s", "#55a868"),
+                        ("decompress_s", "#c44e52")):
+        vals = [max(0.0, r.get(part) or 0.0) for r in ok]
+        ax.bar(range(len(ok)), vals, bottom=bottom, color=color, label=part[:-2])
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.scatter(range(len(ok)), [r.get("predicted_step_time_s") or float("nan") for r in ok], marker="_", s=300,
+               color="black", label="predicted (cost model)", zorder=3)
+    ax.set_xticks(range(len(ok)))
+    ax.set_xticklabels(labels, fontsize=6)
+    ax.set_ylabel("seconds per step (rank 0)")
+    ax.set_title("Where a step's time goes")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    files.append(run_dir / "time_breakdown.png")
+    fig.savefig(files[-1], dpi=120)
+    plt.close(fig)
+    # predicted vs measured: nominal link (tbf rate) and Horovod-probed alpha/B
+    fig, ax = plt.subplots(figsize=(5.2, 4.6))
+    pts = [r for r in ok if r.get("predicted_step_time_s")]
+    if pts:
+        xs = [r["step_time_s"] for r in pts]
+        ax.scatter(xs, [r["predicted_step_time_s"] for r in pts], label="nominal link (tbf rate)")
+        cal = [r for r in pts if r.get("predicted_calibrated_s")]
+        if cal:
+            ax.scatter([r["step_time_s"] for r in cal], [r["predicted_calibrated_s"] for r in cal], marker="x",
+                       label="alpha, B probed through Horovod")
+        for r in pts:
+            ax.annotate(f"{r['model'][:6]} {r['method']} N={r['hosts']}", (r["step_time_s"], r["predicted_step_time_s"]),
+                        fontsize=5)
+        ys = [r["predicted_step_time_s"] for r in pts] + [r["predicted_calibrated_s"] for r in cal]
+        hi = max(xs + ys) * 1.1
+        ax.plot([0, hi], [0, hi], color="grey", lw=0.8)
+        ax.fill_between([0, hi], [0, hi * 0.8], [0, hi * 1.2], color="grey", alpha=0.15, label="within 20%")
+        ax.set_xlim(0, hi)
+        ax.set_ylim(0, hi)
+        ax.legend(fontsize=7)
+    ax.set_xlabel("measured step time (s)")
+    ax.set_ylabel("predicted step time (s)")
+    ax.set_title("Cost model vs measurement")
+    fig.tight_layout()
+    files.append(run_dir / "predicted_vs_measured.png")
+    fig.savefig(files[-1], dpi=120)
+    plt.close(fig)
+    return files
+
+
+# -- main ------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="YAML sweep, e.g. configs/bench/quick.yaml")
+    ap.add_argument("--output-dir", default=None, help="overrides output_dir of the config")
+    ap.add_argument("--models", default=None, help="comma-separated subset of the config's model names")
+    ap.add_argument("--methods", default=None, help="comma-separated subset of the config's method names")
+    ap.add_argument("--networks", default=None, help="comma-separated indices (from 0) into the config's networks")
+    a = ap.parse_args(argv)
+    try:
+        cfg = load_config(a.config)
+    except (OSError, BenchConfigError, yaml.YAMLError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    why = netns.missing_prerequisites()
+    if why:
+        print("error: the end-to-end bench builds an emulated network and needs: " + "; ".join(why), file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGHUP, _terminate)
+
+    if a.networks:
+        try:
+            cfg["networks"] = [cfg["networks"][int(i)] for i in a.networks.split(",")]
+        except (ValueError, IndexError):
+            print(f"error: --networks takes indices 0..{len(cfg['networks']) - 1}", file=sys.stderr)
+            return 2
+    models = [m for m in cfg["models"] if not a.models or m["name"] in a.models.split(",")]
+    all_methods = [(n, c) for n, c in cfg["methods"].items() if not a.methods or n in a.methods.split(",")]
+    if not models or not all_methods:
+        print("error: --models/--methods left nothing to run", file=sys.stderr)
+        return 2
+    if "dense" not in dict(all_methods):
+        print("warning: no 'dense' method: speedup_vs_dense stays empty", file=sys.stderr)
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = (REPO / (a.output_dir or cfg["output_dir"]) / f"{cfg['name']}-{stamp}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    logf = open(run_dir / "bench.log", "w")
+    t_start = time.time()
+
+    def log(msg):
+        line = f"[{time.time() - t_start:6.1f}s] {msg}"
+        print(line, file=sys.stderr, flush=True)
+        logf.write(line + "\n")
+        logf.flush()
+
+    has_netem = None
+    rows, raw, compute = [], {"settings": []}, {}
+    try:
+        log(f"run folder {run_dir}")
+        # compute time with no communication: alone, and with N copies sharing the CPU
+        counts = sorted({1} | {int(n["hosts"]) for n in cfg["networks"]})
+        for model in models:
+            compute[model["name"]] = {}
+            for procs in counts:
+                c = measure_compute(cfg, model, procs, run_dir)
+                compute[model["name"]][str(procs)] = c
+                log(f"compute {model['name']} ({c['parameters']:,} parameters) with {procs} process(es): "
+                    f"{c['compute_s']:.3f}s per step")
+        raw["compute"] = compute
+        for setting in cfg["networks"]:
+            s_models = [m for m in models if not setting.get("models") or m["name"] in setting["models"]]
+            s_methods = [(n, c) for n, c in all_methods if not setting.get("methods") or n in setting["methods"]]
+            if not s_models or not s_methods:
+                continue
+            valid = []
+            for name, spec in s_methods:
+                comp = method_config(spec, setting, cfg["base_latency_s"])
+                err = validate_method(comp)
+                if err:
+                    log(f"method {name} skipped: its config does not validate: {err}")
+                    rows += skipped_rows(setting, s_models, [(name, comp)], f"config invalid: {err}")
+                else:
+                    valid.append((name, comp))
+            if float(setting.get("latency_ms", 0.0)) > 0:
+                if has_netem is None:
+                    has_netem = netns.netem_available()
+                if not has_netem:
+                    log(f"setting {setting} skipped: added latency needs the netem qdisc, missing in this kernel")
+                    rows += skipped_rows(setting, s_models, valid, "netem qdisc unavailable (no added latency)")
+                    continue
+            results, probe = run_setting(cfg, setting, s_models, valid, run_dir, log)
+            for model, result in results:
+                new = build_rows(cfg, setting, model, result, valid, probe, compute)
+                rows += new
+                raw["settings"].append({"setting": setting, "model": model["name"], "probe": probe,
+                                        "methods": dict(valid), "result": result})
+                for r in new:
+                    if r.get("step_time_s"):
+                        log(f"  {r['model']:>12} {r['method']:>8} N={r['hosts']} {r['bandwidth_mbit']}M: "
+                            f"{r['step_time_s']:.3f}s/step, x{r.get('speedup_vs_dense') or float('nan'):.2f} vs dense, "
+                            f"predicted {r['predicted_step_time_s']:.3f}s ({r['prediction_error_pct']:+.0f}%)")
+    except KeyboardInterrupt:
+        log("interrupted: networks torn down; writing what was measured")
+    finally:
+        left = netns.list_namespaces(netns.PREFIX + str(os.getpid()))
+        if left:
+            netns.cleanup(netns.PREFIX + str(os.getpid()))
+        # models.csv: compute/communication ratio of dense fp32 at each setting
+        mrows = []
+        for model in models:
+            c = compute.get(model["name"])
+            if not c:
+                continue
+            params = c["1"]["parameters"]
+            for setting in cfg["networks"]:
+                n, bw = int(setting["hosts"]), setting.get("bandwidth_mbit")
+                if not bw or n < 2:
+                    continue
+                comm = cm.ring_allreduce(n, 4 * params, cm.Network.from_config(0.0, bw / 1e3))
+                measured = next((r for r in rows if r["model"] == model["name"] and r["method"] == "dense" and
+                                 r["hosts"] == n and r["bandwidth_mbit"] == bw and r.get("step_time_s")), None)
+                mrows.append(dict(model=model["name"], parameters=params, dense_mbytes=4 * params / 1e6, hosts=n,
+                                  bandwidth_mbit=bw, compute_alone_s=c["1"]["compute_s"],
+                                  compute_nproc_s=c.get(str(n), c["1"])["compute_s"], dense_allreduce_model_s=comm,
+                                  compute_to_comm=c["1"]["compute_s"] / comm if comm else None,
+                                  dense_step_measured_s=measured["step_time_s"] if measured else None))
+        write_csv(run_dir / "models.csv", mrows, ["model", "parameters", "dense_mbytes", "hosts", "bandwidth_mbit",
+                                                 "compute_alone_s", "compute_nproc_s", "dense_allreduce_model_s",
+                                                 "compute_to_comm", "dense_step_measured_s"])
+        csv_path = run_dir / "results.csv"
+        write_csv(csv_path, rows, COLUMNS)
+        (run_dir / "results.json").write_text(json.dumps({"rows": rows, "models": mrows, **raw}, default=str))
+        if any(r.get("step_time_s") for r in rows):
+            try:
+                plots(run_dir, rows)
+            except Exception as exc:  # a plot must not lose the measurements
+                log(f"plotting failed: {exc}")
+        table = markdown(rows)
+        (run_dir / "results.md").write_text(table + "\n")
+        log(f"done in {time.time() - t_start:.0f}s; namespaces left: {netns.list_namespaces(netns.PREFIX + str(os.getpid()))}")
+        logf.close()
+        print(table)
+        print(csv_path)
+    return 0 if any(r.get("step_time_s") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Predicted step time of a measured run, from ``redsync_hvd.costmodel``.
+
+    predicted = costmodel.step_time(layers, N, net, compute_s = compute + select + decompress)
+              + the small collectives step_time does not list
+
+* ``compute``: measured with no communication (``worker.py`` mode ``compute``), ideally
+  with N such processes running at once, so CPU sharing matches the distributed run;
+* ``select``, ``decompress``: the run's own measured medians (``communication_stats``);
+* ``layers``: one ``(numel, density, method)`` per parameter, from the run's actual
+  messages: layers sent dense -> ``dense`` (``dense_fp16`` for fp16); compressed layers ->
+  the cost model's wire format (``sign_mean``, ``pairs``, ``pairs_fp16``, ``golomb``,
+  ``iwp``) with the density that reproduces the measured bytes of that layer
+  (``message_bytes(n, density) == measured``). Dense layers are packed into Horovod
+  fusion buffers of ``fusion_bytes`` (Horovod 0.28's default 128 MiB, or
+  HOROVOD_FUSION_THRESHOLD), one ring allreduce each;
+* ``net``: the shaped network, ``alpha = added latency + base one-way latency``
+  (half the measured RTT of the unloaded link), ``B`` = the tbf rate (or the measured
+  TCP goodput, for the calibrated variant);
+* extra collectives (not in ``step_time``): the one-float finite check (a ring
+  allreduce) and the fixed-size header allgather of every sparse bucket.
+
+No overlap of backward and communication is assumed (``step_time(overlap=False)``),
+so it is an upper bound where Horovod overlaps the dense allreduce with backward;
+``predicted_overlap_s`` gives the other extreme (``max(compute, comm)``).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+from redsync_hvd import costmodel as cm
+
+HOROVOD_DEFAULT_FUSION = 128 * 1024 * 1024
+ZERO = cm.ComputeModel(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def fusion_bytes(env: dict | None = None) -> int:
+    v = (env or os.environ).get("HOROVOD_FUSION_THRESHOLD")
+    return int(v) if v else HOROVOD_DEFAULT_FUSION
+
+
+def wire_method(compression: dict | None) -> str:
+    """The cost model's name for what a compressed layer of this method puts on the wire."""
+    c = compression or {"method": "none"}
+    m = c.get("method", "none")
+    if m == "redsync":
+        if c.get("index_coding", "raw") == "golomb":
+            return "golomb"
+        return {"sign_mean": "sign_mean", "fp16": "pairs_fp16"}.get(c.get("quantize", "sign_mean"), "pairs")
+    if m == "sbc":
+        return "golomb" if c.get("index_coding", "golomb") == "golomb" else "sign_mean"
+    if m in ("topk", "randomk"):
+        return "pairs"
+    if m == "iwp":
+        return "iwp"
+    return "dense_fp16" if m == "fp16" else "dense"
+
+
+def _density_for_bytes(n: int, nbytes: float, method: str) -> float:
+    """Smallest density whose ``message_bytes(n, d, method)`` reaches the measured bytes."""
+    lo, hi = 1e-12, 1.0
+    if cm.message_bytes(n, hi, method) <= nbytes:
+        return hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if cm.message_bytes(n, mid, method) < nbytes:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def plan_from_run(run: dict) -> list:
+    """(numel, density, method) per layer, from the measured per-layer messages of a run."""
+    method = wire_method(run.get("compression"))
+    dense = "dense_fp16" if method == "dense_fp16" else "dense"
+    plan = []
+    for layer in run.get("layers", []):
+        n = int(layer["dense_bytes"]) // 4
+        if layer["group"] == "dense" or method.startswith("dense"):
+            plan.append((n, 1.0, dense))
+        else:
+            plan.append((n, _density_for_bytes(n, float(layer["wire_bytes"]), method), method))
+    return plan
+
+
+def predict(run: dict, N: int, net: cm.Network, compute_s: float, fusion: int | None = None) -> dict:
+    """Predicted seconds per step of ``run`` (a ``worker.py`` result for one label)."""
+    plan = plan_from_run(run)
+    fusion = fusion or fusion_bytes(run.get("horovod_env"))
+    overhead = float(run.get("select_s", 0.0)) + float(run.get("decompress_s", 0.0))
+    comm = cm.step_time(plan, N, net, 0.0, compute=ZERO, fusion_bytes=fusion)
+    extra = cm.ring_allreduce(N, 4, net) if (run.get("compression") or {}).get("check_finite", True) else 0.0
+    for bucket in run.get("buckets", []):
+        # header: one int32 count per wire tensor (about 2 per layer); the payload is in `comm`
+        extra += cm.ring_allgather(N, 8 * len(bucket), net)
+    local = int((run.get("compression") or {}).get("local_steps", 1) or 1)
+    comm_per_step = (comm + extra) / local   # SBC: one exchange every local_steps steps
+    total = compute_s + overhead + comm_per_step
+    return {"predicted_step_time_s": total, "predicted_comm_s": comm_per_step,
+            "predicted_overlap_s": max(compute_s, comm_per_step) + overhead,
+            "predicted_compute_s": compute_s, "predicted_overhead_s": overhead}
+
+
+def network(bandwidth_mbit: float | None, latency_ms: float, base_latency_s: float = 0.0,
+            goodput_mbit: float | None = None) -> cm.Network:
+    """alpha = added one-way latency + base; B = the shaped rate (or measured goodput)."""
+    mbit = goodput_mbit if goodput_mbit else bandwidth_mbit
+    bw = math.inf if not mbit else mbit * 1e6 / 8
+    return cm.Network(alpha=latency_ms / 1e3 + base_latency_s, bandwidth=bw)

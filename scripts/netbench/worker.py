@@ -1,0 +1,221 @@
+"""Bench worker: train a reference model on synthetic data for a fixed number of steps and
+time every step.
+
+    python -m scripts.netbench.worker --spec '{"model": "vgg", "model_options": {"fc_width": 4096},
+        "batch_size": 16, "steps": 8, "warmup": 3, "compression": {"method": "none"}}' --out r.json
+
+Modes (``spec["mode"]``):
+
+* ``distributed`` (default): one Horovod rank (launched by ``launcher.py`` inside a network
+  namespace, or by horovodrun) wrapping SGD in ``redsync_hvd.torch.DistributedOptimizer``.
+  Per step: wall time (forward + backward + ``opt.step()``, which waits for the exchange),
+  and from ``opt.communication_stats()["last_step"]`` the seconds in ``select``,
+  ``communicate`` and ``decompress`` and the wire bytes; ``compute`` = step - those three.
+* ``compute``: no Horovod, no communication: plain SGD, the same forward/backward/update.
+  It is the model's compute time (the denominator of the compute/communication ratio).
+
+Several configurations in one process: ``spec["runs"] = [{"label": "dense", "compression":
+{...}}, ...]`` with ``spec["rounds"] = R`` trains each of them R times, interleaved (A, B,
+A, B), each time from a fresh model and optimizer with ``warmup`` untimed steps; one
+start-up (Horovod, rendezvous) serves them all, and a change in background load hits
+every configuration alike.
+
+Rank 0 writes one JSON object to ``--out``: per label, medians over the timed steps (the
+mean for methods with ``local_steps`` > 1, whose exchange happens every few steps), the
+per-step lists, per-layer message sizes and decisions, the allgather buckets; it prints
+a short form on its last stdout line after ``RESULT``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+DEFAULTS = {
+    "mode": "distributed", "model": "vgg", "model_options": {}, "input_shape": [3, 32, 32],
+    "num_classes": 10, "seq_len": 35, "batch_size": 16, "steps": 8, "warmup": 3, "threads": 1,
+    "seed": 0, "lr": 0.01, "momentum": 0.9, "compression": {"method": "none"}, "batches": 4,
+    "runs": [], "rounds": 1, "probe_network": False, "probe_bytes": 8 << 20,
+}
+PHASES = ("select", "communicate", "decompress")
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else 0.0
+
+
+def make_batches(spec, rank: int):
+    import torch
+    g = torch.Generator().manual_seed(1000 * spec["seed"] + rank)
+    out = []
+    for _ in range(spec["batches"]):
+        if spec["model"] == "lstm_lm":
+            x = torch.randint(0, spec["num_classes"], (spec["batch_size"], spec["seq_len"]), generator=g)
+            y = torch.randint(0, spec["num_classes"], (spec["batch_size"], spec["seq_len"]), generator=g)
+        else:
+            x = torch.randn(spec["batch_size"], *spec["input_shape"], generator=g)
+            y = torch.randint(0, spec["num_classes"], (spec["batch_size"],), generator=g)
+        out.append((x, y))
+    return out
+
+
+def build(spec):
+    import torch
+    from redsync_hvd.models import build_model
+    torch.manual_seed(spec["seed"])
+    shape = (spec["seq_len"],) if spec["model"] == "lstm_lm" else tuple(spec["input_shape"])
+    return build_model(spec["model"], spec["num_classes"], shape, **spec["model_options"])
+
+
+def loss_fn(model, x, y):
+    import torch.nn.functional as F
+    out = model(x)
+    if out.dim() == 3:
+        out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
+    return F.cross_entropy(out, y)
+
+
+def _train(spec, compression, rank, rhvd, comm_only=False):
+    """One fresh model + optimizer; ``warmup`` untimed then ``steps`` timed steps.
+    ``comm_only``: no forward/backward; fixed random gradients go through ``opt.step()``
+    (the exchange alone, plus the optimizer update)."""
+    import torch
+    distributed = rhvd is not None
+    model = build(spec)
+    opt = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=spec["momentum"])
+    if distributed:
+        opt = rhvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
+        rhvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        rhvd.allreduce(torch.zeros(1), name="netbench.start")   # start the timed loop together
+    batches = make_batches(spec, rank)
+    out = {"steps": [], "wire": [], **{p: [] for p in PHASES}}
+    if comm_only:
+        g = torch.Generator().manual_seed(spec["seed"] * 7919 + rank)
+        fixed = [torch.randn(p.shape, generator=g) * 1e-3 for p in model.parameters()]
+        loss = torch.zeros(())
+    for i in range(spec["warmup"] + spec["steps"]):
+        x, y = batches[i % len(batches)]
+        t0 = time.perf_counter()
+        if comm_only:
+            for p, f in zip(model.parameters(), fixed):
+                p.grad = f   # no copy: the exchange overwrites it with the average, reused next step
+        else:
+            loss = loss_fn(model, x, y)
+            opt.zero_grad()
+            loss.backward()
+        opt.step()
+        dt = time.perf_counter() - t0
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss.item()} at step {i}: lower spec['lr']")
+        if i < spec["warmup"]:
+            continue
+        out["steps"].append(dt)
+        last = opt.communication_stats()["last_step"] if distributed else {}
+        for p in PHASES:
+            out[p].append(float(last.get(f"time_{p}", 0.0)))
+        out["wire"].append(float(last.get("wire_bytes", 0.0)))
+    out["final_loss"] = float(loss.detach())
+    out["parameters"] = sum(p.numel() for p in model.parameters())
+    if distributed:
+        stats = opt.communication_stats()
+        out["layers"] = [{"name": name, **v} for name, v in stats["layers"].items()]
+        out["layer_decisions"] = opt.layer_decisions()
+        ex = getattr(opt, "_exchange", None)
+        # how compressed layers were grouped into allgathers (one header + one payload each)
+        out["buckets"] = [[l.name for l in b.layers] for b in getattr(ex, "_buckets", [])]
+        out["compression_ratio"] = stats["compression_ratio"]
+    del opt, model
+    return out
+
+
+def _summarise(label, compression, parts, rank, size):
+    steps = [s for p in parts for s in p["steps"]]
+    phases = {ph: [x for p in parts for x in p[ph]] for ph in PHASES}
+    wire = [w for p in parts for w in p["wire"]]
+    compute = [s - sum(phases[ph][j] for ph in PHASES) for j, s in enumerate(steps)]
+    # communication delay (SBC: local steps, then one exchange): only the mean over whole
+    # periods is the cost per step; everything else: the median, robust to a noisy host
+    delayed = int((compression or {}).get("local_steps", 1) or 1) > 1
+    agg = statistics.fmean if delayed else _median
+    last = parts[-1]
+    return {
+        "label": label, "compression": compression, "rank": rank, "size": size,
+        "parameters": last["parameters"], "statistic": "mean" if delayed else "median",
+        "step_time_s": agg(steps), "step_time_median_s": _median(steps), "step_time_mean_s": statistics.fmean(steps),
+        "compute_s": agg(compute), **{f"{ph}_s": agg(phases[ph]) for ph in PHASES},
+        "wire_bytes_per_step": statistics.fmean(wire) if delayed else _median(wire),
+        "dense_bytes_per_step": 4 * last["parameters"], "steps_s": steps, "phases_s": phases,
+        "rounds": len(parts), "final_loss": last["final_loss"],
+        **{k: last[k] for k in ("layers", "layer_decisions", "buckets", "compression_ratio") if k in last},
+    }
+
+
+def run(spec) -> dict:
+    """Every entry of ``spec["runs"]`` (or the single ``spec["compression"]``), ``rounds`` times,
+    interleaved (run A, run B, run A, run B...) so a change in background load hits all alike."""
+    import torch
+    torch.set_num_threads(int(spec["threads"]))
+    rhvd, rank, size = None, 0, 1
+    if spec["mode"] == "distributed":
+        import redsync_hvd.torch as rhvd
+        rhvd.init()
+        rank, size = rhvd.rank(), rhvd.size()
+    probe = None
+    if rhvd is not None and spec["probe_network"]:
+        # alpha and B as Horovod itself sees them (negotiation, Gloo, CPU load included):
+        # the cost model's own fit from timed allreduces of 8 bytes and probe_bytes
+        from redsync_hvd.comm import HorovodCommunicator
+        from redsync_hvd.costmodel import probe_network
+        t0 = time.perf_counter()
+        net = probe_network(HorovodCommunicator(), sizes=(8, int(spec["probe_bytes"])), repeats=5, warmup=1,
+                            reduce=statistics.median)
+        probe = {"alpha_s": net.alpha, "bandwidth_Bps": net.bandwidth, "seconds": time.perf_counter() - t0}
+    runs = spec["runs"] or [{"label": spec["compression"].get("method", "run"), "compression": spec["compression"]}]
+    parts = {r["label"]: [] for r in runs}
+    for _ in range(int(spec["rounds"])):
+        for r in runs:
+            parts[r["label"]].append(_train(spec, r.get("compression"), rank, rhvd, bool(r.get("comm_only"))))
+    results = {r["label"]: {**_summarise(r["label"], r.get("compression"), parts[r["label"]], rank, size),
+                            "comm_only": bool(r.get("comm_only"))} for r in runs}
+    if rhvd is not None:
+        keys = ("step_time_s", "compute_s", "select_s", "communicate_s", "decompress_s")
+        mine = {label: {k: v[k] for k in keys} for label, v in results.items()}
+        everyone = rhvd.allgather_object(mine, name="netbench.gather")
+        for label, v in results.items():
+            v["per_rank"] = [{"rank": i, **e[label]} for i, e in enumerate(everyone)]
+    env = {k: v for k, v in os.environ.items() if k.startswith("HOROVOD_") and k != "HOROVOD_GLOO_RENDEZVOUS_PORT"}
+    return {"spec": spec, "rank": rank, "size": size, "threads": torch.get_num_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "horovod_env": env, "runs": results,
+            "network_probe": probe, "loadavg": os.getloadavg()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--spec", required=True, help="JSON object (or @file) overriding " + json.dumps(DEFAULTS))
+    ap.add_argument("--out", default=None, help="rank 0 writes its JSON result here")
+    a = ap.parse_args(argv)
+    raw = open(a.spec[1:]).read() if a.spec.startswith("@") else a.spec
+    spec = {**DEFAULTS, **json.loads(raw)}
+    unknown = sorted(set(spec) - set(DEFAULTS))
+    if unknown:
+        print(f"error: unknown spec keys {unknown}; valid: {sorted(DEFAULTS)}", file=sys.stderr)
+        return 2
+    result = run(spec)
+    if result["rank"] == 0:
+        text = json.dumps(result)
+        if a.out:
+            tmp = a.out + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, a.out)
+        keys = ("step_time_s", "compute_s", "select_s", "communicate_s", "decompress_s", "wire_bytes_per_step")
+        print("RESULT " + json.dumps({label: {k: r[k] for k in keys} for label, r in result["runs"].items()}),
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

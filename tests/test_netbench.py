@@ -1,0 +1,118 @@
+"""Emulated-network bench (scripts/netbench): two namespaces, two Horovod workers, teardown.
+
+Needs root and iproute2 (``ip``, ``tc``); skipped cleanly otherwise. The unit part
+(cost-model prediction from a run's measured messages, config checks) runs anywhere.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from scripts.netbench import netns  # noqa: E402
+from scripts.netbench.predict import plan_from_run, predict, wire_method  # noqa: E402
+from redsync_hvd import costmodel as cm  # noqa: E402
+
+
+def _can_build() -> str | None:
+    why = netns.missing_prerequisites()
+    if why:
+        return "; ".join(why)
+    try:   # root in a container without CAP_SYS_ADMIN/NET_ADMIN still cannot create namespaces
+        p = subprocess.run(["ip", "netns", "add", "rsnbtestcap"], capture_output=True, text=True, timeout=10)
+        if p.returncode != 0:
+            return f"cannot create a network namespace: {p.stderr.strip()}"
+    finally:
+        subprocess.run(["ip", "netns", "del", "rsnbtestcap"], capture_output=True, timeout=10)
+    return None
+
+
+_WHY = _can_build() if shutil.which("ip") else "iproute2 (ip, tc) is not installed"
+needs_netns = pytest.mark.skipif(_WHY is not None, reason=f"netbench needs root and iproute2: {_WHY}")
+
+
+# -- anywhere ------------------------------------------------------------------------------
+def test_prediction_uses_measured_message_sizes():
+    run = {"compression": {"method": "redsync", "quantize": "sign_mean"}, "select_s": 0.01, "decompress_s": 0.02,
+           "layers": [{"name": "fc", "group": "sparse", "wire_bytes": 4 * 1000 + 4, "dense_bytes": 4 * 1_000_000},
+                      {"name": "bias", "group": "dense", "wire_bytes": 400, "dense_bytes": 400}],
+           "buckets": [["fc"]]}
+    plan = plan_from_run(run)
+    assert plan[0][2] == "sign_mean" and cm.message_bytes(plan[0][0], plan[0][1], "sign_mean") == 4004
+    assert plan[1] == (100, 1.0, "dense")
+    net = cm.Network(alpha=1e-4, bandwidth=125e6)
+    p = predict(run, 2, net, compute_s=0.5)
+    wire = cm.ring_allgather(2, 4004, net) + cm.ring_allreduce(2, 400, net)
+    extra = cm.ring_allreduce(2, 4, net) + cm.ring_allgather(2, 8, net)
+    assert p["predicted_step_time_s"] == pytest.approx(0.5 + 0.03 + wire + extra)
+    dense = {"compression": {"method": "none"}, "layers": [{"name": "w", "group": "dense", "wire_bytes": 4e6,
+                                                             "dense_bytes": 4e6}]}
+    assert predict(dense, 2, net, 0.0)["predicted_comm_s"] == pytest.approx(
+        cm.ring_allreduce(2, 4e6, net) + cm.ring_allreduce(2, 4, net))
+    assert wire_method({"method": "fp16"}) == "dense_fp16" and wire_method({"method": "topk"}) == "pairs"
+
+
+def test_bench_configs_validate():
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_end_to_end as bench
+    for name in ("quick.yaml", "full.yaml"):
+        cfg = bench.load_config(str(REPO / "configs" / "bench" / name))
+        for setting in cfg["networks"]:
+            for method, spec in cfg["methods"].items():
+                comp = bench.method_config(spec, setting)
+                if comp.get("policy") == "cost_model":
+                    assert comp["bandwidth_gbit"] == pytest.approx(setting["bandwidth_mbit"] / 1e3)
+                assert bench.validate_method(comp) is None, (name, method)
+
+
+def test_unknown_bench_key_is_refused(tmp_path):
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_end_to_end as bench
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nstepz: 3\nmodels: []\nmethods: {}\nnetworks: []\n")
+    with pytest.raises(bench.BenchConfigError, match="stepz"):
+        bench.load_config(str(bad))
+
+
+# -- root + iproute2 -----------------------------------------------------------------------
+@needs_netns
+def test_two_namespaces_two_workers_then_nothing_left(tmp_path):
+    from scripts.netbench.launcher import launch
+    net = netns.ShapedNetwork(hosts=2, bandwidth_mbit=1000, latency_ms=0)
+    prefix = net.prefix
+    out = tmp_path / "result.json"
+    spec = {"model": "mlp", "input_shape": [64], "batch_size": 32, "steps": 3, "warmup": 1, "threads": 1,
+            "runs": [{"label": "dense", "compression": {"method": "none"}},
+                     {"label": "topk", "compression": {"method": "topk", "density": 0.05}}]}
+    try:
+        with net:
+            names = netns.list_namespaces(prefix)
+            assert len(names) == 3 and f"{prefix}-sw" in names
+            qd = net.qdiscs()
+            assert qd.count("tbf") == 4, qd        # both directions of both links shaped
+            launch(net, ["python", "-m", "scripts.netbench.worker", "--spec", json.dumps(spec), "--out", str(out)],
+                   timeout=50, log_dir=tmp_path / "logs", env={"OMP_NUM_THREADS": "1"})
+    finally:
+        left = netns.list_namespaces(prefix)
+        netns.cleanup(prefix)
+    assert left == [], f"namespaces left behind: {left}"
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert prefix not in listed
+    assert not os.path.exists(f"/etc/netns/{prefix}-h0")
+    result = json.loads(out.read_text())
+    assert result["size"] == 2
+    dense, topk = result["runs"]["dense"], result["runs"]["topk"]
+    assert len(dense["steps_s"]) == 3 and dense["step_time_s"] > 0
+    assert dense["wire_bytes_per_step"] > 0
+    assert topk["wire_bytes_per_step"] < dense["wire_bytes_per_step"]
+    # both ranks took part, each in its own namespace, through the shaped eth0
+    assert [p["rank"] for p in dense["per_rank"]] == [0, 1]
+    assert result["horovod_env"]["HOROVOD_GLOO_IFACE"] == "eth0"
