@@ -91,9 +91,10 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if cfg.framework == "tensorflow":
-        from .tensorflow.train import run as run_tensorflow
-        return run_tensorflow(cfg)
+    if cfg.framework != "torch":
+        print("error: framework: tensorflow is not available in this build yet; use framework: torch",
+              file=sys.stderr)
+        return 2
     return run(cfg)
 
 
