@@ -26,7 +26,12 @@
 
 namespace {
 
-constexpr int64_t kGrain = 1 << 16;   // elements per task: amortises thread start-up
+constexpr int64_t kGrain = 1 << 16;   // elements per chunk (the unit of work and of output)
+// Chunks per thread at least: a thread gets >= 1M elements (~0.2 ms of streaming), so
+// small layers run on one thread. A parallel region costs a wake-up and a barrier, and
+// on an oversubscribed node (several ranks per host) a preempted thread stalls it for a
+// whole scheduler slice: parallelism must pay for itself.
+constexpr int64_t kChunksPerThread = 16;
 constexpr int64_t kBlock = 4096;      // count_multi block: stays in L1 across threshold groups
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -212,6 +217,14 @@ void check_input(const at::Tensor& x) {
 
 int64_t n_chunks(int64_t n) { return std::max<int64_t>(1, (n + kGrain - 1) / kGrain); }
 
+// Below two threads' worth of chunks run inline: at::parallel_for would still open an
+// OpenMP region (wake-up + barrier) even when it hands all the work to one thread.
+template <typename F>
+void run_chunks(int64_t nc, const F& f) {
+  if (nc < 2 * kChunksPerThread) f(0, nc);
+  else at::parallel_for(0, nc, kChunksPerThread, f);
+}
+
 }  // namespace
 
 // Returns (max|x|, sum|x|); sum is non-finite iff x (probably) holds NaN/Inf.
@@ -221,7 +234,7 @@ std::tuple<double, double> stats(const at::Tensor& x) {
   std::vector<double> mx(nc, 0.0), sm(nc, 0.0);
   const bool f32 = x.scalar_type() == at::kFloat;
   const void* base = x.data_ptr();
-  at::parallel_for(0, nc, 1, [&](int64_t c0, int64_t c1) {
+  run_chunks(nc, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t b = c * kGrain, e = std::min(n, b + kGrain);
       if (f32) stats_f(static_cast<const float*>(base), b, e, &mx[c], &sm[c]);
@@ -241,7 +254,7 @@ at::Tensor count_multi(const at::Tensor& x, const at::Tensor& thr) {
   const int64_t n = x.numel(), nt = thr.numel(), nc = n_chunks(n);
   std::vector<int64_t> part(nc * nt, 0);
   const bool f32 = x.scalar_type() == at::kFloat;
-  at::parallel_for(0, nc, 1, [&](int64_t c0, int64_t c1) {
+  run_chunks(nc, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t b = c * kGrain, e = std::min(n, b + kGrain);
       if (f32) count_f(x.data_ptr<float>(), b, e, thr.data_ptr<float>(), nt, &part[c * nt]);
@@ -267,7 +280,7 @@ static std::tuple<at::Tensor, at::Tensor, int64_t, bool> select_typed(
   std::vector<std::vector<T>> vbufs(with_values ? nc : 0);
   std::vector<int64_t> cnt(nc, 0);
   std::vector<char> fin(nc, 1);
-  at::parallel_for(0, nc, 1, [&](int64_t c0, int64_t c1) {
+  run_chunks(nc, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t b = c * kGrain, e = std::min(n, b + kGrain);
       bool f = true;
@@ -291,7 +304,7 @@ static std::tuple<at::Tensor, at::Tensor, int64_t, bool> select_typed(
   auto vout = at::empty({with_values ? total : 0}, vopt);
   int64_t* o = out.data_ptr<int64_t>();
   T* vo = vout.data_ptr<T>();
-  at::parallel_for(0, nc, 4, [&](int64_t c0, int64_t c1) {
+  run_chunks(nc, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       std::copy(bufs[c].begin(), bufs[c].end(), o + off[c]);
       if (with_values) std::copy(vbufs[c].begin(), vbufs[c].end(), vo + off[c]);
