@@ -142,7 +142,7 @@ def main() -> None:
     p.add_argument("--methods", default="exact,trimmed,tbs,sampled")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--backend", choices=["auto", "native", "torch"], default="auto")
+    p.add_argument("--backend", choices=["auto", "native", "cuda", "torch"], default="auto")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave)")
     p.add_argument("--wait-idle", type=float, default=0, metavar="S",
                    help="shared machines: before each case wait up to S s for an idle CPU")

@@ -387,6 +387,94 @@ def test_cuda(method, dist):
 def test_cuda_reuse():
     x = sample("gauss", 200000).cuda()
     s = SelectionState()
-    for _ in range(3):
+    for _ in range(4):  # search, reuse, reuse, search
         check_range(x, select_topk(x, 200, "tbs", state=s, threshold_reuse=3), 200)
     assert s.searches == 2
+
+
+def _cupy_kernels():
+    from redsync_hvd.core import cuda_select
+    return cuda_select.load()
+
+
+@cuda
+@pytest.mark.parametrize("dist", ["gauss", "t3"])
+def test_cuda_kernels_agree_with_torch(dist):
+    """The CuPy passes count, sum and flag exactly what plain torch ops do."""
+    from redsync_hvd.core import cuda_select
+    if _cupy_kernels() is None:
+        pytest.skip("CuPy kernels unavailable: %s" % cuda_select.load_error)
+    x = sample(dist, 3_000_001).cuda()
+    be = cuda_select.CudaPasses(_cupy_kernels(), x, ValueError("bad"))
+    mx, mean = be.stats()
+    a = x.abs()
+    assert mx == float(a.max())
+    assert abs(mean - float(a.double().mean())) <= 1e-9 * max(1.0, mean)
+    thr = sorted(float(t) for t in torch.rand(20) * mx) + [0.0, mx]
+    assert be.count(thr) == [int(torch.count_nonzero(a > t)) for t in
+                             torch.tensor(thr, dtype=torch.float32).tolist()]
+    x[123457] = float("inf")
+    with pytest.raises(ValueError, match="bad"):
+        cuda_select.CudaPasses(_cupy_kernels(), x, ValueError("bad")).stats()
+
+
+@cuda
+@pytest.mark.parametrize("method", ["trimmed", "tbs", "sampled"])
+def test_cuda_backend_matches_torch_backend(method):
+    if _cupy_kernels() is None:
+        pytest.skip("CuPy kernels unavailable")
+    x = sample("t3", 2_000_000).cuda()
+    k = 2000
+    a = select_topk(x, k, method, backend="cuda")
+    b = select_topk(x, k, method, backend="torch")
+    if method == "trimmed":
+        assert set(a.tolist()) == set(b.tolist()) == true_topk(x.cpu(), k)
+    else:
+        check_range(x, a, k)
+    with pytest.raises(ValueError, match="backend='cuda' unavailable"):
+        select_topk(x.double(), k, method, backend="cuda")
+
+
+def test_cuda_backend_on_cpu_tensor_is_a_clear_error():
+    with pytest.raises(ValueError, match="backend='cuda' unavailable: needs a CUDA float32 tensor"):
+        select_topk(torch.randn(1000), 10, "tbs", backend="cuda")
+
+
+@cuda
+@pytest.mark.parametrize("method", ["trimmed", "tbs"])
+def test_cuda_histogram_search_edge_cases(method):
+    """Mostly zeros (k reaches the zero bin: the exact route), ties, tiny and huge values."""
+    x = torch.zeros(1_000_000, device="cuda")
+    x[:100] = torch.arange(1, 101, dtype=torch.float32, device="cuda")
+    idx = select_topk(x, 500, method)
+    assert set(range(100)) <= set(idx.tolist())
+    assert (idx.numel() == 500) if method == "trimmed" else (500 <= idx.numel() <= 1000)
+    y = torch.full((1_000_000,), 0.5, device="cuda")          # all tied
+    n = select_topk(y, 1000, method).numel()
+    assert (n == 1000) if method == "trimmed" else (1000 <= n <= 2000)
+    z = sample("t3", 1_000_000).cuda() * 1e-30                 # subnormal-adjacent magnitudes
+    z[5] = 3e38
+    idx = select_topk(z, 1000, method)
+    assert 5 in set(idx.tolist())
+    if method == "trimmed":
+        assert set(idx.tolist()) == true_topk(z.cpu(), 1000)
+    else:
+        check_range(z, idx, 1000)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("method", ("trimmed", "tbs", "sampled"))
+def test_reuse_count_above_band_researches_among_candidates(method, backend):
+    """Error feedback grows the residual between searches: a count in (2k, 8k] is
+    re-searched among the candidates of the counting pass (exact top-k, no stats pass)."""
+    x, k = sample("gauss", 200000, seed=5), 200
+    s = SelectionState()
+    select_topk(x, k, method, state=s, threshold_reuse=100, backend=backend)
+    t = s.threshold
+    y = x * 1.15                                   # count above t grows past 2k, stays < 8k
+    c = int((y.abs() > t).sum())
+    assert 2 * k < c <= 8 * k, c
+    idx = select_topk(y, k, method, state=s, threshold_reuse=100, backend=backend)
+    assert s.searches == 2 and s.steps_since_search == 0
+    assert set(idx.tolist()) == true_topk(y, k)        # exactly the top-k
+    assert s.threshold > t                             # the new ~1.5k-th value

@@ -32,8 +32,9 @@ so one config dict can serve every method):
                          threshold by 0.8 (one more pass) to honour the method's contract.
                          After an exact top-k the state keeps the ~1.5k-th largest |x|, so
                          the next count lands mid-band. Ignored by ``exact``.
-  backend="auto"         "native" | "torch" | "auto" (native when built and x is a CPU
-                         float32/float64 tensor).
+  backend="auto"         "native" | "cuda" | "torch" | "auto": native when built and x is
+                         a CPU float32/float64 tensor, cuda (CuPy kernels) when CuPy is
+                         installed and x is a CUDA float32 tensor, torch otherwise.
   name=None              tensor name used in the non-finite error message.
 
 Compute paths:
@@ -44,9 +45,14 @@ Compute paths:
     held in registers); an index pass that also returns |x| of the hits. Once few enough
     elements exceed the low end of the search interval they are gathered and the rest
     of the search runs on them. Gaussian 16M: 3 passes in all, against a radix select.
-  * torch (CUDA, other dtypes, or native missing): |x| once, then count_nonzero/nonzero
-    per probe (2 per sync on CUDA). On CUDA these are bandwidth-bound kernels; there is
-    no CuPy kernel yet.
+  * cuda (CUDA float32 with CuPy, ``cuda_select.py``): on a GPU the cost is host waits,
+    not passes. tbs and trimmed take their threshold from two 4096-bin histograms of
+    the bit patterns of |x| (the second refines the bin holding the k-th value, chosen
+    on the device): all probes at once, exact to 128 float ulps, two host waits, then
+    the same accept/fallback rules. Threshold reuse and sampled use fused count
+    passes of 15 thresholds each.
+  * torch (other dtypes, or no native/CuPy): |x| once, then count_nonzero/nonzero
+    per probe (2 per sync on CUDA).
 NaN/Inf raise ValueError("non-finite gradient values in ...") from a check fused into a
 pass already made (stats, the index pass, or the top-k values for ``exact``).
 """
@@ -59,9 +65,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from redsync_hvd.core import _native
+from redsync_hvd.core import _native, cuda_select
 
-__all__ = ["SelectionState", "select_topk", "METHODS", "native_available"]
+__all__ = ["SelectionState", "select_topk", "METHODS", "native_available", "NonFiniteError"]
 
 METHODS = ("exact", "trimmed", "tbs", "sampled")
 _DEFAULTS: Dict[str, Any] = {
@@ -73,13 +79,17 @@ _DEFAULTS: Dict[str, Any] = {
     "backend": "auto",
     "name": None,
 }
-_BACKENDS = ("auto", "native", "torch")
+_BACKENDS = ("auto", "native", "cuda", "torch")
 _NATIVE_LEVELS = 3       # TBS levels per native count pass: 7 compares/elem stays memory-bound
 _SHORTCUT_FRACTION = 16  # TBS: once <= n/16 elements exceed the low threshold, gather them
 _COUNT_CHUNK = 7         # trimmed: thresholds per count pass (one register group native)
 _F32 = struct.Struct("f")
 _SAMPLE_AIM = 1.15       # sampled: first threshold targets 1.15k hits
 _TRIM_SLACK = 2          # trimmed: bisect further while more than 2k candidates remain
+# CUDA, backend "auto": below this many elements a search costs more in kernel launches
+# and host waits (~0.45 ms) than torch.topk's radix select (0.17 ms at 1M, 0.46 ms at 16M
+# on an H200), so searches use torch.topk; threshold reuse still saves them.
+_CUDA_TOPK_BELOW = 1 << 25
 
 
 @dataclass
@@ -110,9 +120,14 @@ def native_available() -> bool:
     return _native.load() is not None
 
 
+class NonFiniteError(ValueError):
+    """x holds NaN or Inf. Every search checks in a pass it makes anyway, so callers that
+    select from every gradient need no finite-check pass of their own."""
+
+
 def _nonfinite(name: Optional[str], x: torch.Tensor) -> ValueError:
     where = name or "tensor of shape %s" % (tuple(x.shape),)
-    return ValueError("non-finite gradient values in %s (NaN or Inf): refusing to select" % where)
+    return NonFiniteError("non-finite gradient values in %s (NaN or Inf): refusing to select" % where)
 
 
 class _Native:
@@ -255,7 +270,17 @@ def _bisect(flat, k, be, thr, lo: float, hi: float, c_lo: Optional[int], probes:
     return (cand, thr(lo), vals) if cand is not None and c >= k else None
 
 
+def _histogram(flat, k, be):
+    """CUDA: every probe of the search at once from two histogram passes (cuda_select)."""
+    search = getattr(be, "histogram_search", None)
+    return search(k) if search is not None else None
+
+
 def _tbs(flat, k, be, o) -> Tuple[torch.Tensor, float]:
+    hist = _histogram(flat, k, be)
+    if hist is not None:
+        cand, t, vals = hist
+        return (cand, t) if cand.numel() <= 2 * k else _topk_over(flat, cand, k, vals, be.for_state)
     mx, mean = be.stats()
     thr = lambda r: _cast(mean + r * (mx - mean), flat.dtype)  # noqa: E731
     res = _bisect(flat, k, be, thr, 0.0, 1.0, None, o["tbs_max_probes"], 2 * k)
@@ -266,6 +291,9 @@ def _tbs(flat, k, be, o) -> Tuple[torch.Tensor, float]:
 
 
 def _trimmed(flat, k, be, o) -> Tuple[torch.Tensor, float]:
+    hist = _histogram(flat, k, be)
+    if hist is not None:
+        return _topk_over(flat, hist[0], k, hist[2], be.for_state)
     mx, mean = be.stats()
     thr = lambda r: _cast(mean + r * (mx - mean), flat.dtype)  # noqa: E731
     eps = o["trimmed_eps"]
@@ -311,13 +339,19 @@ def _sampled(flat, k, be, o) -> Tuple[torch.Tensor, float]:
 
 
 def _reuse(flat, k, be, state: SelectionState, method: str):
-    """One counting pass at the stored threshold; None means 'search now'."""
+    """One counting pass at the stored threshold. Returns (indices, searched) or None,
+    which means 'search now'. A count above 2k but within the pass's cap re-searches
+    among the candidates already in hand (exact top-k of them, no extra pass): with error
+    feedback the residual grows between searches, so counts mostly drift upwards."""
     t = _cast(state.threshold, flat.dtype)
     cap = max(8 * k, 1024)
     idx, c, vals = be.select(t, cap, True, True)
     state.last_count = c
-    if c < k / 2 or c > 2 * k:
+    if c < k / 2 or idx is None:
         return None  # the threshold went stale
+    if c > 2 * k:
+        idx, state.threshold = _topk_over(flat, idx, k, vals, True)
+        return idx, True
     tries = 0
     while c < k:  # inside the band but below the contract: loosen, keep reusing
         if tries == 3 or t <= 0.0:
@@ -328,8 +362,8 @@ def _reuse(flat, k, be, state: SelectionState, method: str):
             return None
     state.threshold = t
     if method == "trimmed" or c > 2 * k:
-        return _topk_over(flat, idx, k, vals, True)[0]
-    return idx
+        return _topk_over(flat, idx, k, vals, True)[0], False
+    return idx, False
 
 
 _SEARCH = {"trimmed": _trimmed, "tbs": _tbs, "sampled": _sampled}
@@ -358,11 +392,24 @@ def _options(method: str, options: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _backend(flat: torch.Tensor, choice: str, err: ValueError):
-    ok = flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.float64)
-    mod = _native.load() if choice != "torch" and ok else None
+    if flat.is_cuda:
+        ok = flat.dtype == torch.float32
+        kernels = cuda_select.load() if choice in ("auto", "cuda") and ok else None
+        if choice == "cuda" and kernels is None:
+            why = cuda_select.load_error if ok else "needs a CUDA float32 tensor"
+            raise ValueError("backend='cuda' unavailable: %s" % why)
+        if kernels is not None:
+            return cuda_select.CudaPasses(kernels, flat.contiguous(), err)
+        if choice == "native":
+            raise ValueError("backend='native' unavailable: needs a CPU float32/float64 tensor")
+        return _Torch(flat, err)
+    ok = flat.dtype in (torch.float32, torch.float64)
+    mod = _native.load() if choice in ("auto", "native") and ok else None
     if choice == "native" and mod is None:
         why = _native.load_error if ok else "needs a CPU float32/float64 tensor"
         raise ValueError("backend='native' unavailable: %s" % why)
+    if choice == "cuda":
+        raise ValueError("backend='cuda' unavailable: needs a CUDA float32 tensor")
     return _Native(mod, flat.contiguous(), err) if mod is not None else _Torch(flat, err)
 
 
@@ -396,11 +443,19 @@ def select_topk(x: torch.Tensor, k: int, method: str = "tbs", *,
     reuse = int(o["threshold_reuse"])
     if state is not None and reuse > 1 and state.threshold is not None \
             and state.steps_since_search + 1 < reuse:
-        idx = _reuse(flat, k, be, state, method)
-        if idx is not None:
-            state.steps_since_search += 1
+        got = _reuse(flat, k, be, state, method)
+        if got is not None:
+            idx, searched = got
+            if searched:
+                state.steps_since_search, state.searches = 0, state.searches + 1
+                state.last_count = idx.numel()
+            else:
+                state.steps_since_search += 1
             return idx
-    idx, thr = _SEARCH[method](flat, k, be, o)
+    if flat.is_cuda and o["backend"] == "auto" and n < _CUDA_TOPK_BELOW:
+        idx, thr = _exact(flat, k, err, be.for_state)   # measured fastest there (docs/benchmarks.md)
+    else:
+        idx, thr = _SEARCH[method](flat, k, be, o)
     if state is not None:
         state.threshold, state.steps_since_search = thr, 0
         state.last_count, state.searches = idx.numel(), state.searches + 1
