@@ -20,6 +20,7 @@ import torch
 from .comm.packing import pack, unpack_gathered
 from .compressors.base import Compressor, Layer
 from .compressors.dense import NoneCompressor
+from .core.selection import NonFiniteError
 from .core.stats import CommStats
 
 
@@ -38,7 +39,7 @@ class _Bucket:
 class GradientExchange:
     def __init__(self, layers: list, compressor: Compressor, comm, policy, memory=None,
                  check_finite: bool = True, fusion_bytes: int = 16 << 20, clip_norm: float | None = None,
-                 network=None):
+                 network=None, reuse_buffers: bool = True, grads_writable: bool = False):
         self.layers = {l.name: l for l in layers}
         self.order = [l.name for l in layers]
         self.compressor = compressor
@@ -57,6 +58,16 @@ class GradientExchange:
             if layer.numel == 0:
                 raise ValueError(f"parameter {layer.name!r} has zero elements: there is nothing to exchange. "
                                  "Remove it from named_parameters or set requires_grad=False")
+        # Layer-sized buffers that live across steps. A fresh CPU tensor of tens of MB is
+        # mmapped and page-faulted in on every step (several times the cost of filling a
+        # warm one), so outputs and in-place allreduce buffers are allocated once. finish()'s
+        # tensors are then valid until the next step; callers that keep them longer (a TF
+        # tensor sharing the memory through DLPack) pass reuse_buffers=False.
+        self._out: dict = {}
+        self.reuse_buffers = reuse_buffers
+        # the caller's gradient tensors may be overwritten (the torch adapter: they are .grad,
+        # which the average replaces anyway): dense layers are then reduced in place in them
+        self.grads_writable = grads_writable
         policy.setup(layers, comm.size, network)
         self._buckets, self._bucket_of = self._make_buckets(layers, fusion_bytes)
         self._reset_step()
@@ -85,6 +96,8 @@ class GradientExchange:
         self._deferred: dict = {}
         self._dense_handles: dict = {}
         self._bad: list = []
+        self._sums: list = []
+        self._into: dict = {}
         for b in self._buckets:
             b.messages, b.handles = {}, None
 
@@ -114,17 +127,33 @@ class GradientExchange:
         group = "sparse" if layer.compressed else "dense"
         with self.stats.timer("select", group):
             flat = grad.detach().reshape(-1).float()
-            if self.check_finite and not bool(torch.isfinite(flat.sum())):
-                # keep the residual clean: communicate zeros, fail on every rank in finish()
-                self._bad.append(name)
-                flat = torch.zeros_like(flat)
+            # compressors that select from every value check for NaN/Inf in a pass they make
+            # anyway; others get one summing pass here, read back once in finish() (a read
+            # per layer would stall a GPU once per layer). A NaN may travel meanwhile: every
+            # rank then fails the step and rolls its memory back.
+            if self.check_finite and not (layer.compressed and comp.checks_finite):
+                self._sums.append((name, flat.sum()))
             if self.clip is not None:
                 norm = float(flat.norm())
                 if norm > self.clip:
                     flat = flat * (self.clip / norm)
             use_memory = self.memory is not None and (layer.compressed or self.memory.applies_to_dense)
             x = self.memory.compensate(name, flat) if use_memory else flat
-            msg = comp.compress(x, layer, self.step)
+            try:
+                msg = comp.compress(x, layer, self.step)
+            except NonFiniteError:
+                if not self.check_finite:
+                    raise
+                flat = self._mark_bad(name, flat)
+                x = self.memory.compensate(name, flat) if use_memory else flat
+                msg = comp.compress(x, layer, self.step)
+            if comp.collective == "allreduce" and hasattr(self.comm, "allreduce_async_"):
+                # allreduce in place on a buffer of ours: no output allocation per step, and
+                # the message no longer aliases x, which the memory update below overwrites
+                msg.tensors = [t if self.grads_writable and not use_memory and t is x
+                               else self._owned(f"{name}.{i}", t) for i, t in enumerate(msg.tensors)]
+            elif use_memory:
+                msg.tensors = [self._owned(f"{name}.{i}", t) if _aliases(t, x) else t for i, t in enumerate(msg.tensors)]
             if use_memory:
                 comp.decompress_add(x, msg.tensors, layer, alpha=-1.0)  # x is now the new residual
                 if layer.compressed:
@@ -140,13 +169,37 @@ class GradientExchange:
         self.stats.layer(name, "sparse" if layer.compressed else "dense", msg.selected, msg.k,
                          sum(wire.values()), 4 * layer.numel)
         if comp.collective == "allreduce":
-            self._dense_handles[name] = [self.comm.allreduce_async(t, name=f"rsync.{name}.{i}")
-                                         for i, t in enumerate(msg.tensors)]
+            start = getattr(self.comm, "allreduce_async_", self.comm.allreduce_async)
+            self._dense_handles[name] = [start(t, name=f"rsync.{name}.{i}") for i, t in enumerate(msg.tensors)]
         else:
             bucket = self._bucket_of[name]
             bucket.messages[name] = msg
             if len(bucket.messages) == len(bucket.layers):
                 self._launch(bucket)
+
+    def _mark_bad(self, name: str, flat: torch.Tensor) -> torch.Tensor:
+        """Keep the residual clean: communicate zeros, fail on every rank in finish()."""
+        self._bad.append(name)
+        return torch.zeros_like(flat)
+
+    def _owned(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        buf = self._out.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device != t.device:
+            buf = torch.empty_like(t)
+            if self.reuse_buffers:
+                self._out[key] = buf
+        return buf.copy_(t)
+
+    def _zeroed(self, layer: Layer, device) -> torch.Tensor:
+        into = self._into.get(layer.name)
+        if into is not None and into.device == torch.device(device):
+            return into.zero_()
+        buf = self._out.get(layer.name)
+        if buf is None or buf.device != torch.device(device):
+            buf = torch.empty(layer.numel, dtype=torch.float32, device=device)
+            if self.reuse_buffers:
+                self._out[layer.name] = buf
+        return buf.zero_()
 
     def _launch(self, bucket: _Bucket) -> None:
         tensors = [t for l in bucket.layers for t in bucket.messages[l.name].tensors]
@@ -159,8 +212,13 @@ class GradientExchange:
     def missing(self) -> list:
         return [n for n in self.order if n not in self._submitted]
 
-    def finish(self) -> dict:
-        """Wait for every collective; return {name: averaged flat gradient}."""
+    def finish(self, into: dict | None = None) -> dict:
+        """Wait for every collective; return {name: averaged flat gradient}.
+
+        ``into``: optional {name: flat float32 tensor} to decode sparse layers into (the
+        torch adapter passes the .grad tensors, saving a copy); the result then is that tensor.
+        """
+        self._into = into or {}
         missing = self.missing()
         if missing:
             raise RuntimeError(f"finish() before gradients of {missing[:5]} were submitted")
@@ -168,6 +226,11 @@ class GradientExchange:
             for name in [n for n in self.order if n in self._deferred]:
                 self._process(name, self._deferred.pop(name))
             flag = None
+            if self._sums:
+                sums = torch.stack([v for _, v in self._sums])
+                if not bool(torch.isfinite(sums).all()):
+                    ok = torch.isfinite(sums).tolist()
+                    self._bad += [n for (n, _), good in zip(self._sums, ok) if not good]
             if self.check_finite:
                 flag = self.comm.allreduce_async(torch.tensor([float(len(self._bad))]), name="rsync.finite",
                                                  average=False)
@@ -205,22 +268,30 @@ class GradientExchange:
         with self.stats.timer("decompress", "allreduce"):
             for name, tensors in reduced.items():
                 layer = self.layers[name]
-                buf = torch.zeros(layer.numel, dtype=torch.float32, device=tensors[0].device)
-                self.compressor_for(layer).decompress_add(buf, tensors, layer)
+                comp = self.compressor_for(layer)
+                if type(comp) is NoneCompressor and tensors[0].dtype == torch.float32:
+                    out[name] = tensors[0].reshape(-1)   # already the average: no copy
+                    continue
+                buf = self._zeroed(layer, tensors[0].device)
+                comp.decompress_add(buf, tensors, layer)
                 out[name] = buf
         with self.stats.timer("decompress", "allgather"):
             for bucket, header, payload in gathered:
                 dtypes = [d for l in bucket.layers for d in self.compressor.wire_dtypes(l)]
                 per_rank = unpack_gathered(header, payload, dtypes, size)
-                bufs = {l.name: torch.zeros(l.numel, dtype=torch.float32, device=l.device) for l in bucket.layers}
+                # a power-of-two size scales each term exactly (subnormals aside), so adding
+                # v/size equals dividing the sum bit for bit, and saves a pass over every output
+                exact_scale = size & (size - 1) == 0
+                alpha = 1.0 / size if exact_scale else 1.0
+                bufs = {l.name: self._zeroed(l, l.device) for l in bucket.layers}
                 for tensors in per_rank:
                     pos = 0
                     for layer in bucket.layers:
                         n = len(self.compressor.wire_dtypes(layer))
-                        self.compressor.decompress_add(bufs[layer.name], tensors[pos:pos + n], layer)
+                        self.compressor.decompress_add(bufs[layer.name], tensors[pos:pos + n], layer, alpha=alpha)
                         pos += n
                 for name, buf in bufs.items():
-                    out[name] = buf.div_(size)
+                    out[name] = buf if exact_scale else buf.div_(size)
         return out
 
     # -- checkpointing -------------------------------------------------------
@@ -239,3 +310,7 @@ class GradientExchange:
         self.compressor.load_state_dict(state.get("compressor", {}))
         if "stats" in state:
             self.stats.load_state_dict(state["stats"])
+
+
+def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

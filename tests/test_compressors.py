@@ -80,3 +80,38 @@ def test_memory_rollback_restores_residual():
     x.zero_()
     mem.rollback()
     assert torch.equal(mem.residual["w"], torch.ones(4))
+
+
+CUDA_CASES = [
+    {"method": "fp16"},
+    {"method": "topk", "density": 0.01},
+    {"method": "randomk", "density": 0.01},
+    {"method": "redsync", "density": 0.01, "selection": "trimmed", "quantize": "none"},
+    {"method": "redsync", "density": 0.01, "selection": "trimmed", "quantize": "sign_mean"},
+    {"method": "redsync", "density": 0.01, "selection": "trimmed", "quantize": "fp16",
+     "index_coding": "golomb"},
+    {"method": "sbc", "density": 0.01},
+]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compression", CUDA_CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_cuda_tensors_give_the_cpu_result(compression):
+    """The same torch path runs on CUDA: messages stay on the GPU and decode to what the
+    CPU computes for the same input (deterministic selections only)."""
+    numel = 300_000
+    gen = torch.Generator().manual_seed(3)
+    g = torch.randn(numel, generator=gen) * torch.rand(numel, generator=gen) ** 4
+    outs = {}
+    for device in ("cpu", "cuda"):
+        comp, cfg = build_compressor(dict(compression))
+        layer = Layer("w", (numel,), numel, 0, device=torch.device(device))
+        layer.density = getattr(cfg, "density", 1.0)
+        x = g.to(device)
+        msg = comp.compress(x.clone(), layer, 0)
+        out = torch.zeros(numel, device=device)
+        comp.decompress_add(out, msg.tensors, layer)
+        assert out.device.type == device
+        outs[device] = out.cpu()
+    assert torch.allclose(outs["cpu"], outs["cuda"], rtol=1e-5, atol=1e-6), \
+        (outs["cpu"] - outs["cuda"]).abs().max()

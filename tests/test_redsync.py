@@ -148,3 +148,46 @@ def test_selection_state_round_trips_through_compressor_state():
     other, _ = build_compressor({"method": "redsync", "density": 0.01, "threshold_reuse": 4})
     other.load_state_dict(state)
     assert other.state_dict() == state and state["selection"]["w"]["threshold"] is not None
+
+
+def _local_exchange(compression, layers, memory, size=2):
+    from redsync_hvd.comm import LocalCommunicator
+    from redsync_hvd.exchange import GradientExchange
+    comp, cfg = build_compressor(compression)
+    return GradientExchange(layers, comp, LocalCommunicator(size), LayerPolicy(cfg), memory)
+
+
+def test_momentum_correction_sends_dense_layers_momentum_not_zeros():
+    """Regression: a dense layer's message aliased the memory buffer that the residual
+    update then zeroed, so with momentum correction small layers sent zeros."""
+    layers = [Layer("bias", (10,), 10, 0), Layer("w", (5000,), 5000, 1)]
+    ex = _local_exchange({"method": "redsync", "density": 0.01, "momentum_correction": True,
+                          "min_compress_numel": 100}, layers, MomentumCorrectionMemory(0.9))
+    u = torch.zeros(10)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        g = torch.randn(10, generator=gen)
+        ex.submit("bias", g.clone())
+        ex.submit("w", torch.randn(5000, generator=gen))
+        out = ex.finish()
+        u = 0.9 * u + g                       # momentum SGD on the averaged gradient
+        assert torch.allclose(out["bias"], u, atol=1e-6), (out["bias"], u)
+        assert ex.memory.residual["bias"].abs().max() == 0
+
+
+def test_nonfinite_in_a_compressed_layer_is_caught_by_selection_and_rolls_back():
+    from redsync_hvd.exchange import NonFiniteGradientError
+    layers = [Layer("w", (5000,), 5000, 0)]
+    ex = _local_exchange({"method": "redsync", "density": 0.01, "min_compress_numel": 100},
+                         layers, ResidualMemory())
+    ex.submit("w", torch.randn(5000))
+    ex.finish()
+    before = ex.memory.residual["w"].clone()
+    g = torch.randn(5000)
+    g[17] = float("nan")
+    ex.submit("w", g)
+    with pytest.raises(NonFiniteGradientError, match="non-finite gradient"):
+        ex.finish()
+    assert torch.equal(ex.memory.residual["w"], before)
+    ex.submit("w", torch.randn(5000))   # the next step runs normally
+    assert ex.finish()["w"].abs().sum() > 0

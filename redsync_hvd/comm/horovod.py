@@ -37,3 +37,8 @@ class HorovodCommunicator:
 
     def allgather_object(self, obj, name: str):
         return self.hvd.allgather_object(obj, name=name)
+
+    def allreduce_async_(self, tensor: torch.Tensor, name: str, average: bool = True):
+        """In place: the result overwrites ``tensor`` (no output allocation)."""
+        op = self.hvd.Average if average else self.hvd.Sum
+        return self.hvd.allreduce_async_(tensor, name=name, op=op)

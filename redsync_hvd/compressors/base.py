@@ -57,6 +57,9 @@ class Message:
 
 class Compressor(ABC):
     collective: ClassVar[str] = "allgather"
+    # True when compress() raises core.selection.NonFiniteError for NaN/Inf input: the
+    # exchange then skips its own finite-check pass over compressed layers
+    checks_finite: ClassVar[bool] = False
 
     def __init__(self, config: Any = None):
         self.config = config

@@ -38,7 +38,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._exchange = GradientExchange(layers, compressor, comm, LayerPolicy(config), memory,
                                           check_finite=config.check_finite, fusion_bytes=config.fusion_bytes,
                                           clip_norm=getattr(config, "clip_norm", None),
-                                          network=_network(config, comm))
+                                          network=_network(config, comm), grads_writable=True)
         self.compression_config = config
         self._passes = {n: 0 for n, _ in named}
         self._synchronized = False
@@ -75,15 +75,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for name in self._exchange.missing():
             p = self._params[name]
             self._exchange.submit(name, self._grad(name, p))
+        # sparse layers are decoded straight into .grad (no layer-sized copy per step)
+        into = {n: p.grad.view(-1) for n, p in self._params.items()
+                if p.grad is not None and p.grad.dtype == torch.float32 and p.grad.is_contiguous()
+                and not p.grad.is_sparse}
         try:
-            averaged = self._exchange.finish()
+            averaged = self._exchange.finish(into=into)
         finally:
             self._passes = dict.fromkeys(self._passes, 0)
         for name, flat in averaged.items():
             p = self._params[name]
+            if p.grad is not None and flat.data_ptr() == p.grad.data_ptr():
+                continue   # already there: decoded or reduced in place
             g = flat.view(p.shape).to(p.dtype)
             if p.grad is None:
-                p.grad = g
+                p.grad = g.clone()   # the exchange reuses its buffers next step
             else:
                 p.grad.copy_(g)
         self._synchronized = True

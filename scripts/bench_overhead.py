@@ -1,0 +1,159 @@
+#!/usr/bin/env python
+"""Compression overhead against compute, per step, with no network (CPU or CUDA).
+
+    python scripts/bench_overhead.py                                  # CPU, 1 thread
+    python scripts/bench_overhead.py --device cuda --out overhead.md  # a lone GPU, no Horovod
+
+For each model it times a training step's compute (forward, backward and the
+optimizer update; the same SGD in every variant) and, separately, the gradient
+exchange's local work: residual compensation, selection, quantisation and packing,
+then decoding and averaging ``--world`` messages as a worker of a ``--world``-rank
+job would (``LocalCommunicator``: every rank sends what this one sends; no bytes
+move). ``overhead / compute`` is the issue's "select + pack + decompress as a share
+of the compute time of a step". Each variant's steps are interleaved with the others
+in rounds, and medians are taken over all steps after ``--warmup`` per round.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from redsync_hvd.comm import LocalCommunicator  # noqa: E402
+from redsync_hvd.compressors import build_compressor  # noqa: E402
+from redsync_hvd.compressors.base import Layer  # noqa: E402
+from redsync_hvd.exchange import GradientExchange  # noqa: E402
+from redsync_hvd.memory import ResidualMemory  # noqa: E402
+from redsync_hvd.models import build_model  # noqa: E402
+from redsync_hvd.policy import LayerPolicy  # noqa: E402
+
+MODELS = {
+    # the end-to-end benchmark's communication-bound model (configs/bench/quick.yaml)
+    "vgg_fc4096": dict(model="vgg", options={"fc_width": 4096, "width": 0.25}, batch=16),
+    "resnet20": dict(model="resnet20", options={}, batch=16),
+}
+METHODS = {
+    "dense": {"method": "none"},
+    "topk": {"method": "topk", "density": 0.001},
+    "redsync": {"method": "redsync", "density": 0.001, "selection": "tbs", "quantize": "sign_mean",
+                "threshold_reuse": 5, "momentum_correction": False},
+    "redsync_noreuse": {"method": "redsync", "density": 0.001, "selection": "tbs",
+                        "quantize": "sign_mean", "threshold_reuse": 1, "momentum_correction": False},
+}
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+class Variant:
+    def __init__(self, name, spec, model, world):
+        self.name = name
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        comp, cfg = build_compressor(dict(spec))
+        layers = [Layer(n, tuple(p.shape), p.numel(), i, p.device, param=p)
+                  for i, (n, p) in enumerate(self.named)]
+        memory = ResidualMemory() if spec["method"] != "none" else None
+        self.ex = GradientExchange(layers, comp, LocalCommunicator(world), LayerPolicy(cfg), memory,
+                                   grads_writable=True)
+        self.compressed = sum(l.compressed for l in layers)
+        self.exchange_s, self.phases = [], {p: [] for p in ("select", "communicate", "decompress")}
+
+    def exchange(self):
+        for n, p in self.named:
+            self.ex.submit(n, p.grad)
+        # what DistributedOptimizer.synchronize does: decode into .grad, copy the rest
+        out = self.ex.finish(into={n: p.grad.view(-1) for n, p in self.named})
+        for n, p in self.named:
+            if out[n].data_ptr() != p.grad.data_ptr():
+                p.grad.copy_(out[n].view(p.shape))
+        last = self.ex.stats.last
+        for ph in self.phases:
+            self.phases[ph].append(last.get("time_" + ph, 0.0))
+
+
+def bench_model(mname, args):
+    spec = MODELS[mname]
+    torch.manual_seed(0)
+    model = build_model(spec["model"], 10, (3, 32, 32), **spec["options"]).to(args.device)
+    nparams = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    x = torch.randn(spec["batch"], 3, 32, 32, device=args.device)
+    y = torch.randint(0, 10, (spec["batch"],), device=args.device)
+    lossf = torch.nn.CrossEntropyLoss()
+    variants = [Variant(m, METHODS[m], model, args.world) for m in args.methods.split(",")]
+    compute = []
+    for rnd in range(args.rounds):
+        for v in variants:
+            for s in range(args.warmup + args.steps):
+                model.zero_grad(set_to_none=True)
+                sync(args.device)
+                t0 = time.perf_counter()
+                lossf(model(x), y).backward()
+                sync(args.device)
+                t1 = time.perf_counter()
+                v.exchange()
+                sync(args.device)
+                t2 = time.perf_counter()
+                opt.step()
+                sync(args.device)
+                t3 = time.perf_counter()
+                if s >= args.warmup:
+                    compute.append((t1 - t0) + (t3 - t2))
+                    v.exchange_s.append(t2 - t1)
+                else:  # warm-up steps do not count in the phase medians either
+                    for ph in v.phases:
+                        v.phases[ph].pop()
+    c = statistics.median(compute)
+    rows = []
+    for v in variants:
+        e = statistics.median(v.exchange_s)
+        rows.append(dict(model=mname, params=nparams, method=v.name, compressed=v.compressed,
+                         layers=len(v.named), compute_ms=c * 1e3, exchange_ms=e * 1e3,
+                         ratio=e / c, **{ph + "_ms": statistics.median(t) * 1e3 for ph, t in v.phases.items()}))
+        print("  %-10s %-16s compute %8.2f ms  exchange %8.2f ms  (%5.1f%% of compute)"
+              % (mname, v.name, c * 1e3, e * 1e3, 100 * e / c), file=sys.stderr)
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--world", type=int, default=2, help="ranks whose messages each worker decodes")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (CPU); 0 leaves torch's default")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", default="", help="also write the markdown table here")
+    args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but CUDA is not available")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = [r for m in args.models.split(",") for r in bench_model(m, args)]
+    dev = torch.cuda.get_device_name() if args.device == "cuda" else "CPU, %d torch threads" % torch.get_num_threads()
+    lines = ["Device: %s; torch %s; world %d; load average %.2f." % (dev, torch.__version__, args.world,
+                                                                     os.getloadavg()[0]), "",
+             "| model | params | method | compressed layers | compute ms | exchange ms | select ms | decompress ms | exchange / compute |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append("| %s | %.2fM | %s | %d/%d | %.2f | %.2f | %.2f | %.2f | %.1f%% |" % (
+            r["model"], r["params"] / 1e6, r["method"], r["compressed"], r["layers"], r["compute_ms"],
+            r["exchange_ms"], r["select_ms"], r["decompress_ms"], 100 * r["ratio"]))
+    md = "\n".join(lines)
+    print(md)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(md + "\n")
+
+
+if __name__ == "__main__":
+    main()
