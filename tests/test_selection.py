@@ -150,7 +150,7 @@ def test_tbs_matches_reference_probe_walk(dist, backend, k, probes):
 @pytest.mark.parametrize("levels", [2, 4])
 def test_torch_path_batched_probes(monkeypatch, levels):
     """The CUDA setting (several probes per sync) walks the same probes as one per pass."""
-    import redsync_hvd.core.selection as sel
+    import redsync_hvd.core.passes as sel
 
     init = sel._Torch.__init__
 

@@ -1,0 +1,119 @@
+"""The compute paths under select_topk: fused passes over one flat tensor.
+
+Each backend offers the same four operations, so the searches in selection.py are
+written once:
+
+    stats()               -> (max|x|, mean|x|), raising on NaN/Inf
+    count(thresholds)     -> [#{|x| > t} for t in thresholds], ``levels`` TBS levels per pass
+    select(t, cap, check, values) -> (indices of |x| > t ascending or None past cap,
+                                      count, their |x| if values)
+    sub(vals)             -> the same backend over a gathered subset
+
+* ``_Native``: the C++/OpenMP module (CPU float32/float64), see ``_native/``.
+* ``CudaPasses``: CuPy kernels (CUDA float32), see ``cuda_select.py``.
+* ``_Torch``: plain torch ops, any device and dtype.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, List, Optional, Tuple
+
+import torch
+
+from redsync_hvd.core import _native, cuda_select
+
+_NATIVE_LEVELS = 3       # TBS levels per native count pass: 7 compares/elem stays memory-bound
+
+
+def native_available() -> bool:
+    return _native.load() is not None
+
+
+class NonFiniteError(ValueError):
+    """x holds NaN or Inf. Every search checks in a pass it makes anyway, so callers that
+    select from every gradient need no finite-check pass of their own."""
+
+
+def _nonfinite(name: Optional[str], x: torch.Tensor) -> ValueError:
+    where = name or "tensor of shape %s" % (tuple(x.shape),)
+    return NonFiniteError("non-finite gradient values in %s (NaN or Inf): refusing to select" % where)
+
+
+class _Native:
+    """Fused passes from the C++ module; x is a contiguous 1-D CPU float32/float64."""
+
+    levels = _NATIVE_LEVELS
+
+    def __init__(self, mod: Any, flat: torch.Tensor, err: ValueError):
+        self.m, self.x, self.err = mod, flat, err
+
+    def stats(self) -> Tuple[float, float]:
+        mx, s = self.m.stats(self.x)
+        if not math.isfinite(s):  # float partial sums may overflow: confirm before raising
+            if not bool(torch.isfinite(self.x).all()):
+                raise self.err
+            s = float(self.x.double().abs().sum())
+        return mx, s / self.x.numel()
+
+    def count(self, thr: List[float]) -> List[int]:
+        return self.m.count_multi(self.x, torch.tensor(thr, dtype=self.x.dtype)).tolist()
+
+    def select(self, thr: float, cap: int, check: bool, values: bool = False):
+        """(indices of |x| > thr or None past cap, count, their |x| if values)."""
+        idx, vals, c, finite = self.m.select_above(self.x, thr, cap, check, values)
+        if check and not finite:
+            raise self.err
+        return (idx, c, vals if values else None) if c <= cap else (None, c, None)
+
+    def sub(self, vals: torch.Tensor) -> "_Native":
+        return _Native(self.m, vals.contiguous(), self.err)
+
+
+class _Torch:
+    """Plain torch ops (any device/dtype): |x| is built once, then one kernel per probe."""
+
+    def __init__(self, flat: torch.Tensor, err: ValueError):
+        self.x, self.err = flat, err
+        self.a = flat.abs()
+        self.levels = 2 if flat.is_cuda else 1  # CUDA: batch launches per sync; CPU: passes cost
+
+    def stats(self) -> Tuple[float, float]:
+        mx, s = torch.stack([self.a.max().double(), self.a.sum(dtype=torch.float64)]).tolist()
+        if not (math.isfinite(mx) and math.isfinite(s)):
+            raise self.err
+        return mx, s / self.a.numel()
+
+    def count(self, thr: List[float]) -> List[int]:
+        return torch.stack([torch.count_nonzero(self.a > t) for t in thr]).tolist()
+
+    def select(self, thr: float, cap: int, check: bool, values: bool = False):
+        if check and not math.isfinite(float(self.a.max())):
+            raise self.err
+        idx = torch.nonzero(self.a > thr).flatten()
+        c = idx.numel()
+        return (idx, c, self.a[idx] if values else None) if c <= cap else (None, c, None)
+
+    def sub(self, vals: torch.Tensor) -> "_Torch":
+        return _Torch(vals, self.err)
+
+
+def _backend(flat: torch.Tensor, choice: str, err: ValueError):
+    if flat.is_cuda:
+        ok = flat.dtype == torch.float32
+        kernels = cuda_select.load() if choice in ("auto", "cuda") and ok else None
+        if choice == "cuda" and kernels is None:
+            why = cuda_select.load_error if ok else "needs a CUDA float32 tensor"
+            raise ValueError("backend='cuda' unavailable: %s" % why)
+        if kernels is not None:
+            return cuda_select.CudaPasses(kernels, flat.contiguous(), err)
+        if choice == "native":
+            raise ValueError("backend='native' unavailable: needs a CPU float32/float64 tensor")
+        return _Torch(flat, err)
+    ok = flat.dtype in (torch.float32, torch.float64)
+    mod = _native.load() if choice in ("auto", "native") and ok else None
+    if choice == "native" and mod is None:
+        why = _native.load_error if ok else "needs a CPU float32/float64 tensor"
+        raise ValueError("backend='native' unavailable: %s" % why)
+    if choice == "cuda":
+        raise ValueError("backend='cuda' unavailable: needs a CUDA float32 tensor")
+    return _Native(mod, flat.contiguous(), err) if mod is not None else _Torch(flat, err)
