@@ -84,6 +84,46 @@ def build_optimizer(cfg: RunConfig, model, size):
                            weight_decay=o.weight_decay)
 
 
+def print_layer_decisions(decisions) -> None:
+    """The per-layer decision (compressed or dense, and why), printed once by rank 0."""
+    for d in decisions:
+        print(f"[layers] {d['name']}: {'compressed' if d['compressed'] else 'dense'} "
+              f"(numel {d['numel']}, density {d['density']:g}; {d['why']})", file=sys.stderr)
+
+
+def log_train_step(log: RunLog, stats: dict, step: int, steps_per_epoch: int, loss: float, train_accuracy: float,
+                   lr: float) -> None:
+    """One metrics.jsonl training line; ``stats`` is the optimizer's communication_stats() (consumed)."""
+    last = stats.pop("last_step", {})
+    stats.pop("layers", None)
+    log.metrics({"step": step, "epoch": step / steps_per_epoch, "loss": loss, "train_accuracy": train_accuracy,
+                 "lr": lr, "step_wire_bytes": last.get("wire_bytes", 0), **stats,
+                 "last_step": {k: v for k, v in last.items() if k != "dense_bytes"}})
+
+
+def eval_due(cfg: RunConfig, step: int, steps_per_epoch: int, total: int) -> bool:
+    """Every ``training.eval_every`` steps, else at each epoch's end; always at the last step."""
+    every = cfg.training.eval_every
+    return bool((every and step % every == 0) or (not every and step % steps_per_epoch == 0) or step == total)
+
+
+def build_summary(cfg: RunConfig, result: dict, stats: dict, decisions: list, step: int, size: int, wall: float,
+                  t_eval: float, extra: dict | None = None) -> dict:
+    """summary.json: final test figures, bytes, time per phase; ``stats`` is communication_stats() (consumed)."""
+    stats.pop("last_step", None)
+    layers = stats.pop("layers", {})
+    phases = {p: stats.pop(p) for p in ("select", "communicate", "decompress")}
+    return {
+        "final_accuracy": result.get("test_accuracy"), "final_loss": result.get("test_loss"), **(extra or {}),
+        "wire_bytes": stats["wire_bytes"], "dense_bytes": stats["dense_bytes"],
+        "compression_ratio": stats["compression_ratio"], "steps": step, "workers": size,
+        "wall_time_s": wall,
+        "time_breakdown": {**phases, "eval": t_eval, "compute": max(0.0, wall - t_eval - sum(phases.values()))},
+        "compression": cfg.compression.model_dump(mode="json"), "comm_detail": stats,
+        "layers": layers, "layer_decisions": decisions,
+    }
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -136,9 +176,7 @@ def run(cfg: RunConfig) -> int:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, steps_per_epoch))
     opt.set_steps_per_epoch(steps_per_epoch)
     if rank == 0:
-        for d in opt.layer_decisions():   # the per-layer decision, logged once
-            print(f"[layers] {d['name']}: {'compressed' if d['compressed'] else 'dense'} "
-                  f"(numel {d['numel']}, density {d['density']:g}; {d['why']})", file=sys.stderr)
+        print_layer_decisions(opt.layer_decisions())
     log = RunLog(cfg.output.dir, cfg.output.name or "run", rank)
     log.write_config(cfg.to_dict())
 
@@ -180,18 +218,10 @@ def run(cfg: RunConfig) -> int:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss.item():.3f}")
-            stats = opt.communication_stats()
             if step % cfg.training.log_every == 0 or step == total:
-                last = stats.pop("last_step", {})
-                stats.pop("layers", None)
-                log.metrics({"step": step, "epoch": step / steps_per_epoch, "loss": loss.item(),
-                             "train_accuracy": correct / n, "lr": sched.get_last_lr()[0],
-                             "step_wire_bytes": last.get("wire_bytes", 0), **stats,
-                             "last_step": {k: v for k, v in last.items() if k != "dense_bytes"}})
-            end_of_epoch = step % steps_per_epoch == 0
-            due = (cfg.training.eval_every and step % cfg.training.eval_every == 0) or \
-                  (not cfg.training.eval_every and end_of_epoch) or step == total
-            if due:
+                log_train_step(log, opt.communication_stats(), step, steps_per_epoch, loss.item(), correct / n,
+                               sched.get_last_lr()[0])
+            if eval_due(cfg, step, steps_per_epoch, total):
                 t0 = time.perf_counter()
                 # decentralized workers hold different models: score their average
                 averaged = opt.averaged_parameters() if hasattr(opt, "averaged_parameters") else nullcontext()
@@ -210,20 +240,9 @@ def run(cfg: RunConfig) -> int:
         bar.close()
     save()
     wall = time.perf_counter() - t_start
-    stats = opt.communication_stats()
-    stats.pop("last_step", None)
-    layers = stats.pop("layers", {})
-    phases = {p: stats.pop(p) for p in ("select", "communicate", "decompress")}
-    summary = {
-        "final_accuracy": result.get("test_accuracy"), "final_loss": result.get("test_loss"),
-        **({"final_perplexity": math.exp(min(result["test_loss"], 50))} if data.task == "lm" and result else {}),
-        "wire_bytes": stats["wire_bytes"], "dense_bytes": stats["dense_bytes"],
-        "compression_ratio": stats["compression_ratio"], "steps": step, "workers": size,
-        "wall_time_s": wall,
-        "time_breakdown": {**phases, "eval": t_eval, "compute": max(0.0, wall - t_eval - sum(phases.values()))},
-        "compression": cfg.compression.model_dump(mode="json"), "comm_detail": stats,
-        "layers": layers, "layer_decisions": opt.layer_decisions(),
-    }
+    perplexity = {"final_perplexity": math.exp(min(result["test_loss"], 50))} if data.task == "lm" and result else {}
+    summary = build_summary(cfg, result, opt.communication_stats(), opt.layer_decisions(), step, size, wall, t_eval,
+                            extra=perplexity)
     log.summary(summary)
     log.close()
     if rank == 0:
