@@ -5,6 +5,9 @@ VENV ?= $(CURDIR)/.venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.redsync-installed
 NP ?= 2
+# Also install tensorflow-cpu 2.15.1 and build Horovod with it, so `make test` covers
+# redsync_hvd.tensorflow; `make test REDSYNC_WITH_TF=0` installs torch only.
+REDSYNC_WITH_TF ?= 1
 # OpenMPI refuses to start as root without these (containers, CI).
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
@@ -13,7 +16,7 @@ export PATH := $(VENV)/bin:$(PATH)
 .PHONY: install demo test test-fast bench clean
 
 $(STAMP): setup.py scripts/install.sh
-	REDSYNC_VENV=$(VENV) bash scripts/install.sh
+	REDSYNC_VENV=$(VENV) REDSYNC_WITH_TF=$(REDSYNC_WITH_TF) bash scripts/install.sh
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -79,16 +79,18 @@ KEY=$(echo "$KEY" | tr '+/' '__')
 WHEEL_DIR="$CACHE/horovod-$HOROVOD_VERSION-$KEY"
 
 have_horovod() {
-  "$PY" - <<'PY' 2>/dev/null
+  REDSYNC_NEED_TF=$([ "$TF_VER" != none ] && echo 1 || echo 0) "$PY" - <<'PY' 2>/dev/null
 import horovod, horovod.torch  # noqa: F401  (raises if the extension is missing)
 from horovod.common.util import mpi_built, gloo_built
-import sys
+import os, sys
+if os.environ["REDSYNC_NEED_TF"] == "1":
+    import horovod.tensorflow  # noqa: F401  (a torch-only Horovod must make way for the TF build)
 sys.exit(0 if horovod.__version__ == "0.28.1" and mpi_built() and gloo_built() else 1)
 PY
 }
 
 if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
-  say "building Horovod $HOROVOD_VERSION for $KEY (about 2 minutes, once; cached in $WHEEL_DIR)"
+  say "building Horovod $HOROVOD_VERSION for $KEY (minutes, longer with TensorFlow; once: cached in $WHEEL_DIR)"
   BUILD=$(mktemp -d)
   trap 'rm -rf "$BUILD"' EXIT
   "$PY" -m pip download -q --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$BUILD" \
