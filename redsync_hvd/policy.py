@@ -22,6 +22,7 @@ class LayerPolicy:
         self.config = config
         self.steps_per_epoch: int | None = None
         self.decisions: list[dict] = []
+        self.compute = None   # costmodel.ComputeModel; None: the model's default figures
 
     def _override(self, name: str):
         for o in getattr(self.config, "layers", []) or []:
@@ -45,10 +46,11 @@ class LayerPolicy:
                 layer.compressed = True
                 if getattr(self.config, "policy", "static") == "cost_model" and network is not None:
                     from .costmodel import predict_layer
-                    pred = predict_layer(layer.numel, layer.base_density, size, network, self._cost_method())
+                    pred = predict_layer(layer.numel, layer.base_density, size, network, self._cost_method(),
+                                         compute=self.compute)
                     layer.compressed = pred.total_s < pred.dense_s
-                    reason = (f"cost model: compressed {pred.total_s * 1e3:.3f} ms vs dense allreduce "
-                              f"{pred.dense_s * 1e3:.3f} ms")
+                    reason = (f"cost model: compressed {pred.total_s * 1e3:.3f} ms (select "
+                              f"{pred.select_s * 1e3:.3f}) vs dense allreduce {pred.dense_s * 1e3:.3f} ms")
             self.decisions.append({"name": layer.name, "numel": layer.numel, "compressed": layer.compressed,
                                    "density": layer.base_density if layer.compressed else 1.0, "why": reason})
 

@@ -221,3 +221,24 @@ def test_layer_cost_nonnegative_and_monotone(N, n1, n2, d, net, method):
     a, b = cm.predict_layer(lo, d, N, net, method), cm.predict_layer(hi, d, N, net, method)
     assert 0.0 <= a.total_s <= b.total_s * (1 + 1e-12)
     assert 0 < a.bytes_per_worker <= b.bytes_per_worker
+
+
+def test_probe_compute_measures_selection_cost_and_feeds_the_policy():
+    from redsync_hvd.comm import LocalCommunicator
+    from redsync_hvd.compressors import build_compressor
+    from redsync_hvd.compressors.base import Layer
+    from redsync_hvd.compute_probe import probe_compute
+    from redsync_hvd.costmodel import ComputeModel, Network
+    from redsync_hvd.policy import LayerPolicy
+    cm = probe_compute(LocalCommunicator(1), numel=1 << 16, repeats=2)
+    assert 1e-12 < cm.select_c1 < 1e-6 and math.isfinite(cm.select_c1)   # s per element
+    _, cfg = build_compressor({"method": "redsync", "density": 0.001, "policy": "cost_model",
+                               "min_compress_numel": 0})
+    net = Network(1e-5, 1.25e8)   # 10 us, 1 Gbit/s: dense costs ~32 ns per element at N=2
+    for c1, expect in ((1e-12, True), (1e-6, False)):   # cheap selection pays, dear does not
+        policy = LayerPolicy(cfg)
+        policy.compute = ComputeModel(select_c1=c1)
+        layer = Layer("w", (1 << 20,), 1 << 20, 0)
+        policy.setup([layer], 2, net)
+        assert layer.compressed is expect, policy.decisions
+        assert "select" in policy.decisions[0]["why"]
