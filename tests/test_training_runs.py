@@ -21,13 +21,15 @@ def summary(folder):
 
 @pytest.fixture(scope="module")
 def digits_runs(tmp_path_factory):
-    """Dense, top-k (density 0.01) and RedSync runs of the digits CNN on 2 workers, 20 epochs each
-    (the configs' default), shared by the tests below."""
+    """Runs of the digits CNN on 2 workers (seed 0), shared by the tests below: dense, top-k
+    (density 0.01), SBC, IWP, DCD and ECD at 20 epochs (the base config); RedSync at 40 epochs,
+    its documented convergence setting, with a dense run of 40 epochs to compare against."""
     out = tmp_path_factory.mktemp("runs")
-    for cfg in ("dense", "topk"):
+    for cfg in ("dense", "topk", "sbc", "iwp"):
         train(out, f"configs/digits/{cfg}.yaml")
-    for density in ("0.01", "0.001"):
-        train(out, "configs/digits/redsync.yaml", f"compression.density={density}", f"output.name=redsync-{density}")
+    train(out, "configs/digits/dense.yaml", "training.epochs=40", "output.name=dense-40")
+    train(out, "configs/digits/redsync.yaml", "training.epochs=40", "output.name=redsync-0.01")
+    train(out, "configs/digits/redsync-0.001.yaml", "training.epochs=40", "output.name=redsync-0.001")
     for cfg in ("dcd", "ecd"):
         train(out, f"configs/digits/{cfg}.yaml")
     return out
@@ -43,15 +45,31 @@ def test_digits_reaches_90_percent(digits_runs, name):
     assert set(s["time_breakdown"]) >= {"select", "communicate", "decompress", "compute"}
 
 
-@pytest.mark.parametrize("density", ["0.01", "0.001"])
-def test_redsync_converges_close_to_dense(digits_runs, density):
-    """Issue 3 asks for 0.5 point; sign-mean on this 360-sample test set measures 0.5-1.5
-    points below dense (docs/redsync.md), so this guards against regressions at 2 points."""
-    dense, rs = summary(digits_runs / "dense"), summary(digits_runs / f"redsync-{density}")
-    assert rs["final_accuracy"] >= dense["final_accuracy"] - 0.02, (rs["final_accuracy"], dense["final_accuracy"])
-    assert rs["compression_ratio"] > 15
+@pytest.mark.parametrize("density, tolerance", [("0.01", 0.005), ("0.001", 0.01)])
+def test_redsync_converges_close_to_dense(digits_runs, density, tolerance):
+    """Issue 3: within 0.5 point of dense at the same epochs (40). Density 0.01 meets it on
+    the 5-seed mean (gap 0.00 points, docs/redsync.md) and is held to it here on seed 0.
+    Density 0.001 (configs/digits/redsync-0.001.yaml) measures 0.56 point below dense on the
+    5-seed mean, just outside the target, so it is held to 1 point (two test samples)."""
+    dense, rs = summary(digits_runs / "dense-40"), summary(digits_runs / f"redsync-{density}")
+    assert dense["steps"] == rs["steps"] == 880
+    assert rs["final_accuracy"] >= dense["final_accuracy"] - tolerance, (rs["final_accuracy"],
+                                                                         dense["final_accuracy"])
+    assert rs["compression_ratio"] > 30
     decisions = {d["name"]: d["compressed"] for d in rs["layer_decisions"]}
     assert decisions["classifier.1.weight"] and not decisions["classifier.1.bias"]
+
+
+@pytest.mark.parametrize("name, tolerance, min_ratio", [("sbc", 0.03, 2500), ("iwp", 0.03, 35)])
+def test_sbc_iwp_converge_near_dense(digits_runs, name, tolerance, min_ratio):
+    """Issue 4 asks for 0.5 point at SBC's 3531x and IWP's 58.8x; not met on digits
+    (docs/sbc.md, docs/iwp.md: 1.1-2.2 points below dense). This guards the measured
+    figures against regressions at 3 points, at configs/digits/{sbc,iwp}.yaml, 20 epochs."""
+    dense, run = summary(digits_runs / "dense"), summary(digits_runs / name)
+    assert dense["steps"] == run["steps"] and dense["dense_bytes"] == run["dense_bytes"]
+    assert run["final_accuracy"] >= dense["final_accuracy"] - tolerance, (run["final_accuracy"],
+                                                                          dense["final_accuracy"])
+    assert run["compression_ratio"] > min_ratio
 
 
 @pytest.mark.parametrize("name", ["dcd", "ecd"])
