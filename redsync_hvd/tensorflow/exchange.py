@@ -1,0 +1,307 @@
+"""TensorFlow gradients through the one algorithm core (:class:`redsync_hvd.exchange.GradientExchange`).
+
+A :class:`TFGradientExchange` is built once per (compression config, variable list). Each step:
+
+    TF gradient --DLPack--> torch view --> GradientExchange.submit (memory, compressor,
+    horovod.torch collective) ... finish() --> averaged torch tensor --DLPack--> TF tensor
+
+Compressor, memory and policy are built by the same helpers and with the same arguments as
+:func:`redsync_hvd.torch.DistributedOptimizer` (``build_compressor``, ``_build_memory``,
+``_check_same_everywhere``, ``_network``, ``LayerPolicy``), so both frameworks run the very
+same objects. Collectives go through ``horovod.torch``'s Horovod instance
+(:class:`~redsync_hvd.comm.HorovodCommunicator`), see docs/tensorflow.md.
+
+Eager mode calls the exchange directly. Inside ``tf.function`` the exchange is wrapped in
+``tf.py_function`` (it runs Python and torch code); errors then reach the caller as
+``tf.errors.OpError`` whose message carries the original one (``last_error`` keeps the
+original exception object).
+"""
+from __future__ import annotations
+
+import json
+
+import tensorflow as tf
+import torch
+
+from ..compressors import build_compressor
+from ..compressors.base import Layer
+from ..exchange import GradientExchange
+from ..policy import LayerPolicy
+from ..torch.optimizer import _build_memory, _check_same_everywhere, _network
+from .dlpack import to_tf, to_torch, torch_device
+
+
+def build_for_tf(compression):
+    """(compressor, config) as torch's ``build_compressor`` builds them (same errors for bad dicts),
+    refusing, with the reason, the methods a gradient exchange cannot run."""
+    from ..compressors import parse_compression
+    from ..compressors.config import DECENTRALIZED
+    if compression is not None and not hasattr(compression, "compress"):    # a dict or a config
+        method = parse_compression(compression).method
+        if method in DECENTRALIZED:
+            raise NotImplementedError(
+                f"compression.method={method!r} is decentralized (each worker averages models with its ring "
+                "neighbours over mpi4py; there is no averaged gradient), and the TensorFlow adapter exchanges "
+                f"gradients. Use framework: torch for {', '.join(DECENTRALIZED)}, or one of {TF_METHODS}")
+    compressor, config = build_compressor(compression)
+    if getattr(config, "local_steps", None):
+        raise NotImplementedError(
+            f"compression.method={config.method!r} (communication delay with model deltas over local_steps) "
+            "needs the optimizer to own the update; the TensorFlow adapter exchanges gradients. "
+            f"Use framework: torch for sbc, or one of {TF_METHODS}")
+    return compressor, config
+
+
+TF_METHODS = "none, fp16, topk, randomk, redsync, iwp"
+
+
+def resolve_named_variables(named_variables, sources=None) -> list:
+    """[(name, variable)] with unique names, for ``sources`` (default: all of named_variables).
+
+    named_variables: None, a dict {name: variable} or an iterable of (name, variable) pairs.
+    Without names, a variable is called by its TF name (``dense/kernel``); repeated TF names
+    get their position appended.
+    """
+    if named_variables is None:
+        if sources is None:
+            raise ValueError("pass named_variables=[(name, variable), ...] or the variables as sources")
+        raw = [_strip(getattr(v, "name", f"var{i}")) for i, v in enumerate(sources)]
+        named = [(n if raw.count(n) == 1 else f"{n}.{i}", v) for i, (n, v) in enumerate(zip(raw, sources))]
+    else:
+        items = named_variables.items() if isinstance(named_variables, dict) else named_variables
+        named = [(str(n), v) for n, v in items]
+        names = [n for n, _ in named]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"named_variables has duplicate names {dupes[:5]}; pass unique names, e.g. "
+                             "[(v.name, v) for v in model.trainable_variables]")
+        if sources is not None:
+            by_ref = {v.ref(): n for n, v in named}
+            missing = [i for i, v in enumerate(sources) if _ref(v) not in by_ref]
+            if missing:
+                raise ValueError(f"{len(missing)} variables in sources are missing from named_variables "
+                                 f"(positions {missing[:5]}); pass named_variables for the same variables you "
+                                 "differentiate, e.g. model.trainable_variables")
+    for n, v in named:
+        if not isinstance(v, tf.Variable):
+            raise TypeError(f"{n!r}: gradients are exchanged for tf.Variable sources only, got {type(v).__name__}")
+    return named
+
+
+def _strip(name: str) -> str:
+    return name[:-2] if name.endswith(":0") else name
+
+
+def _ref(v):
+    try:
+        return v.ref()
+    except (AttributeError, TypeError):
+        return None
+
+
+class TFGradientExchange:
+    """One GradientExchange for a fixed list of TF variables.
+
+    momentum / nesterov: with ``momentum_correction`` (RedSync's DGC option) the velocity is
+    kept in the compression memory and the optimizer must apply plain SGD; the Keras wrapper and
+    the tape take them from the optimizer you pass.
+    """
+
+    def __init__(self, named_variables, compression=None, communicator=None, momentum=None, nesterov=False):
+        from ..comm import HorovodCommunicator
+        compressor, config = build_for_tf(compression)
+        if getattr(config, "momentum_correction", False) and momentum is None:
+            raise ValueError(
+                "compression.momentum_correction=true keeps the optimizer's momentum in the compression memory: "
+                "pass optimizer=<your tf.keras.optimizers.SGD> (its momentum is moved into the memory and set "
+                "to 0 there) or momentum=<float> with a momentum-free optimizer; or set momentum_correction: false")
+        named = list(named_variables)
+        for name, var in named:     # the core's check, worded for TF
+            if var.shape.num_elements() == 0:
+                raise ValueError(f"parameter {name!r} has zero elements: there is nothing to exchange. "
+                                 "Remove it from named_variables or create it with trainable=False")
+        self.comm = communicator or HorovodCommunicator()
+        self.config = config
+        self.names = [n for n, _ in named]
+        self.variables = [v for _, v in named]
+        self._index = {v.ref(): i for i, v in enumerate(self.variables)}
+        layers = [Layer(n, tuple(int(d) for d in v.shape), int(v.shape.num_elements()), i, torch_device(v.device))
+                  for i, (n, v) in enumerate(named)]
+        self.layers = layers
+        _check_same_everywhere(self.comm, config, layers)
+        groups = [{"params": list(self.names), "momentum": float(momentum or 0.0), "nesterov": bool(nesterov)}]
+        memory, _ = _build_memory(config, groups, {n: n for n in self.names})
+        self.exchange = GradientExchange(layers, compressor, self.comm, LayerPolicy(config), memory,
+                                         check_finite=config.check_finite, fusion_bytes=config.fusion_bytes,
+                                         clip_norm=getattr(config, "clip_norm", None),
+                                         network=_network(config, self.comm),
+                                         # the averaged tensors become TF tensors (DLPack, no
+                                         # copy) that outlive the step: fresh buffers each step
+                                         reuse_buffers=False)
+        self._needs_params = config.method == "iwp"     # IWP weighs residuals by |w|
+        self.last_error: BaseException | None = None
+
+    # -- public -----------------------------------------------------------------
+    def set_steps_per_epoch(self, steps: int) -> None:
+        """Needed by epoch-based schedules such as ``warmup_epochs``."""
+        self.exchange.policy.steps_per_epoch = int(steps)
+
+    def layer_decisions(self) -> list:
+        return list(self.exchange.policy.decisions)
+
+    def communication_stats(self) -> dict:
+        """Cumulative per-worker figures, the same dict as the torch optimizer's."""
+        ex = self.exchange
+        out = ex.stats.summary()
+        out["last_step"] = dict(getattr(ex.stats, "last", {}))
+        out["layers"] = dict(ex.stats.layers)
+        return out
+
+    def state_dict(self) -> dict:
+        return self.exchange.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.exchange.load_state_dict(state)
+
+    @tf.autograph.experimental.do_not_convert
+    def __call__(self, grads, variables=None) -> list:
+        """Average ``grads`` (one per variable, None allowed) across workers; returns TF tensors.
+
+        ``variables``: the variables the gradients belong to, in the same order (default: all of
+        this exchange's variables). Variables of the exchange that are not in it get a zero
+        gradient, as parameters without ``.grad`` do in torch.
+        """
+        variables = self.variables if variables is None else list(variables)
+        grads = list(grads)
+        if len(grads) != len(variables):
+            raise ValueError(f"{len(grads)} gradients for {len(variables)} variables")
+        idx = []
+        for v in variables:
+            i = self._index.get(_ref(v))
+            if i is None:
+                raise ValueError(f"variable {getattr(v, 'name', v)!r} is not one this exchange was built for; "
+                                 "build one exchange per model (or pass named_variables covering it)")
+            idx.append(i)
+        full = [None] * len(self.variables)
+        for i, g in zip(idx, grads):
+            full[i] = g
+        dense = [self._dense(g, v) for g, v in zip(full, self.variables)]
+        if tf.executing_eagerly():
+            out = self._run(dense, self._params())
+        else:
+            out = self._graph(dense)
+        return [out[i] for i in idx]
+
+    # -- internals --------------------------------------------------------------
+    @staticmethod
+    def _dense(g, v):
+        if g is None:
+            return tf.zeros_like(v)
+        if isinstance(g, tf.IndexedSlices):
+            return tf.convert_to_tensor(g)
+        return g
+
+    def _params(self):
+        return [v.value() for v in self.variables] if self._needs_params else None
+
+    def _run(self, grads, params=None) -> list:
+        """Eager: DLPack in, the core's submit/finish, DLPack out."""
+        ex = self.exchange
+        if params is not None:
+            for layer, p in zip(self.layers, params):
+                layer.param = to_torch(p)
+        try:
+            try:
+                # reverse registration order, the order backward produces gradients in torch
+                for i in reversed(range(len(grads))):
+                    ex.submit(self.names[i], to_torch(grads[i]))
+            except BaseException:
+                # failed before finish(): drop this step's partial state, as finish() does on failure
+                if ex.memory is not None:
+                    ex.memory.rollback()
+                ex._reset_step()
+                ex.stats.step.clear()
+                raise
+            averaged = ex.finish()      # rolls the memory back itself when it raises
+        except BaseException as exc:
+            self.last_error = exc
+            raise
+        finally:
+            if params is not None:
+                for layer in self.layers:
+                    layer.param = None
+        out = []
+        for name, g, layer in zip(self.names, grads, self.layers):
+            flat = averaged[name]
+            if g.dtype != tf.float32:
+                flat = flat.to(_TORCH_DTYPES.get(g.dtype, torch.float32))
+            out.append(to_tf(flat.view(layer.shape)))
+        return out
+
+    def _graph(self, grads) -> list:
+        """Inside tf.function: the same eager code, run by tf.py_function."""
+        n = len(grads)
+        params = self._params() or []
+
+        def eager(*tensors):
+            return self._run(list(tensors[:n]), list(tensors[n:]) or None)
+
+        out = tf.py_function(eager, inp=list(grads) + list(params), Tout=[g.dtype for g in grads],
+                             name="redsync_exchange")
+        for o, g in zip(out, grads):
+            o.set_shape(g.shape)
+        return list(out)
+
+
+_TORCH_DTYPES = {tf.float16: torch.float16, tf.bfloat16: torch.bfloat16, tf.float64: torch.float64}
+
+# (compression key, variable refs) -> exchange: a tape wrapped anew every step (the Horovod
+# idiom) keeps the residuals of the previous steps
+_CACHE: dict = {}
+
+
+def exchange_for(sources, compression=None, named_variables=None, optimizer=None, momentum=None,
+                 communicator=None) -> TFGradientExchange:
+    """The exchange for these variables and this compression, built on first use."""
+    flat = [v for v in tf.nest.flatten(sources)]
+    for i, v in enumerate(flat):
+        if not isinstance(v, tf.Variable):
+            raise TypeError(f"sources[{i}] is a {type(v).__name__}: DistributedGradientTape exchanges gradients "
+                            "of tf.Variable sources (e.g. model.trainable_variables)")
+    if named_variables is not None:
+        named_variables = list(named_variables.items() if isinstance(named_variables, dict) else named_variables)
+        vars_key = tuple(_ref(v) for _, v in named_variables)
+    else:
+        vars_key = tuple(v.ref() for v in flat)
+    key = (_compression_key(compression), vars_key, id(optimizer), id(communicator))
+    ex = _CACHE.get(key)
+    if ex is None:
+        named = resolve_named_variables(named_variables, flat)
+        mom, nest = momentum, False
+        compressor_cfg = build_for_tf(compression)[1]
+        if optimizer is not None and getattr(compressor_cfg, "momentum_correction", False):
+            mom, nest = take_momentum(optimizer)
+        ex = _CACHE[key] = TFGradientExchange(named, compression, communicator, momentum=mom, nesterov=nest)
+    return ex
+
+
+def take_momentum(optimizer) -> tuple:
+    """Move a Keras optimizer's momentum into the compression memory: returns (momentum, nesterov)
+    and sets the optimizer's momentum to 0 so it is not applied twice."""
+    if not hasattr(optimizer, "momentum"):
+        raise ValueError(f"compression.momentum_correction=true needs an SGD-type optimizer with a momentum; "
+                         f"{type(optimizer).__name__} has none. Set momentum_correction: false")
+    momentum = float(tf.keras.backend.get_value(optimizer.momentum)) \
+        if not isinstance(optimizer.momentum, (int, float)) else float(optimizer.momentum)
+    nesterov = bool(getattr(optimizer, "nesterov", False))
+    optimizer.momentum = 0.0
+    return momentum, nesterov
+
+
+def _compression_key(compression):
+    if compression is None or isinstance(compression, dict):
+        try:
+            return json.dumps(compression, sort_keys=True, default=str)
+        except TypeError:
+            return id(compression)
+    return id(compression)
