@@ -79,7 +79,7 @@ class OutputConfig(_Section):
 
 
 class RunConfig(_Section):
-    framework: Literal["torch", "tensorflow"] = Field("torch", description="torch (tensorflow: not yet)")
+    framework: Literal["torch", "tensorflow"] = Field("torch", description="torch | tensorflow (digits mlp/cnn; docs/tensorflow.md)")
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)

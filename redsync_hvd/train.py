@@ -131,10 +131,13 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if cfg.framework != "torch":
-        print("error: framework: tensorflow is not available in this build yet; use framework: torch",
-              file=sys.stderr)
-        return 2
+    if cfg.framework == "tensorflow":
+        try:
+            from .tensorflow.train import run as run_tensorflow
+        except ImportError as exc:   # a torch-only install: redsync_hvd.tensorflow's message names the fix
+            print(f"error: framework: tensorflow: {exc}", file=sys.stderr)
+            return 2
+        return run_tensorflow(cfg)
     return run(cfg)
 
 

@@ -60,7 +60,8 @@ def render() -> str:
                 if isinstance(sann, type) and issubclass(sann, BaseModel):
                     lines += [f"### `{section}.{sub}`", "", *_table(sann, f"{section}.{sub}."), ""]
         else:
-            lines += [f"## `{section}`", "", f"`{section}`: {_type(field)}, default `{field.default!r}`", ""]
+            desc = f": {field.description}" if field.description else ""
+            lines += [f"## `{section}`", "", f"`{section}`: {_type(field)}, default `{field.default!r}`{desc}", ""]
     lines += ["## `compression`", "", "Keys every method accepts:", "", *_table(CompressionConfig, "compression."),
               ""]
     common = set(CompressionConfig.model_fields)
