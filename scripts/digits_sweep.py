@@ -28,6 +28,11 @@ VARIANTS = {
     "redsync 0.001 sign_mean 40 epochs, no override": (RS, E40 + ["compression.density=0.001"]),
     "redsync 0.001 sign_mean 40 epochs, override, warmup_epochs=8": ("configs/digits/redsync-0.001.yaml",
                                                                      E40 + ["compression.warmup_epochs=8"]),
+    "redsync 0.001 sign_mean 40 epochs, override, momentum_correction": (
+        "configs/digits/redsync-0.001.yaml", E40 + ["compression.momentum_correction=true"]),
+    "redsync 0.001 sign_mean 40 epochs, override, momentum_correction, no masking": (
+        "configs/digits/redsync-0.001.yaml", E40 + ["compression.momentum_correction=true",
+                                                    "compression.momentum_masking=false"]),
     "redsync 0.01 sign_mean 20 epochs": (RS, []),
     "redsync 0.001 sign_mean 20 epochs": (RS, ["compression.density=0.001"]),
     "redsync 0.01 20 epochs momentum_correction": (RS, ["compression.momentum_correction=true"]),

@@ -268,8 +268,10 @@ def _sampled(flat, k, be, o) -> Tuple[torch.Tensor, float]:
 def _reuse(flat, k, be, state: SelectionState, method: str):
     """One counting pass at the stored threshold. Returns (indices, searched) or None,
     which means 'search now'. A count above 2k but within the pass's cap re-searches
-    among the candidates already in hand (exact top-k of them, no extra pass): with error
-    feedback the residual grows between searches, so counts mostly drift upwards."""
+    among the candidates already in hand (no extra pass): the new threshold is the
+    ~1.5k-th largest |x|, and tbs/sampled return the ~1.5k elements above it, trimmed the
+    exact top-k. With error feedback the residual grows between searches, so counts
+    mostly drift upwards."""
     t = _cast(state.threshold, flat.dtype)
     cap = max(8 * k, 1024)
     idx, c, vals = be.select(t, cap, True, True)
@@ -277,8 +279,12 @@ def _reuse(flat, k, be, state: SelectionState, method: str):
     if c < k / 2 or idx is None:
         return None  # the threshold went stale
     if c > 2 * k:
-        idx, state.threshold = _topk_over(flat, idx, k, vals, True)
-        return idx, True
+        pos, state.threshold, _ = _top(vals, k, True)   # the ~1.5k-th largest |x| overall
+        if method != "trimmed":  # what a search returns: the elements above that threshold
+            keep = vals > state.threshold
+            if int(keep.sum()) >= k:
+                return idx[keep], True
+        return idx[pos], True
     tries = 0
     while c < k:  # inside the band but below the contract: loosen, keep reusing
         if tries == 3 or t <= 0.0:
