@@ -19,17 +19,24 @@ def summary(folder):
     return json.loads((folder / "summary.json").read_text())
 
 
+# The seed also draws the train/test split: each seed is a paired comparison on its own
+# 360-sample test set (1 sample = 0.28 point), so the convergence test takes the mean of three.
+CONVERGENCE_SEEDS = (0, 1, 2)
+
+
 @pytest.fixture(scope="module")
 def digits_runs(tmp_path_factory):
-    """Runs of the digits CNN on 2 workers (seed 0), shared by the tests below: dense, top-k
-    (density 0.01), SBC, IWP, DCD and ECD at 20 epochs (the base config); RedSync at 40 epochs,
-    its documented convergence setting, with a dense run of 40 epochs to compare against."""
+    """Runs of the digits CNN on 2 workers, shared by the tests below: dense, top-k (density
+    0.01), SBC, IWP, DCD and ECD at 20 epochs (the base config, seed 0); RedSync at 40 epochs,
+    its documented convergence setting, with dense at 40 epochs, for seeds 0-2."""
     out = tmp_path_factory.mktemp("runs")
     for cfg in ("dense", "topk", "sbc", "iwp"):
         train(out, f"configs/digits/{cfg}.yaml")
-    train(out, "configs/digits/dense.yaml", "training.epochs=40", "output.name=dense-40")
-    train(out, "configs/digits/redsync.yaml", "training.epochs=40", "output.name=redsync-0.01")
-    train(out, "configs/digits/redsync-0.001.yaml", "training.epochs=40", "output.name=redsync-0.001")
+    for seed in CONVERGENCE_SEEDS:
+        suffix = "" if seed == 0 else f"-s{seed}"
+        for cfg, name in (("dense", "dense-40"), ("redsync", "redsync-0.01"), ("redsync-0.001", "redsync-0.001")):
+            train(out, f"configs/digits/{cfg}.yaml", "training.epochs=40", f"training.seed={seed}",
+                  f"output.name={name}{suffix}")
     for cfg in ("dcd", "ecd"):
         train(out, f"configs/digits/{cfg}.yaml")
     return out
@@ -45,18 +52,20 @@ def test_digits_reaches_90_percent(digits_runs, name):
     assert set(s["time_breakdown"]) >= {"select", "communicate", "decompress", "compute"}
 
 
-@pytest.mark.parametrize("density, tolerance", [("0.01", 0.005), ("0.001", 0.01)])
-def test_redsync_converges_close_to_dense(digits_runs, density, tolerance):
-    """Issue 3: within 0.5 point of dense at the same epochs (40). Density 0.01 meets it on
-    the 5-seed mean (gap 0.00 points, docs/redsync.md) and is held to it here on seed 0.
-    Density 0.001 (configs/digits/redsync-0.001.yaml) measures 0.56 point below dense on the
-    5-seed mean, just outside the target, so it is held to 1 point (two test samples)."""
-    dense, rs = summary(digits_runs / "dense-40"), summary(digits_runs / f"redsync-{density}")
-    assert dense["steps"] == rs["steps"] == 880
-    assert rs["final_accuracy"] >= dense["final_accuracy"] - tolerance, (rs["final_accuracy"],
-                                                                         dense["final_accuracy"])
-    assert rs["compression_ratio"] > 30
-    decisions = {d["name"]: d["compressed"] for d in rs["layer_decisions"]}
+@pytest.mark.parametrize("density", ["0.01", "0.001"])
+def test_redsync_converges_close_to_dense(digits_runs, density):
+    """Issue 3: within 0.5 point of dense at the same epochs (40), on the mean over seeds
+    0-2 of paired runs (same seed, same split). scripts/digits_sweep.py over seeds 0-4 gives
+    gaps of 0.00 (density 0.01) and 0.39 point (0.001, configs/digits/redsync-0.001.yaml)."""
+    def mean(name):
+        runs = [summary(digits_runs / (name + ("" if s == 0 else f"-s{s}"))) for s in CONVERGENCE_SEEDS]
+        assert all(r["steps"] == 880 for r in runs)
+        return sum(r["final_accuracy"] for r in runs) / len(runs), runs
+    dense, _ = mean("dense-40")
+    rs, runs = mean(f"redsync-{density}")
+    assert rs >= dense - 0.005, (rs, dense)
+    assert all(r["compression_ratio"] > 30 for r in runs)
+    decisions = {d["name"]: d["compressed"] for d in runs[0]["layer_decisions"]}
     assert decisions["classifier.1.weight"] and not decisions["classifier.1.bias"]
 
 
