@@ -123,36 +123,38 @@ def summary(folder):
     return json.loads((folder / "summary.json").read_text())
 
 
+TF_SEEDS = (0, 1, 2)
+
+
 @pytest.fixture(scope="module")
 def tf_digits_runs(tmp_path_factory):
-    """TF dense and TF RedSync at density 0.01 (the digits config: sign_mean messages; and unquantised)
-    on the digits CNN, 2 workers, 20 epochs (the configs')."""
+    """TF dense and TF RedSync at density 0.01 (configs/digits/tf-redsync.yaml: sign_mean
+    messages, TBS, warm-up) on the digits CNN, 2 workers, 40 epochs (RedSync's documented
+    convergence setting, as for torch), seeds 0-2."""
     out = tmp_path_factory.mktemp("tf_runs")
-    train(out, "configs/digits/tf-dense.yaml")
-    train(out, "configs/digits/tf-redsync.yaml", "compression.density=0.01")
-    train(out, "configs/digits/tf-redsync.yaml", "compression.density=0.01", "compression.quantize=none",
-          "output.name=tf-redsync-qnone")
+    for seed in TF_SEEDS:
+        for cfg in ("tf-dense", "tf-redsync"):
+            train(out, f"configs/digits/{cfg}.yaml", "training.epochs=40", f"training.seed={seed}",
+                  f"output.name={cfg}" + ("" if seed == 0 else f"-s{seed}"))
     return out
 
 
 def test_tf_redsync_accuracy_close_to_tf_dense(tf_digits_runs):
-    """Issue 6: TF with RedSync at density 0.01 within 0.5 point of TF dense at the same epochs.
-
-    Measured with the core and redsync.yaml of 46ebd4f (momentum_correction off, threshold_reuse 5;
-    2 workers, 20 epochs, 360 test samples: one sample = 0.28 point),
-    seeds 0/1/2: TF dense 0.9778/0.9778/0.9889; RedSync 0.01 unquantised 0.9750/0.9694/0.9861
-    (-0.28/-0.83/-0.28 point); RedSync 0.01 with the digits config's sign_mean messages
-    0.9528/0.9694/0.9694 (-2.50/-0.83/-1.94; torch's run of that config: 0.9694/0.9750/0.9694).
-    The 0.5-point bound is asserted for unquantised RedSync at seed 0; sign_mean is guarded at
-    3 points (it measured 0.9694 and was guarded at 2 before 3fc71c4/46ebd4f changed the core and the
-    config; see docs/tensorflow.md)."""
-    dense, rs = summary(tf_digits_runs / "tf-dense"), summary(tf_digits_runs / "tf-redsync")
-    qnone = summary(tf_digits_runs / "tf-redsync-qnone")
-    assert dense["final_accuracy"] >= 0.9, dense["final_accuracy"]
-    assert qnone["final_accuracy"] >= dense["final_accuracy"] - 0.005, (qnone["final_accuracy"], dense["final_accuracy"])
-    assert rs["final_accuracy"] >= dense["final_accuracy"] - 0.03, (rs["final_accuracy"], dense["final_accuracy"])
-    assert rs["compression_ratio"] > 15 and qnone["compression_ratio"] > 8 and 0.99 < dense["compression_ratio"] <= 1.0
-    decisions = {d["name"]: d["compressed"] for d in rs["layer_decisions"]}
+    """Issue 6: TF with RedSync at density 0.01 within 0.5 point of TF dense at the same epochs,
+    on the mean of seeds 0-2 (paired: same seed and split). Measured (2026-11-26, 40 epochs,
+    360 test samples: one sample = 0.28 point): TF dense 0.9778/0.9806/0.9889, TF RedSync
+    0.9778/0.9806/0.9917 (36.6-37.0x). At 20 epochs sign_mean is still catching up in both
+    frameworks (0.8-2.5 points below, docs/tensorflow.md)."""
+    def mean(name):
+        runs = [summary(tf_digits_runs / (name + ("" if s == 0 else f"-s{s}"))) for s in TF_SEEDS]
+        return sum(r["final_accuracy"] for r in runs) / len(runs), runs
+    dense, dense_runs = mean("tf-dense")
+    rs, rs_runs = mean("tf-redsync")
+    assert dense >= 0.9, dense
+    assert rs >= dense - 0.005, (rs, dense)
+    assert all(r["compression_ratio"] > 30 for r in rs_runs)
+    assert all(0.99 < r["compression_ratio"] <= 1.0 for r in dense_runs)
+    decisions = {d["name"]: d["compressed"] for d in rs_runs[0]["layer_decisions"]}
     assert decisions["classifier.1.weight"] and not decisions["classifier.1.bias"]
 
 
@@ -179,7 +181,7 @@ def test_tf_run_folder_has_the_torch_keys(tf_digits_runs, tmp_path):
     assert len(losses["tf"]) == len(losses["torch"]) == 2
     assert all(abs(a - b) < 1e-3 for a, b in zip(losses["torch"], losses["tf"])), losses
     lines = (tf_digits_runs / "tf-dense" / "metrics.jsonl").read_text().splitlines()
-    assert sum("test_accuracy" in l for l in lines) == 20
+    assert sum("test_accuracy" in l for l in lines) == 40
 
 
 def test_tf_resume_continues_identically(tmp_path):
