@@ -106,3 +106,5 @@ def main(compression):
 
 if __name__ == "__main__":
     main(json.loads(sys.argv[1]))
+    from _tf_exit import exit_cleanly
+    exit_cleanly()

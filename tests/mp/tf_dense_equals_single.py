@@ -84,3 +84,5 @@ def main(compression, mode):
 
 if __name__ == "__main__":
     main(json.loads(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "eager")
+    from _tf_exit import exit_cleanly
+    exit_cleanly()
