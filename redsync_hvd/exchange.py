@@ -68,6 +68,10 @@ class GradientExchange:
         # the caller's gradient tensors may be overwritten (the torch adapter: they are .grad,
         # which the average replaces anyway): dense layers are then reduced in place in them
         self.grads_writable = grads_writable
+        if network is not None and policy.compute is None:
+            # cost-model decisions need this machine's selection cost (both adapters get it here)
+            from .compute_probe import probe_compute
+            policy.compute = probe_compute(comm, layers[0].device if layers else "cpu")
         policy.setup(layers, comm.size, network)
         self._buckets, self._bucket_of = self._make_buckets(layers, fusion_bytes)
         self._reset_step()

@@ -35,11 +35,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         layers = [Layer(n, tuple(p.shape), p.numel(), i, p.device, param=p) for i, (n, p) in enumerate(named)]
         _check_same_everywhere(comm, config, layers)
         memory, self._weight_decay = _build_memory(config, self.param_groups, self._names)
-        policy = LayerPolicy(config)
-        if getattr(config, "policy", "static") == "cost_model":
-            from ..compute_probe import probe_compute
-            policy.compute = probe_compute(comm, layers[0].device if layers else "cpu")
-        self._exchange = GradientExchange(layers, compressor, comm, policy, memory,
+        self._exchange = GradientExchange(layers, compressor, comm, LayerPolicy(config), memory,
                                           check_finite=config.check_finite, fusion_bytes=config.fusion_bytes,
                                           clip_norm=getattr(config, "clip_norm", None),
                                           network=_network(config, comm), grads_writable=True)
