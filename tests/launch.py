@@ -43,3 +43,17 @@ def run_script(name: str, *script_args, np: int = 2, timeout: float = 180, **kw)
     """Run tests/mp/<name> under horovodrun."""
     return horovodrun(["python", str(REPO / "tests" / "mp" / name), *map(str, script_args)], np=np,
                       timeout=timeout, **kw)
+
+
+def train(out_dir, config: str, *overrides: str, np: int = 2, check: bool = True, timeout: float = 300,
+          module: str = "redsync_hvd.train") -> subprocess.CompletedProcess:
+    """``python -m <module> --config <config> --set output.dir=<out_dir> --set k=v ...`` on N workers."""
+    args = ["python", "-m", module, "--config", str(REPO / config), "--set", f"output.dir={out_dir}",
+            "--set", "training.progress=false", *sum((["--set", o] for o in overrides), [])]
+    return horovodrun(args, np=np, check=check, timeout=timeout)
+
+
+def summary(folder) -> dict:
+    """A run folder's summary.json."""
+    import json
+    return json.loads((Path(folder) / "summary.json").read_text())

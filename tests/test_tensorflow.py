@@ -11,7 +11,8 @@ import subprocess
 
 import pytest
 
-from launch import BIN, REPO, horovodrun, run_script
+from launch import BIN, run_script, summary
+from launch import train as launch_train
 
 
 def _tf_missing():
@@ -109,18 +110,12 @@ def test_tf_bad_inputs_give_the_torch_errors():
 
 
 # -- python -m redsync_hvd.train with framework: tensorflow ---------------------------------------
-def train(tmp_path, config, *overrides, np=2, check=True, timeout=600, module="redsync_hvd.tensorflow.train"):
-    """`python -m redsync_hvd.tensorflow.train` for TF configs (`redsync_hvd.train` dispatches to it)."""
-    if "tf-" not in config:
-        module = "redsync_hvd.train"
-    args = ["python", "-m", module, "--config", str(REPO / config),
-            "--set", f"output.dir={tmp_path}", "--set", "training.progress=false",
-            *sum((["--set", o] for o in overrides), [])]
-    return horovodrun(args, np=np, check=check, timeout=timeout)
-
-
-def summary(folder):
-    return json.loads((folder / "summary.json").read_text())
+def train(tmp_path, config, *overrides, np=2, check=True, timeout=600, module=None):
+    """TF configs run `python -m redsync_hvd.tensorflow.train` directly (`redsync_hvd.train`
+    dispatches to it, which test_main_cli_dispatches_tensorflow_configs checks); others the torch trainer."""
+    if module is None:
+        module = "redsync_hvd.tensorflow.train" if "tf-" in config else "redsync_hvd.train"
+    return launch_train(tmp_path, config, *overrides, np=np, check=check, timeout=timeout, module=module)
 
 
 TF_SEEDS = (0, 1, 2)

@@ -6,17 +6,7 @@ import sys
 import pytest
 import torch
 
-from launch import REPO, horovodrun
-
-
-def train(tmp_path, config, *overrides, np=2, check=True, timeout=300):
-    args = ["python", "-m", "redsync_hvd.train", "--config", str(REPO / config),
-            "--set", f"output.dir={tmp_path}", "--set", "training.progress=false", *sum((["--set", o] for o in overrides), [])]
-    return horovodrun(args, np=np, check=check, timeout=timeout)
-
-
-def summary(folder):
-    return json.loads((folder / "summary.json").read_text())
+from launch import REPO, summary, train
 
 
 # The seed also draws the train/test split: each seed is a paired comparison on its own
