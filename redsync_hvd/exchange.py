@@ -142,7 +142,8 @@ class GradientExchange:
                 if norm > self.clip:
                     flat = flat * (self.clip / norm)
             use_memory = self.memory is not None and (layer.compressed or self.memory.applies_to_dense)
-            x = self.memory.compensate(name, flat) if use_memory else flat
+            scan = comp.scan_request(layer, self.step) if use_memory and layer.compressed else None
+            x = self.memory.compensate(name, flat, scan=scan) if use_memory else flat
             try:
                 msg = comp.compress(x, layer, self.step)
             except NonFiniteError:

@@ -482,3 +482,76 @@ def test_reuse_count_above_band_researches_among_candidates(method, backend):
         check_range(y, idx, k)
         assert abs(idx.numel() - 1.5 * k) <= 2
     assert s.threshold > t                             # the new ~1.5k-th value
+
+
+# ---- the compensation pass fused with the selection's first pass ----------------------
+
+@needs_native
+@pytest.mark.parametrize("mode", ["residual", "momentum", "nesterov"])
+@pytest.mark.parametrize("n", [1, 9, 4103, 300001])
+def test_compensate_scan_equals_the_separate_passes(mode, n):
+    m = _native.load()
+    g = torch.Generator().manual_seed(n)
+    r, grad, u = (torch.randn(n, generator=g) for _ in range(3))
+    out, u_out = torch.empty(n), torch.empty(n)
+    if mode == "residual":
+        ref, uu, uo = r + grad, torch.empty(0), torch.empty(0)
+    else:
+        un = torch.add(grad, u, alpha=0.9)
+        ref = r + (grad + 0.9 * un if mode == "nesterov" else un)
+        uu, uo = u, u_out
+    thr = float(ref.abs().median())
+    idx, vals, c, finite, mx, s = m.compensate_scan(r, grad, out, uu, uo, 0.9, mode == "nesterov", thr, n)
+    if mode == "residual":
+        assert torch.equal(out, ref)
+    else:   # torch may fuse m*u + g into one rounding (FMA): one ulp apart at most
+        assert torch.allclose(u_out, un, rtol=1e-6, atol=1e-6) and torch.allclose(out, ref, rtol=1e-6, atol=1e-6)
+    ref_idx, ref_vals, ref_c, _ = m.select_above(out, thr, n, True, True)
+    assert finite and c == ref_c and torch.equal(idx, ref_idx) and torch.equal(vals, ref_vals)
+    ref_mx, ref_s = m.stats(out)
+    assert mx == ref_mx and math.isclose(s, ref_s, rel_tol=1e-6)
+    # past the cap: the count only; no threshold: statistics only
+    idx, vals, c, *_ = m.compensate_scan(r, grad, out, uu, uo, 0.9, mode == "nesterov", thr, ref_c - 1)
+    assert idx.numel() == 0 and c == ref_c
+    idx, _, c, finite, mx, _ = m.compensate_scan(r, grad, out, uu, uo, 0.9, mode == "nesterov", math.inf, n)
+    assert idx.numel() == 0 and c == 0 and finite and mx == ref_mx
+    for bad in (float("nan"), float("inf")):
+        grad[n // 2] = bad
+        assert not m.compensate_scan(r, grad, out, uu, uo, 0.9, mode == "nesterov", thr, n)[3]
+        assert not m.compensate_scan(r, grad, out, uu, uo, 0.9, mode == "nesterov", math.inf, n)[3]
+
+
+@needs_native
+@pytest.mark.parametrize("method", ("tbs", "trimmed"))
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_selection_from_the_fused_pass_equals_the_unfused_one(method, momentum):
+    """Error feedback over 12 steps, threshold reuse 4: the memory that fuses the first
+    selection pass into its compensation sends exactly what the unfused pair sends."""
+    from redsync_hvd.core.selection import scan_request
+    from redsync_hvd.memory import MomentumCorrectionMemory, ResidualMemory
+
+    def memory():
+        return MomentumCorrectionMemory(momentum) if momentum else ResidualMemory()
+
+    fused, plain = memory(), memory()
+    s_fused, s_plain = SelectionState(), SelectionState()
+    k, g = 300, torch.Generator().manual_seed(3)
+    used = 0
+    for step in range(12):
+        grad = torch.randn(200003, generator=g) * (1 + 0.05 * step)
+        req = scan_request(s_fused, k, method, threshold_reuse=4)
+        x_f = fused.compensate("w", grad, scan=req)
+        x_p = plain.compensate("w", grad)
+        if momentum == 0.0:
+            assert torch.equal(x_f, x_p)
+        assert req is not None and req.result is not None
+        used += req.result.count > 0
+        a = select_topk(x_f, k, method, state=s_fused, threshold_reuse=4, scan=req.result)
+        b = select_topk(x_p if momentum == 0.0 else x_f.clone(), k, method, state=s_plain, threshold_reuse=4)
+        assert torch.equal(a, b)
+        assert s_fused.state_dict() == s_plain.state_dict()
+        for mem, x, idx in ((fused, x_f, a), (plain, x_p, b)):
+            x[idx] = 0.0
+            mem.mask("w", idx)
+            mem.commit()
+    assert used >= 6   # most steps took their hits from the fused pass

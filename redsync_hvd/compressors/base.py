@@ -68,6 +68,12 @@ class Compressor(ABC):
         """dtypes of the tensors ``compress`` returns for this layer (fixed per layer)."""
         raise NotImplementedError
 
+    def scan_request(self, layer: Layer, step: int):
+        """A ``core.passes.ScanRequest`` for the memory to fill while it computes this layer's
+        x (the first pass of the selection, fused with the compensation), or None. The next
+        ``compress`` of the layer reads it back."""
+        return None
+
     @abstractmethod
     def compress(self, x: torch.Tensor, layer: Layer, step: int) -> Message:
         """x: flat fp32 tensor (gradient plus residual). Must not modify x."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.selection import SelectionState, select_topk
+from ..core.selection import SelectionState, scan_request, select_topk
 from .base import Compressor, Layer, Message
 from .topk import k_for
 
@@ -26,6 +26,7 @@ class RedSyncCompressor(Compressor):
         super().__init__(config)
         self.selection_state: dict[str, SelectionState] = {}
         self._sent: dict[str, torch.Tensor] = {}
+        self._scans: dict = {}
 
     # -- wire format ----------------------------------------------------------
     def _value_dtype(self):
@@ -40,11 +41,21 @@ class RedSyncCompressor(Compressor):
         return index + ("scalars" if self.config.quantize == "sign_mean" else "values",)
 
     # -- compress -------------------------------------------------------------
+    def _method(self, layer: Layer) -> str:
+        return getattr(layer, "selection", None) or self.config.selection
+
+    def scan_request(self, layer: Layer, step: int):
+        state = self.selection_state.setdefault(layer.name, SelectionState())
+        req = scan_request(state, k_for(layer), self._method(layer), threshold_reuse=self.config.threshold_reuse)
+        self._scans[layer.name] = req
+        return req
+
     def compress(self, x: torch.Tensor, layer: Layer, step: int) -> Message:
         c = self.config
         k = k_for(layer)
         state = self.selection_state.setdefault(layer.name, SelectionState())
-        idx = select_topk(x, k, getattr(layer, "selection", None) or c.selection, state=state,
+        req = self._scans.pop(layer.name, None)
+        idx = select_topk(x, k, self._method(layer), state=state, scan=req.result if req else None,
                           threshold_reuse=c.threshold_reuse, tbs_max_probes=c.tbs_max_probes,
                           trimmed_eps=c.trimmed_eps, sample_fraction=c.sample_fraction, name=layer.name)
         selected = idx.numel()

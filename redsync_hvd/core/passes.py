@@ -9,13 +9,16 @@ written once:
                                       count, their |x| if values)
     sub(vals)             -> the same backend over a gathered subset
 
-* ``_Native``: the C++/OpenMP module (CPU float32/float64), see ``_native/``.
+* ``_Native``: the C++/OpenMP module (CPU float32/float64), see ``_native/``. Its first
+  stats() and select() may come from a ``Scan``: the same pass made by the residual
+  memory while it computed x (``compensate_scan``), so x is not read again.
 * ``CudaPasses``: CuPy kernels (CUDA float32), see ``cuda_select.py``.
 * ``_Torch``: plain torch ops, any device and dtype.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -39,15 +42,69 @@ def _nonfinite(name: Optional[str], x: torch.Tensor) -> ValueError:
     return NonFiniteError("non-finite gradient values in %s (NaN or Inf): refusing to select" % where)
 
 
+@dataclass
+class ScanRequest:
+    """What the selection that follows wants from the pass that computes x: statistics
+    always, and the indices and |x| above ``threshold`` up to ``cap`` (threshold=inf:
+    none, a search step). The memory fills ``result`` when it could fuse the pass."""
+    threshold: float = math.inf
+    cap: int = 0
+    result: Optional["Scan"] = None
+
+
+@dataclass
+class Scan:
+    threshold: float
+    cap: int
+    indices: torch.Tensor     # empty past cap or without a threshold
+    values: torch.Tensor      # their |x|
+    count: int                # exact count above threshold
+    finite: bool
+    max: float
+    sum: float
+
+
+def compensate_scan(residual: torch.Tensor, grad: torch.Tensor, out: torch.Tensor,
+                    request: Optional[ScanRequest], velocity: Optional[torch.Tensor] = None,
+                    velocity_out: Optional[torch.Tensor] = None, momentum: float = 0.0,
+                    nesterov: bool = False) -> bool:
+    """out = residual + grad (with ``velocity``: DGC's velocity_out = momentum*velocity + grad,
+    out = residual + velocity_out, or + grad + momentum*velocity_out with nesterov), fused
+    with the first selection pass over out into ``request.result``. Returns False, having
+    done nothing, when the native kernel cannot take these tensors: the caller then
+    computes out with torch ops."""
+    mod = _native.load()
+    tensors = [residual, grad, out] + ([velocity, velocity_out] if velocity is not None else [])
+    if mod is None or not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+                              for t in tensors):
+        return False
+    empty = residual.new_empty(0)
+    thr = request.threshold if request is not None else math.inf
+    cap = request.cap if request is not None else 0
+    idx, vals, c, finite, mx, s = mod.compensate_scan(
+        residual, grad, out, velocity if velocity is not None else empty,
+        velocity_out if velocity_out is not None else empty, float(momentum), bool(nesterov), float(thr), int(cap))
+    if request is not None:
+        request.result = Scan(thr, cap, idx, vals, c, finite, mx, s)
+    return True
+
+
 class _Native:
     """Fused passes from the C++ module; x is a contiguous 1-D CPU float32/float64."""
 
     levels = _NATIVE_LEVELS
 
-    def __init__(self, mod: Any, flat: torch.Tensor, err: ValueError):
+    def __init__(self, mod: Any, flat: torch.Tensor, err: ValueError, scan: Optional[Scan] = None):
         self.m, self.x, self.err = mod, flat, err
+        self.scan = scan   # consumed by the first stats() and the first select() it matches
 
     def stats(self) -> Tuple[float, float]:
+        if self.scan is not None and not math.isnan(self.scan.max):
+            mx, s, finite = self.scan.max, self.scan.sum, self.scan.finite
+            self.scan.max = math.nan   # used
+            if not finite:
+                raise self.err
+            return mx, s / self.x.numel()
         mx, s = self.m.stats(self.x)
         if not math.isfinite(s):  # float partial sums may overflow: confirm before raising
             if not bool(torch.isfinite(self.x).all()):
@@ -60,12 +117,20 @@ class _Native:
 
     def select(self, thr: float, cap: int, check: bool, values: bool = False):
         """(indices of |x| > thr or None past cap, count, their |x| if values)."""
+        scan = self.scan
+        if scan is not None and scan.threshold == thr and scan.cap == cap:
+            scan.threshold = math.nan   # used
+            if check and not scan.finite:
+                raise self.err
+            return (scan.indices, scan.count, scan.values if values else None) if scan.count <= cap \
+                else (None, scan.count, None)
         idx, vals, c, finite = self.m.select_above(self.x, thr, cap, check, values)
         if check and not finite:
             raise self.err
         return (idx, c, vals if values else None) if c <= cap else (None, c, None)
 
     def sub(self, vals: torch.Tensor) -> "_Native":
+        self.scan = None
         return _Native(self.m, vals.contiguous(), self.err)
 
 
@@ -97,7 +162,7 @@ class _Torch:
         return _Torch(vals, self.err)
 
 
-def _backend(flat: torch.Tensor, choice: str, err: ValueError):
+def _backend(flat: torch.Tensor, choice: str, err: ValueError, scan: Optional[Scan] = None):
     if flat.is_cuda:
         ok = flat.dtype == torch.float32
         kernels = cuda_select.load() if choice in ("auto", "cuda") and ok else None
@@ -116,4 +181,4 @@ def _backend(flat: torch.Tensor, choice: str, err: ValueError):
         raise ValueError("backend='native' unavailable: %s" % why)
     if choice == "cuda":
         raise ValueError("backend='cuda' unavailable: needs a CUDA float32 tensor")
-    return _Native(mod, flat.contiguous(), err) if mod is not None else _Torch(flat, err)
+    return _Native(mod, flat.contiguous(), err, scan) if mod is not None else _Torch(flat, err)

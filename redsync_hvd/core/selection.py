@@ -65,9 +65,9 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from redsync_hvd.core.passes import NonFiniteError, _backend, _nonfinite, native_available
+from redsync_hvd.core.passes import NonFiniteError, Scan, ScanRequest, _backend, _nonfinite, native_available
 
-__all__ = ["SelectionState", "select_topk", "METHODS", "native_available", "NonFiniteError"]
+__all__ = ["SelectionState", "select_topk", "scan_request", "METHODS", "native_available", "NonFiniteError"]
 
 METHODS = ("exact", "trimmed", "tbs", "sampled")
 _DEFAULTS: Dict[str, Any] = {
@@ -265,6 +265,28 @@ def _sampled(flat, k, be, o) -> Tuple[torch.Tensor, float]:
     return _exact(flat, k, be.err, be.for_state)
 
 
+def _reuse_cap(k: int) -> int:
+    return max(8 * k, 1024)
+
+
+def _reusing(state: Optional[SelectionState], reuse: int) -> bool:
+    return state is not None and reuse > 1 and state.threshold is not None \
+        and state.steps_since_search + 1 < reuse
+
+
+def scan_request(state: Optional[SelectionState], k: int, method: str = "tbs", *,
+                 threshold_reuse: int = 1) -> Optional[ScanRequest]:
+    """What the next ``select_topk(x, k, method, state=state, threshold_reuse=...)`` would
+    read first, for the pass that computes x to produce it (``passes.compensate_scan``):
+    the count and hits at the reused threshold, or just max/sum|x| before a search. Pass
+    the filled ``request.result`` to select_topk as ``scan``. None: nothing to fuse."""
+    if method == "exact" or k <= 0:
+        return None
+    if _reusing(state, int(threshold_reuse)):
+        return ScanRequest(_cast(state.threshold, torch.float32), _reuse_cap(k))
+    return ScanRequest() if method in ("tbs", "trimmed") else None
+
+
 def _reuse(flat, k, be, state: SelectionState, method: str):
     """One counting pass at the stored threshold. Returns (indices, searched) or None,
     which means 'search now'. A count above 2k but within the pass's cap re-searches
@@ -273,7 +295,7 @@ def _reuse(flat, k, be, state: SelectionState, method: str):
     exact top-k. With error feedback the residual grows between searches, so counts
     mostly drift upwards."""
     t = _cast(state.threshold, flat.dtype)
-    cap = max(8 * k, 1024)
+    cap = _reuse_cap(k)
     idx, c, vals = be.select(t, cap, True, True)
     state.last_count = c
     if c < k / 2 or idx is None:
@@ -325,13 +347,16 @@ def _options(method: str, options: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def select_topk(x: torch.Tensor, k: int, method: str = "tbs", *,
-                state: Optional[SelectionState] = None, **options: Any) -> torch.Tensor:
+                state: Optional[SelectionState] = None, scan: Optional[Scan] = None,
+                **options: Any) -> torch.Tensor:
     """Indices (int64, x's device) of about the k largest |x| in ``x.flatten()``.
 
     exact/trimmed return exactly min(k, numel) indices; tbs/sampled between k and 2k.
     k >= numel returns every index; k == 0 or an empty x returns an empty tensor.
     Raises ValueError for k < 0, unknown methods/options, and NaN/Inf in x.
     With ``state`` and ``threshold_reuse=R > 1`` most calls cost one counting pass.
+    ``scan``: that pass (or a search's statistics pass), already made over x by whoever
+    computed it (see ``scan_request``); the result is the same, x is read once less.
     """
     o = _options(method, options)
     k = int(k)
@@ -348,12 +373,11 @@ def select_topk(x: torch.Tensor, k: int, method: str = "tbs", *,
         return torch.arange(n, dtype=torch.int64, device=x.device)
     if method == "exact":
         return _exact(flat, k, err, for_state=False)[0]
-    be = _backend(flat, o["backend"], err)
+    be = _backend(flat, o["backend"], err, scan)
     be.for_state = state is not None  # only then pay for the reuse threshold
     flat = be.x
     reuse = int(o["threshold_reuse"])
-    if state is not None and reuse > 1 and state.threshold is not None \
-            and state.steps_since_search + 1 < reuse:
+    if _reusing(state, reuse):
         got = _reuse(flat, k, be, state, method)
         if got is not None:
             idx, searched = got

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.passes import ScanRequest, compensate_scan
 from .residual import ResidualMemory
 
 
@@ -38,7 +39,7 @@ class MomentumCorrectionMemory(ResidualMemory):
     def _m(self, name: str) -> float:
         return self.momentum.get(name, 0.0) if isinstance(self.momentum, dict) else self.momentum
 
-    def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+    def compensate(self, name: str, grad: torch.Tensor, scan: ScanRequest | None = None) -> torch.Tensor:
         m = self._m(name)
         u = self.velocity.get(name)
         if u is None:
@@ -46,8 +47,13 @@ class MomentumCorrectionMemory(ResidualMemory):
         u_new = self._spare_u.get(name)
         if u_new is None or u_new.shape != u.shape:
             u_new = self._spare_u[name] = torch.empty_like(u)
-        torch.add(grad, u, alpha=m, out=u_new)       # u = m*u + g
         self._pending_u[name] = u_new
+        v, v_new = self._buffers(name, grad)
+        # one pass over g, u and v where the native kernel runs; torch ops make three
+        if compensate_scan(v, grad, v_new, scan, u, u_new, m, self.nesterov):
+            self._pending[name] = v_new
+            return v_new
+        torch.add(grad, u, alpha=m, out=u_new)       # u = m*u + g
         step = grad + m * u_new if self.nesterov else u_new
         return super().compensate(name, step)       # v + step, in v's spare buffer
 

@@ -7,10 +7,16 @@ step that fails after compression (NaN on some rank, an exception in a
 collective) leaves the residuals exactly as they were: nothing is lost.
 
 Double buffering costs one extra layer-sized buffer but no allocation per step.
+
+``compensate(..., scan=request)`` also makes the first pass of the selection that
+follows while it writes r + g (CPU float32 with the native kernel), so on most steps
+the selection does not read the layer again.
 """
 from __future__ import annotations
 
 import torch
+
+from ..core.passes import ScanRequest, compensate_scan
 
 
 class ResidualMemory:
@@ -24,17 +30,23 @@ class ResidualMemory:
         self._spare: dict[str, torch.Tensor] = {}
         self._pending: dict[str, torch.Tensor] = {}
 
-    def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        """Return a buffer holding residual + grad; the caller subtracts the sent part from it."""
+    def compensate(self, name: str, grad: torch.Tensor, scan: ScanRequest | None = None) -> torch.Tensor:
+        """Return a buffer holding residual + grad; the caller subtracts the sent part from it.
+        ``scan``: filled with the selection's first pass over that buffer where it can be fused."""
+        r, spare = self._buffers(name, grad)
+        if not compensate_scan(r, grad, spare, scan):
+            torch.add(r, grad, out=spare)
+        self._pending[name] = spare
+        return spare
+
+    def _buffers(self, name: str, grad: torch.Tensor):
         r = self.residual.get(name)
         if r is None:
             r = self.residual[name] = torch.zeros_like(grad, dtype=torch.float32)
         spare = self._spare.get(name)
         if spare is None or spare.shape != r.shape or spare.device != r.device:
             spare = self._spare[name] = torch.empty_like(r)
-        torch.add(r, grad, out=spare)
-        self._pending[name] = spare
-        return spare
+        return r, spare
 
     def commit(self) -> None:
         for name, buf in self._pending.items():

@@ -19,6 +19,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <tuple>
 #include <type_traits>
@@ -62,7 +63,46 @@ static inline __attribute__((always_inline)) void stats_impl(
   *mx_out = static_cast<double>(mx);
   *sum_out = sum;
 }
-RS_CLONES static void stats_f(const float* p, int64_t b, int64_t e, double* m, double* s) { stats_impl(p, b, e, m, s); }
+// float32: explicit 8-lane accumulators, summed in the same order as compensate_impl's,
+// so a statistics pass fused into the compensation gives the same mean to the last bit
+// (and the same TBS thresholds, so the same selection) as this separate pass.
+RS_CLONES static void stats_f(const float* p, int64_t b, int64_t e, double* m, double* s) {
+  constexpr int W = 8;
+  typedef float vF __attribute__((vector_size(32)));
+  typedef int32_t vI __attribute__((vector_size(32)));
+  typedef float vFu __attribute__((vector_size(32), aligned(4), may_alias));
+  const vI absmask = vI{} + 0x7fffffff;
+  vI vmax = vI{};
+  int32_t smax = 0;
+  double sum = 0;
+  for (int64_t b0 = b; b0 < e; b0 += 4096) {
+    const int64_t e0 = std::min(e, b0 + 4096);
+    vF acc = vF{};
+    float sacc = 0;
+    int64_t i = b0;
+    for (; i + W <= e0; i += W) {
+      const vI a = reinterpret_cast<vI>(*reinterpret_cast<const vFu*>(p + i)) & absmask;
+      acc += reinterpret_cast<vF>(a);
+      vmax = a > vmax ? a : vmax;
+    }
+    for (; i < e0; ++i) {
+      int32_t a;
+      std::memcpy(&a, p + i, 4);
+      a &= 0x7fffffff;
+      float fa;
+      std::memcpy(&fa, &a, 4);
+      sacc += fa;
+      smax = a > smax ? a : smax;
+    }
+    for (int l = 0; l < W; ++l) sacc += acc[l];
+    sum += static_cast<double>(sacc);
+  }
+  for (int l = 0; l < W; ++l) smax = vmax[l] > smax ? vmax[l] : smax;
+  float mf;
+  std::memcpy(&mf, &smax, 4);
+  *m = smax >= 0x7f800000 ? std::numeric_limits<double>::infinity() : static_cast<double>(mf);
+  *s = sum;
+}
 RS_CLONES static void stats_d(const double* p, int64_t b, int64_t e, double* m, double* s) { stats_impl(p, b, e, m, s); }
 
 // ---- count_multi ---------------------------------------------------------------------
@@ -321,12 +361,185 @@ std::tuple<at::Tensor, at::Tensor, int64_t, bool> select_above(
   return select_typed<double>(x, thr, cap, check_finite, with_values);
 }
 
+
+// ---- compensate_scan -------------------------------------------------------------------
+// Error feedback's compensation fused with the first pass of the selection that follows:
+//   plain:              out = r + g
+//   momentum correction: u_out = m*u + g;  out = r + (nesterov ? g + m*u_out : u_out)
+// and, over the `out` just written (still in L1/L2, block by block), max|out|, sum|out|
+// and the indices/|out| above `thr` (as select_above). One streaming pass where the
+// unfused path makes two (torch.add, then a stats or select pass over the result), three
+// with momentum correction. thr = inf asks for the statistics only (a search step).
+// One loop: the step is computed in registers, stored once, and its |.| feeds the max,
+// the sum and the threshold compare before the next load (a block-wise "compute, then
+// stats, then select" re-reads every block from cache and measured no faster than two
+// passes). Max and finite check are integer maxima of the sign-cleared bits, as in
+// select_impl; sums are float per 4096-block, then double, as in stats_impl.
+template <int MODE>  // 0: r + g; 1: momentum correction; 2: with nesterov
+static inline __attribute__((always_inline)) void compensate_impl(
+    const float* r, const float* g, const float* u, float* uo, float m, float* out, int64_t b, int64_t e,
+    float t, bool scan, int64_t cap, std::vector<int64_t>* idx, std::vector<float>* vals, int64_t* count,
+    int32_t* max_bits, double* sum_out) {
+  constexpr int W = 8;
+  typedef float vF __attribute__((vector_size(32)));
+  typedef int32_t vI __attribute__((vector_size(32)));
+  typedef int64_t vL __attribute__((vector_size(32)));
+  typedef float vFu __attribute__((vector_size(32), aligned(4), may_alias));
+  const vI absmask = vI{} + 0x7fffffff;
+  if (t == 0) t = 0;
+  int32_t tb = 0x7fffffff;   // no scan: nothing compares above
+  if (scan) std::memcpy(&tb, &t, 4);
+  const vI vt = vI{} + tb;
+  const vF vm = vF{} + m;
+  vI vmax = vI{};
+  int32_t smax = 0;
+  double sum = 0;
+  int64_t c = 0, w = static_cast<int64_t>(idx->size());
+  auto step = [&](int64_t j) -> float {
+    if (MODE == 0) return r[j] + g[j];
+    const float un = g[j] + m * u[j];
+    uo[j] = un;
+    return MODE == 1 ? r[j] + un : r[j] + (g[j] + m * un);
+  };
+  auto hit = [&](int64_t j, int32_t bits) {
+    if (w < cap) {
+      if (w == static_cast<int64_t>(idx->size())) {
+        idx->resize(std::max<size_t>(64, 2 * idx->size()));
+        vals->resize(idx->size());
+      }
+      (*idx)[w] = j;
+      std::memcpy(vals->data() + w, &bits, 4);
+      ++w;
+    }
+    ++c;
+  };
+  idx->resize(std::max<size_t>(idx->capacity(), static_cast<size_t>(w + W)));
+  vals->resize(idx->size());
+  for (int64_t b0 = b; b0 < e; b0 += 4096) {
+    const int64_t e0 = std::min(e, b0 + 4096);
+    vF acc = vF{};
+    float sacc = 0;
+    int64_t i = b0;
+    for (; i + W <= e0; i += W) {
+      const vF rv = *reinterpret_cast<const vFu*>(r + i), gv = *reinterpret_cast<const vFu*>(g + i);
+      vF o;
+      if (MODE == 0) {
+        o = rv + gv;
+      } else {
+        const vF un = gv + vm * *reinterpret_cast<const vFu*>(u + i);
+        *reinterpret_cast<vFu*>(uo + i) = un;
+        o = MODE == 1 ? rv + un : rv + (gv + vm * un);
+      }
+      *reinterpret_cast<vFu*>(out + i) = o;
+      const vI a = reinterpret_cast<vI>(o) & absmask;
+      acc += reinterpret_cast<vF>(a);
+      vmax = a > vmax ? a : vmax;
+      const vL h = reinterpret_cast<vL>(a > vt);
+      if (!(h[0] | h[1] | h[2] | h[3])) continue;
+      for (int l = 0; l < W; ++l)
+        if (a[l] > tb) hit(i + l, a[l]);
+    }
+    for (; i < e0; ++i) {  // tail
+      const float o = step(i);
+      out[i] = o;
+      int32_t a;
+      std::memcpy(&a, &o, 4);
+      a &= 0x7fffffff;
+      float fa;
+      std::memcpy(&fa, &a, 4);
+      sacc += fa;
+      smax = a > smax ? a : smax;
+      if (a > tb) hit(i, a);
+    }
+    for (int l = 0; l < W; ++l) sacc += acc[l];
+    sum += static_cast<double>(sacc);
+  }
+  for (int l = 0; l < W; ++l) smax = vmax[l] > smax ? vmax[l] : smax;
+  idx->resize(w);
+  vals->resize(w);
+  *count += c;
+  *max_bits = std::max(*max_bits, smax);
+  *sum_out += sum;
+}
+RS_CLONES static void compensate_f(int mode, const float* r, const float* g, const float* u, float* uo, float m,
+                                   float* out, int64_t b, int64_t e, float t, bool scan, int64_t cap,
+                                   std::vector<int64_t>* idx, std::vector<float>* vals, int64_t* count,
+                                   int32_t* max_bits, double* sum) {
+  if (mode == 0) compensate_impl<0>(r, g, u, uo, m, out, b, e, t, scan, cap, idx, vals, count, max_bits, sum);
+  else if (mode == 1) compensate_impl<1>(r, g, u, uo, m, out, b, e, t, scan, cap, idx, vals, count, max_bits, sum);
+  else compensate_impl<2>(r, g, u, uo, m, out, b, e, t, scan, cap, idx, vals, count, max_bits, sum);
+}
+
+std::tuple<at::Tensor, at::Tensor, int64_t, bool, double, double> compensate_scan(
+    const at::Tensor& r, const at::Tensor& g, at::Tensor& out, const at::Tensor& u, at::Tensor& u_out,
+    double momentum, bool nesterov, double thr, int64_t cap) {
+  const int64_t n = r.numel();
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&r, &g, &out}) {
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == at::kFloat && t->numel() == n,
+                "compensate_scan: r, g and out must be contiguous CPU float32 tensors of one size");
+  }
+  const bool mc = u.defined() && u.numel() > 0;
+  if (mc) {
+    for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&u, &u_out}) {
+      TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == at::kFloat && t->numel() == n,
+                  "compensate_scan: u and u_out must be contiguous CPU float32 tensors of r's size");
+    }
+  }
+  const float* rp = r.data_ptr<float>();
+  const float* gp = g.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* up = mc ? u.data_ptr<float>() : nullptr;
+  float* uop = mc ? u_out.data_ptr<float>() : nullptr;
+  const float m = static_cast<float>(momentum), t = static_cast<float>(thr);
+  const bool scan = std::isfinite(t);
+  const int64_t nc = n_chunks(n);
+  const int mode = !mc ? 0 : nesterov ? 2 : 1;
+  std::vector<std::vector<int64_t>> bufs(nc);
+  std::vector<std::vector<float>> vbufs(nc);
+  std::vector<int64_t> cnt(nc, 0);
+  std::vector<int32_t> mx(nc, 0);
+  std::vector<double> sm(nc, 0.0);
+  run_chunks(nc, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t b = c * kGrain, e = std::min(n, b + kGrain);
+      compensate_f(mode, rp, gp, up, uop, m, op, b, e, t, scan, cap, &bufs[c], &vbufs[c], &cnt[c], &mx[c], &sm[c]);
+    }
+  });
+  std::vector<int64_t> off(nc + 1, 0);
+  int32_t m_bits = 0;
+  double s_all = 0;
+  for (int64_t c = 0; c < nc; ++c) {
+    off[c + 1] = off[c] + cnt[c];
+    m_bits = std::max(m_bits, mx[c]);
+    s_all += sm[c];
+  }
+  float m_f;
+  std::memcpy(&m_f, &m_bits, 4);
+  const double m_all = m_f;
+  // NaN's bits sort above Inf's: one integer max is the finite check
+  const bool finite = m_bits < 0x7f800000;
+  const int64_t total = off[nc];
+  const auto fopt = at::TensorOptions().dtype(at::kFloat);
+  if (!scan || total > cap) return {at::empty({0}, at::kLong), at::empty({0}, fopt), total, finite, m_all, s_all};
+  auto idx_out = at::empty({total}, at::kLong);
+  auto val_out = at::empty({total}, fopt);
+  for (int64_t c = 0; c < nc; ++c) {
+    std::copy(bufs[c].begin(), bufs[c].end(), idx_out.data_ptr<int64_t>() + off[c]);
+    std::copy(vbufs[c].begin(), vbufs[c].end(), val_out.data_ptr<float>() + off[c]);
+  }
+  return {idx_out, val_out, total, finite, m_all, s_all};
+}
+
 namespace py = pybind11;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "redsync_hvd fused selection passes (CPU)";
   m.def("stats", &stats, "(max|x|, sum|x|) in one pass", py::arg("x"));
   m.def("count_multi", &count_multi, "#{|x| > t_j} for every threshold, one pass", py::arg("x"), py::arg("thr"));
+  m.def("compensate_scan", &compensate_scan,
+        "out = r + g (or DGC's momentum-corrected step), fused with stats and select_above over out",
+        py::arg("r"), py::arg("g"), py::arg("out"), py::arg("u"), py::arg("u_out"), py::arg("momentum"),
+        py::arg("nesterov"), py::arg("thr"), py::arg("cap"));
   m.def("select_above", &select_above, "(indices of |x| > thr ascending, their |x|, count, finite flag)",
         py::arg("x"), py::arg("thr"), py::arg("cap"), py::arg("check_finite"), py::arg("with_values") = false);
 }
