@@ -207,6 +207,7 @@ class IWPConfig(_SparseConfig):
     eps: float = Field(1e-8, gt=0, description="importance = |residual| / (|weight| + eps)")
     selection: str = Field("trimmed", description="exact | trimmed (exactly k indices are needed)")
     min_compress_numel: int = Field(4096, ge=0, description="smaller layers go dense (fused allreduce)")
+    layers: list[LayerOverride] = Field(default_factory=list, description="per-layer overrides")
 
     uses_memory: ClassVar[bool] = True
 
@@ -214,6 +215,14 @@ class IWPConfig(_SparseConfig):
     @classmethod
     def _selection(cls, v):
         return _choice(v, "selection", ("exact", "trimmed"))
+
+    @field_validator("layers")
+    @classmethod
+    def _layers(cls, v):
+        for o in v:
+            if o.selection is not None:
+                _choice(o.selection, "layers[].selection", ("exact", "trimmed"))
+        return v
 
 
 @register_method("sbc")
@@ -227,8 +236,18 @@ class SBCConfig(_SparseConfig):
     binarize: bool = Field(True, description="send one mean for the side (top-k positive or top-k negative) "
                                              "with the larger mean magnitude; false: send k values")
     index_coding: str = Field("golomb", description="golomb (Golomb-Rice coded gaps) | raw (int32)")
+    layers: list[LayerOverride] = Field(default_factory=list, description="per-layer overrides (density, dense)")
 
     uses_memory: ClassVar[bool] = True
+
+    @field_validator("layers")
+    @classmethod
+    def _layers(cls, v):
+        for o in v:
+            if o.selection is not None:
+                raise ValueError(f"layers[].selection={o.selection!r}: sbc picks each sign's top-k exactly "
+                                 "(torch.topk); remove selection from the override")
+        return v
 
     @field_validator("index_coding")
     @classmethod

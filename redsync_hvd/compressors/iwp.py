@@ -46,7 +46,8 @@ class IWPCompressor(Compressor):
         if self.comm.rank == leader:
             weight = layer.param.detach().reshape(-1).abs().to(x) if layer.param is not None else 0.0
             importance = x.abs() / (weight + self.config.eps)
-            idx = select_topk(importance, k, self.config.selection, name=layer.name).to(torch.int32)
+            idx = select_topk(importance, k, getattr(layer, "selection", None) or self.config.selection,
+                              name=layer.name).to(torch.int32)
         else:
             idx = torch.empty(k, dtype=torch.int32, device=x.device)
         idx = self.comm.wait(self.comm.broadcast_async(idx, root=leader, name=f"rsync.iwp.{layer.name}"))
