@@ -28,7 +28,8 @@ from redsync_hvd.comm import LocalCommunicator  # noqa: E402
 from redsync_hvd.compressors import build_compressor  # noqa: E402
 from redsync_hvd.compressors.base import Layer  # noqa: E402
 from redsync_hvd.exchange import GradientExchange  # noqa: E402
-from redsync_hvd.memory import ResidualMemory  # noqa: E402
+from redsync_hvd.core import passes  # noqa: E402
+from redsync_hvd.memory import MomentumCorrectionMemory, ResidualMemory  # noqa: E402
 from redsync_hvd.models import build_model  # noqa: E402
 from redsync_hvd.policy import LayerPolicy  # noqa: E402
 
@@ -44,6 +45,15 @@ METHODS = {
                 "threshold_reuse": 5, "momentum_correction": False},
     "redsync_noreuse": {"method": "redsync", "density": 0.001, "selection": "tbs",
                         "quantize": "sign_mean", "threshold_reuse": 1, "momentum_correction": False},
+    # DGC momentum correction (RedSync's default, and the end-to-end benchmark's setting)
+    "redsync_mc": {"method": "redsync", "density": 0.001, "selection": "tbs", "quantize": "sign_mean",
+                   "threshold_reuse": 5, "momentum_correction": True},
+    # the same two without the compensation fused into the selection's first pass
+    # (torch.add, then a separate native pass): what the fused kernel saves
+    "redsync_unfused": {"method": "redsync", "density": 0.001, "selection": "tbs", "quantize": "sign_mean",
+                        "threshold_reuse": 5, "momentum_correction": False},
+    "redsync_mc_unfused": {"method": "redsync", "density": 0.001, "selection": "tbs", "quantize": "sign_mean",
+                           "threshold_reuse": 5, "momentum_correction": True},
 }
 
 
@@ -59,13 +69,18 @@ class Variant:
         comp, cfg = build_compressor(dict(spec))
         layers = [Layer(n, tuple(p.shape), p.numel(), i, p.device, param=p)
                   for i, (n, p) in enumerate(self.named)]
-        memory = ResidualMemory() if spec["method"] != "none" else None
+        memory = None
+        if spec["method"] != "none":
+            # the same SGD steps every variant, so the memory gets the momentum by hand here
+            memory = MomentumCorrectionMemory(0.9) if spec.get("momentum_correction") else ResidualMemory()
+        self.fused = not name.endswith("_unfused")
         self.ex = GradientExchange(layers, comp, LocalCommunicator(world), LayerPolicy(cfg), memory,
                                    grads_writable=True)
         self.compressed = sum(l.compressed for l in layers)
         self.exchange_s, self.phases = [], {p: [] for p in ("select", "communicate", "decompress")}
 
     def exchange(self):
+        passes.FUSE_COMPENSATION = self.fused
         for n, p in self.named:
             self.ex.submit(n, p.grad)
         # what DistributedOptimizer.synchronize does: decode into .grad, copy the rest

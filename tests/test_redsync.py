@@ -191,3 +191,39 @@ def test_nonfinite_in_a_compressed_layer_is_caught_by_selection_and_rolls_back()
     assert torch.equal(ex.memory.residual["w"], before)
     ex.submit("w", torch.randn(5000))   # the next step runs normally
     assert ex.finish()["w"].abs().sum() > 0
+
+
+@pytest.mark.skipif(not __import__("redsync_hvd.core.selection", fromlist=["x"]).native_available(),
+                    reason="native kernel not built")
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_exchange_with_fused_compensation_equals_the_unfused_exchange(momentum):
+    """The compensation pass that also makes the selection's first pass (the native kernel)
+    changes nothing that is sent or kept: 10 steps with threshold reuse, both paths."""
+    from redsync_hvd.core import passes
+
+    def run(fused):
+        layers = [Layer("b", (40,), 40, 0), Layer("w", (60000,), 60000, 1), Layer("v", (9000,), 9000, 2)]
+        memory = MomentumCorrectionMemory(momentum) if momentum else ResidualMemory()
+        ex = _local_exchange({"method": "redsync", "density": 0.01, "threshold_reuse": 3, "selection": "tbs",
+                              "momentum_correction": bool(momentum), "min_compress_numel": 100}, layers, memory)
+        gen, outs = torch.Generator().manual_seed(5), []
+        base = {l.name: torch.randn(l.numel, generator=gen) for l in layers}
+        passes.FUSE_COMPENSATION = fused
+        try:
+            for step in range(10):
+                for l in layers:   # a slowly drifting gradient: the reused threshold stays in band
+                    ex.submit(l.name, base[l.name] * 0.1 + 0.01 * torch.randn(l.numel, generator=gen))
+                outs.append({k: v.clone() for k, v in ex.finish().items()})
+        finally:
+            passes.FUSE_COMPENSATION = True
+        return outs, memory, ex.compressor.selection_state
+
+    (a, mem_a, sel_a), (b, mem_b, sel_b) = run(True), run(False)
+    for step_a, step_b in zip(a, b):
+        for name in step_a:
+            # momentum correction: torch may round m*u + g once (FMA), the kernel twice
+            assert torch.equal(step_a[name], step_b[name]) if not momentum else \
+                torch.allclose(step_a[name], step_b[name], atol=1e-5)
+    if not momentum:
+        assert all(torch.equal(mem_a.residual[n], mem_b.residual[n]) for n in mem_a.residual)
+        assert {n: s.state_dict() for n, s in sel_a.items()} == {n: s.state_dict() for n, s in sel_b.items()}

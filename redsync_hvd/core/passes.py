@@ -64,6 +64,11 @@ class Scan:
     sum: float
 
 
+# Benchmarks switch this off to time the unfused pair (torch ops, then a separate pass)
+# in the same process; nothing else should need to.
+FUSE_COMPENSATION = True
+
+
 def compensate_scan(residual: torch.Tensor, grad: torch.Tensor, out: torch.Tensor,
                     request: Optional[ScanRequest], velocity: Optional[torch.Tensor] = None,
                     velocity_out: Optional[torch.Tensor] = None, momentum: float = 0.0,
@@ -73,7 +78,7 @@ def compensate_scan(residual: torch.Tensor, grad: torch.Tensor, out: torch.Tenso
     with the first selection pass over out into ``request.result``. Returns False, having
     done nothing, when the native kernel cannot take these tensors: the caller then
     computes out with torch ops."""
-    mod = _native.load()
+    mod = _native.load() if FUSE_COMPENSATION else None
     tensors = [residual, grad, out] + ([velocity, velocity_out] if velocity is not None else [])
     if mod is None or not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
                               for t in tensors):
