@@ -202,7 +202,7 @@ def test_exchange_with_fused_compensation_equals_the_unfused_exchange(momentum):
     from redsync_hvd.core import passes
 
     def run(fused):
-        layers = [Layer("b", (40,), 40, 0), Layer("w", (60000,), 60000, 1), Layer("v", (9000,), 9000, 2)]
+        layers = [Layer("b", (40,), 40, 0), Layer("w", (100000,), 100000, 1), Layer("v", (9000,), 9000, 2)]
         memory = MomentumCorrectionMemory(momentum) if momentum else ResidualMemory()
         ex = _local_exchange({"method": "redsync", "density": 0.01, "threshold_reuse": 3, "selection": "tbs",
                               "momentum_correction": bool(momentum), "min_compress_numel": 100}, layers, memory)

@@ -17,14 +17,15 @@ CONVERGENCE_SEEDS = (0, 1, 2)
 @pytest.fixture(scope="module")
 def digits_runs(tmp_path_factory):
     """Runs of the digits CNN on 2 workers, shared by the tests below: dense, top-k (density
-    0.01), SBC, IWP, DCD and ECD at 20 epochs (the base config, seed 0); RedSync at 40 epochs,
-    its documented convergence setting, with dense at 40 epochs, for seeds 0-2."""
+    0.01), DCD and ECD at 20 epochs (the base config, seed 0); RedSync, SBC and IWP at 40
+    epochs, their documented convergence setting, with dense at 40 epochs, for seeds 0-2."""
     out = tmp_path_factory.mktemp("runs")
-    for cfg in ("dense", "topk", "sbc", "iwp"):
+    for cfg in ("dense", "topk"):
         train(out, f"configs/digits/{cfg}.yaml")
     for seed in CONVERGENCE_SEEDS:
         suffix = "" if seed == 0 else f"-s{seed}"
-        for cfg, name in (("dense", "dense-40"), ("redsync", "redsync-0.01"), ("redsync-0.001", "redsync-0.001")):
+        for cfg, name in (("dense", "dense-40"), ("redsync", "redsync-0.01"), ("redsync-0.001", "redsync-0.001"),
+                          ("sbc", "sbc"), ("iwp", "iwp")):
             train(out, f"configs/digits/{cfg}.yaml", "training.epochs=40", f"training.seed={seed}",
                   f"output.name={name}{suffix}")
     for cfg in ("dcd", "ecd"):
@@ -42,33 +43,40 @@ def test_digits_reaches_90_percent(digits_runs, name):
     assert set(s["time_breakdown"]) >= {"select", "communicate", "decompress", "compute"}
 
 
+def _seed_mean(runs_dir, name):
+    runs = [summary(runs_dir / (name + ("" if s == 0 else f"-s{s}"))) for s in CONVERGENCE_SEEDS]
+    assert all(r["steps"] == 880 for r in runs)
+    return sum(r["final_accuracy"] for r in runs) / len(runs), runs
+
+
 @pytest.mark.parametrize("density", ["0.01", "0.001"])
 def test_redsync_converges_close_to_dense(digits_runs, density):
     """Issue 3: within 0.5 point of dense at the same epochs (40), on the mean over seeds
     0-2 of paired runs (same seed, same split). scripts/digits_sweep.py over seeds 0-4 gives
     gaps of 0.00 (density 0.01) and 0.39 point (0.001, configs/digits/redsync-0.001.yaml)."""
-    def mean(name):
-        runs = [summary(digits_runs / (name + ("" if s == 0 else f"-s{s}"))) for s in CONVERGENCE_SEEDS]
-        assert all(r["steps"] == 880 for r in runs)
-        return sum(r["final_accuracy"] for r in runs) / len(runs), runs
-    dense, _ = mean("dense-40")
-    rs, runs = mean(f"redsync-{density}")
+    dense, _ = _seed_mean(digits_runs, "dense-40")
+    rs, runs = _seed_mean(digits_runs, f"redsync-{density}")
     assert rs >= dense - 0.005, (rs, dense)
     assert all(r["compression_ratio"] > 30 for r in runs)
     decisions = {d["name"]: d["compressed"] for d in runs[0]["layer_decisions"]}
     assert decisions["classifier.1.weight"] and not decisions["classifier.1.bias"]
 
 
-@pytest.mark.parametrize("name, tolerance, min_ratio", [("sbc", 0.03, 2500), ("iwp", 0.03, 35)])
-def test_sbc_iwp_converge_near_dense(digits_runs, name, tolerance, min_ratio):
-    """Issue 4 asks for 0.5 point at SBC's 3531x and IWP's 58.8x; not met on digits
-    (docs/sbc.md, docs/iwp.md: 1.1-2.2 points below dense). This guards the measured
-    figures against regressions at 3 points, at configs/digits/{sbc,iwp}.yaml, 20 epochs."""
-    dense, run = summary(digits_runs / "dense"), summary(digits_runs / name)
-    assert dense["steps"] == run["steps"] and dense["dense_bytes"] == run["dense_bytes"]
-    assert run["final_accuracy"] >= dense["final_accuracy"] - tolerance, (run["final_accuracy"],
-                                                                          dense["final_accuracy"])
-    assert run["compression_ratio"] > min_ratio
+@pytest.mark.parametrize("name, paper_ratio", [("sbc", 3531), ("iwp", 58.8)])
+def test_sbc_iwp_converge_close_to_dense_above_the_papers_ratio(digits_runs, name, paper_ratio):
+    """Issue 4: at configs/digits/{sbc,iwp}.yaml and 40 epochs, within 0.5 point of dense on
+    the mean of seeds 0-2 (paired runs), at a compression ratio against dense fp32 SGD over
+    the same samples above the paper's (SBC 3531x on ResNet-50, IWP 58.8x). Seeds 0-4 with
+    scripts/digits_sweep.py: 0.28 point below dense for both, 3750x and 60.9x."""
+    dense, dense_runs = _seed_mean(digits_runs, "dense-40")
+    acc, runs = _seed_mean(digits_runs, name)
+    assert acc >= dense - 0.005, (acc, dense)
+    for run, base in zip(runs, dense_runs):
+        assert run["dense_bytes"] == base["dense_bytes"]   # the same samples, counted alike
+        assert run["compression_ratio"] > paper_ratio, run["compression_ratio"]
+    decisions = {d["name"]: d for d in runs[0]["layer_decisions"]}
+    assert all(d["compressed"] for d in decisions.values())     # every layer, the small ones too
+    assert decisions["classifier.3.bias"]["density"] == 0.25
 
 
 @pytest.mark.parametrize("name", ["dcd", "ecd"])

@@ -67,6 +67,10 @@ class Scan:
 # Benchmarks switch this off to time the unfused pair (torch ops, then a separate pass)
 # in the same process; nothing else should need to.
 FUSE_COMPENSATION = True
+# Below this many elements a layer's streams stay in cache, so fusing saves no memory
+# traffic, while the call costs more Python than torch.add (resnet20's 59 small tensors)
+_FUSE_MIN_NUMEL = 1 << 16
+_EMPTY = torch.empty(0)
 
 
 def compensate_scan(residual: torch.Tensor, grad: torch.Tensor, out: torch.Tensor,
@@ -78,12 +82,14 @@ def compensate_scan(residual: torch.Tensor, grad: torch.Tensor, out: torch.Tenso
     with the first selection pass over out into ``request.result``. Returns False, having
     done nothing, when the native kernel cannot take these tensors: the caller then
     computes out with torch ops."""
-    mod = _native.load() if FUSE_COMPENSATION else None
-    tensors = [residual, grad, out] + ([velocity, velocity_out] if velocity is not None else [])
+    if not FUSE_COMPENSATION or residual.numel() < _FUSE_MIN_NUMEL:
+        return False
+    mod = _native.load()
+    tensors = (residual, grad, out) + ((velocity, velocity_out) if velocity is not None else ())
     if mod is None or not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
                               for t in tensors):
         return False
-    empty = residual.new_empty(0)
+    empty = _EMPTY
     thr = request.threshold if request is not None else math.inf
     cap = request.cap if request is not None else 0
     idx, vals, c, finite, mx, s = mod.compensate_scan(

@@ -20,6 +20,10 @@
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
+#if defined(__x86_64__) || defined(__SSE2__)
+#include <immintrin.h>
+#define RS_STREAM 1
+#endif
 #include <limits>
 #include <tuple>
 #include <type_traits>
@@ -375,6 +379,26 @@ std::tuple<at::Tensor, at::Tensor, int64_t, bool> select_above(
 // stats, then select" re-reads every block from cache and measured no faster than two
 // passes). Max and finite check are integer maxima of the sign-cleared bits, as in
 // select_impl; sums are float per 4096-block, then double, as in stats_impl.
+// Streaming (non-temporal) stores for the layer-sized outputs: a normal store first reads
+// the line it writes into cache (the output buffer is cold: another step's), so r + g into
+// a fresh buffer moved four streams of memory; streamed, three. SSE stores (baseline
+// x86-64) serve both clones; the caller fences once at the end.
+template <typename V>
+static inline __attribute__((always_inline)) void store8(float* p, const V& v, bool stream) {
+#ifdef RS_STREAM
+  if (stream) {
+    __m128 lo, hi;
+    std::memcpy(&lo, &v, 16);
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + 16, 16);
+    _mm_stream_ps(p, lo);
+    _mm_stream_ps(p + 4, hi);
+    return;
+  }
+#endif
+  typedef float vFu __attribute__((vector_size(32), aligned(4), may_alias));
+  *reinterpret_cast<vFu*>(p) = v;
+}
+
 template <int MODE>  // 0: r + g; 1: momentum correction; 2: with nesterov
 static inline __attribute__((always_inline)) void compensate_impl(
     const float* r, const float* g, const float* u, float* uo, float m, float* out, int64_t b, int64_t e,
@@ -395,6 +419,9 @@ static inline __attribute__((always_inline)) void compensate_impl(
   int32_t smax = 0;
   double sum = 0;
   int64_t c = 0, w = static_cast<int64_t>(idx->size());
+  // blocks start at multiples of 8 elements from b, so one check covers every store
+  const bool stream = (reinterpret_cast<uintptr_t>(out + b) % 16 == 0) &&
+                      (MODE == 0 || reinterpret_cast<uintptr_t>(uo + b) % 16 == 0);
   auto step = [&](int64_t j) -> float {
     if (MODE == 0) return r[j] + g[j];
     const float un = g[j] + m * u[j];
@@ -427,10 +454,10 @@ static inline __attribute__((always_inline)) void compensate_impl(
         o = rv + gv;
       } else {
         const vF un = gv + vm * *reinterpret_cast<const vFu*>(u + i);
-        *reinterpret_cast<vFu*>(uo + i) = un;
+        store8(uo + i, un, stream);
         o = MODE == 1 ? rv + un : rv + (gv + vm * un);
       }
-      *reinterpret_cast<vFu*>(out + i) = o;
+      store8(out + i, o, stream);
       const vI a = reinterpret_cast<vI>(o) & absmask;
       acc += reinterpret_cast<vF>(a);
       vmax = a > vmax ? a : vmax;
@@ -455,6 +482,9 @@ static inline __attribute__((always_inline)) void compensate_impl(
     sum += static_cast<double>(sacc);
   }
   for (int l = 0; l < W; ++l) smax = vmax[l] > smax ? vmax[l] : smax;
+#ifdef RS_STREAM
+  if (stream) _mm_sfence();   // streamed stores are visible before the caller reads them
+#endif
   idx->resize(w);
   vals->resize(w);
   *count += c;
