@@ -3,8 +3,9 @@
 The cost model's default :class:`~redsync_hvd.costmodel.ComputeModel` holds rough CPU
 figures; a shared 2-core VM or a GPU can be several times off, and then the policy
 compresses layers where it does not pay. ``probe_compute`` times, on the training
-device, the per-step work of a compressed layer that scales with its size: residual
-compensation (r + g) plus a TBS selection at density 0.001, on a 4M-element tensor.
+device, what the exchange does per step for one compressed layer (compensation, a TBS
+selection at density 0.001, the sign-mean message, decoding N messages; no bytes move) on a
+4k- and a 4M-element layer, and fits a fixed cost per layer and a cost per element.
 Ranks agree on the figure with one allreduce (the mean), so every rank takes the same
 per-layer decisions: different decisions would give ranks different bucket layouts.
 """
@@ -14,29 +15,56 @@ import time
 
 import torch
 
-from .core.selection import select_topk
 from .costmodel import ComputeModel
 
 
-def probe_compute(comm, device="cpu", numel: int = 1 << 22, repeats: int = 5) -> ComputeModel:
-    """A ComputeModel whose per-element selection cost was measured here (agreed by all ranks)."""
-    gen = torch.Generator().manual_seed(0)
-    g = torch.randn(numel, generator=gen).to(device)
-    r = torch.randn(numel, generator=gen).to(device) * 0.1
-    out = torch.empty_like(g)
+def _fastest(numel: int, device, size: int, repeats: int) -> float:
+    """Seconds of the fastest of ``repeats`` exchange steps of one compressed layer of
+    ``numel`` elements (RedSync at density 0.001, tbs, sign-mean, residual memory), with
+    a one-process transport that decodes ``size`` ranks' messages: everything the exchange
+    does for such a layer except moving bytes."""
+    from .comm.local import LocalCommunicator
+    from .compressors import build_compressor
+    from .compressors.base import Layer
+    from .exchange import GradientExchange
+    from .memory import ResidualMemory
+    from .policy import LayerPolicy
+
+    comp, cfg = build_compressor({"method": "redsync", "density": 0.001, "selection": "tbs",
+                                  "min_compress_numel": 0, "momentum_correction": False})
+    layer = Layer("probe", (numel,), numel, 0, torch.device(device))
+    ex = GradientExchange([layer], comp, LocalCommunicator(size), LayerPolicy(cfg), ResidualMemory())
+    g = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(device)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     times = []
     for rep in range(repeats + 1):
         sync()
         t0 = time.perf_counter()
-        torch.add(r, g, out=out)
-        select_topk(out, numel // 1000, "tbs")
+        ex.submit("probe", g)
+        ex.finish()
         sync()
         if rep:  # the first call warms caches and the allocator
             times.append(time.perf_counter() - t0)
     # the fastest repeat: what the machine does when this job has it (other jobs on a
     # shared host inflate the median at probe time, not necessarily later)
-    mine = torch.tensor([min(times) / numel], dtype=torch.float64)
+    return min(times)
+
+
+def probe_compute(comm, device="cpu", numel: int = 1 << 22, repeats: int = 5, small: int = 1 << 12) -> ComputeModel:
+    """A ComputeModel whose cost of a compressed layer, ``c0 + c1 * n``, was measured here on
+    layers of ``small`` and ``numel`` elements (agreed by all ranks). c0 is the fixed cost of
+    a compressed layer in the exchange (a dozen small ops and their Python: hundreds of
+    microseconds on a loaded CPU, launches and host waits on a GPU); it decides whether
+    mid-sized layers pay. Decoding is measured with it, so the model's own decompress
+    estimate is zeroed."""
+    size = max(1, int(getattr(comm, "size", 1)))
+    t_small, t_big = _fastest(small, device, size, repeats), _fastest(numel, device, size, repeats)
+    if t_big > t_small:
+        c1 = (t_big - t_small) / (numel - small)
+        c0 = max(t_small - c1 * small, 0.0)
+    else:   # noise swamped the difference (a tiny probe): bound the slope by the big layer
+        c1, c0 = t_big / numel, t_small
+    mine = torch.tensor([c0, c1], dtype=torch.float64)
     if getattr(comm, "size", 1) > 1:
         mine = comm.wait(comm.allreduce_async(mine, name="costmodel.compute_probe", average=True))
-    return ComputeModel(select_c1=float(mine[0]))
+    return ComputeModel(select_c0=float(mine[0]), select_c1=float(mine[1]), decompress_c0=0.0, decompress_c1=0.0)

@@ -7,7 +7,8 @@
   ``density`` in ``warmup_stages`` equal stages over ``warmup_steps`` (or
   ``warmup_epochs``), e.g. 25%, 6.25%, 1.56%, 0.4%, then 0.1%.
 * ``policy: cost_model`` compresses a layer only when the alpha-beta model predicts
-  select + allgather + decompress below its dense allreduce (see costmodel.py).
+  select + allgather + decompress below its share of the fused dense allreduce (the
+  bandwidth term: Horovod fuses dense layers, so they share one latency; see costmodel.py).
 """
 from __future__ import annotations
 
@@ -45,12 +46,16 @@ class LayerPolicy:
             else:
                 layer.compressed = True
                 if getattr(self.config, "policy", "static") == "cost_model" and network is not None:
-                    from .costmodel import predict_layer
+                    from .costmodel import Network, dense_bytes, predict_layer, ring_allreduce
                     pred = predict_layer(layer.numel, layer.base_density, size, network, self._cost_method(),
                                          compute=self.compute)
-                    layer.compressed = pred.total_s < pred.dense_s
+                    # a dense layer rides in Horovod's fusion buffer: its marginal cost is the
+                    # bandwidth term, the latency is paid once for all of them
+                    dense = ring_allreduce(size, dense_bytes(layer.numel), Network(0.0, network.bandwidth))
+                    layer.compressed = pred.total_s < dense
                     reason = (f"cost model: compressed {pred.total_s * 1e3:.3f} ms (select "
-                              f"{pred.select_s * 1e3:.3f}) vs dense allreduce {pred.dense_s * 1e3:.3f} ms")
+                              f"{pred.select_s * 1e3:.3f}) vs its share of the fused dense allreduce "
+                              f"{dense * 1e3:.3f} ms")
             self.decisions.append({"name": layer.name, "numel": layer.numel, "compressed": layer.compressed,
                                    "density": layer.base_density if layer.compressed else 1.0, "why": reason})
 

@@ -230,8 +230,9 @@ def test_probe_compute_measures_selection_cost_and_feeds_the_policy():
     from redsync_hvd.compute_probe import probe_compute
     from redsync_hvd.costmodel import ComputeModel, Network
     from redsync_hvd.policy import LayerPolicy
-    cm = probe_compute(LocalCommunicator(1), numel=1 << 16, repeats=2)
+    cm = probe_compute(LocalCommunicator(2), numel=1 << 16, repeats=2)
     assert 1e-12 < cm.select_c1 < 1e-6 and math.isfinite(cm.select_c1)   # s per element
+    assert 0.0 <= cm.select_c0 < 0.1                                       # s per compressed layer
     _, cfg = build_compressor({"method": "redsync", "density": 0.001, "policy": "cost_model",
                                "min_compress_numel": 0})
     net = Network(1e-5, 1.25e8)   # 10 us, 1 Gbit/s: dense costs ~32 ns per element at N=2
@@ -242,3 +243,25 @@ def test_probe_compute_measures_selection_cost_and_feeds_the_policy():
         policy.setup([layer], 2, net)
         assert layer.compressed is expect, policy.decisions
         assert "select" in policy.decisions[0]["why"]
+
+
+def test_policy_weighs_a_layer_against_its_share_of_the_fused_dense_allreduce():
+    """Horovod fuses dense layers, so a dense layer costs its bytes, not a latency of its own.
+    A 20k-element layer on a 1 ms-latency link: against an unfused allreduce (2 alphas) its
+    allgather (1 alpha) looks cheaper; against its share of the fused one it is not."""
+    from redsync_hvd.compressors import build_compressor
+    from redsync_hvd.compressors.base import Layer
+    from redsync_hvd.costmodel import ComputeModel, Network
+    from redsync_hvd.policy import LayerPolicy
+    _, cfg = build_compressor({"method": "redsync", "density": 0.001, "policy": "cost_model",
+                               "min_compress_numel": 0})
+    net, free = Network(1e-3, 1.25e8), ComputeModel(0.0, 0.0, 0.0, 0.0, 0.0)
+    assert cm.decide(20000, 0.001, 2, net, compute=free) and not cm.decide(20000, 0.001, 2, net, fused=True,
+                                                                            compute=free)
+    for n, expect in ((20000, False), (1 << 22, True)):
+        policy = LayerPolicy(cfg)
+        policy.compute = free
+        layer = Layer("w", (n,), n, 0)
+        policy.setup([layer], 2, net)
+        assert layer.compressed is expect, policy.decisions
+        assert "fused dense allreduce" in policy.decisions[0]["why"]
