@@ -1,7 +1,10 @@
 """Launch real `horovodrun` jobs from tests, with a hard timeout.
 
 A hang in a collective must fail the test in seconds, not eat the CI budget:
-the job runs in its own process group and the whole group is killed on timeout.
+the job runs in its own session, and on timeout every process of that session is
+killed. Killing horovodrun's process group alone is not enough: mpirun puts the ranks
+in process groups of their own, and a rank orphaned that way spun on a core for the
+rest of a CI run.
 """
 from __future__ import annotations
 
@@ -30,13 +33,30 @@ def horovodrun(args: list, np: int = 2, timeout: float = 180, env: dict | None =
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_session(proc.pid)
         out, _ = proc.communicate()
         raise AssertionError(f"horovodrun timed out after {timeout}s (hang?): {' '.join(cmd)}\n{out[-4000:]}")
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
     if check and proc.returncode != 0:
         raise AssertionError(f"horovodrun failed with exit code {proc.returncode}: {' '.join(cmd)}\n{out[-6000:]}")
     return result
+
+
+def _kill_session(sid: int) -> None:
+    """SIGKILL every process whose session id is ``sid`` (the launcher's, from start_new_session)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue   # gone meanwhile
+        if int(fields[3]) == sid:   # after "pid (comm)": state ppid pgrp session ...
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def run_script(name: str, *script_args, np: int = 2, timeout: float = 180, **kw) -> subprocess.CompletedProcess:
