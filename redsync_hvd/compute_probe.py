@@ -15,7 +15,13 @@ import time
 
 import torch
 
+from .comm.local import LocalCommunicator
+from .compressors import build_compressor
+from .compressors.base import Layer
 from .costmodel import ComputeModel
+from .exchange import GradientExchange
+from .memory import ResidualMemory
+from .policy import LayerPolicy
 
 
 def _fastest(numel: int, device, size: int, repeats: int) -> float:
@@ -23,13 +29,6 @@ def _fastest(numel: int, device, size: int, repeats: int) -> float:
     ``numel`` elements (RedSync at density 0.001, tbs, sign-mean, residual memory), with
     a one-process transport that decodes ``size`` ranks' messages: everything the exchange
     does for such a layer except moving bytes."""
-    from .comm.local import LocalCommunicator
-    from .compressors import build_compressor
-    from .compressors.base import Layer
-    from .exchange import GradientExchange
-    from .memory import ResidualMemory
-    from .policy import LayerPolicy
-
     comp, cfg = build_compressor({"method": "redsync", "density": 0.001, "selection": "tbs",
                                   "min_compress_numel": 0, "momentum_correction": False})
     layer = Layer("probe", (numel,), numel, 0, torch.device(device))

@@ -257,8 +257,13 @@ def decide(n: int, density: float, N: int, net: Network, method: str = "sign_mea
     stay dense. Unfused, a tiny layer's allgather ((N-1) alphas) can beat its own
     ring allreduce (2(N-1) alphas): an artefact of not fusing."""
     c = predict_layer(n, density, N, net, method, **kw)
-    dense = ring_allreduce(N, dense_bytes(n), Network(0.0, net.bandwidth)) if fused else c.dense_s
-    return c.total_s < dense
+    return c.total_s < (fused_dense_share(n, N, net) if fused else c.dense_s)
+
+
+def fused_dense_share(n: int, N: int, net: Network) -> float:
+    """A dense layer's marginal cost inside a Horovod fusion buffer: the ring allreduce's
+    bandwidth term for its bytes (the buffer's latency is shared by all its layers)."""
+    return ring_allreduce(N, dense_bytes(n), Network(0.0, net.bandwidth))
 
 
 def step_time(layers, N: int, net: Network, compute_s: float, overlap: bool = False,

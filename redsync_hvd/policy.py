@@ -46,12 +46,12 @@ class LayerPolicy:
             else:
                 layer.compressed = True
                 if getattr(self.config, "policy", "static") == "cost_model" and network is not None:
-                    from .costmodel import Network, dense_bytes, predict_layer, ring_allreduce
+                    from .costmodel import fused_dense_share, predict_layer
                     pred = predict_layer(layer.numel, layer.base_density, size, network, self._cost_method(),
                                          compute=self.compute)
                     # a dense layer rides in Horovod's fusion buffer: its marginal cost is the
                     # bandwidth term, the latency is paid once for all of them
-                    dense = ring_allreduce(size, dense_bytes(layer.numel), Network(0.0, network.bandwidth))
+                    dense = fused_dense_share(layer.numel, size, network)
                     layer.compressed = pred.total_s < dense
                     reason = (f"cost model: compressed {pred.total_s * 1e3:.3f} ms (select "
                               f"{pred.select_s * 1e3:.3f}) vs its share of the fused dense allreduce "

@@ -186,16 +186,20 @@ class RedSyncConfig(_SparseConfig):
     @field_validator("layers")
     @classmethod
     def _layers(cls, v):
-        for o in v:
-            if o.selection is not None:
-                _choice(o.selection, "layers[].selection", ("exact", "trimmed", "tbs", "sampled"))
-        return v
+        return _layer_selections(v, ("exact", "trimmed", "tbs", "sampled"))
 
 
 def _choice(value: str, field: str, choices: tuple) -> str:
     if value not in choices:
         raise ValueError(f"{field}={value!r} is not one of {list(choices)}")
     return value
+
+
+def _layer_selections(overrides: list, choices: tuple) -> list:
+    for o in overrides:
+        if o.selection is not None:
+            _choice(o.selection, "layers[].selection", choices)
+    return overrides
 
 
 @register_method("iwp")
@@ -219,10 +223,7 @@ class IWPConfig(_SparseConfig):
     @field_validator("layers")
     @classmethod
     def _layers(cls, v):
-        for o in v:
-            if o.selection is not None:
-                _choice(o.selection, "layers[].selection", ("exact", "trimmed"))
-        return v
+        return _layer_selections(v, ("exact", "trimmed"))
 
 
 @register_method("sbc")

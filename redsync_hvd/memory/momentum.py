@@ -50,12 +50,11 @@ class MomentumCorrectionMemory(ResidualMemory):
         self._pending_u[name] = u_new
         v, v_new = self._buffers(name, grad)
         # one pass over g, u and v where the native kernel runs; torch ops make three
-        if compensate_scan(v, grad, v_new, scan, u, u_new, m, self.nesterov):
-            self._pending[name] = v_new
-            return v_new
-        torch.add(grad, u, alpha=m, out=u_new)       # u = m*u + g
-        step = grad + m * u_new if self.nesterov else u_new
-        return super().compensate(name, step)       # v + step, in v's spare buffer
+        if not compensate_scan(v, grad, v_new, scan, u, u_new, m, self.nesterov):
+            torch.add(grad, u, alpha=m, out=u_new)       # u = m*u + g
+            torch.add(v, grad + m * u_new if self.nesterov else u_new, out=v_new)
+        self._pending[name] = v_new                      # v + step, in v's spare buffer
+        return v_new
 
     def mask(self, name: str, indices: torch.Tensor) -> None:
         """Zero the (pending) velocity at the positions that were sent."""

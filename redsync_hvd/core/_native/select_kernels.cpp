@@ -7,6 +7,8 @@
 //   count_multi  : #{|x| > t_j} for T thresholds at once        (1 pass, T compares/elem)
 //   select_above : sorted int64 indices of |x| > t, its count,  (1 pass)
 //                  optionally their |x| and the finite check
+//   compensate_scan : x = r + g (or DGC's momentum step) written   (1 pass over r, g [, u])
+//                  once, with stats and select_above over x on the way
 // Threads come from at::parallel_for (OpenMP in torch builds: compile with -fopenmp,
 // else it runs serially), so torch.set_num_threads applies. Hot loops use GCC vector
 // extensions or `omp simd` and are compiled for AVX2 and the baseline ISA via
@@ -67,6 +69,19 @@ static inline __attribute__((always_inline)) void stats_impl(
   *mx_out = static_cast<double>(mx);
   *sum_out = sum;
 }
+// |o| as sign-cleared bits; adds |o| to a float sum and the bits to an integer max. The
+// scalar tails of stats_f and compensate_impl share it, so both sum in one order.
+static inline __attribute__((always_inline)) int32_t abs_accumulate(float o, float* sum, int32_t* max_bits) {
+  int32_t a;
+  std::memcpy(&a, &o, 4);
+  a &= 0x7fffffff;
+  float fa;
+  std::memcpy(&fa, &a, 4);
+  *sum += fa;
+  *max_bits = a > *max_bits ? a : *max_bits;
+  return a;
+}
+
 // float32: explicit 8-lane accumulators, summed in the same order as compensate_impl's,
 // so a statistics pass fused into the compensation gives the same mean to the last bit
 // (and the same TBS thresholds, so the same selection) as this separate pass.
@@ -89,15 +104,7 @@ RS_CLONES static void stats_f(const float* p, int64_t b, int64_t e, double* m, d
       acc += reinterpret_cast<vF>(a);
       vmax = a > vmax ? a : vmax;
     }
-    for (; i < e0; ++i) {
-      int32_t a;
-      std::memcpy(&a, p + i, 4);
-      a &= 0x7fffffff;
-      float fa;
-      std::memcpy(&fa, &a, 4);
-      sacc += fa;
-      smax = a > smax ? a : smax;
-    }
+    for (; i < e0; ++i) abs_accumulate(p[i], &sacc, &smax);
     for (int l = 0; l < W; ++l) sacc += acc[l];
     sum += static_cast<double>(sacc);
   }
@@ -370,15 +377,16 @@ std::tuple<at::Tensor, at::Tensor, int64_t, bool> select_above(
 // Error feedback's compensation fused with the first pass of the selection that follows:
 //   plain:              out = r + g
 //   momentum correction: u_out = m*u + g;  out = r + (nesterov ? g + m*u_out : u_out)
-// and, over the `out` just written (still in L1/L2, block by block), max|out|, sum|out|
-// and the indices/|out| above `thr` (as select_above). One streaming pass where the
-// unfused path makes two (torch.add, then a stats or select pass over the result), three
-// with momentum correction. thr = inf asks for the statistics only (a search step).
-// One loop: the step is computed in registers, stored once, and its |.| feeds the max,
-// the sum and the threshold compare before the next load (a block-wise "compute, then
-// stats, then select" re-reads every block from cache and measured no faster than two
-// passes). Max and finite check are integer maxima of the sign-cleared bits, as in
-// select_impl; sums are float per 4096-block, then double, as in stats_impl.
+// and, on the way, max|out|, sum|out| and the indices/|out| above `thr` (as select_above).
+// One streaming pass where the unfused path makes two (torch.add, then a stats or select
+// pass over the result), three with momentum correction. thr = inf asks for the
+// statistics only (a search step). The step is computed in registers, stored once, and
+// its |.| feeds the max, the sum and the threshold compare before the next load (a
+// block-wise "compute, then stats, then select" re-read every block from cache and
+// measured no faster than two passes). Max and finite check are integer maxima of the
+// sign-cleared bits, as in select_impl; sums are float per 4096-block, then double, in
+// stats_f's order.
+
 // Streaming (non-temporal) stores for the layer-sized outputs: a normal store first reads
 // the line it writes into cache (the output buffer is cold: another step's), so r + g into
 // a fresh buffer moved four streams of memory; streamed, three. SSE stores (baseline
@@ -440,8 +448,6 @@ static inline __attribute__((always_inline)) void compensate_impl(
     }
     ++c;
   };
-  idx->resize(std::max<size_t>(idx->capacity(), static_cast<size_t>(w + W)));
-  vals->resize(idx->size());
   for (int64_t b0 = b; b0 < e; b0 += 4096) {
     const int64_t e0 = std::min(e, b0 + 4096);
     vF acc = vF{};
@@ -469,13 +475,7 @@ static inline __attribute__((always_inline)) void compensate_impl(
     for (; i < e0; ++i) {  // tail
       const float o = step(i);
       out[i] = o;
-      int32_t a;
-      std::memcpy(&a, &o, 4);
-      a &= 0x7fffffff;
-      float fa;
-      std::memcpy(&fa, &a, 4);
-      sacc += fa;
-      smax = a > smax ? a : smax;
+      const int32_t a = abs_accumulate(o, &sacc, &smax);
       if (a > tb) hit(i, a);
     }
     for (int l = 0; l < W; ++l) sacc += acc[l];
