@@ -50,6 +50,8 @@ VARIANTS = {
     "redsync 0.01 20 epochs momentum_correction": (RS, ["compression.momentum_correction=true"]),
     "redsync 0.01 20 epochs momentum_correction, no masking": (RS, ["compression.momentum_correction=true",
                                                                     "compression.momentum_masking=false"]),
+    "sbc local_steps=10 density=0.01 40 epochs (the issue's reporting setting)": (
+        "configs/digits/sbc.yaml", SBC0 + E40),
     "sbc local_steps=13 density=0.01 40 epochs": ("configs/digits/sbc.yaml", SBC0 + E40 + ["compression.local_steps=13"]),
     "sbc local_steps=13 density=0.01 40 epochs lr=0.1": ("configs/digits/sbc.yaml", SBC0 + E40 + ["compression.local_steps=13", "optimizer.lr=0.1"]),
     "iwp density=0.01 min_compress_numel=0 40 epochs": ("configs/digits/iwp.yaml", IWP0 + E40 + ["compression.min_compress_numel=0"]),
