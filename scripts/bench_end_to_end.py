@@ -46,7 +46,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scripts.netbench import netns  # noqa: E402
+from scripts.netbench import allocator, netns  # noqa: E402
 from scripts.netbench.launcher import LaunchError, launch  # noqa: E402
 from scripts.netbench.predict import network as cm_network, plan_from_run, predict, fusion_bytes  # noqa: E402
 from redsync_hvd import costmodel as cm  # noqa: E402
@@ -59,7 +59,7 @@ COLUMNS = ["model", "method", "hosts", "bandwidth_mbit", "latency_ms", "step_tim
            "compressed_layers", "goodput_mbit", "rtt_ms", "hvd_alpha_ms", "hvd_bandwidth_mbit", "loadavg_1min",
            "status"]
 TOP_KEYS = {"name", "output_dir", "steps", "warmup", "rounds", "threads", "timeout_s", "seed", "lr",
-            "models", "methods", "networks", "compute_steps", "base_latency_s", "comm_only"}
+            "models", "methods", "networks", "compute_steps", "base_latency_s", "comm_only", "keep_large_allocations"}
 MODEL_KEYS = {"name", "model", "options", "batch_size", "input_shape", "num_classes", "seq_len", "methods"}
 NET_KEYS = {"hosts", "bandwidth_mbit", "latency_ms", "models", "methods"}
 
@@ -91,6 +91,12 @@ def load_config(path: str) -> dict:
     cfg.setdefault("compute_steps", 6)
     cfg.setdefault("base_latency_s", None)
     cfg.setdefault("comm_only", [])   # methods also run without forward/backward: "<method>/comm"
+    # glibc keeps freed >32 MB blocks for the next step instead of page-faulting them in again
+    # (scripts/netbench/allocator.py); false measures with glibc's defaults
+    cfg.setdefault("keep_large_allocations", True)
+    if not isinstance(cfg["keep_large_allocations"], bool):
+        raise BenchConfigError(f"{path}: keep_large_allocations must be true or false, "
+                               f"got {cfg['keep_large_allocations']!r}")
     for m in cfg.get("models") or []:
         bad = set(m) - MODEL_KEYS
         if bad or "name" not in m or "model" not in m:
@@ -140,15 +146,17 @@ def worker_spec(cfg: dict, model: dict, **extra) -> dict:
     return spec
 
 
-def thread_env(cfg) -> dict:
+def worker_vars(cfg) -> dict:
+    """Environment of every benchmark process: torch threads, and the allocator settings."""
     t = str(cfg["threads"])
-    return {"OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t}
+    extra = allocator.env(os.environ) if cfg["keep_large_allocations"] else {}
+    return {"OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t, **extra}
 
 
 def measure_compute(cfg: dict, model: dict, procs: int, run_dir: Path) -> dict:
     """Compute-only step time (no Horovod): ``procs`` identical processes at once."""
     spec = worker_spec(cfg, model, mode="compute", steps=cfg["compute_steps"], rounds=1)
-    env = {**os.environ, **thread_env(cfg), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, **worker_vars(cfg), "PYTHONPATH": str(REPO)}
     ps, outs = [], []
     for i in range(procs):
         out = run_dir / f"compute-{model['name']}-p{procs}-{i}.json"
@@ -199,7 +207,7 @@ def run_setting(cfg, net_cfg, models, methods, run_dir: Path, log) -> tuple[list
                 try:
                     launch(net, ["python", "-m", "scripts.netbench.worker", "--spec", json.dumps(spec),
                                  "--out", str(out)], timeout=cfg["timeout_s"],
-                           log_dir=run_dir / f"logs-{model['name']}-{tag}-try{attempt}", env=thread_env(cfg))
+                           log_dir=run_dir / f"logs-{model['name']}-{tag}-try{attempt}", env=worker_vars(cfg))
                     break
                 except LaunchError as exc:
                     log(f"[{tag}] {model['name']}: attempt {attempt} failed: {str(exc)[:1500]}")

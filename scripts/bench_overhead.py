@@ -32,6 +32,7 @@ from redsync_hvd.core import passes  # noqa: E402
 from redsync_hvd.memory import MomentumCorrectionMemory, ResidualMemory  # noqa: E402
 from redsync_hvd.models import build_model  # noqa: E402
 from redsync_hvd.policy import LayerPolicy  # noqa: E402
+from scripts.netbench import allocator  # noqa: E402
 
 MODELS = {
     # the end-to-end benchmark's communication-bound model (configs/bench/quick.yaml)
@@ -148,15 +149,19 @@ def main():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default="", help="also write the markdown table here")
+    p.add_argument("--default-malloc", action="store_true",
+                   help="leave glibc's malloc as it is (default: keep large freed blocks for the next "
+                        "step, as the end-to-end benchmark does; scripts/netbench/allocator.py)")
     args = p.parse_args()
+    kept = False if args.default_malloc else allocator.apply_in_process()
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but CUDA is not available")
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = [r for m in args.models.split(",") for r in bench_model(m, args)]
     dev = torch.cuda.get_device_name() if args.device == "cuda" else "CPU, %d torch threads" % torch.get_num_threads()
-    lines = ["Device: %s; torch %s; world %d; load average %.2f." % (dev, torch.__version__, args.world,
-                                                                     os.getloadavg()[0]), "",
+    lines = ["Device: %s; torch %s; world %d; load average %.2f; large blocks kept by malloc: %s."
+             % (dev, torch.__version__, args.world, os.getloadavg()[0], "yes" if kept else "no"), "",
              "| model | params | method | compressed layers | compute ms | exchange ms | select ms | decompress ms | exchange / compute |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:

@@ -186,7 +186,8 @@ def run(spec) -> dict:
         everyone = rhvd.allgather_object(mine, name="netbench.gather")
         for label, v in results.items():
             v["per_rank"] = [{"rank": i, **e[label]} for i, e in enumerate(everyone)]
-    env = {k: v for k, v in os.environ.items() if k.startswith("HOROVOD_") and k != "HOROVOD_GLOO_RENDEZVOUS_PORT"}
+    env = {k: v for k, v in os.environ.items()
+           if (k.startswith("HOROVOD_") and k != "HOROVOD_GLOO_RENDEZVOUS_PORT") or k == "GLIBC_TUNABLES"}
     return {"spec": spec, "rank": rank, "size": size, "threads": torch.get_num_threads(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "horovod_env": env, "runs": results,
             "network_probe": probe, "loadavg": os.getloadavg()}
