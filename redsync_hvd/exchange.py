@@ -101,6 +101,7 @@ class GradientExchange:
         self._dense_handles: dict = {}
         self._bad: list = []
         self._sums: list = []
+        self._momentum_after: list = []
         self._into: dict = {}
         for b in self._buckets:
             b.messages, b.handles = {}, None
@@ -141,7 +142,9 @@ class GradientExchange:
                 norm = float(flat.norm())
                 if norm > self.clip:
                     flat = flat * (self.clip / norm)
-            use_memory = self.memory is not None and (layer.compressed or self.memory.applies_to_dense)
+            use_memory = self.memory is not None and layer.compressed
+            if not layer.compressed and hasattr(self.memory, "dense_momentum"):
+                self._momentum_after.append(name)   # momentum correction: applied to the average
             scan = comp.scan_request(layer, self.step) if use_memory and layer.compressed else None
             x = self.memory.compensate(name, flat, scan=scan) if use_memory else flat
             try:
@@ -248,6 +251,9 @@ class GradientExchange:
                     + ". No update was applied and the residuals were left as they were. "
                       "Lower the learning rate, clip gradients, or check the input data; "
                       "compression.check_finite=false disables this check.")
+            if self._momentum_after:
+                with self.stats.timer("decompress", "allreduce"):
+                    self.memory.dense_momentum(self._momentum_after, [out[n] for n in self._momentum_after])
         except BaseException:
             if self.memory is not None:
                 self.memory.rollback()

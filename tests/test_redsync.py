@@ -172,7 +172,43 @@ def test_momentum_correction_sends_dense_layers_momentum_not_zeros():
         out = ex.finish()
         u = 0.9 * u + g                       # momentum SGD on the averaged gradient
         assert torch.allclose(out["bias"], u, atol=1e-6), (out["bias"], u)
-        assert ex.memory.residual["bias"].abs().max() == 0
+        assert torch.allclose(ex.memory.velocity["bias"], u, atol=1e-6)
+        assert "bias" not in ex.memory.residual     # a dense layer keeps no residual buffer
+
+
+def test_momentum_correction_on_dense_layers_equals_the_optimizers_momentum():
+    """Dense layers get their momentum after averaging, batched: the result must be torch's own
+    momentum SGD (and Nesterov) on the averaged gradient, several momentum values at once, and
+    a failed step must leave the velocity as it was."""
+    from redsync_hvd.exchange import NonFiniteGradientError
+    for nesterov in (False, True):
+        layers = [Layer("a", (7,), 7, 0), Layer("b", (3, 4), 12, 1), Layer("c", (5,), 5, 2)]
+        memory = MomentumCorrectionMemory({"a": 0.9, "b": 0.5, "c": 0.0}, nesterov=nesterov)
+        ex = _local_exchange({"method": "redsync", "density": 0.01, "momentum_correction": True,
+                              "min_compress_numel": 100}, layers, memory)
+        params = {l.name: torch.zeros(l.shape, requires_grad=True) for l in layers}
+        ref = {n: torch.optim.SGD([p], lr=1.0, momentum=m, nesterov=nesterov and m > 0)
+               for (n, p), m in zip(params.items(), (0.9, 0.5, 0.0))}
+        gen = torch.Generator().manual_seed(1)
+        for step in range(5):
+            grads = {l.name: torch.randn(l.shape, generator=gen) for l in layers}
+            if step == 3:                                   # a NaN step: nothing may change
+                before = {k: v.clone() for k, v in memory.velocity.items()}
+                for n, g in grads.items():
+                    ex.submit(n, g.clone().fill_(float("nan")) if n == "b" else g.clone())
+                with pytest.raises(NonFiniteGradientError):
+                    ex.finish()
+                assert all(torch.equal(before[k], memory.velocity[k]) for k in before)
+                continue
+            for n, g in grads.items():
+                ex.submit(n, g.clone())
+            out = ex.finish()
+            for n, p in params.items():
+                p.grad = grads[n].clone()
+                before_p = p.detach().clone()
+                ref[n].step()
+                applied = before_p - p.detach()             # lr 1: the update is the direction
+                assert torch.allclose(out[n].view(p.shape), applied, atol=1e-6), (nesterov, step, n)
 
 
 def test_nonfinite_in_a_compressed_layer_is_caught_by_selection_and_rolls_back():

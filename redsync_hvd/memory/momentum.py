@@ -10,8 +10,13 @@ a velocity u and accumulates it into the residual v:
 
 The wrapped optimizer then takes a plain SGD step on the average of what was
 sent: its own momentum must be 0 (the DistributedOptimizer takes it out).
-Dense layers go through the same memory with everything sent, which is exactly
-momentum SGD on the averaged gradient (momentum is linear).
+
+Layers sent dense would send all of v every step, so their residual would stay
+zero and the average of the ranks' velocities is the velocity of the averaged
+gradient (momentum is linear). So they skip this memory on the way out, travel
+as plain gradients, and ``dense_momentum`` applies u = m*u + avg to their
+averages afterwards, all of them in one batched update: no residual buffers
+and no per-layer passes for them.
 
 Like :class:`ResidualMemory`, updates go to spare buffers and only ``commit``
 makes them current, so a failed step leaves u and v untouched.
@@ -25,8 +30,6 @@ from .residual import ResidualMemory
 
 
 class MomentumCorrectionMemory(ResidualMemory):
-    applies_to_dense = True
-
     def __init__(self, momentum: dict | float, nesterov: bool = False, masking: bool = True):
         super().__init__()
         self.momentum = momentum          # float, or {layer name: momentum} from the param groups
@@ -41,13 +44,7 @@ class MomentumCorrectionMemory(ResidualMemory):
 
     def compensate(self, name: str, grad: torch.Tensor, scan: ScanRequest | None = None) -> torch.Tensor:
         m = self._m(name)
-        u = self.velocity.get(name)
-        if u is None:
-            u = self.velocity[name] = torch.zeros_like(grad, dtype=torch.float32)
-        u_new = self._spare_u.get(name)
-        if u_new is None or u_new.shape != u.shape:
-            u_new = self._spare_u[name] = torch.empty_like(u)
-        self._pending_u[name] = u_new
+        u, u_new = self._velocity_buffers(name, grad)
         v, v_new = self._buffers(name, grad)
         # one pass over g, u and v where the native kernel runs; torch ops make three
         if not compensate_scan(v, grad, v_new, scan, u, u_new, m, self.nesterov):
@@ -55,6 +52,39 @@ class MomentumCorrectionMemory(ResidualMemory):
             torch.add(v, grad + m * u_new if self.nesterov else u_new, out=v_new)
         self._pending[name] = v_new                      # v + step, in v's spare buffer
         return v_new
+
+    def _velocity_buffers(self, name: str, like: torch.Tensor):
+        """(current velocity, the spare buffer that becomes the next one on commit)."""
+        u = self.velocity.get(name)
+        if u is None:
+            u = self.velocity[name] = torch.zeros_like(like, dtype=torch.float32)
+        u_new = self._spare_u.get(name)
+        if u_new is None or u_new.shape != u.shape or u_new.device != u.device:
+            u_new = self._spare_u[name] = torch.empty_like(u)
+        self._pending_u[name] = u_new
+        return u, u_new
+
+    def dense_momentum(self, names: list, averages: list) -> None:
+        """Momentum for the layers sent dense, applied to their averaged gradients in place.
+
+        The velocity is updated as u = m*u + avg (pending until ``commit``), and each
+        average is overwritten with what plain SGD should apply: u, or avg + m*u with
+        Nesterov. One ``torch._foreach`` call per momentum value serves every layer."""
+        groups: dict[float, list] = {}
+        for name, avg in zip(names, averages):
+            m = self._m(name)
+            if m:
+                groups.setdefault(m, []).append((name, avg))
+        for m, items in groups.items():
+            avgs = [a for _, a in items]
+            pairs = [self._velocity_buffers(name, a) for name, a in items]
+            news = [new for _, new in pairs]
+            torch._foreach_copy_(news, avgs)
+            torch._foreach_add_(news, [u for u, _ in pairs], alpha=m)    # u = m*u + avg
+            if self.nesterov:
+                torch._foreach_add_(avgs, news, alpha=m)                # avg + m*u
+            else:
+                torch._foreach_copy_(avgs, news)
 
     def mask(self, name: str, indices: torch.Tensor) -> None:
         """Zero the (pending) velocity at the positions that were sent."""

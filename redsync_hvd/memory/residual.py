@@ -20,7 +20,8 @@ from ..core.passes import ScanRequest, compensate_scan
 
 
 class ResidualMemory:
-    applies_to_dense = False   # dense layers send everything: a residual would stay zero
+    """Dense layers never pass through a memory: they send everything, so a residual
+    would stay zero."""
 
     def mask(self, name: str, indices) -> None:
         """Hook for memories that react to which positions were sent (momentum masking)."""
