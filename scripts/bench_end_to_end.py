@@ -59,7 +59,8 @@ COLUMNS = ["model", "method", "hosts", "bandwidth_mbit", "latency_ms", "step_tim
            "compressed_layers", "goodput_mbit", "rtt_ms", "hvd_alpha_ms", "hvd_bandwidth_mbit", "loadavg_1min",
            "status"]
 TOP_KEYS = {"name", "output_dir", "steps", "warmup", "rounds", "threads", "timeout_s", "seed", "lr",
-            "models", "methods", "networks", "compute_steps", "base_latency_s", "comm_only", "keep_large_allocations"}
+            "models", "methods", "networks", "compute_steps", "base_latency_s", "comm_only", "keep_large_allocations",
+            "horovod_cycle_time_ms"}
 MODEL_KEYS = {"name", "model", "options", "batch_size", "input_shape", "num_classes", "seq_len", "methods"}
 NET_KEYS = {"hosts", "bandwidth_mbit", "latency_ms", "models", "methods"}
 
@@ -73,9 +74,27 @@ def _terminate(signum, frame):
 
 
 # -- configuration ---------------------------------------------------------------------------
-def load_config(path: str) -> dict:
+def _read_with_base(path: str, seen: tuple = ()) -> dict:
+    """The YAML at ``path``; ``base: other.yaml`` (relative to it) supplies every key it leaves out."""
+    if path in seen:
+        raise BenchConfigError(f"{path}: 'base' chain loops back on itself: {' -> '.join(seen + (path,))}")
     with open(path) as f:
         cfg = yaml.safe_load(f) or {}
+    if not isinstance(cfg, dict):
+        raise BenchConfigError(f"{path}: a bench config is a mapping of keys, got {type(cfg).__name__}")
+    base = cfg.pop("base", None)
+    if base is None:
+        return cfg
+    base_path = Path(path).parent / str(base)
+    if not base_path.is_file():
+        raise BenchConfigError(f"{path}: base config {base_path} not found; give a path relative to {path}")
+    merged = _read_with_base(str(base_path), seen + (path,))
+    merged.pop("name", None)     # a derived config is a run of its own
+    return {**merged, **cfg}
+
+
+def load_config(path: str) -> dict:
+    cfg = _read_with_base(path)
     unknown = set(cfg) - TOP_KEYS
     if unknown:
         raise BenchConfigError(f"{path}: unknown keys {sorted(unknown)}; valid: {sorted(TOP_KEYS)}")
@@ -94,6 +113,15 @@ def load_config(path: str) -> dict:
     # glibc keeps freed >32 MB blocks for the next step instead of page-faulting them in again
     # (scripts/netbench/allocator.py); false measures with glibc's defaults
     cfg.setdefault("keep_large_allocations", True)
+    # Horovod's background thread wakes every cycle (HOROVOD_CYCLE_TIME); null keeps Horovod's
+    # default. With every worker on one shared 2-core machine its polling takes CPU from the
+    # workers' compute, which a real cluster node has spare; a longer cycle gives it back but
+    # delays each collective round by up to one cycle. Every method of a sweep runs with it.
+    cfg.setdefault("horovod_cycle_time_ms", None)
+    c = cfg["horovod_cycle_time_ms"]
+    if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or c <= 0):
+        raise BenchConfigError(f"{path}: horovod_cycle_time_ms must be a positive number of "
+                               f"milliseconds or null (Horovod's default), got {c!r}")
     if not isinstance(cfg["keep_large_allocations"], bool):
         raise BenchConfigError(f"{path}: keep_large_allocations must be true or false, "
                                f"got {cfg['keep_large_allocations']!r}")
@@ -150,6 +178,8 @@ def worker_vars(cfg) -> dict:
     """Environment of every benchmark process: torch threads, and the allocator settings."""
     t = str(cfg["threads"])
     extra = allocator.env(os.environ) if cfg["keep_large_allocations"] else {}
+    if cfg["horovod_cycle_time_ms"] is not None:
+        extra["HOROVOD_CYCLE_TIME"] = str(cfg["horovod_cycle_time_ms"])
     return {"OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t, **extra}
 
 

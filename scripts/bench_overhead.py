@@ -10,7 +10,10 @@ exchange's local work: residual compensation, selection, quantisation and packin
 then decoding and averaging ``--world`` messages as a worker of a ``--world``-rank
 job would (``LocalCommunicator``: every rank sends what this one sends; no bytes
 move). ``overhead / compute`` is the issue's "select + pack + decompress as a share
-of the compute time of a step". Each variant's steps are interleaved with the others
+of the compute time of a step". For methods with a residual, ``r + g alone`` times just
+the error-feedback update over the layers they compress (read two layer-sized buffers,
+write one): no exchange over those layers can cost less on this memory system, so it is
+the floor under that share. Each variant's steps are interleaved with the others
 in rounds, and medians are taken over all steps after ``--warmup`` per round.
 """
 from __future__ import annotations
@@ -79,6 +82,17 @@ class Variant:
                                    grads_writable=True)
         self.compressed = sum(l.compressed for l in layers)
         self.exchange_s, self.phases = [], {p: [] for p in ("select", "communicate", "decompress")}
+        # the floor of any error-feedback exchange over the same layers: r + g alone, one pass
+        # reading two layer-sized buffers and writing one, no selection, nothing decoded
+        on = {l.name for l in layers if l.compressed} if memory is not None else set()
+        self.floor_layers = [(p, torch.zeros_like(p), torch.empty_like(p)) for n, p in self.named if n in on]
+        self.floor_s = []
+
+    def floor(self):
+        t0 = time.perf_counter()
+        for p, r, out in self.floor_layers:
+            torch.add(r, p.grad, out=out)
+        return time.perf_counter() - t0
 
     def exchange(self):
         passes.FUSE_COMPENSATION = self.fused
@@ -123,6 +137,8 @@ def bench_model(mname, args):
                 if s >= args.warmup:
                     compute.append((t1 - t0) + (t3 - t2))
                     v.exchange_s.append(t2 - t1)
+                    if v.floor_layers and args.device == "cpu":
+                        v.floor_s.append(v.floor())
                 else:  # warm-up steps do not count in the phase medians either
                     for ph in v.phases:
                         v.phases[ph].pop()
@@ -132,7 +148,8 @@ def bench_model(mname, args):
         e = statistics.median(v.exchange_s)
         rows.append(dict(model=mname, params=nparams, method=v.name, compressed=v.compressed,
                          layers=len(v.named), compute_ms=c * 1e3, exchange_ms=e * 1e3,
-                         ratio=e / c, **{ph + "_ms": statistics.median(t) * 1e3 for ph, t in v.phases.items()}))
+                         ratio=e / c, floor_ms=statistics.median(v.floor_s) * 1e3 if v.floor_s else None,
+                         **{ph + "_ms": statistics.median(t) * 1e3 for ph, t in v.phases.items()}))
         print("  %-10s %-16s compute %8.2f ms  exchange %8.2f ms  (%5.1f%% of compute)"
               % (mname, v.name, c * 1e3, e * 1e3, 100 * e / c), file=sys.stderr)
     return rows
@@ -162,12 +179,15 @@ def main():
     dev = torch.cuda.get_device_name() if args.device == "cuda" else "CPU, %d torch threads" % torch.get_num_threads()
     lines = ["Device: %s; torch %s; world %d; load average %.2f; large blocks kept by malloc: %s."
              % (dev, torch.__version__, args.world, os.getloadavg()[0], "yes" if kept else "no"), "",
-             "| model | params | method | compressed layers | compute ms | exchange ms | select ms | decompress ms | exchange / compute |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "| model | params | method | compressed layers | compute ms | exchange ms | select ms | decompress ms "
+             "| exchange / compute | r + g alone, ms | r + g alone / compute |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append("| %s | %.2fM | %s | %d/%d | %.2f | %.2f | %.2f | %.2f | %.1f%% |" % (
+        floor = r["floor_ms"]
+        lines.append("| %s | %.2fM | %s | %d/%d | %.2f | %.2f | %.2f | %.2f | %.1f%% | %s | %s |" % (
             r["model"], r["params"] / 1e6, r["method"], r["compressed"], r["layers"], r["compute_ms"],
-            r["exchange_ms"], r["select_ms"], r["decompress_ms"], 100 * r["ratio"]))
+            r["exchange_ms"], r["select_ms"], r["decompress_ms"], 100 * r["ratio"],
+            "" if floor is None else "%.2f" % floor, "" if floor is None else "%.1f%%" % (100 * floor / r["compute_ms"])))
     md = "\n".join(lines)
     print(md)
     if args.out:

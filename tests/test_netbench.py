@@ -63,7 +63,7 @@ def test_prediction_uses_measured_message_sizes():
 def test_bench_configs_validate():
     sys.path.insert(0, str(REPO / "scripts"))
     import bench_end_to_end as bench
-    for name in ("quick.yaml", "full.yaml"):
+    for name in ("quick.yaml", "full.yaml", "costmodel.yaml", "quick-cycle20.yaml"):
         cfg = bench.load_config(str(REPO / "configs" / "bench" / name))
         for setting in cfg["networks"]:
             for method, spec in cfg["methods"].items():
@@ -73,6 +73,23 @@ def test_bench_configs_validate():
                 assert bench.validate_method(comp) is None, (name, method)
 
 
+def test_bench_config_with_a_base_takes_the_base_keys_it_leaves_out(tmp_path):
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_end_to_end as bench
+    derived = bench.load_config(str(REPO / "configs" / "bench" / "quick-cycle20.yaml"))
+    quick = bench.load_config(str(REPO / "configs" / "bench" / "quick.yaml"))
+    assert derived["horovod_cycle_time_ms"] == 20 and quick["horovod_cycle_time_ms"] is None
+    assert derived["name"] == "quick-cycle20" and derived["models"] == quick["models"]
+    loop = tmp_path / "a.yaml"
+    loop.write_text("base: a.yaml\n")
+    with pytest.raises(bench.BenchConfigError, match="loops back"):
+        bench.load_config(str(loop))
+    missing = tmp_path / "b.yaml"
+    missing.write_text("base: nowhere.yaml\n")
+    with pytest.raises(bench.BenchConfigError, match="nowhere.yaml"):
+        bench.load_config(str(missing))
+
+
 def test_unknown_bench_key_is_refused(tmp_path):
     sys.path.insert(0, str(REPO / "scripts"))
     import bench_end_to_end as bench
@@ -80,6 +97,49 @@ def test_unknown_bench_key_is_refused(tmp_path):
     bad.write_text("name: x\nstepz: 3\nmodels: []\nmethods: {}\nnetworks: []\n")
     with pytest.raises(bench.BenchConfigError, match="stepz"):
         bench.load_config(str(bad))
+
+
+def test_allocator_and_cycle_time_reach_the_worker_environment(tmp_path):
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_end_to_end as bench
+    from scripts.netbench import allocator
+    base = "name: x\nmodels: [{name: m, model: mlp}]\nmethods: {dense: {method: none}}\nnetworks: [{hosts: 2}]\n"
+    path = tmp_path / "ok.yaml"
+    path.write_text(base + "horovod_cycle_time_ms: 20\n")
+    env = bench.worker_vars(bench.load_config(str(path)))
+    assert env["HOROVOD_CYCLE_TIME"] == "20" and allocator.TUNABLES in env["GLIBC_TUNABLES"]
+    path.write_text(base + "keep_large_allocations: false\n")
+    env = bench.worker_vars(bench.load_config(str(path)))
+    assert "HOROVOD_CYCLE_TIME" not in env and allocator.TUNABLES not in env.get("GLIBC_TUNABLES", "")
+    for bad, key in (("horovod_cycle_time_ms: -1", "horovod_cycle_time_ms"),
+                     ("keep_large_allocations: maybe", "keep_large_allocations")):
+        path.write_text(base + bad + "\n")
+        with pytest.raises(bench.BenchConfigError, match=key):
+            bench.load_config(str(path))
+    assert allocator.env({"GLIBC_TUNABLES": "glibc.a=1"})["GLIBC_TUNABLES"] == "glibc.a=1:" + allocator.TUNABLES
+
+
+def test_kept_allocations_stop_page_faulting_a_large_buffer_anew():
+    """mallopt really changes glibc's behaviour: freed 64 MB blocks are reused, so allocating
+    and touching one again costs (almost) no new page faults, where a fresh mmap faults it all in."""
+    import resource
+    import subprocess
+    code = ("import resource, sys\n"
+            "from scripts.netbench import allocator\n"
+            "if sys.argv[1] == 'keep': assert allocator.apply_in_process()\n"
+            "import torch\n"
+            "for _ in range(20): torch.ones(16 << 20)   # the heap settles into reusing its blocks\n"
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+            "for _ in range(5): torch.ones(16 << 20)\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)\n")
+    faults = {}
+    for mode in ("keep", "default"):
+        out = subprocess.run([sys.executable, "-c", code, mode], cwd=REPO, capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO), "GLIBC_TUNABLES": ""}, timeout=120)
+        assert out.returncode == 0, out.stderr
+        faults[mode] = int(out.stdout.split()[-1])
+    pages = 5 * (64 << 20) // resource.getpagesize()
+    assert faults["default"] > pages // 2 and faults["keep"] < pages // 20, faults
 
 
 # -- root + iproute2 -----------------------------------------------------------------------
