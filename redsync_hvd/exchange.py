@@ -74,6 +74,7 @@ class GradientExchange:
             policy.compute = probe_compute(comm, layers[0].device if layers else "cpu")
         policy.setup(layers, comm.size, network)
         self._buckets, self._bucket_of = self._make_buckets(layers, fusion_bytes)
+        self.applied: list = []
         self._reset_step()
 
     # -- setup ---------------------------------------------------------------
@@ -102,7 +103,9 @@ class GradientExchange:
         self._bad: list = []
         self._sums: list = []
         self._momentum_after: list = []
+        self._updates: list = []
         self._into: dict = {}
+        self._apply: dict = {}
         for b in self._buckets:
             b.messages, b.handles = {}, None
 
@@ -220,13 +223,19 @@ class GradientExchange:
     def missing(self) -> list:
         return [n for n in self.order if n not in self._submitted]
 
-    def finish(self, into: dict | None = None) -> dict:
+    def finish(self, into: dict | None = None, apply: dict | None = None) -> dict:
         """Wait for every collective; return {name: averaged flat gradient}.
 
         ``into``: optional {name: flat float32 tensor} to decode sparse layers into (the
         torch adapter passes the .grad tensors, saving a copy); the result then is that tensor.
+        ``apply``: optional {name: (flat float32 parameter, lr)}: a layer among these that
+        travelled sparse by allgather is decoded straight into its parameter as
+        p -= lr * average (a plain SGD step), once every check has passed, and is left out
+        of the result (``self.applied`` lists them). No dense gradient is written for it.
         """
         self._into = into or {}
+        self._apply = apply or {}
+        self.applied = []
         missing = self.missing()
         if missing:
             raise RuntimeError(f"finish() before gradients of {missing[:5]} were submitted")
@@ -254,6 +263,11 @@ class GradientExchange:
             if self._momentum_after:
                 with self.stats.timer("decompress", "allreduce"):
                     self.memory.dense_momentum(self._momentum_after, [out[n] for n in self._momentum_after])
+            if self._updates:   # last: nothing after this may fail, the weights have changed
+                with self.stats.timer("decompress", "allgather"):
+                    for layer, tensors, alpha in self._updates:
+                        self.compressor.decompress_add(self._apply[layer.name][0], tensors, layer, alpha=alpha)
+                self.applied = sorted({layer.name for layer, _, _ in self._updates})
         except BaseException:
             if self.memory is not None:
                 self.memory.rollback()
@@ -294,13 +308,17 @@ class GradientExchange:
                 # v/size equals dividing the sum bit for bit, and saves a pass over every output
                 exact_scale = size & (size - 1) == 0
                 alpha = 1.0 / size if exact_scale else 1.0
-                bufs = {l.name: self._zeroed(l, l.device) for l in bucket.layers}
+                bufs = {l.name: self._zeroed(l, l.device) for l in bucket.layers if l.name not in self._apply}
                 for tensors in per_rank:
                     pos = 0
                     for layer in bucket.layers:
                         n = len(self.compressor.wire_dtypes(layer))
-                        self.compressor.decompress_add(bufs[layer.name], tensors[pos:pos + n], layer, alpha=alpha)
+                        part = tensors[pos:pos + n]
                         pos += n
+                        if layer.name in self._apply:   # applied to the weights after the checks
+                            self._updates.append((layer, part, -self._apply[layer.name][1] / size))
+                        else:
+                            self.compressor.decompress_add(bufs[layer.name], part, layer, alpha=alpha)
                 for name, buf in bufs.items():
                     out[name] = buf if exact_scale else buf.div_(size)
         return out

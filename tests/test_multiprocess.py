@@ -16,6 +16,9 @@ from launch import horovodrun, run_script
     # momentum correction without masking at density 1 is plain momentum SGD (momentum is linear)
     {"method": "redsync", "density": 1.0, "quantize": "none", "momentum_correction": True,
      "momentum_masking": False, "min_compress_numel": 0, "selection": "trimmed"},
+    # the same with every layer's average applied straight to the weights (sparse_update)
+    {"method": "redsync", "density": 1.0, "quantize": "none", "momentum_correction": True,
+     "momentum_masking": False, "min_compress_numel": 0, "selection": "trimmed", "sparse_update": True},
     # IWP at density 1: the leader's indices cover everything, allreduce of all values = dense
     {"method": "iwp", "density": 1.0, "min_compress_numel": 0},
 ])

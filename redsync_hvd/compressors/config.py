@@ -73,8 +73,21 @@ class _SparseConfig(CompressionConfig):
         return self.residual
 
 
+class _AllgatherSparseConfig(_SparseConfig):
+    """Methods whose compressed layers travel as (positions, values) by allgather."""
+    sparse_update: bool = Field(
+        False, description="PyTorch, plain SGD only: apply each compressed layer's averaged sparse gradient "
+                           "straight to its weights inside step(), instead of writing a dense .grad that "
+                           "is almost all zeros and updating every weight. Saves two passes over the "
+                           "compressed layers per step (worth it on CPUs; a GPU does those passes in "
+                           "microseconds). Those parameters' .grad is None after step(); call "
+                           "synchronize() first to see dense averaged gradients (e.g. to clip them). "
+                           "Needs torch.optim.SGD without momentum and weight decay in the optimizer "
+                           "(momentum_correction takes both out)")
+
+
 @register_method("topk")
-class TopKConfig(_SparseConfig):
+class TopKConfig(_AllgatherSparseConfig):
     """Exact top-k by magnitude (torch.topk), sent as (int32 index, fp32 value) pairs over allgather."""
 
 
@@ -123,7 +136,7 @@ class LayerOverride(BaseModel):
 
 
 @register_method("redsync")
-class RedSyncConfig(_SparseConfig):
+class RedSyncConfig(_AllgatherSparseConfig):
     """RedSync: residual gradient compression with fast selection and quantised messages.
     See docs/redsync.md for each knob's trade-off."""
     density: float = Field(0.001, description="fraction of each compressed layer sent per step, in (0, 1]")

@@ -115,6 +115,10 @@ class TFGradientExchange:
                 "compression.momentum_correction=true keeps the optimizer's momentum in the compression memory: "
                 "pass optimizer=<your tf.keras.optimizers.SGD> (its momentum is moved into the memory and set "
                 "to 0 there) or momentum=<float> with a momentum-free optimizer; or set momentum_correction: false")
+        if getattr(config, "sparse_update", False):
+            raise ValueError("compression.sparse_update is PyTorch-only (it updates the weights inside the torch "
+                             "optimizer's step); the TensorFlow adapter always writes dense averaged gradients. "
+                             "Set sparse_update: false")
         named = list(named_variables)
         for name, var in named:     # the core's check, worded for TF
             if var.shape.num_elements() == 0:

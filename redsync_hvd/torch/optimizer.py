@@ -40,6 +40,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                           clip_norm=getattr(config, "clip_norm", None),
                                           network=_network(config, comm), grads_writable=True)
         self.compression_config = config
+        self._sparse_update = bool(getattr(config, "sparse_update", False))
+        if self._sparse_update:
+            _check_plain_sgd(self)
         self._passes = {n: 0 for n, _ in named}
         self._synchronized = False
         self._skip_sync = False
@@ -72,6 +75,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self):
         """Finish this step's exchange and write the averaged gradients into ``.grad``."""
+        self._synchronize(apply_sparse=False)
+
+    def _synchronize(self, apply_sparse: bool):
+        """``apply_sparse`` (``sparse_update``, from ``step()``): layers that travelled sparse are
+        decoded straight into their weights as p -= lr * average; their ``.grad`` becomes None
+        so the wrapped SGD leaves them alone."""
         for name in self._exchange.missing():
             p = self._params[name]
             self._exchange.submit(name, self._grad(name, p))
@@ -79,10 +88,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         into = {n: p.grad.view(-1) for n, p in self._params.items()
                 if p.grad is not None and p.grad.dtype == torch.float32 and p.grad.is_contiguous()
                 and not p.grad.is_sparse}
+        apply = None
+        if apply_sparse:
+            apply = {self._names[p]: (p.detach().view(-1), group["lr"]) for group in self.param_groups
+                     for p in group["params"] if p in self._names
+                     and p.dtype == torch.float32 and p.is_contiguous()}
         try:
-            averaged = self._exchange.finish(into=into)
+            averaged = self._exchange.finish(into=into, apply=apply)
         finally:
             self._passes = dict.fromkeys(self._passes, 0)
+        for name in self._exchange.applied:
+            self._params[name].grad = None
         for name, flat in averaged.items():
             p = self._params[name]
             if p.grad is not None and flat.data_ptr() == p.grad.data_ptr():
@@ -130,7 +146,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._local_steps:
             return self._delayed_step(closure)
         if not (self._synchronized or self._skip_sync):
-            self.synchronize()
+            self._synchronize(apply_sparse=self._sparse_update)
         self._synchronized = False
         return super(self.__class__, self).step(closure)
 
@@ -178,6 +194,24 @@ def _build_memory(config, param_groups, names):
                 group[key] = False if key == "nesterov" else 0.0
     masking = getattr(config, "momentum_masking", True)
     return MomentumCorrectionMemory(momentum, nesterov=nesterov, masking=masking), decay
+
+
+def _check_plain_sgd(opt) -> None:
+    """``sparse_update`` does the optimizer's job for compressed layers: only right for plain SGD."""
+    problems = []
+    if not isinstance(opt, torch.optim.SGD):
+        problems.append(f"the optimizer is {type(opt).__mro__[1].__name__}, not torch.optim.SGD")
+    for i, group in enumerate(opt.param_groups):
+        for key in ("momentum", "weight_decay"):
+            if group.get(key, 0.0):
+                problems.append(f"param group {i} has {key}={group[key]}")
+        if group.get("maximize", False):
+            problems.append(f"param group {i} has maximize=True")
+    if problems:
+        raise ValueError("compression.sparse_update applies the averaged sparse gradient straight to the weights, "
+                         "which is a plain SGD step, but " + "; ".join(problems) + ". Use torch.optim.SGD with "
+                         "momentum_correction: true (it moves momentum and weight decay into the compressor), "
+                         "or momentum 0 and weight_decay 0; or set sparse_update: false")
 
 
 def _network(config, comm):

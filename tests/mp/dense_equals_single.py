@@ -31,6 +31,8 @@ def main(compression):
         opt.zero_grad()
         lossf(model(xs), ys).backward()
         opt.step()
+        if compression.get("sparse_update"):   # every layer compressed: none has a dense .grad
+            assert all(p.grad is None for p in model.parameters()), "sparse_update left a .grad"
         ref_opt.zero_grad()
         lossf(ref(X[step]), Y[step]).backward()
         ref_opt.step()
