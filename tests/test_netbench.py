@@ -63,7 +63,7 @@ def test_prediction_uses_measured_message_sizes():
 def test_bench_configs_validate():
     sys.path.insert(0, str(REPO / "scripts"))
     import bench_end_to_end as bench
-    for name in ("quick.yaml", "full.yaml", "costmodel.yaml", "quick-cycle20.yaml"):
+    for name in ("quick.yaml", "full.yaml", "costmodel.yaml", "quick-horovod-cycle.yaml"):
         cfg = bench.load_config(str(REPO / "configs" / "bench" / name))
         for setting in cfg["networks"]:
             for method, spec in cfg["methods"].items():
@@ -76,10 +76,10 @@ def test_bench_configs_validate():
 def test_bench_config_with_a_base_takes_the_base_keys_it_leaves_out(tmp_path):
     sys.path.insert(0, str(REPO / "scripts"))
     import bench_end_to_end as bench
-    derived = bench.load_config(str(REPO / "configs" / "bench" / "quick-cycle20.yaml"))
+    derived = bench.load_config(str(REPO / "configs" / "bench" / "quick-horovod-cycle.yaml"))
     quick = bench.load_config(str(REPO / "configs" / "bench" / "quick.yaml"))
-    assert derived["horovod_cycle_time_ms"] == 20 and quick["horovod_cycle_time_ms"] is None
-    assert derived["name"] == "quick-cycle20" and derived["models"] == quick["models"]
+    assert derived["horovod_cycle_time_ms"] is None and quick["horovod_cycle_time_ms"] == 5
+    assert derived["name"] == "quick-horovod-cycle" and derived["models"] == quick["models"]
     loop = tmp_path / "a.yaml"
     loop.write_text("base: a.yaml\n")
     with pytest.raises(bench.BenchConfigError, match="loops back"):
