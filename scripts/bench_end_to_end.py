@@ -373,8 +373,8 @@ def plots(run_dir: Path, rows: list[dict]) -> list[Path]:
     fig.savefig(files[-1], dpi=120)
     plt.close(fig)
     # time breakdown bars
-    fig, ax = plt.subplots(figsize=(max(6.4, 0.55 * len(ok) + 2), 4.4))
-    labels = [f"{r['model']}\n{r['method']}\nN={r['hosts']} {_fmt(r['bandwidth_mbit'])}M" for r in ok]
+    fig, ax = plt.subplots(figsize=(max(6.4, 0.8 * len(ok) + 2), 5.2))
+    labels = [f"{r['model']} N={r['hosts']} {_fmt(r['bandwidth_mbit'])}M\n{r['method']}" for r in ok]
     bottom = [0.0] * len(ok)
     for part, color in (("compute_s", "#4c72b0"), ("select_s", "#dd8452"), ("communicate_s", "#55a868"),
                         ("decompress_s", "#c44e52")):
@@ -384,7 +384,7 @@ def plots(run_dir: Path, rows: list[dict]) -> list[Path]:
     ax.scatter(range(len(ok)), [r.get("predicted_step_time_s") or float("nan") for r in ok], marker="_", s=300,
                color="black", label="predicted (cost model)", zorder=3)
     ax.set_xticks(range(len(ok)))
-    ax.set_xticklabels(labels, fontsize=6)
+    ax.set_xticklabels(labels, fontsize=6, rotation=35, ha="right")   # long method names must not overlap
     ax.set_ylabel("seconds per step (rank 0)")
     ax.set_title("Where a step's time goes")
     ax.legend(fontsize=7)
