@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..core.passes import ScanRequest, compensate_scan
-from .residual import ResidualMemory
+from .residual import ResidualMemory, double_buffer
 
 
 class MomentumCorrectionMemory(ResidualMemory):
@@ -55,12 +55,7 @@ class MomentumCorrectionMemory(ResidualMemory):
 
     def _velocity_buffers(self, name: str, like: torch.Tensor):
         """(current velocity, the spare buffer that becomes the next one on commit)."""
-        u = self.velocity.get(name)
-        if u is None:
-            u = self.velocity[name] = torch.zeros_like(like, dtype=torch.float32)
-        u_new = self._spare_u.get(name)
-        if u_new is None or u_new.shape != u.shape or u_new.device != u.device:
-            u_new = self._spare_u[name] = torch.empty_like(u)
+        u, u_new = double_buffer(self.velocity, self._spare_u, name, like)
         self._pending_u[name] = u_new
         return u, u_new
 

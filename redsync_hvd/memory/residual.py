@@ -19,6 +19,18 @@ import torch
 from ..core.passes import ScanRequest, compensate_scan
 
 
+def double_buffer(current: dict, spare: dict, name: str, like: torch.Tensor):
+    """(``current[name]``, zeros on first use; ``spare[name]``, a buffer of the same shape that
+    ``commit`` swaps in): the step writes into the spare, so a failed step loses nothing."""
+    cur = current.get(name)
+    if cur is None:
+        cur = current[name] = torch.zeros_like(like, dtype=torch.float32)
+    new = spare.get(name)
+    if new is None or new.shape != cur.shape or new.device != cur.device:
+        new = spare[name] = torch.empty_like(cur)
+    return cur, new
+
+
 class ResidualMemory:
     """Dense layers never pass through a memory: they send everything, so a residual
     would stay zero."""
@@ -41,13 +53,7 @@ class ResidualMemory:
         return spare
 
     def _buffers(self, name: str, grad: torch.Tensor):
-        r = self.residual.get(name)
-        if r is None:
-            r = self.residual[name] = torch.zeros_like(grad, dtype=torch.float32)
-        spare = self._spare.get(name)
-        if spare is None or spare.shape != r.shape or spare.device != r.device:
-            spare = self._spare[name] = torch.empty_like(r)
-        return r, spare
+        return double_buffer(self.residual, self._spare, name, grad)
 
     def commit(self) -> None:
         for name, buf in self._pending.items():
