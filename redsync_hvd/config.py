@@ -116,7 +116,9 @@ def _deep_merge(base: dict, override: dict) -> dict:
     return out
 
 
-def _read_yaml(path: Path, seen: tuple = ()) -> dict:
+def read_yaml(path: Path, seen: tuple = ()) -> dict:
+    """A YAML mapping; ``base: other.yaml`` (relative to it) is loaded first and deep-merged under it.
+    Also used by the benchmark configs."""
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}. Pass an existing YAML file, e.g. configs/digits/dense.yaml")
     if path.resolve() in seen:
@@ -130,7 +132,7 @@ def _read_yaml(path: Path, seen: tuple = ()) -> dict:
     base = raw.pop("base", None)
     if base is None:
         return raw
-    parent = _read_yaml((path.parent / base).resolve(), seen + (path.resolve(),))
+    parent = read_yaml((path.parent / base).resolve(), seen + (path.resolve(),))
     return _deep_merge(parent, raw)
 
 
@@ -186,7 +188,7 @@ def validate(raw: dict, source: str = "<dict>") -> RunConfig:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    raw = _read_yaml(Path(path)) if path else {}
+    raw = read_yaml(Path(path)) if path else {}
     raw = apply_overrides(raw, overrides or [])
     cfg = validate(raw, str(path or "<defaults>"))
     if cfg.output.name is None and path:

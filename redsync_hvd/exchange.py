@@ -148,7 +148,7 @@ class GradientExchange:
             use_memory = self.memory is not None and layer.compressed
             if not layer.compressed and hasattr(self.memory, "dense_momentum"):
                 self._momentum_after.append(name)   # momentum correction: applied to the average
-            scan = comp.scan_request(layer, self.step) if use_memory and layer.compressed else None
+            scan = comp.scan_request(layer, self.step) if use_memory else None
             x = self.memory.compensate(name, flat, scan=scan) if use_memory else flat
             try:
                 msg = comp.compress(x, layer, self.step)

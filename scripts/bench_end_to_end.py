@@ -50,6 +50,7 @@ from scripts.netbench import allocator, netns  # noqa: E402
 from scripts.netbench.launcher import LaunchError, launch  # noqa: E402
 from scripts.netbench.predict import network as cm_network, plan_from_run, predict, fusion_bytes  # noqa: E402
 from redsync_hvd import costmodel as cm  # noqa: E402
+from redsync_hvd.config import ConfigError, read_yaml  # noqa: E402
 
 COLUMNS = ["model", "method", "hosts", "bandwidth_mbit", "latency_ms", "step_time_s", "speedup_vs_dense",
            "wire_bytes_per_step", "dense_bytes_per_step", "compression_ratio", "compute_s", "select_s",
@@ -74,27 +75,16 @@ def _terminate(signum, frame):
 
 
 # -- configuration ---------------------------------------------------------------------------
-def _read_with_base(path: str, seen: tuple = ()) -> dict:
-    """The YAML at ``path``; ``base: other.yaml`` (relative to it) supplies every key it leaves out."""
-    if path in seen:
-        raise BenchConfigError(f"{path}: 'base' chain loops back on itself: {' -> '.join(seen + (path,))}")
-    with open(path) as f:
-        cfg = yaml.safe_load(f) or {}
-    if not isinstance(cfg, dict):
-        raise BenchConfigError(f"{path}: a bench config is a mapping of keys, got {type(cfg).__name__}")
-    base = cfg.pop("base", None)
-    if base is None:
-        return cfg
-    base_path = Path(path).parent / str(base)
-    if not base_path.is_file():
-        raise BenchConfigError(f"{path}: base config {base_path} not found; give a path relative to {path}")
-    merged = _read_with_base(str(base_path), seen + (path,))
-    merged.pop("name", None)     # a derived config is a run of its own
-    return {**merged, **cfg}
-
-
 def load_config(path: str) -> dict:
-    cfg = _read_with_base(path)
+    """A sweep config; ``base: other.yaml`` supplies the keys it leaves out (the training
+    configs' loader), and a derived config is named after its own file unless it says otherwise."""
+    try:
+        cfg = read_yaml(Path(path))
+        own = yaml.safe_load(Path(path).read_text()) or {}
+    except ConfigError as exc:
+        raise BenchConfigError(str(exc)) from None
+    if "base" in own and "name" not in own:
+        cfg.pop("name", None)
     unknown = set(cfg) - TOP_KEYS
     if unknown:
         raise BenchConfigError(f"{path}: unknown keys {sorted(unknown)}; valid: {sorted(TOP_KEYS)}")
