@@ -266,25 +266,65 @@ def fused_dense_share(n: int, N: int, net: Network) -> float:
     return ring_allreduce(N, dense_bytes(n), Network(0.0, net.bandwidth))
 
 
+ALLGATHER_METHODS = ("sign_mean", "pairs", "pairs_fp16", "golomb")
+BUCKET_BYTES = 16 * 1024 * 1024  # the exchange's default compression.fusion_bytes
+
+
+def sparse_buckets(layers, bucket_bytes: float = BUCKET_BYTES) -> list[list[int]]:
+    """The exchange's allgather buckets for ``layers`` ((n, density, method) in
+    registration order): allgather-compressed layers in reverse order (the order
+    backward produces them), a new bucket whenever the next layer would take the
+    bucket past ``bucket_bytes`` of dense fp32 bytes. Indices into ``layers``."""
+    buckets, cur, size = [], [], 0
+    for i in reversed(range(len(layers))):
+        n, _, m = layers[i]
+        if canonical(m) not in ALLGATHER_METHODS:
+            continue
+        if cur and size + 4 * n > bucket_bytes:
+            buckets.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += 4 * n
+    return buckets + ([cur] if cur else [])
+
+
 def step_time(layers, N: int, net: Network, compute_s: float, overlap: bool = False,
               compute: ComputeModel | None = None, allgather: str = "ring",
-              fusion_bytes: float = 0) -> float:
+              fusion_bytes: float = 0, buckets=None, finite_check: bool = False) -> float:
     """One step: ``compute_s + comm``, or ``max(compute_s, comm)`` with ``overlap``
     (perfect overlap of backward and communication: a lower bound). ``comm`` sums
     the layers' ``predict_layer`` totals; ``layers``: iterable of (n, density,
     method). With ``fusion_bytes > 0`` the dense layers, in order, are packed
     greedily into buffers of at most that many bytes (Horovod tensor fusion,
-    default 64 MiB), one ring allreduce per buffer."""
+    default 64 MiB), one ring allreduce per buffer.
+
+    ``buckets``: lists of indices into ``layers`` that travel as one allgather
+    (the exchange's buckets, ``sparse_buckets``): a bucket pays one collective's
+    latency for the sum of its layers' messages plus an 8-byte header per layer
+    (the header allgather is issued with the payload, so it shares the round);
+    its layers still pay their own select and decompress. Layers in no bucket
+    travel alone. ``finite_check``: the exchange's one-float agreement that every
+    gradient was finite, fused by Horovod into the last dense buffer (or alone)."""
+    layers = list(layers)
+    cm = compute or ComputeModel()
+    in_bucket = {i for b in (buckets or ()) for i in b}
     comm, buf = 0.0, 0
-    for n, d, m in layers:
+    for i, (n, d, m) in enumerate(layers):
         if not canonical(m).startswith("dense"):
-            comm += predict_layer(n, d, N, net, m, compute=compute, allgather=allgather).total_s
+            c = predict_layer(n, d, N, net, m, compute=cm, allgather=allgather)
+            comm += c.select_s + c.decompress_s if i in in_bucket else c.total_s
             continue
         nb = message_bytes(n, d, m)
         if buf and buf + nb > fusion_bytes:
             comm, buf = comm + ring_allreduce(N, buf, net), 0
         buf += nb
+    if finite_check:
+        buf += 4
     comm += ring_allreduce(N, buf, net) if buf else 0.0
+    gather = ring_allgather if allgather == "ring" else recursive_doubling_allgather
+    for b in buckets or ():
+        payload = sum(message_bytes(*layers[i]) + PAIR_HEADER_BYTES for i in b)
+        comm += gather(N, payload, net)
     return max(compute_s, comm) if overlap else compute_s + comm
 
 
@@ -302,15 +342,17 @@ def plan_layers(numels, method: str, density: float, N: int, net: Network,
 def project_speedup(layer_shapes, N_values, bandwidths, method: str, density: float,
                     compute_s, latency_s: float = 25e-6, overlap: bool = False,
                     per_layer: bool = True, compute: ComputeModel | None = None,
-                    fusion_bytes: float = FUSION_BYTES) -> list[dict]:
+                    fusion_bytes: float = FUSION_BYTES, bucket_bytes: float = BUCKET_BYTES) -> list[dict]:
     """Predicted speedup of ``method`` over dense fp32 ring allreduce.
 
     ``layer_shapes``: {model name: [numel per parameter tensor]}; ``bandwidths``
     in Gbit/s; ``compute_s``: seconds of compute per step, a float or {model: s}.
     Dense layers (the whole baseline, and layers the per-layer rule leaves dense)
-    go through ``fusion_bytes`` fusion buffers. One row per (model, bandwidth, N):
-    model, N, bandwidth_gbit, method, density, dense_s, method_s, speedup,
-    compressed_layers."""
+    go through ``fusion_bytes`` fusion buffers; allgather-compressed layers travel
+    in the exchange's buckets of ``bucket_bytes`` dense bytes (``sparse_buckets``;
+    0: one allgather per layer), with the exchange's finite check. One row per
+    (model, bandwidth, N): model, N, bandwidth_gbit, method, density, dense_s,
+    method_s, speedup, compressed_layers."""
     rows = []
     for model, numels in layer_shapes.items():
         cs = compute_s[model] if isinstance(compute_s, dict) else compute_s
@@ -321,7 +363,8 @@ def project_speedup(layer_shapes, N_values, bandwidths, method: str, density: fl
                                    fused=fusion_bytes > 0)
                 kw = dict(overlap=overlap, compute=compute, fusion_bytes=fusion_bytes)
                 dense = step_time([(n, 1.0, "dense") for n in numels], N, net, cs, **kw)
-                t = step_time(plan, N, net, cs, **kw)
+                buckets = sparse_buckets(plan, bucket_bytes) if bucket_bytes else None
+                t = step_time(plan, N, net, cs, buckets=buckets, finite_check=True, **kw)
                 rows.append(dict(model=model, N=N, bandwidth_gbit=bw, method=canonical(method),
                                  density=density, dense_s=dense, method_s=t, speedup=dense / t,
                                  compressed_layers=sum(p[2] != "dense" for p in plan)))

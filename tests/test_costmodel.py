@@ -140,6 +140,33 @@ def test_step_time_and_overlap():
     assert cm.step_time(layers, 1, NET, 0.1) == pytest.approx(0.1)
 
 
+def test_buckets_share_one_round():
+    # three compressed layers in one bucket pay one allgather latency, not three
+    layers = [(10**6, 0.001, "sign_mean")] * 3 + [(1000, 1.0, "dense")]
+    alone = cm.step_time(layers, 8, NET, 0.0, fusion_bytes=cm.FUSION_BYTES)
+    together = cm.step_time(layers, 8, NET, 0.0, fusion_bytes=cm.FUSION_BYTES, buckets=[[2, 1, 0]])
+    payload = 3 * (cm.sign_mean_bytes(10**6, 0.001) + cm.PAIR_HEADER_BYTES)
+    sel_dec = sum(c.select_s + c.decompress_s for c in [cm.predict_layer(10**6, 0.001, 8, NET, "sign_mean")] * 3)
+    assert together == pytest.approx(cm.ring_allreduce(8, 4000, NET) + cm.ring_allgather(8, payload, NET) + sel_dec)
+    assert alone - together == pytest.approx(2 * (8 - 1) * NET.alpha - 7 * 3 * cm.PAIR_HEADER_BYTES / NET.bandwidth)
+    # the finite flag joins the dense fusion buffer; with no dense layer it is a round of its own
+    flagged = cm.step_time(layers, 8, NET, 0.0, fusion_bytes=cm.FUSION_BYTES, buckets=[[2, 1, 0]], finite_check=True)
+    assert flagged - together == pytest.approx(2 * 7 / 8 * 4 / NET.bandwidth)
+    only_sparse = cm.step_time(layers[:3], 8, NET, 0.0, buckets=[[2, 1, 0]], finite_check=True)
+    assert only_sparse - cm.step_time(layers[:3], 8, NET, 0.0, buckets=[[2, 1, 0]]) == pytest.approx(
+        cm.ring_allreduce(8, 4, NET))
+
+
+def test_sparse_buckets_mirror_the_exchange():
+    # reverse registration order, a new bucket once the next layer passes the dense-byte limit,
+    # dense and IWP layers left out
+    layers = [(100, 0.01, "sign_mean"), (1000, 1.0, "dense"), (3 << 20, 0.001, "pairs"),
+              (10, 0.01, "iwp"), (1 << 20, 0.001, "sign_mean"), (2 << 20, 0.001, "golomb")]
+    assert cm.sparse_buckets(layers, 16 << 20) == [[5, 4], [2, 0]]
+    assert cm.sparse_buckets(layers, 1) == [[5], [4], [2], [0]]
+    assert cm.sparse_buckets([(10, 1.0, "dense")]) == []
+
+
 def test_paper_models_and_projection():
     tot = {k: sum(v) for k, v in cm.PAPER_MODELS.items()}
     assert tot["alexnet"] == pytest.approx(61.1e6, rel=0.01)

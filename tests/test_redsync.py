@@ -263,3 +263,16 @@ def test_exchange_with_fused_compensation_equals_the_unfused_exchange(momentum):
     if not momentum:
         assert all(torch.equal(mem_a.residual[n], mem_b.residual[n]) for n in mem_a.residual)
         assert {n: s.state_dict() for n, s in sel_a.items()} == {n: s.state_dict() for n, s in sel_b.items()}
+
+
+def test_cost_model_buckets_are_the_exchanges():
+    """costmodel.sparse_buckets predicts the allgather buckets the exchange really builds."""
+    from redsync_hvd import costmodel as cm
+    sizes = [300, 5000, 2_000_000, 10, 1_500_000, 800_000, 3_000_000, 64]
+    layers = [Layer(f"l{i}", (n,), n, i) for i, n in enumerate(sizes)]
+    ex = _local_exchange({"method": "redsync", "density": 0.01, "min_compress_numel": 100},
+                         layers, ResidualMemory())   # the default fusion_bytes, 16 MiB
+    built = [[l.index for l in b.layers] for b in ex._buckets]
+    plan = [(l.numel, l.density, "sign_mean" if l.compressed else "dense") for l in layers]
+    assert len(built) == 2 and sum(map(len, built)) == 6   # the two small ones stay dense
+    assert built == cm.sparse_buckets(plan) == cm.sparse_buckets(plan, cm.BUCKET_BYTES)
