@@ -36,6 +36,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -61,7 +62,7 @@ COLUMNS = ["model", "method", "hosts", "bandwidth_mbit", "latency_ms", "step_tim
            "status"]
 TOP_KEYS = {"name", "output_dir", "steps", "warmup", "rounds", "threads", "timeout_s", "seed", "lr",
             "models", "methods", "networks", "compute_steps", "base_latency_s", "comm_only", "keep_large_allocations",
-            "horovod_cycle_time_ms"}
+            "horovod_cycle_time_ms", "pin_workers"}
 MODEL_KEYS = {"name", "model", "options", "batch_size", "input_shape", "num_classes", "seq_len", "methods"}
 NET_KEYS = {"hosts", "bandwidth_mbit", "latency_ms", "models", "methods"}
 
@@ -112,9 +113,12 @@ def load_config(path: str) -> dict:
     if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or c <= 0):
         raise BenchConfigError(f"{path}: horovod_cycle_time_ms must be a positive number of "
                                f"milliseconds or null (Horovod's default), got {c!r}")
-    if not isinstance(cfg["keep_large_allocations"], bool):
-        raise BenchConfigError(f"{path}: keep_large_allocations must be true or false, "
-                               f"got {cfg['keep_large_allocations']!r}")
+    # one CPU per emulated host (rank i on the i-th allowed CPU, round robin), with its
+    # Horovod thread: hosts stop trading cores, as separate machines would not
+    cfg.setdefault("pin_workers", False)
+    for key in ("keep_large_allocations", "pin_workers"):
+        if not isinstance(cfg[key], bool):
+            raise BenchConfigError(f"{path}: {key} must be true or false, got {cfg[key]!r}")
     for m in cfg.get("models") or []:
         bad = set(m) - MODEL_KEYS
         if bad or "name" not in m or "model" not in m:
@@ -170,6 +174,8 @@ def worker_vars(cfg) -> dict:
     extra = allocator.env(os.environ) if cfg["keep_large_allocations"] else {}
     if cfg["horovod_cycle_time_ms"] is not None:
         extra["HOROVOD_CYCLE_TIME"] = str(cfg["horovod_cycle_time_ms"])
+    if cfg["pin_workers"]:
+        extra["NETBENCH_PIN_WORKERS"] = "1"
     return {"OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t, **extra}
 
 
@@ -179,6 +185,7 @@ def measure_compute(cfg: dict, model: dict, procs: int, run_dir: Path) -> dict:
     env = {**os.environ, **worker_vars(cfg), "PYTHONPATH": str(REPO)}
     ps, outs = [], []
     for i in range(procs):
+        env["NETBENCH_INDEX"] = str(i)   # which CPU with pin_workers, as HOROVOD_RANK in a distributed run
         out = run_dir / f"compute-{model['name']}-p{procs}-{i}.json"
         log = open(run_dir / f"compute-{model['name']}-p{procs}-{i}.log", "w")
         ps.append((subprocess.Popen([sys.executable, "-m", "scripts.netbench.worker", "--spec", json.dumps(spec),
@@ -219,8 +226,11 @@ def run_setting(cfg, net_cfg, models, methods, run_dir: Path, log) -> tuple[list
             runs = [{"label": name, "compression": comp} for name, comp in methods]
             runs += [{"label": f"{name}/comm", "compression": comp, "comm_only": True} for name, comp in methods
                      if name in cfg["comm_only"] and int(comp.get("local_steps", 1) or 1) == 1]
+            # Horovod's alpha/B are fitted up to a message of the size that dominates a dense
+            # step (the 67 MB FC gradient): 8 MB allreduces ran at 690-960 Mbit/s across runs
+            # of the same 1 Gbit/s link, far noisier than the large transfer itself
             spec = worker_spec(cfg, model, runs=runs, probe_network=hosts > 1,
-                               probe_bytes=(2 << 20) if (bw or 1e9) < 500 else (8 << 20))
+                               probe_bytes=(2 << 20) if (bw or 1e9) < 500 else (32 << 20))
             out = run_dir / f"result-{model['name']}-{tag}.json"
             t0 = time.time()
             for attempt in (1, 2):
@@ -292,10 +302,7 @@ def build_rows(cfg, setting, model, result, methods, probe, compute) -> list[dic
             row.update(hvd_alpha_ms=hp["alpha_s"] * 1e3, hvd_bandwidth_mbit=hp["bandwidth_Bps"] * 8 / 1e6,
                        predicted_calibrated_s=pc["predicted_step_time_s"],
                        calibrated_error_pct=_err(pc["predicted_step_time_s"], r["step_time_s"]))
-            # the slowest rank sets the pace: its own compute and overhead, Horovod's alpha/B
-            slow = max(r.get("per_rank") or [r], key=lambda x: x["compute_s"] + x["select_s"] + x["decompress_s"])
-            pr = predict({**r, "select_s": slow["select_s"], "decompress_s": slow["decompress_s"]}, hosts,
-                         net_hvd, slow["compute_s"] if not r.get("comm_only") else 0.0, fusion)
+            pr = predict({**r, "select_s": 0.0, "decompress_s": 0.0}, hosts, net_hvd, in_run_work(r), fusion)
             row.update(predicted_in_run_s=pr["predicted_step_time_s"],
                        in_run_error_pct=_err(pr["predicted_step_time_s"], r["step_time_s"]))
         rows.append(row)
@@ -305,6 +312,21 @@ def build_rows(cfg, setting, model, result, methods, probe, compute) -> list[dic
         if dense and row.get("step_time_s") and dense.get("step_time_s"):
             row["speedup_vs_dense"] = dense["step_time_s"] / row["step_time_s"]
     return rows
+
+
+def in_run_work(r: dict) -> float:
+    """Seconds per step of local work (compute + select + decompress: all but the waits in
+    collectives) of the slowest rank, step by step: a synchronous step cannot end before
+    its slowest rank has done its own work, and which rank that is changes from step to
+    step on shared cores. The median (the mean for communication delay) over steps, as
+    for the measured step time. Older results without per-step lists per rank: the rank
+    with the largest medians."""
+    ranks = r.get("per_rank") or [r]
+    agg = statistics.fmean if r.get("statistic") == "mean" else statistics.median
+    if all("steps_s" in x for x in ranks):
+        per_step = zip(*[[s - m for s, m in zip(x["steps_s"], x["phases_s"]["communicate"])] for x in ranks])
+        return agg(max(w) for w in per_step)
+    return max(x["compute_s"] + x["select_s"] + x["decompress_s"] for x in ranks)
 
 
 def _err(predicted, measured):

@@ -50,14 +50,31 @@ def test_prediction_uses_measured_message_sizes():
     assert plan[1] == (100, 1.0, "dense")
     net = cm.Network(alpha=1e-4, bandwidth=125e6)
     p = predict(run, 2, net, compute_s=0.5)
-    wire = cm.ring_allgather(2, 4004, net) + cm.ring_allreduce(2, 400, net)
-    extra = cm.ring_allreduce(2, 4, net) + cm.ring_allgather(2, 8, net)
-    assert p["predicted_step_time_s"] == pytest.approx(0.5 + 0.03 + wire + extra)
+    # the bucket is one allgather (payload + its header); the finite flag rides with the dense bias
+    wire = cm.ring_allgather(2, 4004 + 8, net) + cm.ring_allreduce(2, 400 + 4, net)
+    assert p["predicted_step_time_s"] == pytest.approx(0.5 + 0.03 + wire)
+    two = dict(run, layers=run["layers"] + [{"name": "fc2", "group": "sparse", "wire_bytes": 4004,
+                                             "dense_bytes": 4 * 1_000_000}])
+    one_round = predict(dict(two, buckets=[["fc2", "fc"]]), 2, net, 0.0)["predicted_comm_s"]
+    two_rounds = predict(dict(two, buckets=[["fc2"], ["fc"]]), 2, net, 0.0)["predicted_comm_s"]
+    assert two_rounds - one_round == pytest.approx(net.alpha)
     dense = {"compression": {"method": "none"}, "layers": [{"name": "w", "group": "dense", "wire_bytes": 4e6,
                                                              "dense_bytes": 4e6}]}
-    assert predict(dense, 2, net, 0.0)["predicted_comm_s"] == pytest.approx(
-        cm.ring_allreduce(2, 4e6, net) + cm.ring_allreduce(2, 4, net))
+    assert predict(dense, 2, net, 0.0)["predicted_comm_s"] == pytest.approx(cm.ring_allreduce(2, 4e6 + 4, net))
     assert wire_method({"method": "fp16"}) == "dense_fp16" and wire_method({"method": "topk"}) == "pairs"
+
+
+def test_in_run_work_takes_each_steps_slowest_rank():
+    from scripts.bench_end_to_end import in_run_work
+    # rank 0 is slower in steps 0 and 2, rank 1 in step 1: the per-step maxima are 5, 6, 7
+    ranks = [{"steps_s": [9, 8, 9], "phases_s": {"communicate": [4, 4, 2]}},
+             {"steps_s": [9, 8, 9], "phases_s": {"communicate": [5, 2, 5]}}]
+    assert in_run_work({"per_rank": ranks}) == 6
+    assert in_run_work({"per_rank": ranks, "statistic": "mean"}) == pytest.approx(6)
+    # older results: the rank with the largest medians
+    old = [{"compute_s": 1, "select_s": 0.5, "decompress_s": 0.1}, {"compute_s": 1.2, "select_s": 0.1,
+                                                                      "decompress_s": 0.1}]
+    assert in_run_work({"per_rank": old}) == pytest.approx(1.6)
 
 
 def test_bench_configs_validate():
@@ -111,12 +128,35 @@ def test_allocator_and_cycle_time_reach_the_worker_environment(tmp_path):
     path.write_text(base + "keep_large_allocations: false\n")
     env = bench.worker_vars(bench.load_config(str(path)))
     assert "HOROVOD_CYCLE_TIME" not in env and allocator.TUNABLES not in env.get("GLIBC_TUNABLES", "")
+    path.write_text(base + "pin_workers: true\n")
+    assert bench.worker_vars(bench.load_config(str(path)))["NETBENCH_PIN_WORKERS"] == "1"
     for bad, key in (("horovod_cycle_time_ms: -1", "horovod_cycle_time_ms"),
-                     ("keep_large_allocations: maybe", "keep_large_allocations")):
+                     ("keep_large_allocations: maybe", "keep_large_allocations"),
+                     ("pin_workers: 1", "pin_workers")):
         path.write_text(base + bad + "\n")
         with pytest.raises(bench.BenchConfigError, match=key):
             bench.load_config(str(path))
     assert allocator.env({"GLIBC_TUNABLES": "glibc.a=1"})["GLIBC_TUNABLES"] == "glibc.a=1:" + allocator.TUNABLES
+
+
+def test_pinned_worker_runs_on_its_ranks_cpu():
+    """pin_workers: rank r runs on the (r mod #CPUs)-th allowed CPU, and so do the threads
+    torch starts afterwards. In a child process: pinning pytest itself would skew the suite."""
+    allowed = sorted(os.sched_getaffinity(0))
+    code = ("import os\nfrom scripts.netbench.worker import pin_to_cpu\ncpu = pin_to_cpu()\n"
+            "import torch\ntorch.set_num_threads(2)\ntorch.ones(1 << 20).sum()\n"
+            "tids = os.listdir('/proc/self/task')\n"
+            "print(cpu, sorted({c for t in tids for c in os.sched_getaffinity(int(t))}))")
+    for rank in range(3):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "NETBENCH_PIN_WORKERS": "1", "HOROVOD_RANK": str(rank)}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        want = allowed[rank % len(allowed)]
+        assert out.stdout.strip().split(maxsplit=1) == [str(want), f"[{want}]"]
+    env = {k: v for k, v in os.environ.items() if k != "NETBENCH_PIN_WORKERS"}
+    out = subprocess.run([sys.executable, "-c", "from scripts.netbench.worker import pin_to_cpu; print(pin_to_cpu())"],
+                         env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "None"
 
 
 def test_kept_allocations_stop_page_faulting_a_large_buffer_anew():

@@ -1,7 +1,7 @@
 """Predicted step time of a measured run, from ``redsync_hvd.costmodel``.
 
-    predicted = costmodel.step_time(layers, N, net, compute_s = compute + select + decompress)
-              + the small collectives step_time does not list
+    predicted = costmodel.step_time(layers, N, net, compute_s = compute + select + decompress,
+                                    buckets=the run's allgather buckets, finite_check=True)
 
 * ``compute``: measured with no communication (``worker.py`` mode ``compute``), ideally
   with N such processes running at once, so CPU sharing matches the distributed run;
@@ -16,8 +16,10 @@
 * ``net``: the shaped network, ``alpha = added latency + base one-way latency``
   (half the measured RTT of the unloaded link), ``B`` = the tbf rate (or the measured
   TCP goodput, for the calibrated variant);
-* extra collectives (not in ``step_time``): the one-float finite check (a ring
-  allreduce) and the fixed-size header allgather of every sparse bucket.
+* ``buckets``: the run's allgather buckets (``buckets_from_run``): each is one collective
+  round for all its layers' messages and headers, as the exchange sends them (one
+  header + one payload allgather, issued together); the one-float finite check rides in
+  the last dense fusion buffer (``step_time(buckets=..., finite_check=True)``).
 
 No overlap of backward and communication is assumed (``step_time(overlap=False)``),
 so it is an upper bound where Horovod overlaps the dense allreduce with backward;
@@ -84,18 +86,23 @@ def plan_from_run(run: dict) -> list:
     return plan
 
 
+def buckets_from_run(run: dict) -> list:
+    """The run's allgather buckets (layer names, as the exchange built them) as indices
+    into ``plan_from_run(run)``."""
+    index = {layer["name"]: i for i, layer in enumerate(run.get("layers", []))}
+    return [[index[name] for name in bucket if name in index] for bucket in run.get("buckets", [])]
+
+
 def predict(run: dict, N: int, net: cm.Network, compute_s: float, fusion: int | None = None) -> dict:
     """Predicted seconds per step of ``run`` (a ``worker.py`` result for one label)."""
     plan = plan_from_run(run)
     fusion = fusion or fusion_bytes(run.get("horovod_env"))
     overhead = float(run.get("select_s", 0.0)) + float(run.get("decompress_s", 0.0))
-    comm = cm.step_time(plan, N, net, 0.0, compute=ZERO, fusion_bytes=fusion)
-    extra = cm.ring_allreduce(N, 4, net) if (run.get("compression") or {}).get("check_finite", True) else 0.0
-    for bucket in run.get("buckets", []):
-        # header: one int32 count per wire tensor (about 2 per layer); the payload is in `comm`
-        extra += cm.ring_allgather(N, 8 * len(bucket), net)
+    check = (run.get("compression") or {}).get("check_finite", True)
+    comm = cm.step_time(plan, N, net, 0.0, compute=ZERO, fusion_bytes=fusion, buckets=buckets_from_run(run),
+                        finite_check=check)
     local = int((run.get("compression") or {}).get("local_steps", 1) or 1)
-    comm_per_step = (comm + extra) / local   # SBC: one exchange every local_steps steps
+    comm_per_step = comm / local   # SBC: one exchange every local_steps steps
     total = compute_s + overhead + comm_per_step
     return {"predicted_step_time_s": total, "predicted_comm_s": comm_per_step,
             "predicted_overlap_s": max(compute_s, comm_per_step) + overhead,

@@ -166,11 +166,12 @@ def run(spec) -> dict:
     probe = None
     if rhvd is not None and spec["probe_network"]:
         # alpha and B as Horovod itself sees them (negotiation, Gloo, CPU load included):
-        # the cost model's own fit from timed allreduces of 8 bytes and probe_bytes
+        # the cost model's own fit from timed allreduces of 8 bytes and probe_bytes; the median
+        # of 9 after 2 untimed: with 5 after 1, alpha ranged over 1.1-11.6 ms between sweeps
         from redsync_hvd.comm import HorovodCommunicator
         from redsync_hvd.costmodel import probe_network
         t0 = time.perf_counter()
-        net = probe_network(HorovodCommunicator(), sizes=(8, int(spec["probe_bytes"])), repeats=5, warmup=1,
+        net = probe_network(HorovodCommunicator(), sizes=(8, int(spec["probe_bytes"])), repeats=9, warmup=2,
                             reduce=statistics.median)
         probe = {"alpha_s": net.alpha, "bandwidth_Bps": net.bandwidth, "seconds": time.perf_counter() - t0}
     runs = spec["runs"] or [{"label": spec["compression"].get("method", "run"), "compression": spec["compression"]}]
@@ -181,7 +182,8 @@ def run(spec) -> dict:
     results = {r["label"]: {**_summarise(r["label"], r.get("compression"), parts[r["label"]], rank, size),
                             "comm_only": bool(r.get("comm_only"))} for r in runs}
     if rhvd is not None:
-        keys = ("step_time_s", "compute_s", "select_s", "communicate_s", "decompress_s")
+        keys = ("step_time_s", "compute_s", "select_s", "communicate_s", "decompress_s", "statistic",
+                "steps_s", "phases_s")   # per-step lists: the step's slowest rank sets its pace
         mine = {label: {k: v[k] for k in keys} for label, v in results.items()}
         everyone = rhvd.allgather_object(mine, name="netbench.gather")
         for label, v in results.items():
@@ -189,11 +191,24 @@ def run(spec) -> dict:
     env = {k: v for k, v in os.environ.items()
            if (k.startswith("HOROVOD_") and k != "HOROVOD_GLOO_RENDEZVOUS_PORT") or k == "GLIBC_TUNABLES"}
     return {"spec": spec, "rank": rank, "size": size, "threads": torch.get_num_threads(),
+            "cpus": sorted(os.sched_getaffinity(0)),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "horovod_env": env, "runs": results,
             "network_probe": probe, "loadavg": os.getloadavg()}
 
 
+def pin_to_cpu(env=os.environ):
+    """With NETBENCH_PIN_WORKERS=1: run on one CPU, the (rank mod #CPUs)-th one allowed.
+    Called before torch or Horovod start a thread, so theirs inherit it."""
+    if env.get("NETBENCH_PIN_WORKERS") != "1":
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    cpu = cpus[int(env.get("HOROVOD_RANK", env.get("NETBENCH_INDEX", "0"))) % len(cpus)]
+    os.sched_setaffinity(0, {cpu})
+    return cpu
+
+
 def main(argv=None) -> int:
+    pin_to_cpu()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spec", required=True, help="JSON object (or @file) overriding " + json.dumps(DEFAULTS))
     ap.add_argument("--out", default=None, help="rank 0 writes its JSON result here")
