@@ -17,8 +17,11 @@ Output, in ``<output_dir>/<name>-<timestamp>/``:
 * ``results.csv``: one row per (model, method, network): step time (median of the timed
   steps; mean for SBC), speedup vs dense at the same setting, wire bytes per step and
   per worker, the time split (compute / select / communicate / decompress), the
-  compression overhead in % of compute, the cost model's predicted step time
-  (``predicted_step_time_s``, see ``scripts/netbench/predict.py``) and its error;
+  compression overhead in % of compute, the cost model's predicted step time and its
+  error (``scripts/netbench/predict.py``) with three sets of inputs: the link's nominal
+  rate and latency with compute-only compute (``predicted_step_time_s``); Horovod's
+  probed alpha and B (``predicted_calibrated_s``); those and each step's slowest rank's
+  own local work (``predicted_in_run_s``, see ``in_run_work``);
 * ``models.csv``: parameters, compute time at 1 and N processes and the
   compute/communication ratio of dense fp32 at each setting;
 * ``speedup_vs_bandwidth.png``, ``time_breakdown.png``, ``predicted_vs_measured.png``;
