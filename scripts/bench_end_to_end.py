@@ -52,6 +52,9 @@ sys.path.insert(0, str(REPO))
 
 from scripts.netbench import allocator, netns  # noqa: E402
 from scripts.netbench.launcher import LaunchError, launch  # noqa: E402
+from scripts.netbench.mpi_launcher import launch_mpi  # noqa: E402
+from redsync_hvd.compressors.config import DECENTRALIZED  # noqa: E402
+MPI_DENSE = "dense/mpi"   # dense Horovod, launched with the decentralized methods under mpirun
 from scripts.netbench.predict import network as cm_network, plan_from_run, predict, fusion_bytes  # noqa: E402
 from redsync_hvd import costmodel as cm  # noqa: E402
 from redsync_hvd.config import ConfigError, read_yaml  # noqa: E402
@@ -220,35 +223,58 @@ def run_setting(cfg, net_cfg, models, methods, run_dir: Path, log) -> tuple[list
     hosts, bw, lat = int(net_cfg["hosts"]), net_cfg.get("bandwidth_mbit"), float(net_cfg.get("latency_ms", 0.0))
     tag = f"n{hosts}-bw{bw or 'inf'}-lat{lat:g}"
     results = []
+    hvd_methods = [(n, c) for n, c in methods if c.get("method") not in DECENTRALIZED]
+    dec_methods = [(n, c) for n, c in methods if c.get("method") in DECENTRALIZED]
+    probe_bytes = (2 << 20) if (bw or 1e9) < 500 else (32 << 20)
     with netns.ShapedNetwork(hosts=hosts, bandwidth_mbit=bw, latency_ms=lat) as net:
         log(f"[{tag}] network up: {net.describe()}")
         from scripts.netbench.probe import measure_link
         probe = measure_link(net, nbytes=(8 << 20) if (bw or 1e9) < 500 else (64 << 20)) if hosts > 1 else {}
         log(f"[{tag}] probe: goodput {probe.get('goodput_mbit', 0):.0f} Mbit/s, RTT {probe.get('rtt_ms', 0):.3f} ms")
         for model in models:
-            runs = [{"label": name, "compression": comp} for name, comp in methods]
-            runs += [{"label": f"{name}/comm", "compression": comp, "comm_only": True} for name, comp in methods
-                     if name in cfg["comm_only"] and int(comp.get("local_steps", 1) or 1) == 1]
-            # Horovod's alpha/B are fitted up to a message of the size that dominates a dense
-            # step (the 67 MB FC gradient): 8 MB allreduces ran at 690-960 Mbit/s across runs
-            # of the same 1 Gbit/s link, far noisier than the large transfer itself
-            spec = worker_spec(cfg, model, runs=runs, probe_network=hosts > 1,
-                               probe_bytes=(2 << 20) if (bw or 1e9) < 500 else (32 << 20))
-            out = run_dir / f"result-{model['name']}-{tag}.json"
-            t0 = time.time()
-            for attempt in (1, 2):
-                try:
-                    launch(net, ["python", "-m", "scripts.netbench.worker", "--spec", json.dumps(spec),
-                                 "--out", str(out)], timeout=cfg["timeout_s"],
-                           log_dir=run_dir / f"logs-{model['name']}-{tag}-try{attempt}", env=worker_vars(cfg))
-                    break
-                except LaunchError as exc:
-                    log(f"[{tag}] {model['name']}: attempt {attempt} failed: {str(exc)[:1500]}")
-                    if attempt == 2:
-                        out = None
-            log(f"[{tag}] {model['name']}: {len(runs)} methods x {cfg['rounds']} rounds in {time.time() - t0:.0f}s")
-            results.append((model, json.loads(out.read_text()) if out else None))
+            result = _launch_model(cfg, net, model, hvd_methods, tag, run_dir, log, probe_bytes, launch, "")
+            if dec_methods:
+                # mpi4py's neighbour exchange needs an MPI world: these methods, and dense
+                # Horovod as their same-launch baseline ("dense/mpi"), run under mpirun
+                mine = [(MPI_DENSE, {"method": "none"})] + dec_methods
+                extra = _launch_model(cfg, net, model, mine, tag, run_dir, log, probe_bytes, launch_mpi, "-mpi",
+                                      comm_only=False)
+                if extra is not None:
+                    for entry in extra["runs"].values():
+                        entry["network_probe"] = extra.get("network_probe")
+                    result = result or {"runs": {}, "size": hosts}
+                    result["runs"].update(extra["runs"])
+            results.append((model, result))
     return results, probe
+
+
+def _launch_model(cfg, net, model, methods, tag, run_dir, log, probe_bytes, launcher, suffix, comm_only=True):
+    """One worker launch for ``model``: every method in ``methods`` (and its "/comm" twin),
+    interleaved over rounds. Returns rank 0's result, or None after two failed tries."""
+    if not methods:
+        return None
+    runs = [{"label": name, "compression": comp} for name, comp in methods]
+    if comm_only:
+        runs += [{"label": f"{name}/comm", "compression": comp, "comm_only": True} for name, comp in methods
+                 if name in cfg["comm_only"] and int(comp.get("local_steps", 1) or 1) == 1]
+    # Horovod's alpha/B are fitted up to a message of the size that dominates a dense
+    # step (the 67 MB FC gradient): 8 MB allreduces ran at 690-960 Mbit/s across runs
+    # of the same 1 Gbit/s link, far noisier than the large transfer itself
+    spec = worker_spec(cfg, model, runs=runs, probe_network=net.hosts > 1, probe_bytes=probe_bytes)
+    out = run_dir / f"result-{model['name']}-{tag}{suffix}.json"
+    t0 = time.time()
+    for attempt in (1, 2):
+        try:
+            launcher(net, ["python", "-m", "scripts.netbench.worker", "--spec", json.dumps(spec), "--out", str(out)],
+                     timeout=cfg["timeout_s"], log_dir=run_dir / f"logs-{model['name']}-{tag}{suffix}-try{attempt}",
+                     env=worker_vars(cfg))
+            break
+        except LaunchError as exc:
+            log(f"[{tag}] {model['name']}{suffix}: attempt {attempt} failed: {str(exc)[:1500]}")
+            if attempt == 2:
+                out = None
+    log(f"[{tag}] {model['name']}{suffix}: {len(runs)} methods x {cfg['rounds']} rounds in {time.time() - t0:.0f}s")
+    return json.loads(out.read_text()) if out else None
 
 
 # -- rows, tables, plots ---------------------------------------------------------------------
@@ -271,15 +297,16 @@ def build_rows(cfg, setting, model, result, methods, probe, compute) -> list[dic
         return [dict(base, method=name, status="failed") for name, _ in methods]
     alpha0 = cfg["base_latency_s"] if cfg["base_latency_s"] is not None else (probe.get("rtt_ms", 0.0) / 2e3)
     net = cm_network(bw, lat, alpha0)                       # nominal: tbf rate, added + base latency
-    hp = result.get("network_probe")                        # as Horovod sees it (costmodel.probe_network)
-    net_hvd = cm.Network(hp["alpha_s"], hp["bandwidth_Bps"]) if hp else None
     fusion = fusion_bytes(result.get("horovod_env"))
-    labels = [name for name, _ in methods] + [k for k in result["runs"] if k.endswith("/comm")]
+    labels = [name for name, _ in methods] + [k for k in result["runs"] if k.endswith("/comm") or k == MPI_DENSE]
     for name in labels:
         r = result["runs"].get(name)
         if r is None:
             rows.append(dict(base, method=name, status="missing"))
             continue
+        # Horovod's alpha/B as this launch saw them (costmodel.probe_network); MPI launches have their own
+        hp = r.get("network_probe") or result.get("network_probe")
+        net_hvd = cm.Network(hp["alpha_s"], hp["bandwidth_Bps"]) if hp else None
         r = {**r, "horovod_env": result.get("horovod_env")}
         if r.get("comm_only"):   # no forward/backward: the exchange and the update only
             c_n = c_alone = 0.0
@@ -310,8 +337,13 @@ def build_rows(cfg, setting, model, result, methods, probe, compute) -> list[dic
                        in_run_error_pct=_err(pr["predicted_step_time_s"], r["step_time_s"]))
         rows.append(row)
     by = {row["method"]: row for row in rows}
+    mpi_launch = {n for n, c in methods if (c or {}).get("method") in DECENTRALIZED} | {MPI_DENSE}
     for row in rows:
-        dense = by.get("dense/comm" if row["method"].endswith("/comm") else "dense")
+        # each method against dense Horovod in its own launch: the decentralized methods ran
+        # under mpirun with "dense/mpi", the others under Gloo with "dense"
+        base_label = "dense/comm" if row["method"].endswith("/comm") else (
+            MPI_DENSE if row["method"] in mpi_launch else "dense")
+        dense = by.get(base_label)
         if dense and row.get("step_time_s") and dense.get("step_time_s"):
             row["speedup_vs_dense"] = dense["step_time_s"] / row["step_time_s"]
     return rows

@@ -6,6 +6,7 @@ schedules); that update is handed to the gossip algorithm as the gradient step
 """
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 
 import torch
@@ -22,6 +23,7 @@ class _DecentralizedOptimizer(torch.optim.Optimizer):
                                      unbiased=config.unbiased, seed=config.seed)
         self.compression_config = config
         self._last = 0
+        self._last_times = {"gossip": 0.0, "communicate": 0.0}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -30,7 +32,10 @@ class _DecentralizedOptimizer(torch.optim.Optimizer):
         grads = [(b - p.detach()).view(-1) for p, b in zip(self._dparams, before)]
         for p, b in zip(self._dparams, before):
             p.copy_(b)
+        comm0, t0 = float(self._algo.stats().get("time_communicate", 0.0)), time.perf_counter()
         self._algo.step([p.data.view(-1) for p in self._dparams], grads, lr=1.0)
+        comm = float(self._algo.stats().get("time_communicate", 0.0)) - comm0
+        self._last_times = {"gossip": time.perf_counter() - t0 - comm, "communicate": comm}
         return loss
 
     def synchronize(self):
@@ -72,7 +77,11 @@ class _DecentralizedOptimizer(torch.optim.Optimizer):
                 "steps": s["steps"], "select": 0.0, "communicate": float(s.get("time_communicate", 0.0)),
                 "decompress": 0.0, "setup_bytes": int(s.get("setup_bytes", 0)), "eval_bytes": int(s.get("eval_bytes", 0)),
                 "message_bytes": int(s.get("message_bytes", 0)), "clipped": s.get("clipped"),
-                "last_step": {"wire_bytes": last}, "layers": {}}
+                # the last step: the neighbour exchange, and the gossip step's local work (mixing,
+                # compressing, decoding) as "select"; the optimizer's own update counts as compute
+                "last_step": {"wire_bytes": last, "time_select": self._last_times["gossip"],
+                              "time_communicate": self._last_times["communicate"], "time_decompress": 0.0},
+                "layers": {}}
 
     def state_dict(self):
         state = super(self.__class__, self).state_dict()

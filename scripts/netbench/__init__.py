@@ -4,6 +4,8 @@
                     (``ShapedNetwork`` context manager; ``cleanup`` for leftovers)
 * ``launcher.py``   one Horovod/Gloo worker per host via ``ip netns exec``, rendezvous
                     server (``rendezvous.py``) in the switch namespace; no ssh, no horovodrun
+* ``mpi_launcher.py`` one MPI rank per host: mpirun with an rsh agent that enters the
+                    namespaces (DCD/ECD need mpi4py's world)
 * ``probe.py``      TCP goodput and RTT of the shaped links
 * ``worker.py``     bench worker: synthetic data, S steps, per-step time split (JSON)
 * ``predict.py``    the cost model's prediction for a measured run

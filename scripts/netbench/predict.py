@@ -16,6 +16,8 @@
 * ``net``: the shaped network, ``alpha = added latency + base one-way latency``
   (half the measured RTT of the unloaded link), ``B`` = the tbf rate (or the measured
   TCP goodput, for the calibrated variant);
+* decentralized methods (DCD/ECD, under ``mpi_launcher``): one message of the measured size
+  to each distinct ring neighbour, sent one after the other (``costmodel.neighbor_exchange``);
 * ``buckets``: the run's allgather buckets (``buckets_from_run``): each is one collective
   round for all its layers' messages and headers, as the exchange sends them (one
   header + one payload allgather, issued together); the one-float finite check rides in
@@ -31,6 +33,7 @@ import math
 import os
 
 from redsync_hvd import costmodel as cm
+from redsync_hvd.compressors.config import DECENTRALIZED
 
 HOROVOD_DEFAULT_FUSION = 128 * 1024 * 1024
 ZERO = cm.ComputeModel(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
@@ -55,6 +58,8 @@ def wire_method(compression: dict | None) -> str:
         return "pairs"
     if m == "iwp":
         return "iwp"
+    if m in DECENTRALIZED:
+        return "decentralized"
     return "dense_fp16" if m == "fp16" else "dense"
 
 
@@ -99,8 +104,14 @@ def predict(run: dict, N: int, net: cm.Network, compute_s: float, fusion: int | 
     fusion = fusion or fusion_bytes(run.get("horovod_env"))
     overhead = float(run.get("select_s", 0.0)) + float(run.get("decompress_s", 0.0))
     check = (run.get("compression") or {}).get("check_finite", True)
-    comm = cm.step_time(plan, N, net, 0.0, compute=ZERO, fusion_bytes=fusion, buckets=buckets_from_run(run),
-                        finite_check=check)
+    if wire_method(run.get("compression")) == "decentralized":
+        # one message to each distinct ring neighbour (one at N=2, two beyond), one after
+        # the other; the measured bytes per step are that message times the neighbours
+        degree = 1 if N == 2 else 2
+        comm = cm.neighbor_exchange(float(run.get("wire_bytes_per_step", 0.0)) / degree, net, degree=degree, N=N)
+    else:
+        comm = cm.step_time(plan, N, net, 0.0, compute=ZERO, fusion_bytes=fusion, buckets=buckets_from_run(run),
+                            finite_check=check)
     local = int((run.get("compression") or {}).get("local_steps", 1) or 1)
     comm_per_step = comm / local   # SBC: one exchange every local_steps steps
     total = compute_s + overhead + comm_per_step

@@ -6,8 +6,9 @@ time every step.
 
 Modes (``spec["mode"]``):
 
-* ``distributed`` (default): one Horovod rank (launched by ``launcher.py`` inside a network
-  namespace, or by horovodrun) wrapping SGD in ``redsync_hvd.torch.DistributedOptimizer``.
+* ``distributed`` (default): one Horovod rank wrapping SGD in
+  ``redsync_hvd.torch.DistributedOptimizer``, launched inside a network namespace by
+  ``launcher.py`` (Gloo) or ``mpi_launcher.py`` (MPI: the decentralized methods), or by horovodrun.
   Per step: wall time (forward + backward + ``opt.step()``, which waits for the exchange),
   and from ``opt.communication_stats()["last_step"]`` the seconds in ``select``,
   ``communicate`` and ``decompress`` and the wire bytes; ``compute`` = step - those three.
