@@ -65,7 +65,7 @@ def test_prediction_uses_measured_message_sizes():
 
 
 def test_in_run_work_takes_each_steps_slowest_rank():
-    from scripts.bench_end_to_end import in_run_work
+    from scripts.netbench.report import in_run_work
     # rank 0 is slower in steps 0 and 2, rank 1 in step 1: the per-step maxima are 5, 6, 7
     ranks = [{"steps_s": [9, 8, 9], "phases_s": {"communicate": [4, 4, 2]}},
              {"steps_s": [9, 8, 9], "phases_s": {"communicate": [5, 2, 5]}}]

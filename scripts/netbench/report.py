@@ -1,0 +1,205 @@
+"""The bench's results: one row per (model, method, network) with the cost model's
+predictions, the CSV and markdown tables, and the plots (``bench_end_to_end.py``)."""
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+from pathlib import Path
+
+from redsync_hvd import costmodel as cm
+from redsync_hvd.compressors.config import DECENTRALIZED
+from scripts.netbench.predict import network as cm_network, plan_from_run, predict, fusion_bytes
+
+MPI_DENSE = "dense/mpi"   # dense Horovod, launched with the decentralized methods under mpirun
+
+
+def _fmt(v, nd=4):
+    if v is None or v == "":
+        return ""
+    if isinstance(v, float):
+        if math.isnan(v) or math.isinf(v):
+            return ""
+        return f"{v:.{nd}g}" if abs(v) < 1e4 else f"{v:.0f}"
+    return str(v)
+
+
+def build_rows(cfg, setting, model, result, methods, probe, compute) -> list[dict]:
+    hosts, bw, lat = int(setting["hosts"]), setting.get("bandwidth_mbit"), float(setting.get("latency_ms", 0.0))
+    base = dict(model=model["name"], hosts=hosts, bandwidth_mbit=bw, latency_ms=lat,
+                goodput_mbit=probe.get("goodput_mbit"), rtt_ms=probe.get("rtt_ms"))
+    rows = []
+    if result is None:
+        return [dict(base, method=name, status="failed") for name, _ in methods]
+    alpha0 = cfg["base_latency_s"] if cfg["base_latency_s"] is not None else (probe.get("rtt_ms", 0.0) / 2e3)
+    net = cm_network(bw, lat, alpha0)                       # nominal: tbf rate, added + base latency
+    fusion = fusion_bytes(result.get("horovod_env"))
+    labels = [name for name, _ in methods] + [k for k in result["runs"] if k.endswith("/comm") or k == MPI_DENSE]
+    for name in labels:
+        r = result["runs"].get(name)
+        if r is None:
+            rows.append(dict(base, method=name, status="missing"))
+            continue
+        # Horovod's alpha/B as this launch saw them (costmodel.probe_network); MPI launches have their own
+        hp = r.get("network_probe") or result.get("network_probe")
+        net_hvd = cm.Network(hp["alpha_s"], hp["bandwidth_Bps"]) if hp else None
+        r = {**r, "horovod_env": result.get("horovod_env")}
+        if r.get("comm_only"):   # no forward/backward: the exchange and the update only
+            c_n = c_alone = 0.0
+        else:
+            c_alone = compute[model["name"]]["1"]["compute_s"]
+            c_n = compute[model["name"]].get(str(hosts), compute[model["name"]]["1"])["compute_s"]
+        p = predict(r, hosts, net, c_n, fusion)
+        row = dict(
+            base, method=name, step_time_s=r["step_time_s"], wire_bytes_per_step=r["wire_bytes_per_step"],
+            dense_bytes_per_step=r["dense_bytes_per_step"], compression_ratio=r.get("compression_ratio"),
+            compute_s=r["compute_s"], select_s=r["select_s"], communicate_s=r["communicate_s"],
+            decompress_s=r["decompress_s"],
+            overhead_pct_of_compute=100 * (r["select_s"] + r["decompress_s"]) / r["compute_s"]
+            if r["compute_s"] > 0 else None,
+            compute_alone_s=c_alone, compute_nproc_s=c_n, predicted_step_time_s=p["predicted_step_time_s"],
+            prediction_error_pct=_err(p["predicted_step_time_s"], r["step_time_s"]),
+            predicted_overlap_s=p["predicted_overlap_s"], predicted_comm_s=p["predicted_comm_s"],
+            compressed_layers=sum(1 for _, _, m in plan_from_run(r) if not m.startswith("dense")),
+            loadavg_1min=(result.get("loadavg") or [None])[0],
+            status=f"ok ({r['statistic']} of {len(r['steps_s'])} steps)")
+        if net_hvd is not None:
+            pc = predict(r, hosts, net_hvd, c_n, fusion)
+            row.update(hvd_alpha_ms=hp["alpha_s"] * 1e3, hvd_bandwidth_mbit=hp["bandwidth_Bps"] * 8 / 1e6,
+                       predicted_calibrated_s=pc["predicted_step_time_s"],
+                       calibrated_error_pct=_err(pc["predicted_step_time_s"], r["step_time_s"]))
+            pr = predict({**r, "select_s": 0.0, "decompress_s": 0.0}, hosts, net_hvd, in_run_work(r), fusion)
+            row.update(predicted_in_run_s=pr["predicted_step_time_s"],
+                       in_run_error_pct=_err(pr["predicted_step_time_s"], r["step_time_s"]))
+        rows.append(row)
+    by = {row["method"]: row for row in rows}
+    mpi_launch = {n for n, c in methods if (c or {}).get("method") in DECENTRALIZED} | {MPI_DENSE}
+    for row in rows:
+        # each method against dense Horovod in its own launch: the decentralized methods ran
+        # under mpirun with "dense/mpi", the others under Gloo with "dense"
+        base_label = "dense/comm" if row["method"].endswith("/comm") else (
+            MPI_DENSE if row["method"] in mpi_launch else "dense")
+        dense = by.get(base_label)
+        if dense and row.get("step_time_s") and dense.get("step_time_s"):
+            row["speedup_vs_dense"] = dense["step_time_s"] / row["step_time_s"]
+    return rows
+
+
+def in_run_work(r: dict) -> float:
+    """Seconds per step of local work (compute + select + decompress: all but the waits in
+    collectives) of the slowest rank, step by step: a synchronous step cannot end before
+    its slowest rank has done its own work, and which rank that is changes from step to
+    step on shared cores. The median (the mean for communication delay) over steps, as
+    for the measured step time. Older results without per-step lists per rank: the rank
+    with the largest medians."""
+    ranks = r.get("per_rank") or [r]
+    agg = statistics.fmean if r.get("statistic") == "mean" else statistics.median
+    if all("steps_s" in x for x in ranks):
+        per_step = zip(*[[s - m for s, m in zip(x["steps_s"], x["phases_s"]["communicate"])] for x in ranks])
+        return agg(max(w) for w in per_step)
+    return max(x["compute_s"] + x["select_s"] + x["decompress_s"] for x in ranks)
+
+
+def _err(predicted, measured):
+    return 100 * (predicted - measured) / measured if measured else None
+
+
+def skipped_rows(setting, models, methods, why) -> list[dict]:
+    return [dict(model=m["name"], method=name, hosts=setting["hosts"], bandwidth_mbit=setting.get("bandwidth_mbit"),
+                 latency_ms=setting.get("latency_ms", 0.0), status=f"skipped: {why}")
+            for m in models for name, _ in methods]
+
+
+def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        w.writeheader()
+        for row in rows:
+            w.writerow({c: _fmt(row.get(c)) if isinstance(row.get(c), float) else row.get(c, "") for c in columns})
+
+
+def markdown(rows: list[dict]) -> str:
+    cols = ["model", "method", "hosts", "bandwidth_mbit", "latency_ms", "step_time_s", "speedup_vs_dense",
+            "wire_bytes_per_step", "compute_s", "select_s", "communicate_s", "decompress_s",
+            "overhead_pct_of_compute", "predicted_step_time_s", "prediction_error_pct"]
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        if not r.get("step_time_s"):
+            continue
+        out.append("| " + " | ".join(_fmt(r.get(c), 3) for c in cols) + " |")
+    return "\n".join(out)
+
+
+def plots(run_dir: Path, rows: list[dict]) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ok = [r for r in rows if r.get("step_time_s")]
+    files = []
+    # speedup vs bandwidth, one line per (model, method, hosts), at the smallest latency
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    keys = sorted({(r["model"], r["method"], r["hosts"]) for r in ok
+                   if r["method"] != "dense" and not r["method"].endswith("/comm")})
+    for model, method, hosts in keys:
+        pts = sorted((float(r["bandwidth_mbit"] or 1e5), r.get("speedup_vs_dense") or float("nan")) for r in ok
+                     if (r["model"], r["method"], r["hosts"]) == (model, method, hosts) and not r["latency_ms"])
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{model} {method} N={hosts}")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xscale("log")
+    ax.set_xlabel("link bandwidth (Mbit/s)")
+    ax.set_ylabel("speedup vs dense (step time)")
+    ax.set_title("End-to-end speedup on the shaped network")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    files.append(run_dir / "speedup_vs_bandwidth.png")
+    fig.savefig(files[-1], dpi=120)
+    plt.close(fig)
+    # time breakdown bars
+    fig, ax = plt.subplots(figsize=(max(6.4, 0.8 * len(ok) + 2), 5.2))
+    labels = [f"{r['model']} N={r['hosts']} {_fmt(r['bandwidth_mbit'])}M\n{r['method']}" for r in ok]
+    bottom = [0.0] * len(ok)
+    for part, color in (("compute_s", "#4c72b0"), ("select_s", "#dd8452"), ("communicate_s", "#55a868"),
+                        ("decompress_s", "#c44e52")):
+        vals = [max(0.0, r.get(part) or 0.0) for r in ok]
+        ax.bar(range(len(ok)), vals, bottom=bottom, color=color, label=part[:-2])
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.scatter(range(len(ok)), [r.get("predicted_step_time_s") or float("nan") for r in ok], marker="_", s=300,
+               color="black", label="predicted (cost model)", zorder=3)
+    ax.set_xticks(range(len(ok)))
+    ax.set_xticklabels(labels, fontsize=6, rotation=35, ha="right")   # long method names must not overlap
+    ax.set_ylabel("seconds per step (rank 0)")
+    ax.set_title("Where a step's time goes")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    files.append(run_dir / "time_breakdown.png")
+    fig.savefig(files[-1], dpi=120)
+    plt.close(fig)
+    # predicted vs measured: nominal link (tbf rate) and Horovod-probed alpha/B
+    fig, ax = plt.subplots(figsize=(5.2, 4.6))
+    pts = [r for r in ok if r.get("predicted_step_time_s")]
+    if pts:
+        xs = [r["step_time_s"] for r in pts]
+        ax.scatter(xs, [r["predicted_step_time_s"] for r in pts], label="nominal link (tbf rate)")
+        cal = [r for r in pts if r.get("predicted_calibrated_s")]
+        if cal:
+            ax.scatter([r["step_time_s"] for r in cal], [r["predicted_calibrated_s"] for r in cal], marker="x",
+                       label="alpha, B probed through Horovod")
+        for r in pts:
+            ax.annotate(f"{r['model'][:6]} {r['method']} N={r['hosts']}", (r["step_time_s"], r["predicted_step_time_s"]),
+                        fontsize=5)
+        ys = [r["predicted_step_time_s"] for r in pts] + [r["predicted_calibrated_s"] for r in cal]
+        hi = max(xs + ys) * 1.1
+        ax.plot([0, hi], [0, hi], color="grey", lw=0.8)
+        ax.fill_between([0, hi], [0, hi * 0.8], [0, hi * 1.2], color="grey", alpha=0.15, label="within 20%")
+        ax.set_xlim(0, hi)
+        ax.set_ylim(0, hi)
+        ax.legend(fontsize=7)
+    ax.set_xlabel("measured step time (s)")
+    ax.set_ylabel("predicted step time (s)")
+    ax.set_title("Cost model vs measurement")
+    fig.tight_layout()
+    files.append(run_dir / "predicted_vs_measured.png")
+    fig.savefig(files[-1], dpi=120)
+    plt.close(fig)
+    return files
