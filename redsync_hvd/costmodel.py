@@ -306,12 +306,11 @@ def step_time(layers, N: int, net: Network, compute_s: float, overlap: bool = Fa
     travel alone. ``finite_check``: the exchange's one-float agreement that every
     gradient was finite, fused by Horovod into the last dense buffer (or alone)."""
     layers = list(layers)
-    cm = compute or ComputeModel()
     in_bucket = {i for b in (buckets or ()) for i in b}
     comm, buf = 0.0, 0
     for i, (n, d, m) in enumerate(layers):
         if not canonical(m).startswith("dense"):
-            c = predict_layer(n, d, N, net, m, compute=cm, allgather=allgather)
+            c = predict_layer(n, d, N, net, m, compute=compute, allgather=allgather)
             comm += c.select_s + c.decompress_s if i in in_bucket else c.total_s
             continue
         nb = message_bytes(n, d, m)

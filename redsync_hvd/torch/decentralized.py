@@ -32,9 +32,10 @@ class _DecentralizedOptimizer(torch.optim.Optimizer):
         grads = [(b - p.detach()).view(-1) for p, b in zip(self._dparams, before)]
         for p, b in zip(self._dparams, before):
             p.copy_(b)
-        comm0, t0 = float(self._algo.stats().get("time_communicate", 0.0)), time.perf_counter()
+        ex_stats = self._algo.ex.stats   # the exchange's running totals (no summary dict per step)
+        comm0, t0 = ex_stats["time_communicate"], time.perf_counter()
         self._algo.step([p.data.view(-1) for p in self._dparams], grads, lr=1.0)
-        comm = float(self._algo.stats().get("time_communicate", 0.0)) - comm0
+        comm = ex_stats["time_communicate"] - comm0
         self._last_times = {"gossip": time.perf_counter() - t0 - comm, "communicate": comm}
         return loss
 

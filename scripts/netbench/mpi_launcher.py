@@ -23,7 +23,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from .launcher import REPO, LaunchError, WorkerResult
@@ -80,11 +79,11 @@ def launch_mpi(net, command: list, timeout: float = 600, log_dir: str | Path | N
         f.flush()
         p = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=run_env,
                              start_new_session=True)
-        deadline = time.time() + timeout
-        while p.poll() is None and time.time() < deadline:
-            time.sleep(0.05)
-        timed_out = p.poll() is None
-        if timed_out:
+        try:
+            p.wait(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
             os.killpg(p.pid, signal.SIGTERM)
             try:
                 p.wait(timeout=10)

@@ -130,6 +130,13 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plots(run_dir: Path, rows: list[dict]) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
@@ -151,10 +158,7 @@ def plots(run_dir: Path, rows: list[dict]) -> list[Path]:
     ax.set_ylabel("speedup vs dense (step time)")
     ax.set_title("End-to-end speedup on the shaped network")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    files.append(run_dir / "speedup_vs_bandwidth.png")
-    fig.savefig(files[-1], dpi=120)
-    plt.close(fig)
+    files.append(_save(plt, fig, run_dir / "speedup_vs_bandwidth.png"))
     # time breakdown bars
     fig, ax = plt.subplots(figsize=(max(6.4, 0.8 * len(ok) + 2), 5.2))
     labels = [f"{r['model']} N={r['hosts']} {_fmt(r['bandwidth_mbit'])}M\n{r['method']}" for r in ok]
@@ -171,10 +175,7 @@ def plots(run_dir: Path, rows: list[dict]) -> list[Path]:
     ax.set_ylabel("seconds per step (rank 0)")
     ax.set_title("Where a step's time goes")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    files.append(run_dir / "time_breakdown.png")
-    fig.savefig(files[-1], dpi=120)
-    plt.close(fig)
+    files.append(_save(plt, fig, run_dir / "time_breakdown.png"))
     # predicted vs measured: nominal link (tbf rate) and Horovod-probed alpha/B
     fig, ax = plt.subplots(figsize=(5.2, 4.6))
     pts = [r for r in ok if r.get("predicted_step_time_s")]
@@ -198,8 +199,5 @@ def plots(run_dir: Path, rows: list[dict]) -> list[Path]:
     ax.set_xlabel("measured step time (s)")
     ax.set_ylabel("predicted step time (s)")
     ax.set_title("Cost model vs measurement")
-    fig.tight_layout()
-    files.append(run_dir / "predicted_vs_measured.png")
-    fig.savefig(files[-1], dpi=120)
-    plt.close(fig)
+    files.append(_save(plt, fig, run_dir / "predicted_vs_measured.png"))
     return files
