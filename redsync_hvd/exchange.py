@@ -9,7 +9,9 @@ Per step:
                        subtract what was sent, and start the collective
                        (dense layers: one named allreduce each, fused by Horovod;
                        sparse layers: packed into fixed buckets, one allgather
-                       per bucket as soon as all its layers are in);
+                       per bucket as soon as all its layers are in; with
+                       selection by bucket, the bucket's layers are compressed
+                       together then, see core/bucket_select.py);
   finish()             wait, decode, average; agree across ranks that every
                        gradient was finite; only then commit the residuals.
 """
@@ -33,7 +35,9 @@ class _Bucket:
         self.index = index
         self.layers = layers
         self.messages: dict = {}
+        self.pending: dict = {}     # selection by bucket: {name: x} until the last layer is in
         self.handles = None
+        self.by_bucket = False
 
 
 class GradientExchange:
@@ -94,6 +98,8 @@ class GradientExchange:
             size += 4 * layer.numel
         if current:
             buckets.append(_Bucket(len(buckets), current))
+        for b in buckets:
+            b.by_bucket = self.compressor.selects_by_bucket(b.layers)
         return buckets, {l.name: b for b in buckets for l in b.layers}
 
     def _reset_step(self):
@@ -107,7 +113,7 @@ class GradientExchange:
         self._into: dict = {}
         self._apply: dict = {}
         for b in self._buckets:
-            b.messages, b.handles = {}, None
+            b.messages, b.pending, b.handles = {}, {}, None
 
     def compressor_for(self, layer: Layer) -> Compressor:
         return self.compressor if layer.compressed else self.dense
@@ -132,8 +138,9 @@ class GradientExchange:
         layer = self.layers[name]
         layer.density = self.policy.density(layer, self.step)
         comp = self.compressor_for(layer)
-        group = "sparse" if layer.compressed else "dense"
-        with self.stats.timer("select", group):
+        use_memory = self.memory is not None and layer.compressed
+        bucket = self._bucket_of.get(name) if layer.compressed else None
+        with self.stats.timer("select", "sparse" if layer.compressed else "dense"):
             flat = grad.detach().reshape(-1).float()
             # compressors that select from every value check for NaN/Inf in a pass they make
             # anyway; others get one summing pass here, read back once in finish() (a read
@@ -145,30 +152,54 @@ class GradientExchange:
                 norm = float(flat.norm())
                 if norm > self.clip:
                     flat = flat * (self.clip / norm)
-            use_memory = self.memory is not None and layer.compressed
             if not layer.compressed and hasattr(self.memory, "dense_momentum"):
                 self._momentum_after.append(name)   # momentum correction: applied to the average
-            scan = comp.scan_request(layer, self.step) if use_memory else None
-            x = self.memory.compensate(name, flat, scan=scan) if use_memory else flat
-            try:
-                msg = comp.compress(x, layer, self.step)
-            except NonFiniteError:
-                if not self.check_finite:
-                    raise
-                flat = self._mark_bad(name, flat)
-                x = self.memory.compensate(name, flat) if use_memory else flat
-                msg = comp.compress(x, layer, self.step)
-            if comp.collective == "allreduce" and hasattr(self.comm, "allreduce_async_"):
-                # allreduce in place on a buffer of ours: no output allocation per step, and
-                # the message no longer aliases x, which the memory update below overwrites
-                msg.tensors = [t if self.grads_writable and not use_memory and t is x
-                               else self._owned(f"{name}.{i}", t) for i, t in enumerate(msg.tensors)]
-            elif use_memory:
-                msg.tensors = [self._owned(f"{name}.{i}", t) if _aliases(t, x) else t for i, t in enumerate(msg.tensors)]
-            if use_memory:
-                comp.decompress_add(x, msg.tensors, layer, alpha=-1.0)  # x is now the new residual
-                if layer.compressed:
-                    self.memory.mask(name, comp.sent_indices(msg, layer))
+            if bucket is not None and bucket.by_bucket:
+                # selected with the rest of its bucket once the last layer is in (GPU: the
+                # hook queues work and never waits for the device)
+                bucket.pending[name] = self.memory.compensate(name, flat) if use_memory else flat
+                if len(bucket.pending) < len(bucket.layers):
+                    return
+                xs = [bucket.pending[l.name] for l in bucket.layers]
+                messages, bad = comp.compress_bucket(xs, bucket.layers, self.step)
+                if bad and not self.check_finite:
+                    raise NonFiniteError(f"non-finite gradient values in {bad[:5]} (NaN or Inf): refusing "
+                                         "to select")
+                self._bad += bad    # sent empty; every rank fails the step in finish()
+                done = [(l, x, m) for l, x, m in zip(bucket.layers, xs, messages)]
+            else:
+                scan = comp.scan_request(layer, self.step) if use_memory else None
+                x = self.memory.compensate(name, flat, scan=scan) if use_memory else flat
+                try:
+                    msg = comp.compress(x, layer, self.step)
+                except NonFiniteError:
+                    if not self.check_finite:
+                        raise
+                    flat = self._mark_bad(name, flat)
+                    x = self.memory.compensate(name, flat) if use_memory else flat
+                    msg = comp.compress(x, layer, self.step)
+                done = [(layer, x, msg)]
+            for lay, x, msg in done:
+                self._subtract_sent(lay, comp, x, msg, use_memory)
+        for lay, _, msg in done:
+            self._start(lay, comp, msg)
+
+    def _subtract_sent(self, layer: Layer, comp: Compressor, x: torch.Tensor, msg, use_memory: bool) -> None:
+        name = layer.name
+        if comp.collective == "allreduce" and hasattr(self.comm, "allreduce_async_"):
+            # allreduce in place on a buffer of ours: no output allocation per step, and
+            # the message no longer aliases x, which the memory update below overwrites
+            msg.tensors = [t if self.grads_writable and not use_memory and t is x
+                           else self._owned(f"{name}.{i}", t) for i, t in enumerate(msg.tensors)]
+        elif use_memory:
+            msg.tensors = [self._owned(f"{name}.{i}", t) if _aliases(t, x) else t for i, t in enumerate(msg.tensors)]
+        if use_memory:
+            comp.decompress_add(x, msg.tensors, layer, alpha=-1.0)  # x is now the new residual
+            if layer.compressed:
+                self.memory.mask(name, comp.sent_indices(msg, layer))
+
+    def _start(self, layer: Layer, comp: Compressor, msg) -> None:
+        name = layer.name
         wire = msg.nbytes()
         self.stats.add_bytes(wire, "sparse" if layer.compressed else "dense")
         self.stats.add("dense_bytes", 4 * layer.numel)

@@ -52,6 +52,12 @@ METHODS = {
     # DGC momentum correction (RedSync's default, and the end-to-end benchmark's setting)
     "redsync_mc": {"method": "redsync", "density": 0.001, "selection": "tbs", "quantize": "sign_mean",
                    "threshold_reuse": 5, "momentum_correction": True},
+    # per-layer searches in the gradient hooks against one selection per bucket (the CUDA default,
+    # core/bucket_select.py): on a GPU the difference is host waits, on a CPU the native passes
+    "redsync_mc_layer": {"method": "redsync", "density": 0.001, "selection": "tbs", "quantize": "sign_mean",
+                         "threshold_reuse": 5, "momentum_correction": True, "selection_scope": "layer"},
+    "redsync_mc_bucket": {"method": "redsync", "density": 0.001, "selection": "tbs", "quantize": "sign_mean",
+                          "threshold_reuse": 5, "momentum_correction": True, "selection_scope": "bucket"},
     # the same two without the compensation fused into the selection's first pass
     # (torch.add, then a separate native pass): what the fused kernel saves
     "redsync_unfused": {"method": "redsync", "density": 0.001, "selection": "tbs", "quantize": "sign_mean",

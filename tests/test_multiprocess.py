@@ -56,6 +56,8 @@ def test_mpi4py_shares_horovods_world():
 
 @pytest.mark.parametrize("options", [
     {"density": 0.01, "selection": "tbs", "quantize": "sign_mean", "sign_rule": "alternate"},
+    {"density": 0.01, "selection": "tbs", "quantize": "sign_mean", "selection_scope": "bucket"},
+    {"density": 0.02, "selection": "tbs", "quantize": "fp16", "selection_scope": "bucket", "index_coding": "golomb"},
     {"density": 0.02, "selection": "trimmed", "quantize": "fp16", "index_coding": "golomb"},
     {"density": 0.005, "selection": "sampled", "quantize": "sign_mean", "sign_rule": "larger",
      "index_coding": "golomb", "threshold_reuse": 3},

@@ -82,6 +82,15 @@ class Compressor(ABC):
     def decompress_add(self, out: torch.Tensor, tensors: list, layer: Layer, alpha: float = 1.0) -> None:
         """out += alpha * decode(tensors); out is flat fp32 of layer.numel elements."""
 
+    def selects_by_bucket(self, layers: list) -> bool:
+        """True when ``compress_bucket`` should handle these layers (one bucket) together."""
+        return False
+
+    def compress_bucket(self, xs: list, layers: list, step: int) -> tuple[list, list]:
+        """Messages for every layer of a bucket at once, and the names of layers whose x held
+        NaN/Inf (sent empty). Only called when ``selects_by_bucket`` is True."""
+        raise NotImplementedError
+
     def sent_indices(self, message: Message, layer: Layer):
         """Positions this rank sent (for momentum masking); None when not position-based."""
         return None

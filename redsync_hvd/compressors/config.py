@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 _METHODS: dict[str, type["CompressionConfig"]] = {}
 
@@ -146,6 +146,13 @@ class RedSyncConfig(_AllgatherSparseConfig):
     sample_fraction: float = Field(0.01, gt=0, le=1, description="sampled: fraction of elements sampled")
     threshold_reuse: int = Field(1, ge=1, description="re-search a layer's threshold every R steps "
                                                       "(or when the count leaves [k/2, 2k]); else only count")
+    selection_scope: str = Field(
+        "auto", description="layer: select each layer in its gradient hook (per-layer searches, threshold "
+                            "reuse; fastest on CPUs) | bucket: select all compressed layers of a bucket at "
+                            "once when its last gradient arrives, by histogram thresholds, with one host "
+                            "wait per bucket instead of several per layer (for GPUs; tbs only, "
+                            "threshold_reuse does not apply) | auto: bucket on CUDA with selection tbs "
+                            "and no per-layer selection overrides, else layer")
     quantize: str = Field("sign_mean", description="none | fp16 | sign_mean")
     sign_rule: str = Field("alternate", description="sign_mean: alternate (RedSync) | larger (SBC)")
     index_coding: str = Field("raw", description="raw (int32) | golomb (Golomb-Rice coded gaps)")
@@ -175,6 +182,20 @@ class RedSyncConfig(_AllgatherSparseConfig):
     @classmethod
     def _quantize(cls, v):
         return _choice(v, "quantize", ("none", "fp16", "sign_mean"))
+
+    @field_validator("selection_scope")
+    @classmethod
+    def _scope(cls, v):
+        return _choice(v, "selection_scope", ("auto", "layer", "bucket"))
+
+    @model_validator(mode="after")
+    def _bucket_scope_is_tbs(self):
+        if self.selection_scope == "bucket" and (self.selection != "tbs"
+                                                 or any(o.selection for o in self.layers)):
+            raise ValueError("selection_scope=bucket selects by histogram thresholds, which is tbs "
+                             "(k to 2k elements per layer): set selection: tbs and drop per-layer "
+                             "selection overrides, or use selection_scope: layer")
+        return self
 
     @field_validator("sign_rule")
     @classmethod

@@ -6,6 +6,10 @@
     fp16/none:  send idx + values
     v[idx] -= what receivers will reconstruct        (done by the exchange via decompress_add)
 
+``selection_scope: bucket`` (the default on CUDA) selects for all layers of a bucket at
+once when its last gradient arrives (``core/bucket_select.py``: histogram thresholds,
+one host wait per bucket), with the same messages.
+
 Indices travel as int32, or Golomb-Rice coded gaps (``index_coding: golomb``,
 about 8-12 bits each instead of 32, at the cost of a sort and a CPU encode).
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.bucket_select import select_bucket
 from ..core.selection import SelectionState, scan_request, select_topk
 from .base import Compressor, Layer, Message
 from .topk import k_for
@@ -66,6 +71,31 @@ class RedSyncCompressor(Compressor):
             value = vals.to(self._value_dtype())
         self._sent[layer.name] = idx   # for momentum masking, without decoding our own message
         return Message(self._encode_indices(idx, value, layer), self._kinds(), selected=selected, k=k)
+
+    def selects_by_bucket(self, layers: list) -> bool:
+        scope = getattr(self.config, "selection_scope", "layer")   # subclasses (SBC) select per layer
+        if scope == "auto":
+            # CUDA's bincount has no deterministic kernel: deterministic runs select per layer
+            return (self.config.selection == "tbs" and all(l.device.type == "cuda" for l in layers)
+                    and not any(getattr(l, "selection", None) for l in layers)
+                    and not torch.are_deterministic_algorithms_enabled())
+        return scope == "bucket"
+
+    def compress_bucket(self, xs: list, layers: list, step: int) -> tuple[list, list]:
+        c = self.config
+        sign_mean = c.quantize == "sign_mean"
+        sign = None
+        if sign_mean:
+            sign = ("pos" if step % 2 == 0 else "neg") if c.sign_rule == "alternate" else "larger"
+        ks = [k_for(l) for l in layers]
+        got = select_bucket(xs, ks, sign=sign, mean=sign_mean)
+        messages = []
+        for layer, k, idx, value, selected in zip(layers, ks, got.indices, got.values, got.selected):
+            if not sign_mean:
+                value = value.to(self._value_dtype())
+            self._sent[layer.name] = idx
+            messages.append(Message(self._encode_indices(idx, value, layer), self._kinds(), selected=selected, k=k))
+        return messages, [l.name for l, bad in zip(layers, got.nonfinite) if bad]
 
     def _sign_mean(self, idx: torch.Tensor, vals: torch.Tensor, step: int):
         pos = vals > 0

@@ -34,18 +34,29 @@ def main(options):
         for layer in reversed(layers):
             ex.submit(layer.name, grads[rank][layer.name])
         out = ex.finish()
+        # every rank's messages, as that rank's compressor builds them: layer by layer, or
+        # (selection_scope: bucket) the bucket's layers at once
+        sent = {}
+        for r in range(size):
+            for bucket in ex._buckets:
+                xs = [mems[r].compensate(l.name, grads[r][l.name]) for l in bucket.layers]
+                if bucket.by_bucket:
+                    msgs, bad = replicas[r].compress_bucket(xs, bucket.layers, step)
+                    assert not bad
+                else:
+                    msgs = [replicas[r].compress(x, l, step) for x, l in zip(xs, bucket.layers)]
+                for x, l, msg in zip(xs, bucket.layers, msgs):
+                    replicas[r].decompress_add(x, msg.tensors, l, alpha=-1.0)
+                    replicas[r].sent_indices(msg, l)
+                    sent.setdefault(l.name, []).append(msg)
+                    counts.append(msg.selected)
         for layer in layers:
             if not layer.compressed:
                 expect = sum(g[layer.name] for g in grads) / size
             else:
                 expect = torch.zeros(layer.numel)
-                for r in range(size):
-                    x = mems[r].compensate(layer.name, grads[r][layer.name])
-                    msg = replicas[r].compress(x, layer, step)
-                    replicas[r].decompress_add(x, msg.tensors, layer, alpha=-1.0)
-                    replicas[r].sent_indices(msg, layer)
-                    replicas[r].decompress_add(expect, msg.tensors, layer)
-                    counts.append(msg.selected)
+                for msg in sent[layer.name]:
+                    replicas[0].decompress_add(expect, msg.tensors, layer)
                 expect /= size
             assert torch.allclose(out[layer.name], expect, atol=1e-6), (step, layer.name)
         for m in mems:
@@ -56,6 +67,7 @@ def main(options):
     everyone = rhvd.allgather_object(out["big"].tolist())
     assert all(o == everyone[0] for o in everyone), "ranks ended with different gradients"
     assert len(set(counts)) > 1, "expected uneven selection counts"
+    assert any(b.by_bucket for b in ex._buckets) == (options.get("selection_scope") == "bucket")
     print(f"rank {rank}: OK redsync exchange {options} counts={sorted(set(counts))[:6]}")
 
 
