@@ -136,13 +136,14 @@ def load_config(path: str) -> dict:
 
 def method_config(spec: dict, net: dict, base_latency_s: float | None = None) -> dict:
     """The compression dict of a method at a network setting: a cost-model policy gets the
-    shaped network's latency (added latency + ``base_latency_s``, default the cost model's
-    25 us) and bandwidth, unless the config fixes them."""
+    shaped network's bandwidth, unless the config fixes it. Its alpha is probed at start
+    (Horovod's cost per collective round, what a user's run without ``latency_s`` gets),
+    unless the config fixes ``latency_s`` or sets bench key ``base_latency_s``: then
+    added latency + base."""
     c = dict(spec)
     if c.get("policy") == "cost_model":
-        if c.get("latency_s") is None:
-            base = 25e-6 if base_latency_s is None else float(base_latency_s)
-            c["latency_s"] = float(net.get("latency_ms", 0.0)) / 1e3 + base
+        if c.get("latency_s") is None and base_latency_s is not None:
+            c["latency_s"] = float(net.get("latency_ms", 0.0)) / 1e3 + float(base_latency_s)
         if c.get("bandwidth_gbit") is None:
             c["bandwidth_gbit"] = float(net["bandwidth_mbit"]) / 1e3 if net.get("bandwidth_mbit") else 100.0
     return c
@@ -380,19 +381,20 @@ def main(argv=None) -> int:
                 continue
             params = c["1"]["parameters"]
             for setting in cfg["networks"]:
-                n, bw = int(setting["hosts"]), setting.get("bandwidth_mbit")
+                n, bw, lat = int(setting["hosts"]), setting.get("bandwidth_mbit"), setting.get("latency_ms", 0)
                 if not bw or n < 2:
                     continue
-                comm = cm.ring_allreduce(n, 4 * params, cm.Network.from_config(0.0, bw / 1e3))
+                comm = cm.ring_allreduce(n, 4 * params, cm.Network.from_config(lat / 1e3, bw / 1e3))
                 measured = next((r for r in rows if r["model"] == model["name"] and r["method"] == "dense" and
-                                 r["hosts"] == n and r["bandwidth_mbit"] == bw and r.get("step_time_s")), None)
+                                 r["hosts"] == n and r["bandwidth_mbit"] == bw and r["latency_ms"] == lat
+                                 and r.get("step_time_s")), None)
                 mrows.append(dict(model=model["name"], parameters=params, dense_mbytes=4 * params / 1e6, hosts=n,
-                                  bandwidth_mbit=bw, compute_alone_s=c["1"]["compute_s"],
+                                  bandwidth_mbit=bw, latency_ms=lat, compute_alone_s=c["1"]["compute_s"],
                                   compute_nproc_s=c.get(str(n), c["1"])["compute_s"], dense_allreduce_model_s=comm,
                                   compute_to_comm=c["1"]["compute_s"] / comm if comm else None,
                                   dense_step_measured_s=measured["step_time_s"] if measured else None))
         write_csv(run_dir / "models.csv", mrows, ["model", "parameters", "dense_mbytes", "hosts", "bandwidth_mbit",
-                                                 "compute_alone_s", "compute_nproc_s", "dense_allreduce_model_s",
+                                                 "latency_ms", "compute_alone_s", "compute_nproc_s", "dense_allreduce_model_s",
                                                  "compute_to_comm", "dense_step_measured_s"])
         csv_path = run_dir / "results.csv"
         write_csv(csv_path, rows, COLUMNS)

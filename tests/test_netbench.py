@@ -87,6 +87,11 @@ def test_bench_configs_validate():
                 comp = bench.method_config(spec, setting)
                 if comp.get("policy") == "cost_model":
                     assert comp["bandwidth_gbit"] == pytest.approx(setting["bandwidth_mbit"] / 1e3)
+                    # alpha is left to the start-up probe (Horovod's real cost per round)...
+                    assert comp.get("latency_s") == spec.get("latency_s")
+                    # ...unless the bench config gives a base latency
+                    fixed = bench.method_config(spec, setting, 1e-4)
+                    assert fixed["latency_s"] == pytest.approx(setting.get("latency_ms", 0) / 1e3 + 1e-4)
                 assert bench.validate_method(comp) is None, (name, method)
 
 

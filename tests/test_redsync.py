@@ -276,3 +276,20 @@ def test_cost_model_buckets_are_the_exchanges():
     plan = [(l.numel, l.density, "sign_mean" if l.compressed else "dense") for l in layers]
     assert len(built) == 2 and sum(map(len, built)) == 6   # the two small ones stay dense
     assert built == cm.sparse_buckets(plan) == cm.sparse_buckets(plan, cm.BUCKET_BYTES)
+
+
+def test_cost_model_network_probes_only_what_the_config_leaves_out():
+    """latency_s / bandwidth_gbit: each one given is used as is, each one left out is probed
+    (the probe's alpha is the framework's cost per collective round)."""
+    from redsync_hvd.comm import LocalCommunicator
+    from redsync_hvd.compressors.config import parse_compression
+    from redsync_hvd.torch.optimizer import _network
+    comm = LocalCommunicator(2)
+    both = _network(parse_compression({"method": "redsync", "policy": "cost_model", "latency_s": 1e-3,
+                                       "bandwidth_gbit": 1.0}), comm)
+    assert (both.alpha, both.bandwidth) == (1e-3, 1.25e8)
+    bw_only = _network(parse_compression({"method": "redsync", "policy": "cost_model", "bandwidth_gbit": 1.0}), comm)
+    assert bw_only.bandwidth == 1.25e8 and 0.0 <= bw_only.alpha < 1e-2
+    lat_only = _network(parse_compression({"method": "redsync", "policy": "cost_model", "latency_s": 2e-3}), comm)
+    assert lat_only.alpha == 2e-3 and lat_only.bandwidth > 1.25e8   # no network in a local "allreduce"
+    assert _network(parse_compression({"method": "redsync"}), comm) is None

@@ -220,7 +220,12 @@ def _network(config, comm):
     from ..costmodel import Network, probe_network
     if config.latency_s is not None and config.bandwidth_gbit is not None:
         return Network.from_config(latency_s=config.latency_s, bandwidth_gbit=config.bandwidth_gbit)
-    return probe_network(comm)
+    # each one left out is measured. A probed alpha is Horovod's cost per collective round
+    # (its cycle, negotiation, the wait), often far above the link's latency
+    probed = probe_network(comm)
+    return Network(alpha=probed.alpha if config.latency_s is None else float(config.latency_s),
+                   bandwidth=probed.bandwidth if config.bandwidth_gbit is None
+                   else float(config.bandwidth_gbit) * 1e9 / 8.0)
 
 
 def _resolve_names(named_parameters, param_groups):
