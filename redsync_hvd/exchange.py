@@ -166,7 +166,7 @@ class GradientExchange:
                     raise NonFiniteError(f"non-finite gradient values in {bad[:5]} (NaN or Inf): refusing "
                                          "to select")
                 self._bad += bad    # sent empty; every rank fails the step in finish()
-                done = [(l, x, m) for l, x, m in zip(bucket.layers, xs, messages)]
+                done = list(zip(bucket.layers, xs, messages))
             else:
                 scan = comp.scan_request(layer, self.step) if use_memory else None
                 x = self.memory.compensate(name, flat, scan=scan) if use_memory else flat

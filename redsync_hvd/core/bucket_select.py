@@ -96,7 +96,8 @@ def select_bucket(xs: List[torch.Tensor], ks: List[int], *, sign: Optional[str] 
         elif sign is not None:
             keep = sel & (x > 0 if sign == "pos" else x < 0)
         keeps.append(keep)
-        stats += [keep.count_nonzero(), sel.count_nonzero() if sign is not None else keep.count_nonzero(), bad]
+        kept = keep.count_nonzero()
+        stats += [kept, sel.count_nonzero() if sign is not None else kept, bad]
     # the one host wait: every layer's counts and flags in one transfer
     host = torch.stack([s.to(torch.int64) for s in stats]).tolist()
     indices, values, selected, nonfinite = [], [], [], []
