@@ -36,6 +36,10 @@ VARIANTS = {
     "dense": ("configs/digits/dense.yaml", []),
     "dense 40 epochs": ("configs/digits/dense.yaml", E40),
     "redsync 0.01 sign_mean 40 epochs": (RS, E40),
+    # session 6: selection of a whole bucket at once (the CUDA default), against per-layer
+    # trimmed, which also sends about k per layer (tbs sends k to 2k)
+    "redsync 0.01 sign_mean 40 epochs, selection_scope=bucket": (RS, E40 + ["compression.selection_scope=bucket"]),
+    "redsync 0.01 sign_mean 40 epochs, selection=trimmed": (RS, E40 + ["compression.selection=trimmed"]),
     "redsync 0.001 sign_mean 40 epochs (redsync-0.001.yaml)": ("configs/digits/redsync-0.001.yaml", E40),
     "redsync 0.001 sign_mean 40 epochs, no override": (RS, E40 + ["compression.density=0.001"]),
     "redsync 0.001 sign_mean 40 epochs, override, warmup_epochs=8": ("configs/digits/redsync-0.001.yaml",
