@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from redsync_hvd import costmodel as cm  # noqa: E402
 
 DEFAULT_COMPUTE_S = {"alexnet": 0.04, "vgg16": 0.28, "resnet50": 0.17, "lstm_lm": 0.05,
-                     # compute_alone_s of docs/results/cpu-2026-11-26-session5/costmodel-20261126-110529
+                     # compute_alone_s of docs/results/cpu-2cores-2026-11-26/costmodel-20261126-110529
                      "vgg_fc4096": 0.116, "resnet20": 0.114}
 REFERENCE_MODELS = {  # bench name: (model, options), as in configs/bench/costmodel.yaml
     "vgg_fc4096": ("vgg", {"fc_width": 4096, "width": 0.25}),

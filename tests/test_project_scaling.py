@@ -8,7 +8,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 import project_scaling as ps  # noqa: E402
 
-CSV = REPO / "docs/results/cpu-2026-11-26-session5/costmodel-20261126-110529/results.csv"
+CSV = REPO / "docs/results/cpu-2cores-2026-11-26/costmodel-20261126-110529/results.csv"
 
 
 def test_reference_models_have_their_real_shapes():
