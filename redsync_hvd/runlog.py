@@ -6,6 +6,7 @@ import math
 import os
 from pathlib import Path
 
+import torch
 import yaml
 
 
@@ -62,3 +63,11 @@ def rank_checkpoint(path: str, rank: int) -> str:
         raise FileNotFoundError(f"training.resume: no checkpoint for rank {rank} at {p}. Point it at a run folder "
                                 "written by a run with the same number of workers (checkpoint-rank<r>.pt per rank)")
     return os.fspath(p)
+
+
+def save_checkpoint(path, blob: dict) -> None:
+    torch.save(blob, path)
+
+
+def load_checkpoint(path) -> dict:
+    return torch.load(path, weights_only=False)

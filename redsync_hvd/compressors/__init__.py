@@ -1,10 +1,10 @@
-"""Compressors by method name. Adding a method = a config class (config.py) and a line here."""
+"""Compressors by method name. Adding a method = a config class (config/compression.py) and a line here."""
 from __future__ import annotations
 
 from typing import Any
 
+from ..config.compression import CompressionConfig, parse_compression
 from .base import Compressor, Layer, Message
-from .config import CompressionConfig, method_names, parse_compression
 from .dense import FP16Compressor, NoneCompressor
 from .iwp import IWPCompressor
 from .redsync import RedSyncCompressor
@@ -22,19 +22,22 @@ COMPRESSORS: dict[str, type] = {
 }
 
 
-def build_compressor(compression: Any) -> tuple[Compressor, CompressionConfig]:
-    """dict / config / Compressor object -> (compressor, config)."""
+def build_compressor(compression: Any, comm: Any = None) -> tuple[Compressor, CompressionConfig]:
+    """dict / config / Compressor object -> (compressor, config). ``comm`` serves compressors that
+    run collectives of their own (IWP's broadcast)."""
     if isinstance(compression, Compressor):
         cfg = compression.config if isinstance(compression.config, CompressionConfig) \
             else parse_compression({"method": "none"})
+        if compression.comm is None:
+            compression.comm = comm
         return compression, cfg
     cfg = parse_compression(compression if compression is not None else {"method": "none"})
     if cfg.method not in COMPRESSORS:
-        raise ValueError(f"compression.method={cfg.method!r} has a config but no compressor; "
-                         f"available: {sorted(COMPRESSORS)}")
-    return COMPRESSORS[cfg.method](cfg), cfg
+        raise ValueError(f"compression.method={cfg.method!r} is not a compressor; "
+                         f"compressors: {sorted(COMPRESSORS)}")
+    return COMPRESSORS[cfg.method](cfg, comm), cfg
 
 
-__all__ = ["Compressor", "Layer", "Message", "CompressionConfig", "COMPRESSORS", "build_compressor",
-           "parse_compression", "method_names", "NoneCompressor", "FP16Compressor", "TopKCompressor",
-           "RandomKCompressor", "RedSyncCompressor", "IWPCompressor", "SBCCompressor"]
+__all__ = ["Compressor", "Layer", "Message", "COMPRESSORS", "build_compressor", "NoneCompressor",
+           "FP16Compressor", "TopKCompressor", "RandomKCompressor", "RedSyncCompressor", "IWPCompressor",
+           "SBCCompressor"]

@@ -1,16 +1,16 @@
 """The compressor contract, GRACE-style, framework-neutral (torch tensors only).
 
-A compressor turns one layer's flat fp32 tensor into the tensors that go on the
-wire (``compress``) and adds a received message back into a dense buffer
-(``decompress_add``). The same ``decompress_add`` with ``alpha=-1`` removes the
-sent part from the residual, so what leaves the residual is by construction
-exactly what the receivers reconstruct.
+A compressor turns one layer's flat fp32 tensor into a :class:`Message`: the tensors that go on
+the wire, and what was sent (``positions``) and what a decoder needs that did not travel
+(``ctx``). ``decompress_add`` adds a message back into a dense buffer. The same
+``decompress_add`` with ``alpha=-1`` removes the sent part from the residual, so what leaves
+the residual is by construction exactly what the receivers reconstruct.
 
 ``collective`` says how messages meet:
-  * ``allreduce`` - every rank's message has the same shape and meaning and is
-    averaged by Horovod (dense, fp16, random-k with shared positions, IWP values);
-  * ``allgather`` - messages differ per rank (own indices, own counts); every
-    rank receives all of them and sums the decoded contributions.
+  * ``allreduce`` - every rank's message has the same shape and meaning and is averaged
+    (dense, fp16, random-k with shared positions, IWP values, PowerSGD factors);
+  * ``allgather`` - messages differ per rank (own indices, own counts); every rank receives
+    all of them and sums the decoded contributions.
 """
 from __future__ import annotations
 
@@ -20,10 +20,13 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
+from ..core.layout import k_of
+
 
 @dataclass
 class Layer:
-    """A parameter as the exchange sees it. ``density`` is set by the policy each step."""
+    """A parameter as the exchange sees it. The policy decides ``compressed``, ``base_density`` and
+    ``selection`` once at start and ``density`` every step."""
     name: str
     shape: tuple
     numel: int
@@ -32,6 +35,13 @@ class Layer:
     density: float = 1.0
     compressed: bool = True
     param: Optional[torch.Tensor] = None   # the parameter itself, for methods that weigh by |w| (IWP)
+    base_density: float = 1.0              # density after warm-up
+    selection: Optional[str] = None        # a per-layer selection override (policy.layers)
+
+    @property
+    def k(self) -> int:
+        """Elements a sparse method sends this step: ceil(density * numel)."""
+        return k_of(self.numel, self.density)
 
     @property
     def index_dtype(self) -> torch.dtype:
@@ -46,7 +56,10 @@ class Message:
     kinds: tuple
     selected: Optional[int] = None   # elements selected this step (sparse methods)
     k: Optional[int] = None          # target count (sparse methods)
+    positions: Optional[torch.Tensor] = None   # int64 positions this rank sent (momentum masking)
+    ctx: Any = None                  # what decoding needs that did not travel (shared positions, P)
     extra_bytes: dict = field(default_factory=dict)  # bytes sent by collectives run inside compress
+    nonfinite: Any = None            # True, or a device flag: the input held NaN/Inf (nothing was selected)
 
     def nbytes(self) -> dict:
         out: dict = dict(self.extra_bytes)
@@ -60,9 +73,17 @@ class Compressor(ABC):
     # True when compress() raises core.selection.NonFiniteError for NaN/Inf input: the
     # exchange then skips its own finite-check pass over compressed layers
     checks_finite: ClassVar[bool] = False
+    # True when compress() waits on a collective of its own (IWP's broadcast, PowerSGD's P round):
+    # the exchange then compresses such layers in one fixed order in finish(), never in a hook,
+    # where ranks whose backward passes produce gradients in different orders could deadlock
+    blocking: ClassVar[bool] = False
+    # "own": the residual keeps x - decode(own message), before anything is sent (error feedback);
+    # "aggregate": x - decode(average of all messages), after the collective (PowerSGD)
+    error_feedback: ClassVar[str] = "own"
 
-    def __init__(self, config: Any = None):
+    def __init__(self, config: Any = None, comm: Any = None):
         self.config = config
+        self.comm = comm   # for compressors that run collectives of their own (blocking)
 
     def wire_dtypes(self, layer: Layer) -> tuple:
         """dtypes of the tensors ``compress`` returns for this layer (fixed per layer)."""
@@ -70,30 +91,29 @@ class Compressor(ABC):
 
     def scan_request(self, layer: Layer, step: int):
         """A ``core.passes.ScanRequest`` for the memory to fill while it computes this layer's
-        x (the first pass of the selection, fused with the compensation), or None. The next
-        ``compress`` of the layer reads it back."""
+        x (the first pass of the selection, fused with the compensation), or None. The exchange
+        passes it back to ``compress``."""
         return None
 
     @abstractmethod
-    def compress(self, x: torch.Tensor, layer: Layer, step: int) -> Message:
-        """x: flat fp32 tensor (gradient plus residual). Must not modify x."""
+    def compress(self, x: torch.Tensor, layer: Layer, step: int, scan=None) -> Message:
+        """x: flat fp32 tensor (gradient plus residual). Must neither modify x nor return a view of
+        it (the memory update overwrites x before the message is sent); only dense pass-through
+        compressors without a memory may return x itself."""
 
     @abstractmethod
-    def decompress_add(self, out: torch.Tensor, tensors: list, layer: Layer, alpha: float = 1.0) -> None:
+    def decompress_add(self, out: torch.Tensor, tensors: list, layer: Layer, alpha: float = 1.0,
+                       ctx: Any = None) -> None:
         """out += alpha * decode(tensors); out is flat fp32 of layer.numel elements."""
 
     def selects_by_bucket(self, layers: list) -> bool:
-        """True when ``compress_bucket`` should handle these layers (one bucket) together."""
+        """True when ``compress_bucket`` should compress these layers (one bucket) together, once
+        the last of them is in."""
         return False
 
-    def compress_bucket(self, xs: list, layers: list, step: int) -> tuple[list, list]:
-        """Messages for every layer of a bucket at once, and the names of layers whose x held
-        NaN/Inf (sent empty). Only called when ``selects_by_bucket`` is True."""
-        raise NotImplementedError
-
-    def sent_indices(self, message: Message, layer: Layer):
-        """Positions this rank sent (for momentum masking); None when not position-based."""
-        return None
+    def compress_bucket(self, xs: list, layers: list, step: int) -> list:
+        """Messages for several layers at once (``selects_by_bucket``); per layer by default."""
+        return [self.compress(x, layer, step) for x, layer in zip(xs, layers)]
 
     def state_dict(self) -> dict:
         return {}

@@ -13,10 +13,10 @@ class NoneCompressor(Compressor):
     def wire_dtypes(self, layer: Layer) -> tuple:
         return (torch.float32,)
 
-    def compress(self, x: torch.Tensor, layer: Layer, step: int) -> Message:
-        return Message([x], ("values",))
+    def compress(self, x: torch.Tensor, layer: Layer, step: int, scan=None) -> Message:
+        return Message([x], ("values",))   # x itself: dense layers have no memory to update
 
-    def decompress_add(self, out, tensors, layer, alpha=1.0):
+    def decompress_add(self, out, tensors, layer, alpha=1.0, ctx=None):
         out.add_(tensors[0].to(out.dtype), alpha=alpha)
 
 
@@ -26,5 +26,5 @@ class FP16Compressor(NoneCompressor):
     def wire_dtypes(self, layer: Layer) -> tuple:
         return (torch.float16,)
 
-    def compress(self, x: torch.Tensor, layer: Layer, step: int) -> Message:
+    def compress(self, x: torch.Tensor, layer: Layer, step: int, scan=None) -> Message:
         return Message([x.to(torch.float16)], ("values",))

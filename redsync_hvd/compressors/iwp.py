@@ -1,4 +1,4 @@
-"""Importance-weighted pruning on allreduce (IWP, digest section 4).
+"""Importance-weighted pruning on allreduce (IWP; Cheng & Xu, 2019).
 
     leader = draw(seed, step)  in [0, N)           same on every rank, no communication
     leader: idx = top-k of |r| / (|w| + eps)
@@ -13,7 +13,6 @@ leader's view of importance decides what everyone sends.
 """
 from __future__ import annotations
 
-import math
 import random
 
 import torch
@@ -27,9 +26,7 @@ class IWPCompressor(Compressor):
     blocking = True   # waits on the leader's broadcast inside compress
 
     def __init__(self, config, comm=None):
-        super().__init__(config)
-        self.comm = comm            # set by the exchange: the broadcast happens inside compress
-        self._positions: dict = {}
+        super().__init__(config, comm)
         self.leaders: list = []     # (step, leader) history of this run, for inspection and tests
 
     def wire_dtypes(self, layer: Layer) -> tuple:
@@ -38,30 +35,24 @@ class IWPCompressor(Compressor):
     def leader(self, step: int) -> int:
         return random.Random(self.config.seed * 1_000_003 + step).randrange(self.comm.size)
 
-    def compress(self, x: torch.Tensor, layer: Layer, step: int) -> Message:
-        k = max(1, math.ceil(layer.density * layer.numel))
-        leader = self.leader(step)
+    def compress(self, x: torch.Tensor, layer: Layer, step: int, scan=None) -> Message:
+        k, leader = layer.k, self.leader(step)
         if not self.leaders or self.leaders[-1] != (step, leader):
             self.leaders.append((step, leader))
         if self.comm.rank == leader:
             weight = layer.param.detach().reshape(-1).abs().to(x) if layer.param is not None else 0.0
             importance = x.abs() / (weight + self.config.eps)
-            idx = select_topk(importance, k, getattr(layer, "selection", None) or self.config.selection,
-                              name=layer.name).to(torch.int32)
+            idx = select_topk(importance, k, layer.selection or self.config.selection, name=layer.name)
+            idx = idx.to(torch.int32)
         else:
             idx = torch.empty(k, dtype=torch.int32, device=x.device)
         idx = self.comm.wait(self.comm.broadcast_async(idx, root=leader, name=f"rsync.iwp.{layer.name}"))
         idx = idx.to(torch.int64)
-        self._positions[layer.name] = idx
-        msg = Message([x.index_select(0, idx)], ("values",), selected=k, k=k)
-        msg.extra_bytes = {"indices": 4 * k} if self.comm.rank == leader else {}
-        return msg
+        return Message([x.index_select(0, idx)], ("values",), selected=k, k=k, positions=idx, ctx=idx,
+                       extra_bytes={"indices": 4 * k} if self.comm.rank == leader else {})
 
-    def decompress_add(self, out, tensors, layer, alpha=1.0):
-        out.index_add_(0, self._positions[layer.name], tensors[0].to(out), alpha=alpha)
-
-    def sent_indices(self, message: Message, layer: Layer):
-        return self._positions[layer.name]
+    def decompress_add(self, out, tensors, layer, alpha=1.0, ctx=None):
+        out.index_add_(0, ctx, tensors[0].to(out), alpha=alpha)
 
     def state_dict(self) -> dict:
         return {"leaders": list(self.leaders[-1000:])}

@@ -1,106 +1,110 @@
-"""RedSync (digest sections 0-2): select about k of the residual, quantise, allgather.
+"""RedSync (Fang et al., JPDC 2019): select about k of the residual, quantise, allgather.
 
-    idx  = select_topk(v, k, selection)            # exact | trimmed | tbs | sampled
-    sign_mean:  keep one sign (alternate per step, or the side with the larger mean),
-                send idx of that sign + ONE float: their mean
-    fp16/none:  send idx + values
-    v[idx] -= what receivers will reconstruct        (done by the exchange via decompress_add)
+    idx  = select_topk(v, k, selection.method)       # exact | trimmed | tbs | sampled (core/selection.py)
+    message.quantize == sign_mean:
+        keep one sign of v[idx] (alternating per step, or the side with the larger mean: SBC's rule)
+        send (idx of that sign, ONE float: their mean)
+    message.quantize in (none, fp16):
+        send (idx, v[idx])
+    v[idx] -= what receivers will reconstruct        (the exchange: decompress_add(alpha=-1))
 
-``selection_scope: bucket`` (the default on CUDA) selects for all layers of a bucket at
-once when its last gradient arrives (``core/bucket_select.py``: histogram thresholds,
-one host wait per bucket), with the same messages.
+``selection.scope: bucket`` (the default on CUDA) selects for all layers of a bucket at once
+when its last gradient arrives (``core/bucket_select.py``: histogram thresholds, one host wait
+per bucket), with the same messages.
 
-Indices travel as int32, or Golomb-Rice coded gaps (``index_coding: golomb``,
-about 8-12 bits each instead of 32, at the cost of a sort and a CPU encode).
+Indices travel as int32, or as Golomb-Rice coded gaps (``message.index_coding: golomb``, about
+8-12 bits each instead of 32, for a sort and a CPU encode per layer).
 """
 from __future__ import annotations
 
 import torch
 
 from ..core.bucket_select import select_bucket
+from ..core.golomb import decode_positions, encode_positions
 from ..core.selection import SelectionState, scan_request, select_topk
 from .base import Compressor, Layer, Message
-from .topk import k_for
 
 
 class RedSyncCompressor(Compressor):
     collective = "allgather"
     checks_finite = True   # select_topk raises NonFiniteError from a pass it makes anyway
 
-    def __init__(self, config):
-        super().__init__(config)
-        self.selection_state: dict[str, SelectionState] = {}
-        self._sent: dict[str, torch.Tensor] = {}
-        self._scans: dict = {}
+    def __init__(self, config, comm=None):
+        super().__init__(config, comm)
+        self.selection_state: dict[str, SelectionState] = {}   # per layer: the threshold to reuse
 
     # -- wire format ----------------------------------------------------------
     def _value_dtype(self):
-        return {"none": torch.float32, "fp16": torch.float16, "sign_mean": torch.float32}[self.config.quantize]
+        return {"none": torch.float32, "fp16": torch.float16, "sign_mean": torch.float32}[self.config.message.quantize]
 
     def wire_dtypes(self, layer: Layer) -> tuple:
-        index = (torch.uint8, torch.int32) if self.config.index_coding == "golomb" else (layer.index_dtype,)
-        return index + (self._value_dtype(),)
+        golomb = self.config.message.index_coding == "golomb"
+        return ((torch.uint8, torch.int32) if golomb else (layer.index_dtype,)) + (self._value_dtype(),)
 
     def _kinds(self) -> tuple:
-        index = ("indices", "headers") if self.config.index_coding == "golomb" else ("indices",)
-        return index + ("scalars" if self.config.quantize == "sign_mean" else "values",)
+        index = ("indices", "headers") if self.config.message.index_coding == "golomb" else ("indices",)
+        return index + ("scalars" if self.config.message.quantize == "sign_mean" else "values",)
 
     # -- compress -------------------------------------------------------------
     def _method(self, layer: Layer) -> str:
-        return getattr(layer, "selection", None) or self.config.selection
+        return layer.selection or self.config.selection.method
+
+    def _state(self, layer: Layer) -> SelectionState:
+        return self.selection_state.setdefault(layer.name, SelectionState())
 
     def scan_request(self, layer: Layer, step: int):
-        state = self.selection_state.setdefault(layer.name, SelectionState())
-        req = scan_request(state, k_for(layer), self._method(layer), threshold_reuse=self.config.threshold_reuse)
-        self._scans[layer.name] = req
-        return req
+        return scan_request(self._state(layer), layer.k, self._method(layer),
+                            threshold_reuse=self.config.selection.threshold_reuse)
 
-    def compress(self, x: torch.Tensor, layer: Layer, step: int) -> Message:
-        c = self.config
-        k = k_for(layer)
-        state = self.selection_state.setdefault(layer.name, SelectionState())
-        req = self._scans.pop(layer.name, None)
-        idx = select_topk(x, k, self._method(layer), state=state, scan=req.result if req else None,
-                          threshold_reuse=c.threshold_reuse, tbs_max_probes=c.tbs_max_probes,
-                          trimmed_eps=c.trimmed_eps, sample_fraction=c.sample_fraction, name=layer.name)
+    def compress(self, x: torch.Tensor, layer: Layer, step: int, scan=None) -> Message:
+        s = self.config.selection
+        idx = select_topk(x, layer.k, self._method(layer), state=self._state(layer),
+                          scan=scan.result if scan is not None else None, threshold_reuse=s.threshold_reuse,
+                          tbs_max_probes=s.tbs_max_probes, trimmed_eps=s.trimmed_eps,
+                          sample_fraction=s.sample_fraction, name=layer.name)
         selected = idx.numel()
         vals = x.index_select(0, idx)
-        if c.quantize == "sign_mean":
+        if self.config.message.quantize == "sign_mean":
             idx, value = self._sign_mean(idx, vals, step)
         else:
             value = vals.to(self._value_dtype())
-        self._sent[layer.name] = idx   # for momentum masking, without decoding our own message
-        return Message(self._encode_indices(idx, value, layer), self._kinds(), selected=selected, k=k)
+        return self._message(idx, value, layer, selected)
+
+    def _message(self, idx: torch.Tensor, value: torch.Tensor, layer: Layer, selected: int) -> Message:
+        return Message(self._encode_indices(idx, value, layer), self._kinds(), selected=selected, k=layer.k,
+                       positions=idx)
 
     def selects_by_bucket(self, layers: list) -> bool:
-        scope = getattr(self.config, "selection_scope", "layer")   # subclasses (SBC) select per layer
+        scope = self.config.selection.scope
         if scope == "auto":
             # CUDA's bincount has no deterministic kernel: deterministic runs select per layer
-            return (self.config.selection == "tbs" and all(l.device.type == "cuda" for l in layers)
-                    and not any(getattr(l, "selection", None) for l in layers)
-                    and not torch.are_deterministic_algorithms_enabled())
+            return (self.config.selection.method == "tbs" and all(l.device.type == "cuda" for l in layers)
+                    and not any(l.selection for l in layers) and not torch.are_deterministic_algorithms_enabled())
         return scope == "bucket"
 
-    def compress_bucket(self, xs: list, layers: list, step: int) -> tuple[list, list]:
-        c = self.config
-        sign_mean = c.quantize == "sign_mean"
-        sign = None
-        if sign_mean:
-            sign = ("pos" if step % 2 == 0 else "neg") if c.sign_rule == "alternate" else "larger"
-        ks = [k_for(l) for l in layers]
-        got = select_bucket(xs, ks, sign=sign, mean=sign_mean)
+    def compress_bucket(self, xs: list, layers: list, step: int) -> list:
+        if not self.selects_by_bucket(layers):
+            return super().compress_bucket(xs, layers, step)
+        sign_mean = self.config.message.quantize == "sign_mean"
+        got = select_bucket(xs, [l.k for l in layers], sign=self._sign(step) if sign_mean else None, mean=sign_mean)
         messages = []
-        for layer, k, idx, value, selected in zip(layers, ks, got.indices, got.values, got.selected):
-            if not sign_mean:
-                value = value.to(self._value_dtype())
-            self._sent[layer.name] = idx
-            messages.append(Message(self._encode_indices(idx, value, layer), self._kinds(), selected=selected, k=k))
-        return messages, [l.name for l, bad in zip(layers, got.nonfinite) if bad]
+        for layer, idx, value, selected, bad in zip(layers, got.indices, got.values, got.selected, got.nonfinite):
+            msg = self._message(idx, value if sign_mean else value.to(self._value_dtype()), layer, selected)
+            msg.nonfinite = bad   # sent empty; every rank fails the step in finish()
+            messages.append(msg)
+        return messages
+
+    def _sign(self, step: int) -> str:
+        if self.config.message.sign_rule == "alternate":
+            return "pos" if step % 2 == 0 else "neg"
+        return "larger"
 
     def _sign_mean(self, idx: torch.Tensor, vals: torch.Tensor, step: int):
         pos = vals > 0
-        if self.config.sign_rule == "alternate":
-            keep = pos if step % 2 == 0 else vals < 0
+        if self._sign(step) == "pos":
+            keep = pos
+        elif self._sign(step) == "neg":
+            keep = vals < 0
         else:  # larger: the side whose mean magnitude is larger (SBC)
             n_pos, n_neg = int(pos.sum()), int((vals < 0).sum())
             mu_pos = vals[pos].sum() / max(n_pos, 1)
@@ -111,9 +115,8 @@ class RedSyncCompressor(Compressor):
         return idx, mean.float()
 
     def _encode_indices(self, idx: torch.Tensor, value: torch.Tensor, layer: Layer) -> list:
-        if self.config.index_coding != "golomb":
+        if self.config.message.index_coding != "golomb":
             return [idx.to(layer.index_dtype), value]
-        from ..core.golomb import encode_positions
         order = torch.argsort(idx)
         idx = idx[order]
         if value.numel() > 1:
@@ -124,23 +127,19 @@ class RedSyncCompressor(Compressor):
 
     # -- decompress -----------------------------------------------------------
     def indices(self, tensors: list, layer: Layer) -> torch.Tensor:
-        if self.config.index_coding != "golomb":
+        if self.config.message.index_coding != "golomb":
             return tensors[0].to(torch.int64)
-        from ..core.golomb import decode_positions
         count, b = (int(v) for v in tensors[1].tolist())
         return decode_positions(tensors[0].cpu(), count, b).to(tensors[0].device)
 
-    def decompress_add(self, out, tensors, layer, alpha=1.0):
+    def decompress_add(self, out, tensors, layer, alpha=1.0, ctx=None):
         idx = self.indices(tensors, layer).to(out.device)
         if not idx.numel():
             return
         value = tensors[-1].to(device=out.device, dtype=out.dtype)
-        if self.config.quantize == "sign_mean":
+        if self.config.message.quantize == "sign_mean":
             value = value.expand(idx.numel())
         out.index_add_(0, idx, value, alpha=alpha)
-
-    def sent_indices(self, message: Message, layer: Layer) -> torch.Tensor:
-        return self._sent.pop(layer.name)
 
     # -- state ----------------------------------------------------------------
     def state_dict(self) -> dict:

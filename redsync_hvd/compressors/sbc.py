@@ -1,12 +1,12 @@
-"""Sparse Binary Compression's message (digest section 3), on a model delta A = R + (W_local - W):
+"""Sparse Binary Compression's message (Sattler et al., 2019), on a model delta A = R + (W_local - W):
 
     P = topk(A, k); Q = topk(-A, k); mu+ = mean(A[P]); mu- = mean(-A[Q])
     S = mu+ at P  if mu+ >= mu-  else  -mu- at Q       (one sign, one value)
     send (Golomb-coded positions of S, mu)             R = A - S (via decompress_add)
 
-The wire format (and its decoder) is RedSync's sign_mean/none message with
-Golomb-coded indices; only the choice of positions differs. Communication delay
-(``local_steps``) lives in the optimizer, which feeds model deltas instead of gradients.
+The wire format (and its decoder) is RedSync's sign_mean/none message with Golomb-coded
+indices; only the choice of positions differs. Communication delay (``local_steps``) lives
+in the optimizer, which feeds model deltas instead of gradients.
 """
 from __future__ import annotations
 
@@ -14,16 +14,18 @@ import torch
 
 from .base import Layer, Message
 from .redsync import RedSyncCompressor
-from .topk import k_for
 
 
 class SBCCompressor(RedSyncCompressor):
     def scan_request(self, layer: Layer, step: int):
         return None   # torch.topk on both signs below: nothing to fuse
 
-    def compress(self, x: torch.Tensor, layer: Layer, step: int) -> Message:
-        k = min(k_for(layer), layer.numel)
-        if self.config.binarize:
+    def selects_by_bucket(self, layers: list) -> bool:
+        return False
+
+    def compress(self, x: torch.Tensor, layer: Layer, step: int, scan=None) -> Message:
+        k = layer.k
+        if self.config.message.binarize:
             pos_vals, pos_idx = torch.topk(x, k, sorted=False)
             neg_vals, neg_idx = torch.topk(-x, k, sorted=False)
             mu_pos, mu_neg = pos_vals.mean(), neg_vals.mean()
@@ -34,5 +36,4 @@ class SBCCompressor(RedSyncCompressor):
         else:
             idx = torch.topk(x.abs(), k, sorted=False).indices
             value = x.index_select(0, idx)
-        self._sent[layer.name] = idx
-        return Message(self._encode_indices(idx, value.float(), layer), self._kinds(), selected=idx.numel(), k=k)
+        return self._message(idx, value.float(), layer, idx.numel())

@@ -1,15 +1,13 @@
-"""Sparse baselines: exact top-k (over allgather) and random-k (shared positions, allreduce)."""
-from __future__ import annotations
+"""Sparse baselines: exact top-k (over allgather) and random-k (shared positions, allreduce).
 
-import math
+    top-k:     idx = topk(|x|, k); send (idx, x[idx])                  every rank its own idx
+    random-k:  idx = randperm(n, seed(step, layer))[:k]; send x[idx]    idx shared, never sent
+"""
+from __future__ import annotations
 
 import torch
 
 from .base import Compressor, Layer, Message
-
-
-def k_for(layer: Layer) -> int:
-    return max(1, math.ceil(layer.density * layer.numel))
 
 
 class TopKCompressor(Compressor):
@@ -19,20 +17,13 @@ class TopKCompressor(Compressor):
     def wire_dtypes(self, layer: Layer) -> tuple:
         return (layer.index_dtype, torch.float32)
 
-    def select(self, x: torch.Tensor, k: int, layer: Layer) -> torch.Tensor:
+    def compress(self, x, layer, step, scan=None):
         # the baseline is torch.topk itself; RedSync's fast selections live in core.selection
-        return torch.topk(x.abs(), k, sorted=False).indices
+        idx = torch.topk(x.abs(), layer.k, sorted=False).indices
+        return Message([idx.to(layer.index_dtype), x.index_select(0, idx)], ("indices", "values"),
+                       selected=idx.numel(), k=layer.k, positions=idx)
 
-    def compress(self, x, layer, step):
-        k = k_for(layer)
-        idx = self.select(x, k, layer)
-        vals = x.index_select(0, idx)
-        return Message([idx.to(layer.index_dtype), vals], ("indices", "values"), selected=idx.numel(), k=k)
-
-    def sent_indices(self, message, layer):
-        return message.tensors[0]
-
-    def decompress_add(self, out, tensors, layer, alpha=1.0):
+    def decompress_add(self, out, tensors, layer, alpha=1.0, ctx=None):
         idx, vals = tensors
         if idx.numel():
             out.index_add_(0, idx.to(device=out.device, dtype=torch.int64), vals.to(out), alpha=alpha)
@@ -49,18 +40,13 @@ class RandomKCompressor(Compressor):
 
     def _positions(self, layer: Layer, step: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed(hash((self.config.seed, step, layer.index)) & 0x7FFFFFFF)
-        k = k_for(layer)
-        return torch.randperm(layer.numel, generator=gen)[:k].to(layer.device)
+        return torch.randperm(layer.numel, generator=gen)[:layer.k].to(layer.device)
 
-    def compress(self, x, layer, step):
+    def compress(self, x, layer, step, scan=None):
         idx = self._positions(layer, step)
-        # decompress (for the residual now, for the average later) needs this step's positions
-        self._step_positions[layer.index] = idx
-        return Message([x.index_select(0, idx)], ("values",), selected=idx.numel(), k=idx.numel())
+        # the positions decode both this rank's message (for the residual) and the average
+        return Message([x.index_select(0, idx)], ("values",), selected=idx.numel(), k=idx.numel(),
+                       positions=idx, ctx=idx)
 
-    def decompress_add(self, out, tensors, layer, alpha=1.0):
-        out.index_add_(0, self._step_positions[layer.index], tensors[0].to(out), alpha=alpha)
-
-    def __init__(self, config=None):
-        super().__init__(config)
-        self._step_positions: dict = {}
+    def decompress_add(self, out, tensors, layer, alpha=1.0, ctx=None):
+        out.index_add_(0, ctx, tensors[0].to(out), alpha=alpha)

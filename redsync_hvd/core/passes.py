@@ -64,9 +64,6 @@ class Scan:
     sum: float
 
 
-# Benchmarks switch this off to time the unfused pair (torch ops, then a separate pass)
-# in the same process; nothing else should need to.
-FUSE_COMPENSATION = True
 # Below this many elements a layer's streams stay in cache, so fusing saves no memory
 # traffic, while the call costs more Python than torch.add (resnet20's 59 small tensors)
 _FUSE_MIN_NUMEL = 1 << 16
@@ -76,13 +73,13 @@ _EMPTY = torch.empty(0)
 def compensate_scan(residual: torch.Tensor, grad: torch.Tensor, out: torch.Tensor,
                     request: Optional[ScanRequest], velocity: Optional[torch.Tensor] = None,
                     velocity_out: Optional[torch.Tensor] = None, momentum: float = 0.0,
-                    nesterov: bool = False) -> bool:
+                    nesterov: bool = False, fuse: bool = True) -> bool:
     """out = residual + grad (with ``velocity``: DGC's velocity_out = momentum*velocity + grad,
     out = residual + velocity_out, or + grad + momentum*velocity_out with nesterov), fused
     with the first selection pass over out into ``request.result``. Returns False, having
-    done nothing, when the native kernel cannot take these tensors: the caller then
-    computes out with torch ops."""
-    if not FUSE_COMPENSATION or residual.numel() < _FUSE_MIN_NUMEL:
+    done nothing, when the native kernel cannot take these tensors or ``fuse`` is off (benchmarks
+    time the unfused pair that way): the caller then computes out with torch ops."""
+    if not fuse or residual.numel() < _FUSE_MIN_NUMEL:
         return False
     mod = _native.load()
     tensors = (residual, grad, out) + ((velocity, velocity_out) if velocity is not None else ())

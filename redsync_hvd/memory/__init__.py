@@ -1,4 +1,4 @@
 from .momentum import MomentumCorrectionMemory
-from .residual import ResidualMemory
+from .residual import NoMemory, ResidualMemory
 
-__all__ = ["ResidualMemory", "MomentumCorrectionMemory"]
+__all__ = ["NoMemory", "ResidualMemory", "MomentumCorrectionMemory"]

@@ -30,8 +30,9 @@ from .residual import ResidualMemory, double_buffer
 
 
 class MomentumCorrectionMemory(ResidualMemory):
-    def __init__(self, momentum: dict | float, nesterov: bool = False, masking: bool = True):
-        super().__init__()
+    corrects_momentum = True
+    def __init__(self, momentum: dict | float, nesterov: bool = False, masking: bool = True, fuse: bool = True):
+        super().__init__(fuse)
         self.momentum = momentum          # float, or {layer name: momentum} from the param groups
         self.nesterov = nesterov
         self.masking = masking
@@ -47,7 +48,7 @@ class MomentumCorrectionMemory(ResidualMemory):
         u, u_new = self._velocity_buffers(name, grad)
         v, v_new = self._buffers(name, grad)
         # one pass over g, u and v where the native kernel runs; torch ops make three
-        if not compensate_scan(v, grad, v_new, scan, u, u_new, m, self.nesterov):
+        if not compensate_scan(v, grad, v_new, scan, u, u_new, m, self.nesterov, fuse=self.fuse):
             torch.add(grad, u, alpha=m, out=u_new)       # u = m*u + g
             torch.add(v, grad + m * u_new if self.nesterov else u_new, out=v_new)
         self._pending[name] = v_new                      # v + step, in v's spare buffer

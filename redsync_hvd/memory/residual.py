@@ -1,7 +1,7 @@
 """Residual (error-feedback) memory with transactional steps.
 
 Per layer it keeps ``residual`` r. ``compensate`` returns r + g in a spare
-buffer; the compressor then subtracts what it sent from that buffer in place.
+buffer; ``update`` then subtracts what the message carries from that buffer in place.
 ``commit`` makes the spare buffer the new residual; ``rollback`` drops it. So a
 step that fails after compression (NaN on some rank, an exception in a
 collective) leaves the residuals exactly as they were: nothing is lost.
@@ -31,26 +31,64 @@ def double_buffer(current: dict, spare: dict, name: str, like: torch.Tensor):
     return cur, new
 
 
+class NoMemory:
+    """Methods without error feedback: x is the gradient itself and nothing is kept."""
+    corrects_momentum = False
+
+    def compensate(self, name: str, grad: torch.Tensor, scan: ScanRequest | None = None) -> torch.Tensor:
+        return grad
+
+    def update(self, layer, x: torch.Tensor, message, compressor) -> None:
+        pass
+
+    def update_aggregate(self, name: str, x: torch.Tensor, average: torch.Tensor) -> None:
+        pass
+
+    def commit(self) -> None:
+        pass
+
+    def rollback(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
 class ResidualMemory:
-    """Dense layers never pass through a memory: they send everything, so a residual
-    would stay zero."""
+    """Error feedback. Dense layers never pass through a memory: they send everything, so a
+    residual would stay zero."""
+    corrects_momentum = False   # True: dense layers' averages get momentum (dense_momentum)
 
-    def mask(self, name: str, indices) -> None:
-        """Hook for memories that react to which positions were sent (momentum masking)."""
-
-    def __init__(self) -> None:
+    def __init__(self, fuse: bool = True) -> None:
+        self.fuse = fuse   # compensate and the selection's first pass in one native pass (CPU)
         self.residual: dict[str, torch.Tensor] = {}
         self._spare: dict[str, torch.Tensor] = {}
         self._pending: dict[str, torch.Tensor] = {}
 
     def compensate(self, name: str, grad: torch.Tensor, scan: ScanRequest | None = None) -> torch.Tensor:
-        """Return a buffer holding residual + grad; the caller subtracts the sent part from it.
+        """Return a buffer holding residual + grad; ``update`` then subtracts the sent part from it.
         ``scan``: filled with the selection's first pass over that buffer where it can be fused."""
         r, spare = self._buffers(name, grad)
-        if not compensate_scan(r, grad, spare, scan):
+        if not compensate_scan(r, grad, spare, scan, fuse=self.fuse):
             torch.add(r, grad, out=spare)
         self._pending[name] = spare
         return spare
+
+    def update(self, layer, x: torch.Tensor, message, compressor) -> None:
+        """x (this step's compensated buffer) -= what receivers will decode from ``message``:
+        quantisation error stays in the residual."""
+        compressor.decompress_add(x, message.tensors, layer, alpha=-1.0, ctx=message.ctx)
+        self.mask(layer.name, message.positions)
+
+    def update_aggregate(self, name: str, x: torch.Tensor, average: torch.Tensor) -> None:
+        """x -= the decoded average of every rank's message (PowerSGD's error feedback)."""
+        x.sub_(average)
+
+    def mask(self, name: str, positions) -> None:
+        """Hook for memories that react to which positions were sent (momentum masking)."""
 
     def _buffers(self, name: str, grad: torch.Tensor):
         return double_buffer(self.residual, self._spare, name, grad)

@@ -23,36 +23,19 @@ import json
 import tensorflow as tf
 import torch
 
-from ..compressors import build_compressor
+from ..comm import HorovodCommunicator
 from ..compressors.base import Layer
-from ..exchange import GradientExchange
-from ..policy import LayerPolicy
-from ..torch.optimizer import _build_memory, _check_same_everywhere, _network
+from ..config.compression import ResidualConfig
+from ..engine import MomentumSpec, build_exchange, parse, refuse
 from .dlpack import to_tf, to_torch, torch_device
 
 
 def build_for_tf(compression):
-    """(compressor, config) as torch's ``build_compressor`` builds them (same errors for bad dicts),
-    refusing, with the reason, the methods a gradient exchange cannot run."""
-    from ..compressors import parse_compression
-    from ..compressors.config import DECENTRALIZED
-    if compression is not None and not hasattr(compression, "compress"):    # a dict or a config
-        method = parse_compression(compression).method
-        if method in DECENTRALIZED:
-            raise NotImplementedError(
-                f"compression.method={method!r} is decentralized (each worker averages models with its ring "
-                "neighbours over mpi4py; there is no averaged gradient), and the TensorFlow adapter exchanges "
-                f"gradients. Use framework: torch for {', '.join(DECENTRALIZED)}, or one of {TF_METHODS}")
-    compressor, config = build_compressor(compression)
-    if getattr(config, "local_steps", None):
-        raise NotImplementedError(
-            f"compression.method={config.method!r} (communication delay with model deltas over local_steps) "
-            "needs the optimizer to own the update; the TensorFlow adapter exchanges gradients. "
-            f"Use framework: torch for sbc, or one of {TF_METHODS}")
-    return compressor, config
-
-
-TF_METHODS = "none, fp16, topk, randomk, redsync, iwp"
+    """The config, after refusing (with the reason and the alternatives) what a gradient exchange
+    under TensorFlow cannot run; a bad dict fails here, as in torch's constructor."""
+    config = parse(compression)
+    refuse(config, "tensorflow", "horovod")
+    return config
 
 
 def resolve_named_variables(named_variables, sources=None) -> list:
@@ -108,58 +91,47 @@ class TFGradientExchange:
     """
 
     def __init__(self, named_variables, compression=None, communicator=None, momentum=None, nesterov=False):
-        from ..comm import HorovodCommunicator
-        compressor, config = build_for_tf(compression)
-        if getattr(config, "momentum_correction", False) and momentum is None:
-            raise ValueError(
-                "compression.momentum_correction=true keeps the optimizer's momentum in the compression memory: "
-                "pass optimizer=<your tf.keras.optimizers.SGD> (its momentum is moved into the memory and set "
-                "to 0 there) or momentum=<float> with a momentum-free optimizer; or set momentum_correction: false")
-        if getattr(config, "sparse_update", False):
-            raise ValueError("compression.sparse_update is PyTorch-only (it updates the weights inside the torch "
-                             "optimizer's step); the TensorFlow adapter always writes dense averaged gradients. "
-                             "Set sparse_update: false")
+        config = build_for_tf(compression)
         named = list(named_variables)
         for name, var in named:     # the core's check, worded for TF
             if var.shape.num_elements() == 0:
                 raise ValueError(f"parameter {name!r} has zero elements: there is nothing to exchange. "
                                  "Remove it from named_variables or create it with trainable=False")
         self.comm = communicator or HorovodCommunicator()
-        self.config = config
         self.names = [n for n, _ in named]
         self.variables = [v for _, v in named]
         self._index = {v.ref(): i for i, v in enumerate(self.variables)}
-        layers = [Layer(n, tuple(int(d) for d in v.shape), int(v.shape.num_elements()), i, torch_device(v.device))
-                  for i, (n, v) in enumerate(named)]
-        self.layers = layers
-        _check_same_everywhere(self.comm, config, layers)
-        groups = [{"params": list(self.names), "momentum": float(momentum or 0.0), "nesterov": bool(nesterov)}]
-        memory, _ = _build_memory(config, groups, {n: n for n in self.names})
-        self.exchange = GradientExchange(layers, compressor, self.comm, LayerPolicy(config), memory,
-                                         check_finite=config.check_finite, fusion_bytes=config.fusion_bytes,
-                                         clip_norm=getattr(config, "clip_norm", None),
-                                         network=_network(config, self.comm),
-                                         # the averaged tensors become TF tensors (DLPack, no
-                                         # copy) that outlive the step: fresh buffers each step
-                                         reuse_buffers=False)
+        self.layers = [Layer(n, tuple(int(d) for d in v.shape), int(v.shape.num_elements()), i, torch_device(v.device))
+                       for i, (n, v) in enumerate(named)]
+        built = build_exchange(compression, self.layers, self.comm, framework="tensorflow",
+                               take_momentum=self._momentum(config, momentum, nesterov),
+                               # the averaged tensors become TF tensors (DLPack, no copy) that outlive
+                               # the step: fresh buffers each step
+                               reuse_buffers=False)
+        self.exchange, self.config = built.exchange, built.config
         self._needs_params = config.method == "iwp"     # IWP weighs residuals by |w|
         self.last_error: BaseException | None = None
 
+    def _momentum(self, config, momentum, nesterov):
+        if isinstance(config, ResidualConfig) and config.dgc.momentum_correction and momentum is None:
+            raise ValueError(
+                "compression.dgc.momentum_correction keeps the optimizer's momentum in the compression memory: "
+                "pass optimizer=<your tf.keras.optimizers.SGD> (its momentum is moved into the memory and set "
+                "to 0 there) or momentum=<float> with a momentum-free optimizer; or set "
+                "dgc: {momentum_correction: false}")
+        return lambda: MomentumSpec(dict.fromkeys(self.names, float(momentum or 0.0)), bool(nesterov))
+
     # -- public -----------------------------------------------------------------
     def set_steps_per_epoch(self, steps: int) -> None:
-        """Needed by epoch-based schedules such as ``warmup_epochs``."""
-        self.exchange.policy.steps_per_epoch = int(steps)
+        """Needed by epoch-based schedules such as ``warmup.epochs``."""
+        self.exchange.set_steps_per_epoch(steps)
 
     def layer_decisions(self) -> list:
-        return list(self.exchange.policy.decisions)
+        return self.exchange.layer_decisions()
 
     def communication_stats(self) -> dict:
         """Cumulative per-worker figures, the same dict as the torch optimizer's."""
-        ex = self.exchange
-        out = ex.stats.summary()
-        out["last_step"] = dict(getattr(ex.stats, "last", {}))
-        out["layers"] = dict(ex.stats.layers)
-        return out
+        return self.exchange.communication_stats()
 
     def state_dict(self) -> dict:
         return self.exchange.state_dict()
@@ -220,11 +192,7 @@ class TFGradientExchange:
                 for i in reversed(range(len(grads))):
                     ex.submit(self.names[i], to_torch(grads[i]))
             except BaseException:
-                # failed before finish(): drop this step's partial state, as finish() does on failure
-                if ex.memory is not None:
-                    ex.memory.rollback()
-                ex._reset_step()
-                ex.stats.step.clear()
+                ex.abort()   # failed before finish(), which aborts by itself
                 raise
             averaged = ex.finish()      # rolls the memory back itself when it raises
         except BaseException as exc:
@@ -282,8 +250,8 @@ def exchange_for(sources, compression=None, named_variables=None, optimizer=None
     if ex is None:
         named = resolve_named_variables(named_variables, flat)
         mom, nest = momentum, False
-        compressor_cfg = build_for_tf(compression)[1]
-        if optimizer is not None and getattr(compressor_cfg, "momentum_correction", False):
+        config = build_for_tf(compression)
+        if optimizer is not None and isinstance(config, ResidualConfig) and config.dgc.momentum_correction:
             mom, nest = take_momentum(optimizer)
         ex = _CACHE[key] = TFGradientExchange(named, compression, communicator, momentum=mom, nesterov=nest)
     return ex
@@ -293,8 +261,8 @@ def take_momentum(optimizer) -> tuple:
     """Move a Keras optimizer's momentum into the compression memory: returns (momentum, nesterov)
     and sets the optimizer's momentum to 0 so it is not applied twice."""
     if not hasattr(optimizer, "momentum"):
-        raise ValueError(f"compression.momentum_correction=true needs an SGD-type optimizer with a momentum; "
-                         f"{type(optimizer).__name__} has none. Set momentum_correction: false")
+        raise ValueError(f"compression.dgc.momentum_correction=true needs an SGD-type optimizer with a momentum; "
+                         f"{type(optimizer).__name__} has none. Set dgc: {{momentum_correction: false}}")
     momentum = float(tf.keras.backend.get_value(optimizer.momentum)) \
         if not isinstance(optimizer.momentum, (int, float)) else float(optimizer.momentum)
     nesterov = bool(getattr(optimizer, "nesterov", False))

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import tensorflow as tf
 
+from ..config.compression import ResidualConfig
 from .exchange import TFGradientExchange, build_for_tf, resolve_named_variables
 
 
@@ -71,13 +72,13 @@ def DistributedOptimizer(optimizer, compression=None, named_variables=None, comm
     With ``momentum_correction`` the optimizer's momentum moves into the compression memory and
     the returned optimizer has momentum 0.
     """
-    _, config = build_for_tf(compression)   # a bad compression dict fails here, before training
+    config = build_for_tf(compression)   # a bad compression dict fails here, before training
     conf = optimizer.get_config()
     momentum, nesterov = None, False
-    if getattr(config, "momentum_correction", False):
+    if isinstance(config, ResidualConfig) and config.dgc.momentum_correction:
         if "momentum" not in conf:
-            raise ValueError(f"compression.momentum_correction=true needs an SGD-type optimizer with a momentum; "
-                             f"{type(optimizer).__name__} has none. Set momentum_correction: false")
+            raise ValueError(f"compression.dgc.momentum_correction=true needs an SGD-type optimizer with a momentum; "
+                             f"{type(optimizer).__name__} has none. Set dgc: {{momentum_correction: false}}")
         momentum, nesterov = float(conf["momentum"]), bool(conf.get("nesterov", False))
         conf["momentum"] = 0.0
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),

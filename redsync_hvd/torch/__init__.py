@@ -4,6 +4,7 @@ from __future__ import annotations
 import horovod.torch as _hvd
 import torch
 
+from .decentralized import DecentralizedOptimizer
 from .optimizer import DistributedOptimizer
 
 init = _hvd.init
@@ -40,4 +41,4 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0) -> None:
 
 __all__ = ["init", "rank", "size", "local_rank", "local_size", "broadcast_parameters",
            "broadcast_optimizer_state", "broadcast_object", "allgather_object", "allreduce",
-           "DistributedOptimizer", "mpi_enabled", "shutdown", "Sum", "Average"]
+           "DistributedOptimizer", "DecentralizedOptimizer", "mpi_enabled", "shutdown", "Sum", "Average"]

@@ -11,13 +11,15 @@ from contextlib import contextmanager
 
 import torch
 
+from ..decentralized import build_algorithm
+from ..engine import parse
+from .params import resolve_names
+
 
 class _DecentralizedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, config):
-        from ..decentralized import build_algorithm
-        from .optimizer import _resolve_names
         super(self.__class__, self).__init__(params)
-        self._dparams = [p for _, p in _resolve_names(named_parameters, self.param_groups)]
+        self._dparams = [p for _, p in resolve_names(named_parameters, self.param_groups)]
         self._algo = build_algorithm(config.method, topology=config.topology, quantizer=config.quantizer,
                                      bits=config.bits, step=config.step, density=config.density,
                                      unbiased=config.unbiased, seed=config.seed)
@@ -47,7 +49,7 @@ class _DecentralizedOptimizer(torch.optim.Optimizer):
         yield
 
     def set_steps_per_epoch(self, steps):
-        pass
+        pass   # no density schedule
 
     def layer_decisions(self):
         return []
@@ -95,3 +97,13 @@ class _DecentralizedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).load_state_dict(state_dict)
         if extra is not None:
             self._algo.load_state_dict(extra)
+
+
+def DecentralizedOptimizer(optimizer, named_parameters=None, algorithm=None):
+    """Wrap ``optimizer`` for decentralized training: its local update, then gossip with the
+    ring neighbours (``algorithm``: the YAML ``compression:`` dict of dcd, ecd, dpsgd or naive)."""
+    config = parse(algorithm)
+    if config.strategy != "decentralized":
+        raise ValueError(f"compression.method={config.method!r} is not decentralized; use DistributedOptimizer")
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DecentralizedOptimizer.__dict__))
+    return cls(optimizer.param_groups, named_parameters, config)

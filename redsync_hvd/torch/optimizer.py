@@ -10,44 +10,39 @@ and runs the wrapped optimizer's update.
 """
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
 
 import torch
 
-from ..compressors import build_compressor
-from ..exchange import GradientExchange
-from ..memory import MomentumCorrectionMemory, ResidualMemory
-from ..policy import LayerPolicy
-from ..compressors.base import Layer
+from ..comm import HorovodCommunicator
+from ..config.compression import AllgatherConfig
+from ..engine import build_exchange, parse
+from .decentralized import DecentralizedOptimizer
+from .params import check_plain_sgd, layers_of, resolve_names, take_momentum
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
-    def __init__(self, params, named_parameters, compressor, config, backward_passes_per_step, comm):
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step, comm):
         super(self.__class__, self).__init__(params)
-        self._comm = comm
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
         self.backward_passes_per_step = backward_passes_per_step
-        named = _resolve_names(named_parameters, self.param_groups)
+        named = resolve_names(named_parameters, self.param_groups)
         self._params = dict(named)
         self._names = {p: n for n, p in named}
-        layers = [Layer(n, tuple(p.shape), p.numel(), i, p.device, param=p) for i, (n, p) in enumerate(named)]
-        _check_same_everywhere(comm, config, layers)
-        memory, self._weight_decay = _build_memory(config, self.param_groups, self._names)
-        self._exchange = GradientExchange(layers, compressor, comm, LayerPolicy(config), memory,
-                                          check_finite=config.check_finite, fusion_bytes=config.fusion_bytes,
-                                          clip_norm=getattr(config, "clip_norm", None),
-                                          network=_network(config, comm), grads_writable=True)
-        self.compression_config = config
-        self._sparse_update = bool(getattr(config, "sparse_update", False))
+        built = build_exchange(compression, layers_of(named), comm, grads_writable=True,
+                               take_momentum=lambda: take_momentum(self.param_groups, self._names))
+        self._exchange, self.compression_config = built.exchange, built.config
+        self._weight_decay = built.momentum.weight_decay if built.momentum else {}
+        config = built.config
+        self._sparse_update = isinstance(config, AllgatherConfig) and config.sparse_update
         if self._sparse_update:
-            _check_plain_sgd(self)
+            check_plain_sgd(self)
         self._passes = {n: 0 for n, _ in named}
         self._synchronized = False
         self._skip_sync = False
         # communication delay (SBC): local steps, then the model delta goes through the exchange
-        self._local_steps = getattr(config, "local_steps", None)
+        self._local_steps = config.local_steps if config.delayed else None
         self._snapshot, self._local = None, 0
         self._hooks = [] if self._local_steps else \
             [p.register_post_accumulate_grad_hook(self._make_hook(n)) for n, p in named]
@@ -66,12 +61,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return g.add(p.detach(), alpha=wd) if wd else g
 
     def set_steps_per_epoch(self, steps: int) -> None:
-        """Needed by epoch-based schedules such as ``warmup_epochs``."""
-        self._exchange.policy.steps_per_epoch = int(steps)
+        """Needed by epoch-based schedules such as ``warmup.epochs``."""
+        self._exchange.set_steps_per_epoch(steps)
 
     def layer_decisions(self) -> list:
         """How each layer travels (compressed or dense, density, and why), decided once at start."""
-        return list(self._exchange.policy.decisions)
+        return self._exchange.layer_decisions()
 
     def synchronize(self):
         """Finish this step's exchange and write the averaged gradients into ``.grad``."""
@@ -152,10 +147,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def communication_stats(self) -> dict:
         """Cumulative per-worker figures since start; see :class:`~redsync_hvd.core.stats.CommStats`."""
-        out = self._exchange.stats.summary()
-        out["last_step"] = dict(getattr(self._exchange.stats, "last", {}))
-        out["layers"] = dict(self._exchange.stats.layers)
-        return out
+        return self._exchange.communication_stats()
 
     def state_dict(self):
         state = super(self.__class__, self).state_dict()
@@ -177,107 +169,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     {k: v.clone() for k, v in delay["snapshot"].items()}
 
 
-def _build_memory(config, param_groups, names):
-    """Residual memory for the method; with DGC momentum correction the wrapper takes
-    momentum (and weight decay) out of the wrapped optimizer so they are not applied twice."""
-    if not getattr(config, "momentum_correction", False):
-        return (ResidualMemory() if config.uses_memory else None), {}
-    momentum, decay, nesterov = {}, {}, False
-    for group in param_groups:
-        for p in group["params"]:
-            if p in names:
-                momentum[names[p]] = group.get("momentum", 0.0)
-                decay[names[p]] = group.get("weight_decay", 0.0)
-        nesterov = nesterov or group.get("nesterov", False)
-        for key in ("momentum", "weight_decay", "nesterov"):
-            if key in group:
-                group[key] = False if key == "nesterov" else 0.0
-    masking = getattr(config, "momentum_masking", True)
-    return MomentumCorrectionMemory(momentum, nesterov=nesterov, masking=masking), decay
-
-
-def _check_plain_sgd(opt) -> None:
-    """``sparse_update`` does the optimizer's job for compressed layers: only right for plain SGD."""
-    problems = []
-    if not isinstance(opt, torch.optim.SGD):
-        problems.append(f"the optimizer is {type(opt).__mro__[1].__name__}, not torch.optim.SGD")
-    for i, group in enumerate(opt.param_groups):
-        for key in ("momentum", "weight_decay"):
-            if group.get(key, 0.0):
-                problems.append(f"param group {i} has {key}={group[key]}")
-        if group.get("maximize", False):
-            problems.append(f"param group {i} has maximize=True")
-    if problems:
-        raise ValueError("compression.sparse_update applies the averaged sparse gradient straight to the weights, "
-                         "which is a plain SGD step, but " + "; ".join(problems) + ". Use torch.optim.SGD with "
-                         "momentum_correction: true (it moves momentum and weight decay into the compressor), "
-                         "or momentum 0 and weight_decay 0; or set sparse_update: false")
-
-
-def _network(config, comm):
-    if getattr(config, "policy", "static") != "cost_model":
-        return None
-    from ..costmodel import Network, probe_network
-    if config.latency_s is not None and config.bandwidth_gbit is not None:
-        return Network.from_config(latency_s=config.latency_s, bandwidth_gbit=config.bandwidth_gbit)
-    # each one left out is measured. A probed alpha is Horovod's cost per collective round
-    # (its cycle, negotiation, the wait), often far above the link's latency
-    probed = probe_network(comm)
-    return Network(alpha=probed.alpha if config.latency_s is None else float(config.latency_s),
-                   bandwidth=probed.bandwidth if config.bandwidth_gbit is None
-                   else float(config.bandwidth_gbit) * 1e9 / 8.0)
-
-
-def _resolve_names(named_parameters, param_groups):
-    params = [p for g in param_groups for p in g["params"] if p.requires_grad]
-    if named_parameters is None:
-        return [(f"param.{i}", p) for i, p in enumerate(params)]
-    named = [(n, p) for n, p in named_parameters if p.requires_grad]
-    names = [n for n, _ in named]
-    dupes = {n for n in names if names.count(n) > 1}
-    if dupes:
-        raise ValueError(f"named_parameters has duplicate names {sorted(dupes)[:5]}; pass model.named_parameters()")
-    known = {id(p) for _, p in named}
-    unnamed = [i for i, p in enumerate(params) if id(p) not in known]
-    if unnamed:
-        raise ValueError(f"{len(unnamed)} optimizer parameters are missing from named_parameters; "
-                         "pass named_parameters=model.named_parameters() for the same model the optimizer holds")
-    in_opt = {id(p) for p in params}
-    return [(n, p) for n, p in named if id(p) in in_opt]
-
-
-def _check_same_everywhere(comm, config, layers):
-    """Ranks must agree on config and layer list before the first collective, or they would hang."""
-    mine = json.dumps({"compression": config.model_dump(mode="json"),
-                       "layers": [(l.name, list(l.shape)) for l in layers]}, sort_keys=True)
-    everyone = comm.allgather_object(mine, name="rsync.config_check")
-    if any(other != mine for other in everyone):
-        bad = [r for r, other in enumerate(everyone) if other != everyone[0]]
-        raise ValueError(f"ranks {bad} have a different compression config or model than rank 0; "
-                         "every rank must build the same model and pass the same compression settings")
-
-
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step=1,
                          communicator=None):
     """Wrap ``optimizer`` so gradients are compressed and averaged across workers.
 
     compression: a dict like the YAML ``compression:`` section, e.g.
         ``{"method": "topk", "density": 0.01}``, a config object, or a Compressor.
+        Decentralized methods (dcd, ecd, dpsgd, naive) return a :class:`DecentralizedOptimizer`.
     backward_passes_per_step: gradients of that many backward passes accumulate
         (summed, as PyTorch does) before they are exchanged.
     """
-    from ..comm import HorovodCommunicator
-    from ..compressors import parse_compression
-    from ..compressors.config import DECENTRALIZED
-    if not hasattr(compression, "compress"):    # not a Compressor object: a dict or a config
-        config = parse_compression(compression if compression is not None else {"method": "none"})
-        if config.method in DECENTRALIZED:
-            from .decentralized import _DecentralizedOptimizer
-            if backward_passes_per_step != 1:
-                raise ValueError("backward_passes_per_step must be 1 for decentralized methods")
-            cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DecentralizedOptimizer.__dict__))
-            return cls(optimizer.param_groups, named_parameters, config)
-    compressor, config = build_compressor(compression)
+    config = parse(compression)
+    if config.strategy == "decentralized":
+        if backward_passes_per_step != 1:
+            raise ValueError("backward_passes_per_step must be 1 for decentralized methods")
+        return DecentralizedOptimizer(optimizer, named_parameters, config)
     comm = communicator or HorovodCommunicator()
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
-    return cls(optimizer.param_groups, named_parameters, compressor, config, backward_passes_per_step, comm)
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, comm)

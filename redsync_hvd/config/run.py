@@ -20,7 +20,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator
 
-from .compressors.config import CompressionConfig, parse_compression
+from .compression import CompressionConfig, expand_shorthands, parse_compression
 
 
 class ConfigError(ValueError):
@@ -32,12 +32,16 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    name: str = Field("cnn", description="mlp | cnn | resnet20 | vgg | lstm_lm")
+    # the names of redsync_hvd.models.MODEL_NAMES (a test keeps the two lists equal)
+    name: Literal["mlp", "cnn", "resnet20", "vgg", "lstm_lm"] = Field("cnn", description="mlp | cnn | resnet20 | "
+                                                                                       "vgg | lstm_lm")
     options: dict[str, Any] = Field(default_factory=dict, description="model-specific kwargs")
 
 
 class DataConfig(_Section):
-    name: str = Field("digits", description="digits | synthetic | synthetic_lm | cifar10 | mnist | ptb")
+    # the names of redsync_hvd.data.DATASET_NAMES (a test keeps the two lists equal)
+    name: Literal["digits", "synthetic", "synthetic_lm", "cifar10", "mnist", "ptb"] = Field(
+        "digits", description="digits | synthetic | synthetic_lm | cifar10 | mnist | ptb")
     path: Optional[str] = Field(None, description="folder holding the dataset files (cifar10, mnist, ptb)")
     options: dict[str, Any] = Field(default_factory=dict, description="dataset-specific kwargs")
 
@@ -105,6 +109,9 @@ class RunConfig(_Section):
 def _deep_merge(base: dict, override: dict) -> dict:
     out = copy.deepcopy(base)
     for key, value in override.items():
+        if key == "compression" and isinstance(value, dict) and isinstance(out.get(key), dict):
+            # ``selection: tbs`` in one file and ``selection: {scope: bucket}`` in the other merge
+            out[key], value = expand_shorthands(out[key]), expand_shorthands(value)
         if isinstance(value, dict) and isinstance(out.get(key), dict):
             # A new compression method replaces the section: knobs of the old method would be unknown.
             if key == "compression" and "method" in value and value["method"] != out[key].get("method"):
@@ -153,6 +160,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     raw = copy.deepcopy(raw)
+    if isinstance(raw.get("compression"), dict):
+        raw["compression"] = expand_shorthands(raw["compression"])   # --set compression.selection.scope=...
     for item in overrides or []:
         parts, value = parse_override(item)
         node = raw
@@ -173,6 +182,8 @@ def _format_errors(exc: ValidationError, source: str) -> str:
         loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
         if err["type"] == "extra_forbidden":
             lines.append(f"  {loc}: unknown key. Check the spelling; valid keys are listed in docs/configuration.md")
+        elif err["type"] == "value_error" and loc == "compression":   # parse_compression's own message
+            lines.append(f"  {err['ctx']['error']}")
         else:
             lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r})")
     return f"invalid configuration in {source}:\n" + "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Alpha-beta communication cost model (algorithms.md sections 4 and 6).
+"""Alpha-beta communication cost model of the collectives (Hockney's model; Thakur et al., IJHPCA 2005).
 
 Framework-neutral, pure Python (``probe_network`` imports torch on demand).
 Sending m bytes costs ``alpha + m/B`` (alpha: seconds of latency per message,
@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+
+from ..core import layout
 
 PHI = (1.0 + math.sqrt(5.0)) / 2.0  # golden ratio (Golomb parameter choice)
 PAIR_HEADER_BYTES = 8  # per layer and worker: element count + layer id
@@ -89,8 +91,8 @@ def crossover_workers(density: float, bytes_per_element: float) -> float:
 
 
 def num_selected(n: int, density: float) -> int:
-    """k = ceil(D*n), at least 1 for a non-empty layer, at most n."""
-    return 0 if n <= 0 else min(n, max(1, math.ceil(density * n - 1e-9)))
+    """k = ceil(D*n), at least 1 for a non-empty layer, at most n: what the exchange sends."""
+    return layout.k_of(n, density)
 
 
 def dense_bytes(n: int, fp16: bool = False) -> int:
@@ -275,17 +277,8 @@ def sparse_buckets(layers, bucket_bytes: float = BUCKET_BYTES) -> list[list[int]
     registration order): allgather-compressed layers in reverse order (the order
     backward produces them), a new bucket whenever the next layer would take the
     bucket past ``bucket_bytes`` of dense fp32 bytes. Indices into ``layers``."""
-    buckets, cur, size = [], [], 0
-    for i in reversed(range(len(layers))):
-        n, _, m = layers[i]
-        if canonical(m) not in ALLGATHER_METHODS:
-            continue
-        if cur and size + 4 * n > bucket_bytes:
-            buckets.append(cur)
-            cur, size = [], 0
-        cur.append(i)
-        size += 4 * n
-    return buckets + ([cur] if cur else [])
+    return layout.buckets([n for n, _, _ in layers], bucket_bytes,
+                   include=lambda i: canonical(layers[i][2]) in ALLGATHER_METHODS)
 
 
 def step_time(layers, N: int, net: Network, compute_s: float, overlap: bool = False,

@@ -1,6 +1,9 @@
-"""Measure what compression costs per element on this machine, for ``policy: cost_model``.
+"""Measure what the cost model needs on this machine, for ``policy.mode: cost_model``.
 
-The cost model's default :class:`~redsync_hvd.costmodel.ComputeModel` holds rough CPU
+``probe_network`` (policy/costmodel.py) fits the network's alpha and bandwidth from timed
+allreduces; ``probe_compute`` measures what compression costs per element here.
+
+The cost model's default :class:`~redsync_hvd.policy.costmodel.ComputeModel` holds rough CPU
 figures; a shared 2-core VM or a GPU can be several times off, and then the policy
 compresses layers where it does not pay. ``probe_compute`` times, on the training
 device, what the exchange does per step for one compressed layer (compensation, a TBS
@@ -15,13 +18,13 @@ import time
 
 import torch
 
-from .comm.local import LocalCommunicator
-from .compressors import build_compressor
-from .compressors.base import Layer
-from .costmodel import ComputeModel
-from .exchange import GradientExchange
-from .memory import ResidualMemory
-from .policy import LayerPolicy
+from ..comm.local import LocalCommunicator
+from ..compressors import build_compressor
+from ..compressors.base import Layer
+from ..exchange import GradientExchange
+from ..memory import ResidualMemory
+from ..policy import LayerPolicy
+from ..policy.costmodel import ComputeModel, Network, probe_network
 
 
 def _fastest(numel: int, device, size: int, repeats: int) -> float:
@@ -29,10 +32,13 @@ def _fastest(numel: int, device, size: int, repeats: int) -> float:
     ``numel`` elements (RedSync at density 0.001, tbs, sign-mean, residual memory), with
     a one-process transport that decodes ``size`` ranks' messages: everything the exchange
     does for such a layer except moving bytes."""
+    comm = LocalCommunicator(size)
     comp, cfg = build_compressor({"method": "redsync", "density": 0.001, "selection": "tbs",
-                                  "min_compress_numel": 0, "momentum_correction": False})
+                                  "policy": {"min_compress_numel": 0}, "dgc": {"momentum_correction": False}}, comm)
     layer = Layer("probe", (numel,), numel, 0, torch.device(device))
-    ex = GradientExchange([layer], comp, LocalCommunicator(size), LayerPolicy(cfg), ResidualMemory())
+    policy = LayerPolicy(cfg)
+    policy.setup([layer], size)
+    ex = GradientExchange([layer], comp, comm, policy, ResidualMemory())
     g = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(device)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     times = []
@@ -67,3 +73,17 @@ def probe_compute(comm, device="cpu", numel: int = 1 << 22, repeats: int = 5, sm
     if getattr(comm, "size", 1) > 1:
         mine = comm.wait(comm.allreduce_async(mine, name="costmodel.compute_probe", average=True))
     return ComputeModel(select_c0=float(mine[0]), select_c1=float(mine[1]), decompress_c0=0.0, decompress_c1=0.0)
+
+
+def network_for(config, comm) -> Network | None:
+    """The network the cost model plans for: what the config gives, the rest measured here
+    (a probed alpha is Horovod's cost per collective round: its cycle, negotiation, the wait,
+    often far above the link's latency). None unless ``policy.mode`` is cost_model."""
+    p = config.policy
+    if p.mode != "cost_model":
+        return None
+    if p.latency_s is not None and p.bandwidth_gbit is not None:
+        return Network.from_config(latency_s=p.latency_s, bandwidth_gbit=p.bandwidth_gbit)
+    probed = probe_network(comm)
+    return Network(alpha=probed.alpha if p.latency_s is None else float(p.latency_s),
+                   bandwidth=probed.bandwidth if p.bandwidth_gbit is None else float(p.bandwidth_gbit) * 1e9 / 8.0)

@@ -1,0 +1,425 @@
+"""Schema of the ``compression:`` section: one typed model per method.
+
+A knob has one name in YAML, on the CLI (``--set compression.selection.method=trimmed``) and in
+the dict passed to ``DistributedOptimizer(compression=...)``. RedSync's knobs come in groups,
+one per concern:
+
+    selection   how about k elements are found (method, scope, search budgets, threshold reuse)
+    message     what travels (quantisation, sign rule, index coding)
+    dgc         Deep Gradient Compression's corrections (momentum correction, masking, clipping)
+    warmup      the density warm-up schedule
+    policy      which layers compress (size floor, per-layer overrides, cost model)
+
+Each method declares what it can do as class variables (``strategy``, ``frameworks``,
+``engines``, ``delayed``), so callers ask the config instead of probing for attributes.
+``selection: tbs`` and ``policy: cost_model`` are short for ``{method: tbs}`` and
+``{mode: cost_model}``. A key from before the grouping (``quantize``, ``selection_scope``, ...)
+is refused with the name it moved to.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+_METHODS: dict[str, type["CompressionConfig"]] = {}
+
+Selection = Literal["exact", "trimmed", "tbs", "sampled"]
+
+# flat keys of earlier versions -> where they live now
+MOVED = {
+    "selection_scope": "selection.scope", "tbs_max_probes": "selection.tbs_max_probes",
+    "trimmed_eps": "selection.trimmed_eps", "sample_fraction": "selection.sample_fraction",
+    "threshold_reuse": "selection.threshold_reuse",
+    "quantize": "message.quantize", "sign_rule": "message.sign_rule", "index_coding": "message.index_coding",
+    "binarize": "message.binarize",
+    "momentum_correction": "dgc.momentum_correction", "momentum_masking": "dgc.momentum_masking",
+    "clip_norm": "dgc.clip_norm",
+    "warmup_epochs": "warmup.epochs", "warmup_steps": "warmup.steps",
+    "warmup_start_density": "warmup.start_density", "warmup_stages": "warmup.stages",
+    "latency_s": "policy.latency_s", "bandwidth_gbit": "policy.bandwidth_gbit",
+    "min_compress_numel": "policy.min_compress_numel", "layers": "policy.layers",
+}
+
+
+# a group given as one string: the group's main knob
+SHORTHANDS = {"selection": "method", "policy": "mode"}
+
+
+def expand_shorthands(section: dict) -> dict:
+    """``selection: tbs`` -> ``selection: {method: tbs}``; ``policy: cost_model`` -> ``{mode: cost_model}``
+    (IWP's selection is a plain choice and stays as it is)."""
+    out = dict(section)
+    for key, main in SHORTHANDS.items():
+        if isinstance(out.get(key), str) and not (key == "selection" and out.get("method") == "iwp"):
+            out[key] = {main: out[key]}
+    return out
+
+
+def register_method(name: str) -> Callable[[type], type]:
+    def deco(cls: type) -> type:
+        _METHODS[name] = cls
+        return cls
+    return deco
+
+
+def method_names() -> list[str]:
+    return sorted(_METHODS)
+
+
+def check_density(value: float, field: str = "density") -> float:
+    if not (0.0 < float(value) <= 1.0):
+        raise ValueError(
+            f"{field}={value!r} is outside (0, 1]: it is the fraction of each layer's "
+            f"elements sent per step (e.g. 0.01 sends 1%; 1.0 sends everything)")
+    return float(value)
+
+
+class _Group(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- groups -------------------------------------------------------------------------------
+class LayerOverride(_Group):
+    """Per-layer settings by parameter-name pattern (fnmatch, e.g. ``"embedding.*"``, ``"*fc*.weight"``).
+    The first matching entry wins."""
+    pattern: str
+    density: Optional[float] = None
+    selection: Optional[Selection] = None
+    dense: bool = Field(False, description="send this layer dense (fused allreduce)")
+
+    @field_validator("density")
+    @classmethod
+    def _density(cls, v):
+        return None if v is None else check_density(v, "layers[].density")
+
+
+class PolicyConfig(_Group):
+    """Which layers travel compressed. Small layers (biases, norms) cost more in latency and
+    selection than they save in bytes; the cost model decides per layer from measured figures."""
+    mode: Literal["static", "cost_model"] = Field(
+        "static", description="static: compress every layer of at least min_compress_numel elements | "
+                              "cost_model: compress a layer only where the alpha-beta model predicts a gain")
+    min_compress_numel: int = Field(0, ge=0, description="layers with fewer elements go dense (fused allreduce)")
+    layers: list[LayerOverride] = Field(default_factory=list, description="per-layer overrides")
+    latency_s: Optional[float] = Field(None, ge=0, description="cost_model: cost of one collective round "
+                                                               "(None: measured at start)")
+    bandwidth_gbit: Optional[float] = Field(None, gt=0, description="cost_model: bandwidth (None: measured)")
+
+
+class SelectionConfig(_Group):
+    """How RedSync finds about k of the residual's largest magnitudes (see core/selection.py)."""
+    method: Selection = Field("tbs", description="exact (torch.topk) | trimmed (exactly k) | tbs (threshold "
+                                                 "binary search, k to 2k) | sampled (DGC's sampled threshold)")
+    scope: Literal["auto", "layer", "bucket"] = Field(
+        "auto", description="layer: select each layer in its gradient hook (per-layer searches, threshold "
+                            "reuse; fastest on CPUs) | bucket: select all compressed layers of a bucket at "
+                            "once when its last gradient arrives, by histogram thresholds, with one host "
+                            "wait per bucket instead of several per layer (GPUs; tbs only, threshold_reuse "
+                            "does not apply) | auto: bucket on CUDA with method tbs and no per-layer "
+                            "selection overrides, else layer")
+    tbs_max_probes: int = Field(20, gt=0, description="tbs: probe budget before the exact fallback")
+    trimmed_eps: float = Field(0.2, gt=0, lt=1, description="trimmed: step of the threshold ratio")
+    sample_fraction: float = Field(0.01, gt=0, le=1, description="sampled: fraction of elements sampled")
+    threshold_reuse: int = Field(1, ge=1, description="re-search a layer's threshold every R steps (or when "
+                                                      "the count leaves [k/2, 2k]); else only count")
+
+
+class MessageConfig(_Group):
+    """What a RedSync message carries besides the positions."""
+    quantize: Literal["none", "fp16", "sign_mean"] = Field(
+        "sign_mean", description="none: fp32 values | fp16: half values | sign_mean: one sign, one mean")
+    sign_rule: Literal["alternate", "larger"] = Field(
+        "alternate", description="sign_mean: alternate the sign every step (RedSync) | larger: the side "
+                                 "with the larger mean magnitude (SBC)")
+    index_coding: Literal["raw", "golomb"] = Field(
+        "raw", description="raw (int32) | golomb (Golomb-Rice coded gaps: 8-12 bits each instead of 32, "
+                           "for a sort and a CPU encode per layer)")
+
+    def wire_format(self) -> str:
+        if self.index_coding == "golomb":
+            return "golomb"
+        return {"sign_mean": "sign_mean", "fp16": "pairs_fp16"}.get(self.quantize, "pairs")
+
+
+class SBCMessageConfig(_Group):
+    """Sparse Binary Compression's message."""
+    binarize: bool = Field(True, description="send one mean for the side (top-k positive or top-k negative) "
+                                             "with the larger mean magnitude; false: send k values")
+    index_coding: Literal["raw", "golomb"] = Field("golomb", description="golomb (Golomb-Rice coded gaps) | "
+                                                                         "raw (int32)")
+
+    @property
+    def quantize(self) -> str:
+        return "sign_mean" if self.binarize else "none"
+
+    def wire_format(self) -> str:
+        return "golomb" if self.index_coding == "golomb" else "sign_mean" if self.binarize else "pairs"
+
+
+class DGCConfig(_Group):
+    """Deep Gradient Compression's corrections (Lin et al., ICLR 2018)."""
+    momentum_correction: bool = Field(
+        False, description="accumulate velocity, not gradient, in the residual; takes momentum and weight "
+                           "decay out of the wrapped optimizer (which then runs plain SGD)")
+    momentum_masking: bool = Field(True, description="zero the velocity where values were sent")
+    clip_norm: Optional[float] = Field(None, gt=0, description="local per-layer gradient clipping at "
+                                                               "clip_norm * N**-0.5 before accumulation")
+
+
+class WarmupConfig(_Group):
+    """DGC's density warm-up: exponential decay from start_density to density in equal stages."""
+    epochs: float = Field(0.0, ge=0, description="warm-up length in epochs")
+    steps: int = Field(0, ge=0, description="... or in steps (takes precedence when > 0)")
+    start_density: float = Field(0.25, description="density at the start of warm-up")
+    stages: int = Field(4, ge=1, description="number of equal stages")
+
+    @field_validator("start_density")
+    @classmethod
+    def _start(cls, v):
+        return check_density(v, "warmup.start_density")
+
+
+# -- methods ------------------------------------------------------------------------------
+class CompressionConfig(BaseModel):
+    """Knobs every method shares, and what the method can do (class variables)."""
+    model_config = ConfigDict(extra="forbid")
+    method: str
+    check_finite: bool = Field(
+        True, description="stop with a clear error on NaN/Inf gradients (all ranks agree, residuals untouched); "
+                          "costs one reduction per layer and one tiny allreduce per step")
+    fusion_bytes: int = Field(
+        16 << 20, gt=0, description="compressed layers are packed into buckets of at most this many dense bytes; "
+                                    "one bucket = one allgather (fewer collectives, later start)")
+    policy: PolicyConfig = Field(default_factory=PolicyConfig, description="which layers compress")
+
+    strategy: ClassVar[Literal["exchange", "decentralized"]] = "exchange"
+    frameworks: ClassVar[tuple] = ("torch", "tensorflow")
+    engines: ClassVar[tuple] = ("horovod", "ddp")
+    delayed: ClassVar[bool] = False     # local steps between exchanges: the optimizer owns the timing
+
+    def limits(self) -> str:
+        """Why the method runs only where ``frameworks`` and ``engines`` say, for error messages."""
+        return "exchanges gradients"
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _policy_shorthand(cls, v):
+        return {"mode": v} if isinstance(v, str) else v
+
+    @property
+    def uses_memory(self) -> bool:
+        return False
+
+    def layer_density(self) -> float:
+        """Fraction of a compressed layer sent per step (1.0: everything)."""
+        return 1.0
+
+    def wire_format(self) -> str:
+        """The message kind the cost model prices (policy/costmodel.py ``message_bytes``)."""
+        return "pairs"
+
+
+@register_method("none")
+class NoneConfig(CompressionConfig):
+    """Dense fp32 allreduce (Horovod's default): the baseline everything is compared to."""
+
+
+@register_method("fp16")
+class FP16Config(CompressionConfig):
+    """Dense allreduce in half precision: 2x fewer bytes, no residual."""
+
+
+class ResidualConfig(CompressionConfig):
+    """Sparse methods with error feedback: what is not sent stays in a per-worker residual."""
+    density: float = Field(0.01, description="fraction of each layer's elements sent per step, in (0, 1]")
+    residual: bool = Field(True, description="keep what is not sent and add it to the next gradient (error feedback)")
+    dgc: DGCConfig = Field(default_factory=DGCConfig, description="DGC's corrections")
+    warmup: WarmupConfig = Field(default_factory=WarmupConfig, description="density warm-up")
+
+    @field_validator("density")
+    @classmethod
+    def _density(cls, v: float) -> float:
+        return check_density(v)
+
+    @model_validator(mode="after")
+    def _dgc_needs_residual(self):
+        if self.dgc.momentum_correction and not self.residual:
+            raise ValueError("dgc.momentum_correction keeps the velocity in the residual: it needs residual: true")
+        return self
+
+    @property
+    def uses_memory(self) -> bool:
+        return self.residual
+
+    def layer_density(self) -> float:
+        return self.density
+
+
+_SPARSE_UPDATE = ("PyTorch, plain SGD only: apply each compressed layer's averaged sparse gradient straight to its "
+                  "weights inside step(), instead of writing a dense .grad that is almost all zeros and updating "
+                  "every weight. Saves two passes over the compressed layers per step (worth it on CPUs; a GPU "
+                  "does those passes in microseconds). Those parameters' .grad is None after step(); call "
+                  "synchronize() first to see dense averaged gradients (e.g. to clip them). Needs torch.optim.SGD "
+                  "without momentum and weight decay in the optimizer (dgc.momentum_correction takes both out)")
+
+
+class AllgatherConfig(ResidualConfig):
+    """Sparse methods whose messages (own positions, own values) travel by allgather."""
+    sparse_update: bool = Field(False, description=_SPARSE_UPDATE)
+
+
+@register_method("topk")
+class TopKConfig(AllgatherConfig):
+    """Exact top-k by magnitude (torch.topk), sent as (int32 index, fp32 value) pairs over allgather."""
+
+
+@register_method("randomk")
+class RandomKConfig(ResidualConfig):
+    """k random positions drawn from a seed shared by all ranks, so only values travel, by allreduce."""
+    seed: int = Field(0, description="shared seed; the positions change every step")
+
+
+@register_method("redsync")
+class RedSyncConfig(AllgatherConfig):
+    """RedSync: residual gradient compression with fast selection and quantised messages.
+    See docs/redsync.md for each knob's trade-off."""
+    density: float = Field(0.001, description="fraction of each compressed layer sent per step, in (0, 1]")
+    selection: SelectionConfig = Field(default_factory=SelectionConfig, description="how k elements are found")
+    message: MessageConfig = Field(default_factory=MessageConfig, description="what travels")
+    dgc: DGCConfig = Field(default_factory=lambda: DGCConfig(momentum_correction=True), description="DGC's corrections")
+    policy: PolicyConfig = Field(default_factory=lambda: PolicyConfig(min_compress_numel=4096),
+                                 description="which layers compress")
+
+    @field_validator("selection", mode="before")
+    @classmethod
+    def _selection_shorthand(cls, v):
+        return {"method": v} if isinstance(v, str) else v
+
+    def wire_format(self) -> str:
+        return self.message.wire_format()
+
+    @model_validator(mode="after")
+    def _bucket_scope_is_tbs(self):
+        if self.selection.scope == "bucket" and (self.selection.method != "tbs"
+                                                 or any(o.selection for o in self.policy.layers)):
+            raise ValueError("selection.scope=bucket selects by histogram thresholds, which is tbs "
+                             "(k to 2k elements per layer): set selection.method: tbs and drop per-layer "
+                             "selection overrides, or use selection.scope: layer")
+        return self
+
+
+@register_method("iwp")
+class IWPConfig(ResidualConfig):
+    """Importance-weighted pruning (Cheng & Xu): a leader picks the top |residual|/(|w|+eps)
+    positions, broadcasts them, and every rank's values there are summed by one plain allreduce."""
+    seed: int = Field(0, description="shared seed of the per-step leader draw (no communication to agree)")
+    eps: float = Field(1e-8, gt=0, description="importance = |residual| / (|weight| + eps)")
+    selection: Literal["exact", "trimmed"] = Field("trimmed", description="exact | trimmed (exactly k indices "
+                                                                          "are needed)")
+    policy: PolicyConfig = Field(default_factory=lambda: PolicyConfig(min_compress_numel=4096),
+                                 description="which layers compress")
+
+    @model_validator(mode="after")
+    def _exact_k_overrides(self):
+        for o in self.policy.layers:
+            if o.selection not in (None, "exact", "trimmed"):
+                raise ValueError(f"policy.layers[].selection={o.selection!r}: iwp needs exactly k indices, "
+                                 "so only exact or trimmed")
+        return self
+
+
+@register_method("sbc")
+class SBCConfig(ResidualConfig):
+    """Sparse Binary Compression (Sattler et al.): n local steps, then the accumulated model
+    delta plus residual is sparsified, binarised (one mean, one sign) and its positions
+    Golomb-coded; every rank decodes all messages and applies their average."""
+    local_steps: int = Field(10, ge=1, description="optimizer steps between communications (1: per-step "
+                                                   "gradient compression)")
+    message: SBCMessageConfig = Field(default_factory=SBCMessageConfig, description="what travels")
+    frameworks: ClassVar[tuple] = ("torch",)
+    engines: ClassVar[tuple] = ("horovod",)
+    delayed: ClassVar[bool] = True
+
+    def wire_format(self) -> str:
+        return self.message.wire_format()
+
+    def limits(self) -> str:
+        return ("uses communication delay (model deltas over local_steps), which needs the optimizer to own "
+                "the update")
+
+    @model_validator(mode="after")
+    def _no_dgc_no_selection(self):
+        if self.dgc.momentum_correction or self.dgc.clip_norm:
+            raise ValueError("sbc exchanges model deltas after local steps; momentum and clipping stay in the "
+                             "local optimizer: remove dgc from the sbc config")
+        for o in self.policy.layers:
+            if o.selection is not None:
+                raise ValueError(f"policy.layers[].selection={o.selection!r}: sbc picks each sign's top-k "
+                                 "exactly (torch.topk); remove selection from the override")
+        return self
+
+
+class DecentralizedConfig(CompressionConfig):
+    """Decentralized training (Tang et al., NeurIPS 2018), no allreduce: each worker mixes models with
+    its neighbours (ring by default) through mpi4py. dcd: compressed differences (minmax); ecd:
+    compressed extrapolations (grid); dpsgd: uncompressed D-PSGD; naive: compressed models (fails)."""
+    bits: Literal[8, 4, 2] = Field(8, description="8 | 4 | 2 bits per element (minmax, grid)")
+    quantizer: Literal["minmax", "grid", "topk", "none"] = Field(
+        "minmax", description="minmax (relative error: dcd, naive) | grid (absolute error: ecd) | topk | none")
+    step: float = Field(0.01, gt=0, description="grid: spacing; beyond +-step*(2**(bits-1)-1) values are clipped")
+    density: float = Field(0.1, description="topk: fraction of elements sent, in (0, 1]")
+    unbiased: bool = Field(True, description="topk: random-k scaled by n/k (unbiased) or plain top-k (biased)")
+    topology: Any = Field("ring", description="ring | N x N mixing matrix (list of lists) | path to a YAML file")
+    seed: int = Field(0, description="seed of the stochastic rounding (combined with the rank)")
+
+    strategy: ClassVar[Literal["exchange", "decentralized"]] = "decentralized"
+    frameworks: ClassVar[tuple] = ("torch",)
+    engines: ClassVar[tuple] = ("horovod",)
+
+    @field_validator("density")
+    @classmethod
+    def _density(cls, v):
+        return check_density(v)
+
+    def limits(self) -> str:
+        return ("is decentralized (each worker averages models with its ring neighbours over mpi4py; there is "
+                "no averaged gradient)")
+
+
+DECENTRALIZED = ("dcd", "ecd", "dpsgd", "naive")
+for _name in DECENTRALIZED:
+    register_method(_name)(DecentralizedConfig)
+
+
+# -- parsing ------------------------------------------------------------------------------
+def parse_compression(value: Any) -> CompressionConfig:
+    """dict (YAML section) or config object -> validated config object."""
+    if isinstance(value, CompressionConfig):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"compression must be a mapping like {{'method': 'topk', 'density': 0.01}}, got {value!r}")
+    method = value.get("method", "none")
+    if method not in _METHODS:
+        raise ValueError(f"compression.method={method!r} is unknown; choose one of {method_names()}")
+    cls = _METHODS[method]
+    moved = [k for k in value if k in MOVED and k not in cls.model_fields]
+    if moved:
+        raise ValueError("; ".join(f"compression.{k} moved to compression.{MOVED[k]} "
+                                   f"(write {_nested_example(MOVED[k], value[k])})" for k in moved))
+    try:
+        return cls.model_validate({**value, "method": method})
+    except ValidationError as exc:
+        raise ValueError("; ".join(_problem(err, method) for err in exc.errors())) from None
+
+
+def _nested_example(path: str, value: Any) -> str:
+    group, key = path.split(".")
+    return f"{group}: {{{key}: {value!r}}}"
+
+
+def _problem(err: dict, method: str) -> str:
+    loc = "compression." + ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
+    if err["type"] == "extra_forbidden":
+        return f"{loc}: unknown key for method {method!r}; the valid keys are listed in docs/configuration.md"
+    return f"{loc}: {err['msg']}"

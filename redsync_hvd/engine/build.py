@@ -1,0 +1,118 @@
+"""One adapter core: build the gradient exchange for any framework and engine.
+
+Adapters (``redsync_hvd.torch``, ``redsync_hvd.tensorflow``, the DDP hook) describe their
+parameters as :class:`~redsync_hvd.compressors.base.Layer` objects, bring a communicator, and
+call :func:`build_exchange`, which
+
+    1. parses the compression (a dict like the YAML section, a config object, or a Compressor);
+    2. refuses what this framework or engine cannot run, naming what can;
+    3. has every rank agree on config and layers (one allgather) before any other collective;
+    4. builds the memory: residuals, or DGC momentum correction with the momentum (and weight
+       decay) taken out of the wrapped optimizer through the adapter's ``take_momentum``;
+    5. makes the per-layer decisions, probing network and compute where the cost model needs them;
+    6. builds the exchange.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from ..compressors import Compressor, build_compressor
+from ..config.compression import (AllgatherConfig, CompressionConfig, ResidualConfig, method_names,
+                                  parse_compression)
+from ..exchange import GradientExchange
+from ..memory import MomentumCorrectionMemory, ResidualMemory
+from ..policy import LayerPolicy
+from .probes import network_for, probe_compute
+
+
+@dataclass
+class MomentumSpec:
+    """What DGC's momentum correction takes out of the wrapped optimizer, per layer name."""
+    momentum: dict = field(default_factory=dict)
+    nesterov: bool = False
+    weight_decay: dict = field(default_factory=dict)
+
+
+@dataclass
+class Built:
+    exchange: GradientExchange
+    config: CompressionConfig
+    momentum: Optional[MomentumSpec] = None   # set when momentum correction took it out
+
+
+def parse(compression: Any) -> CompressionConfig:
+    """The config of a dict, a config object or a Compressor (dense fp32 for None)."""
+    if isinstance(compression, Compressor):
+        return compression.config if isinstance(compression.config, CompressionConfig) \
+            else parse_compression({"method": "none"})
+    return parse_compression(compression if compression is not None else {"method": "none"})
+
+
+def refuse(config: CompressionConfig, framework: str, engine: str) -> None:
+    """Stop, naming the alternatives, when this framework or engine cannot run the method."""
+    if framework not in config.frameworks:
+        able = [m for m in method_names() if framework in parse_compression({"method": m}).frameworks]
+        raise NotImplementedError(f"compression.method={config.method!r} {config.limits()}; the {framework} adapter "
+                                  f"exchanges gradients. Use framework: torch for {config.method}, or one of "
+                                  f"{', '.join(able)}")
+    if isinstance(config, AllgatherConfig) and config.sparse_update and (framework, engine) != ("torch", "horovod"):
+        raise ValueError("compression.sparse_update updates the weights inside redsync_hvd.torch.DistributedOptimizer's "
+                         f"step(); the {framework} adapter{' under engine: ' + engine if engine != 'horovod' else ''} "
+                         "writes dense averaged gradients. Set sparse_update: false")
+    if engine not in config.engines:
+        able = [m for m in method_names() if engine in parse_compression({"method": m}).engines]
+        raise NotImplementedError(f"compression.method={config.method!r} {config.limits()}; it runs on the "
+                                  f"Horovod engine (engine: horovod, redsync_hvd.torch.DistributedOptimizer). "
+                                  f"Under engine: {engine} use one of {', '.join(able)}")
+
+
+def check_same_everywhere(comm, config: CompressionConfig, layers: list) -> None:
+    """Ranks must agree on config and layer list before the first collective, or they would hang."""
+    mine = json.dumps({"compression": config.model_dump(mode="json"),
+                       "layers": [(l.name, list(l.shape)) for l in layers]}, sort_keys=True)
+    everyone = comm.allgather_object(mine, name="rsync.config_check")
+    if any(other != mine for other in everyone):
+        bad = [r for r, other in enumerate(everyone) if other != everyone[0]]
+        raise ValueError(f"ranks {bad} have a different compression config or model than rank 0; "
+                         "every rank must build the same model and pass the same compression settings")
+
+
+def build_memory(config: CompressionConfig, momentum: Optional[MomentumSpec], fuse: bool = True):
+    if not config.uses_memory:
+        return None
+    if isinstance(config, ResidualConfig) and config.dgc.momentum_correction:
+        return MomentumCorrectionMemory(momentum.momentum, nesterov=momentum.nesterov,
+                                        masking=config.dgc.momentum_masking, fuse=fuse)
+    return ResidualMemory(fuse=fuse)
+
+
+def build_exchange(compression: Any, layers: list, comm, *, framework: str = "torch", engine: str = "horovod",
+                   take_momentum: Optional[Callable[[], MomentumSpec]] = None, agree: bool = True,
+                   fuse: bool = True, **options) -> Built:
+    """The exchange for ``layers`` (Layer objects) over ``comm``; ``options`` go to GradientExchange
+    (reuse_buffers, grads_writable, on_nonfinite). ``take_momentum``: called once, only when the
+    config asks for momentum correction; it takes momentum and weight decay out of the optimizer."""
+    config = parse(compression)                                                     # 1.
+    refuse(config, framework, engine)                                               # 2.
+    compressor, config = build_compressor(compression if isinstance(compression, Compressor) else config, comm)
+    if agree:
+        check_same_everywhere(comm, config, layers)                                 # 3.
+    momentum = None
+    if isinstance(config, ResidualConfig) and config.dgc.momentum_correction:       # 4.
+        if take_momentum is None:
+            raise ValueError("compression.dgc.momentum_correction keeps the optimizer's momentum in the compression "
+                             "memory: pass the optimizer (or its momentum) to the adapter, or set "
+                             "dgc: {momentum_correction: false}")
+        momentum = take_momentum()
+    memory = build_memory(config, momentum, fuse)
+    policy = LayerPolicy(config)                                                    # 5.
+    network = network_for(config, comm)
+    if network is not None:
+        policy.compute = probe_compute(comm, layers[0].device if layers else "cpu")
+    policy.setup(layers, comm.size, network)
+    clip = config.dgc.clip_norm if isinstance(config, ResidualConfig) else None
+    exchange = GradientExchange(layers, compressor, comm, policy, memory, check_finite=config.check_finite,  # 6.
+                                fusion_bytes=config.fusion_bytes, clip_norm=clip, **options)
+    return Built(exchange, config, momentum)

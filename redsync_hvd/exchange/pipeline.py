@@ -1,0 +1,290 @@
+"""The gradient exchange: GRACE's pipeline, per layer or per bucket, framework-neutral.
+
+Adapters feed it torch tensors from gradient hooks (so early layers overlap the rest of
+backward) and take averaged torch tensors back. One unit (a layer, or a whole bucket when the
+compressor selects by bucket) goes through:
+
+    1. compensate    x = memory.compensate(g)           r + g   (DGC: u = m*u + g; x = r + u)
+    2. compress      msg = compressor.compress(x)        what goes on the wire, what was sent
+    3. update memory memory.update(x, msg)               x -= decode(msg): the new residual
+    4. send          transport.send(msg)                 allreduce, or a bucket's allgather
+
+and ``finish()`` then waits, decodes and averages, has every rank agree that every gradient was
+finite, and only then commits the memories; any failure calls ``abort()``, which rolls them
+back, so a failed step loses nothing.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..compressors.base import Compressor, Layer
+from ..compressors.dense import NoneCompressor
+from ..core import layout
+from ..core.selection import NonFiniteError
+from ..core.stats import CommStats
+from ..memory import NoMemory
+from .step import Bucket, StepState, Unit
+from .transport import Transport
+
+
+class NonFiniteGradientError(FloatingPointError):
+    pass
+
+
+class GradientExchange:
+    """One step: ``submit(name, grad)`` for every layer (from hooks), then ``finish()``.
+
+    layers: the parameters, with the policy's decisions made (``policy.setup``).
+    memory: residual memory for compressed layers (None: no error feedback).
+    check_finite: agree across ranks that the step was finite (else every rank raises).
+    on_nonfinite: "raise" (NonFiniteGradientError) | "skip": roll back and return gradients
+        filled with inf, so a GradScaler skips the step (fp16 training).
+    clip_norm: DGC's local clipping; each worker's share of the norm is clip_norm * N**-0.5.
+    grads_writable: the caller's gradients may be reduced in place (the torch adapter's .grad).
+    """
+
+    def __init__(self, layers: list, compressor: Compressor, comm, policy, memory=None, *,
+                 check_finite: bool = True, on_nonfinite: str = "raise", fusion_bytes: int = 16 << 20,
+                 clip_norm: float | None = None, reuse_buffers: bool = True, grads_writable: bool = False):
+        if on_nonfinite not in ("raise", "skip"):
+            raise ValueError(f"on_nonfinite={on_nonfinite!r} is not 'raise' or 'skip'")
+        for layer in layers:
+            if layer.numel == 0:
+                raise ValueError(f"parameter {layer.name!r} has zero elements: there is nothing to exchange. "
+                                 "Remove it from named_parameters or set requires_grad=False")
+        self.layers = {l.name: l for l in layers}
+        self.order = [l.name for l in layers]
+        self.compressor, self.dense = compressor, NoneCompressor()
+        self.comm, self.policy = comm, policy
+        self.memory = memory if memory is not None else NoMemory()
+        self.check_finite, self.on_nonfinite = check_finite, on_nonfinite
+        self.grads_writable = grads_writable
+        self.clip = clip_norm * comm.size ** -0.5 if clip_norm else None
+        self.grad_scale = None   # a GradScaler's scale: residuals keep unscaled values
+        self.stats = CommStats()
+        self.step = 0
+        self.applied: list = []
+        buckets = self._buckets(layers, fusion_bytes)
+        self.units = self._units(layers, buckets)
+        self.transport = Transport(comm, self.stats, self.layers, buckets, reuse_buffers)
+        self.state = StepState()
+
+    def _buckets(self, layers: list, fusion_bytes: int) -> list:
+        if self.compressor.collective != "allgather":
+            return []
+        parts = layout.buckets([l.numel for l in layers], fusion_bytes, include=lambda i: layers[i].compressed)
+        return [Bucket(i, tuple(layers[j] for j in part)) for i, part in enumerate(parts)]
+
+    def _units(self, layers: list, buckets: list) -> dict:
+        units = {l.name: Unit((l,)) for l in layers}
+        for bucket in buckets:
+            if self.compressor.selects_by_bucket(list(bucket.layers)):
+                units.update(dict.fromkeys((l.name for l in bucket.layers), Unit(bucket.layers)))
+        return units
+
+    def parts(self, layer: Layer) -> tuple:
+        """(compressor, memory) of a layer: dense layers skip both (their residual would stay 0)."""
+        return (self.compressor, self.memory) if layer.compressed else (self.dense, NoMemory())
+
+    # -- per layer, from the hook ----------------------------------------------------------
+    def submit(self, name: str, grad: torch.Tensor) -> None:
+        layer = self.layers[name]
+        if name in self.state.submitted:
+            raise RuntimeError(f"gradient of {name!r} submitted twice in one step; call step() or "
+                               "synchronize() between backward passes, or raise backward_passes_per_step")
+        self.state.submitted.add(name)
+        if layer.compressed and self.compressor.blocking:
+            # it waits on a collective inside compress: run in the fixed layer order in finish(), as
+            # ranks whose backward passes produce gradients in different orders could deadlock here
+            self.state.deferred[name] = grad
+            return
+        self._stage(layer, grad)
+
+    def _stage(self, layer: Layer, grad: torch.Tensor) -> None:
+        """Prepare one gradient; run its unit once the unit's last layer is in."""
+        comp, memory = self.parts(layer)
+        layer.density = self.policy.density(layer, self.step)
+        with self.stats.timer("select", "sparse" if layer.compressed else "dense"):
+            g = self._prepare(layer, comp, grad)
+            unit = self.units[layer.name]
+            inputs = self.state.inputs.setdefault(unit.key, {})
+            inputs[layer.name] = g
+            if len(inputs) < len(unit.layers):
+                return   # the bucket's other layers are still in backward: the hook never waits
+            del self.state.inputs[unit.key]
+            msgs = self._run(unit, comp, memory, [inputs[l.name] for l in unit.layers])
+        for l, msg in zip(unit.layers, msgs):
+            self.transport.send(self.state, comp, l, msg)                         # 4. send
+
+    def _run(self, unit: Unit, comp: Compressor, memory, grads: list) -> list:
+        """Steps 1-3 for one unit; returns the messages to send."""
+        scans = [comp.scan_request(l, self.step) if not isinstance(memory, NoMemory) else None for l in unit.layers]
+        xs = [memory.compensate(l.name, g, s) for l, g, s in zip(unit.layers, grads, scans)]   # 1. compensate
+        msgs = self._compress(unit, comp, memory, grads, xs, scans)                          # 2. compress
+        for layer, x, msg in zip(unit.layers, xs, msgs):
+            self.transport.own(comp, layer.name, x, msg, self.grads_writable and isinstance(memory, NoMemory))
+            if comp.error_feedback == "aggregate":
+                self.state.aggregate[layer.name] = x     # x -= the average, in finish()
+            else:
+                memory.update(layer, x, msg, comp)                                             # 3. update memory
+        return msgs
+
+    def _compress(self, unit: Unit, comp: Compressor, memory, grads: list, xs: list, scans: list) -> list:
+        if len(unit.layers) > 1:
+            msgs = comp.compress_bucket(xs, list(unit.layers), self.step)
+            for layer, msg in zip(unit.layers, msgs):
+                if msg.nonfinite is True:
+                    self._mark_bad(layer.name)   # sent empty; every rank fails the step in finish()
+                elif msg.nonfinite is not None:   # a device flag: no host wait now
+                    self.state.evidence.append((layer.name, torch.where(msg.nonfinite, math.inf, 0.0)))
+            return msgs
+        (layer,), (x,), (scan,) = unit.layers, xs, scans
+        try:
+            return [comp.compress(x, layer, self.step, scan)]
+        except NonFiniteError:
+            # keep the collectives well formed: compress the residual alone; finish() fails the step
+            self._mark_bad(layer.name)
+            xs[0] = memory.compensate(layer.name, torch.zeros_like(grads[0]))
+            return [comp.compress(xs[0], layer, self.step)]
+
+    def _prepare(self, layer: Layer, comp: Compressor, grad: torch.Tensor) -> torch.Tensor:
+        """Flat fp32 gradient (fp16/bf16 accepted), unscaled, locally clipped; finite evidence."""
+        flat = grad.detach().reshape(-1).float()
+        if self.grad_scale is not None:
+            flat = flat / self.grad_scale
+        # compressors that select from every value check for NaN/Inf in a pass they make anyway;
+        # others get one summing pass here, read back once in finish() (a read per layer would
+        # stall a GPU once per layer). A NaN may travel meanwhile: every rank then fails the step.
+        if self.check_finite and not (layer.compressed and comp.checks_finite):
+            self.state.evidence.append((layer.name, flat.sum()))
+        if self.clip is not None:
+            # on the device, no host read: a factor of 1.0 leaves the values bit for bit
+            flat = flat * (self.clip / flat.norm().clamp(min=1e-30)).clamp(max=1.0)
+        if not layer.compressed and self.memory.corrects_momentum:
+            self.state.momentum_after.append(layer.name)   # momentum correction: applied to the average
+        return flat
+
+    def _mark_bad(self, name: str) -> None:
+        if not self.check_finite:
+            raise NonFiniteError(f"non-finite gradient values in {name} (NaN or Inf): refusing to select")
+        self.state.bad.append(name)
+
+    # -- per step ------------------------------------------------------------------------------
+    def missing(self) -> list:
+        return [n for n in self.order if n not in self.state.submitted]
+
+    def finish(self, into: dict | None = None, apply: dict | None = None) -> dict:
+        """Wait for every collective; return {name: averaged flat gradient}.
+
+        ``into``: optional {name: flat float32 tensor} to decode sparse layers into (the torch
+        adapter passes the .grad tensors, saving a copy); the result then is that tensor.
+        ``apply``: optional {name: (flat float32 parameter, lr)}: a layer among these that
+        travelled sparse by allgather is decoded straight into its parameter as
+        p -= lr * average (a plain SGD step), once every check has passed, and is left out
+        of the result (``self.applied`` lists them). No dense gradient is written for it.
+        """
+        missing = self.missing()
+        if missing:
+            raise RuntimeError(f"finish() before gradients of {missing[:5]} were submitted")
+        try:
+            for name in [n for n in self.order if n in self.state.deferred]:
+                self._stage(self.layers[name], self.state.deferred.pop(name))
+            flag = self._start_finite_agreement()
+            apply = apply or {}
+            out, updates = self.transport.collect(self.state, lambda l: self.parts(l)[0], into or {}, apply)
+            if flag is not None and float(self.comm.wait(flag)[0]) > 0:
+                return self._nonfinite(out)   # raises, or (on_nonfinite="skip") rolls back
+            self._after_average(out, updates, apply)
+        except BaseException:
+            self.abort()
+            raise
+        self.memory.commit()
+        self._end_step()
+        return out
+
+    def _start_finite_agreement(self):
+        """Every rank's count of non-finite layers, summed by one tiny allreduce. The evidence
+        (sums, device flags) is read back once, here."""
+        if self.state.evidence:
+            finite = torch.isfinite(torch.stack([v.float() for _, v in self.state.evidence]))
+            if not bool(finite.all()):
+                self.state.bad += [n for (n, _), ok in zip(self.state.evidence, finite.tolist()) if not ok]
+        if not self.check_finite:
+            return None
+        self.stats.add_bytes({"scalars": 4})
+        return self.comm.allreduce_async(torch.tensor([float(len(self.state.bad))]), name="rsync.finite",
+                                         average=False)
+
+    def _nonfinite(self, out: dict) -> dict:
+        bad = self.state.bad
+        if self.on_nonfinite == "skip":
+            self.abort()
+            for t in out.values():
+                t.fill_(math.inf)
+            return out
+        raise NonFiniteGradientError(
+            f"non-finite gradient (NaN/Inf) at step {self.step}"
+            + (f" in {bad[:5]} on this rank" if bad else " on another rank")
+            + ". No update was applied and the residuals were left as they were. "
+              "Lower the learning rate, clip gradients, or check the input data; "
+              "compression.check_finite=false disables this check.")
+
+    def _after_average(self, out: dict, updates: list, apply: dict) -> None:
+        """What needs the average: PowerSGD's residual, DGC momentum of dense layers, and (last:
+        nothing after it may fail, the weights change) sparse updates."""
+        for name, x in self.state.aggregate.items():
+            self.memory.update_aggregate(name, x, out[name])
+        if self.state.momentum_after:
+            with self.stats.timer("decompress", "allreduce"):
+                self.memory.dense_momentum(self.state.momentum_after, [out[n] for n in self.state.momentum_after])
+        if self.grad_scale is not None:
+            for t in out.values():
+                t.mul_(self.grad_scale)   # the caller's GradScaler unscales them again
+        if updates:
+            with self.stats.timer("decompress", "allgather"):
+                for layer, tensors, alpha in updates:
+                    self.compressor.decompress_add(apply[layer.name][0], tensors, layer, alpha=alpha)
+        self.applied = sorted({layer.name for layer, _, _ in updates})
+
+    def abort(self) -> None:
+        """Drop this step: the memories roll back, the step's figures are discarded."""
+        self.memory.rollback()
+        self.state = StepState()
+        self.stats.step.clear()
+
+    def _end_step(self) -> None:
+        self.stats.end_step()
+        self.step += 1
+        self.state = StepState()
+
+    # -- accessors, once for every adapter -----------------------------------------------------
+    def communication_stats(self) -> dict:
+        """Cumulative per-worker figures since start (:class:`~redsync_hvd.core.stats.CommStats`),
+        the last step's, and per layer."""
+        out = self.stats.summary()
+        out["last_step"] = dict(getattr(self.stats, "last", {}))
+        out["layers"] = dict(self.stats.layers)
+        return out
+
+    def layer_decisions(self) -> list:
+        """How each layer travels (compressed or dense, density, and why), decided once at start."""
+        return list(self.policy.decisions)
+
+    def set_steps_per_epoch(self, steps: int) -> None:
+        """Needed by epoch-based schedules such as ``warmup.epochs``."""
+        self.policy.steps_per_epoch = int(steps)
+
+    # -- checkpointing ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"step": self.step, "memory": self.memory.state_dict(), "compressor": self.compressor.state_dict(),
+                "stats": self.stats.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+        if state.get("memory"):
+            self.memory.load_state_dict(state["memory"])
+        self.compressor.load_state_dict(state.get("compressor", {}))
+        if "stats" in state:
+            self.stats.load_state_dict(state["stats"])

@@ -1,0 +1,84 @@
+"""Layer-wise policy: which layers are compressed, with which selection, at what density, per step.
+
+* Small layers (biases, norms) cost more in latency and selection than they save in bytes:
+  below ``policy.min_compress_numel`` they go dense through Horovod's fused allreduce.
+* ``policy.layers`` overrides match parameter names (fnmatch); the first match wins.
+* Warm-up (DGC): density decays exponentially from ``warmup.start_density`` to ``density`` in
+  ``warmup.stages`` equal stages over ``warmup.steps`` (or ``warmup.epochs``), e.g. 25%,
+  6.25%, 1.56%, 0.4%, then 0.1%.
+* ``policy.mode: cost_model`` compresses a layer only when the alpha-beta model predicts
+  select + allgather + decompress below its share of the fused dense allreduce (the bandwidth
+  term: Horovod fuses dense layers, so they share one latency; see costmodel.py).
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+
+from ..config.compression import CompressionConfig, ResidualConfig
+from .costmodel import fused_dense_share, predict_layer
+
+
+class LayerPolicy:
+    def __init__(self, config: CompressionConfig):
+        self.config = config
+        self.steps_per_epoch: int | None = None
+        self.decisions: list[dict] = []
+        self.compute = None   # costmodel.ComputeModel; None: the model's default figures
+
+    def _override(self, name: str):
+        for o in self.config.policy.layers:
+            if fnmatch.fnmatchcase(name, o.pattern):
+                return o
+        return None
+
+    def setup(self, layers: list, size: int = 1, network=None) -> None:
+        """Decide once, before the first step, how each layer travels."""
+        p = self.config.policy
+        for layer in layers:
+            o = self._override(layer.name)
+            layer.base_density = o.density if o is not None and o.density is not None else self.config.layer_density()
+            layer.selection = o.selection if o is not None else None
+            layer.compressed, reason = True, "compressed"
+            if o is not None and o.dense:
+                layer.compressed, reason = False, f"dense by layers[{o.pattern!r}]"
+            elif layer.numel < p.min_compress_numel:
+                layer.compressed, reason = False, f"numel {layer.numel} < min_compress_numel"
+            elif p.mode == "cost_model" and network is not None:
+                layer.compressed, reason = self._pays(layer, size, network)
+            self.decisions.append({"name": layer.name, "numel": layer.numel, "compressed": layer.compressed,
+                                   "density": layer.base_density if layer.compressed else 1.0, "why": reason})
+
+    def _pays(self, layer, size: int, network) -> tuple[bool, str]:
+        pred = predict_layer(layer.numel, layer.base_density, size, network, self.config.wire_format(),
+                             compute=self.compute)
+        # a dense layer rides in Horovod's fusion buffer: its marginal cost is the bandwidth
+        # term, the latency is paid once for all of them
+        dense = fused_dense_share(layer.numel, size, network)
+        return pred.total_s < dense, (f"cost model: compressed {pred.total_s * 1e3:.3f} ms (select "
+                                      f"{pred.select_s * 1e3:.3f}) vs its share of the fused dense allreduce "
+                                      f"{dense * 1e3:.3f} ms")
+
+    def warmup_steps(self) -> int:
+        if not isinstance(self.config, ResidualConfig):
+            return 0
+        w = self.config.warmup
+        if w.steps:
+            return w.steps
+        if w.epochs:
+            if not self.steps_per_epoch:
+                raise ValueError("compression.warmup.epochs needs the number of steps per epoch: call "
+                                 "optimizer.set_steps_per_epoch(len(train_loader)), or use warmup.steps")
+            return int(round(w.epochs * self.steps_per_epoch))
+        return 0
+
+    def density(self, layer, step: int) -> float:
+        if not layer.compressed:
+            return 1.0
+        final, total = layer.base_density, self.warmup_steps()
+        if not total or step >= total:
+            return final
+        w = self.config.warmup
+        start = max(w.start_density, final)
+        frac = math.floor(step / total * w.stages) / w.stages
+        return start * (final / start) ** frac
