@@ -18,7 +18,8 @@ setup(
         "scikit-learn",
     ],
     extras_require={
-        "dev": ["pytest", "hypothesis", "pytest-timeout"],
+        # the code's own hygiene (tests/test_hygiene.py): pinned, so a release cannot change the rules
+        "dev": ["pytest", "hypothesis", "pytest-timeout", "ruff==0.17.5", "import-linter==2.16"],
         "tensorflow": ["tensorflow-cpu==2.15.1"],
     },
 )

@@ -28,13 +28,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from redsync_hvd.comm import LocalCommunicator  # noqa: E402
-from redsync_hvd.compressors import build_compressor  # noqa: E402
 from redsync_hvd.compressors.base import Layer  # noqa: E402
-from redsync_hvd.exchange import GradientExchange  # noqa: E402
-from redsync_hvd.core import passes  # noqa: E402
-from redsync_hvd.memory import MomentumCorrectionMemory, ResidualMemory  # noqa: E402
+from redsync_hvd.engine import MomentumSpec, build_exchange  # noqa: E402
 from redsync_hvd.models import build_model  # noqa: E402
-from redsync_hvd.policy import LayerPolicy  # noqa: E402
 from scripts.netbench import allocator  # noqa: E402
 
 MODELS = {
@@ -45,25 +41,18 @@ MODELS = {
 METHODS = {
     "dense": {"method": "none"},
     "topk": {"method": "topk", "density": 0.001},
-    "redsync": {"method": "redsync", "density": 0.001, "selection": "tbs", "quantize": "sign_mean",
-                "threshold_reuse": 5, "momentum_correction": False},
-    "redsync_noreuse": {"method": "redsync", "density": 0.001, "selection": "tbs",
-                        "quantize": "sign_mean", "threshold_reuse": 1, "momentum_correction": False},
+    "redsync": {"method": "redsync", "density": 0.001, "selection": {"method": "tbs", "threshold_reuse": 5}, "message": {"quantize": "sign_mean"}, "dgc": {"momentum_correction": False}},
+    "redsync_noreuse": {"method": "redsync", "density": 0.001, "selection": {"method": "tbs", "threshold_reuse": 1}, "message": {"quantize": "sign_mean"}, "dgc": {"momentum_correction": False}},
     # DGC momentum correction (RedSync's default, and the end-to-end benchmark's setting)
-    "redsync_mc": {"method": "redsync", "density": 0.001, "selection": "tbs", "quantize": "sign_mean",
-                   "threshold_reuse": 5, "momentum_correction": True},
+    "redsync_mc": {"method": "redsync", "density": 0.001, "selection": {"method": "tbs", "threshold_reuse": 5}, "message": {"quantize": "sign_mean"}, "dgc": {"momentum_correction": True}},
     # per-layer searches in the gradient hooks against one selection per bucket (the CUDA default,
     # core/bucket_select.py): on a GPU the difference is host waits, on a CPU the native passes
-    "redsync_mc_layer": {"method": "redsync", "density": 0.001, "selection": "tbs", "quantize": "sign_mean",
-                         "threshold_reuse": 5, "momentum_correction": True, "selection_scope": "layer"},
-    "redsync_mc_bucket": {"method": "redsync", "density": 0.001, "selection": "tbs", "quantize": "sign_mean",
-                          "threshold_reuse": 5, "momentum_correction": True, "selection_scope": "bucket"},
+    "redsync_mc_layer": {"method": "redsync", "density": 0.001, "selection": {"method": "tbs", "threshold_reuse": 5, "scope": "layer"}, "message": {"quantize": "sign_mean"}, "dgc": {"momentum_correction": True}},
+    "redsync_mc_bucket": {"method": "redsync", "density": 0.001, "selection": {"method": "tbs", "threshold_reuse": 5, "scope": "bucket"}, "message": {"quantize": "sign_mean"}, "dgc": {"momentum_correction": True}},
     # the same two without the compensation fused into the selection's first pass
     # (torch.add, then a separate native pass): what the fused kernel saves
-    "redsync_unfused": {"method": "redsync", "density": 0.001, "selection": "tbs", "quantize": "sign_mean",
-                        "threshold_reuse": 5, "momentum_correction": False},
-    "redsync_mc_unfused": {"method": "redsync", "density": 0.001, "selection": "tbs", "quantize": "sign_mean",
-                           "threshold_reuse": 5, "momentum_correction": True},
+    "redsync_unfused": {"method": "redsync", "density": 0.001, "selection": {"method": "tbs", "threshold_reuse": 5}, "message": {"quantize": "sign_mean"}, "dgc": {"momentum_correction": False}},
+    "redsync_mc_unfused": {"method": "redsync", "density": 0.001, "selection": {"method": "tbs", "threshold_reuse": 5}, "message": {"quantize": "sign_mean"}, "dgc": {"momentum_correction": True}},
 }
 
 
@@ -76,16 +65,14 @@ class Variant:
     def __init__(self, name, spec, model, world):
         self.name = name
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        comp, cfg = build_compressor(dict(spec))
         layers = [Layer(n, tuple(p.shape), p.numel(), i, p.device, param=p)
                   for i, (n, p) in enumerate(self.named)]
-        memory = None
-        if spec["method"] != "none":
-            # the same SGD steps every variant, so the memory gets the momentum by hand here
-            memory = MomentumCorrectionMemory(0.9) if spec.get("momentum_correction") else ResidualMemory()
+        # the same SGD steps every variant, so a memory with momentum correction gets it by hand here
+        momentum = MomentumSpec(dict.fromkeys((n for n, _ in self.named), 0.9))
         self.fused = not name.endswith("_unfused")
-        self.ex = GradientExchange(layers, comp, LocalCommunicator(world), LayerPolicy(cfg), memory,
-                                   grads_writable=True)
+        self.ex = build_exchange(dict(spec), layers, LocalCommunicator(world), take_momentum=lambda: momentum,
+                                 fuse=self.fused, grads_writable=True).exchange
+        memory = self.ex.memory if spec["method"] != "none" else None
         self.compressed = sum(l.compressed for l in layers)
         self.exchange_s, self.phases = [], {p: [] for p in ("select", "communicate", "decompress")}
         # the floor of any error-feedback exchange over the same layers: r + g alone, one pass
@@ -101,7 +88,6 @@ class Variant:
         return time.perf_counter() - t0
 
     def exchange(self):
-        passes.FUSE_COMPENSATION = self.fused
         for n, p in self.named:
             self.ex.submit(n, p.grad)
         # what DistributedOptimizer.synchronize does: decode into .grad, copy the rest

@@ -125,8 +125,7 @@ def main():
     variants = {"hvd_tf": hvd_step, "ours_fn": ours_fn({"method": "none"})[0], "ours_eager": ours_eager,
                 "local": local_step,
                 "ours_fn_topk": ours_fn({"method": "topk", "density": 0.01})[0],
-                "ours_fn_redsync": ours_fn({"method": "redsync", "density": 0.01, "momentum_correction": False,
-                                            "min_compress_numel": 1024})[0],
+                "ours_fn_redsync": ours_fn({"method": "redsync", "density": 0.01, "dgc": {"momentum_correction": False}, "policy": {"min_compress_numel": 1024}})[0],
                 "torch_adapter": torch_step}
     # tf.py_function alone: the gradients go through an identity py_function, no communication
     @tf.function

@@ -57,7 +57,7 @@ def main():
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="extra compression knobs, e.g. quantize=fp16")
     args = ap.parse_args()
-    compression = {"method": "redsync", "density": args.density, "quantize": "sign_mean"}
+    compression = {"method": "redsync", "density": args.density, "message": {"quantize": "sign_mean"}}
     for item in args.overrides:
         key, _, value = item.partition("=")
         compression[key] = yaml.safe_load(value)

@@ -6,7 +6,7 @@
     python scripts/project_scaling.py --compute vgg16=0.5 --latency-us 50 --overlap
     python scripts/project_scaling.py --compute-from runs/bench/<run>/results.csv
 
-A PREDICTION, not a measurement: redsync_hvd/costmodel.py (algorithms.md section 6).
+A PREDICTION, not a measurement: redsync_hvd/policy/costmodel.py (the alpha-beta model of collectives).
 Methods: redsync = sign-mean (indices + one mean) at density 0.001; topk =
 (int32, fp32) pairs at 0.001; iwp = shared indices + allreduce at 0.01;
 decentralized = ring neighbour exchange of the 8-bit quantised full model.
@@ -39,7 +39,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from redsync_hvd import costmodel as cm  # noqa: E402
+from redsync_hvd.policy import costmodel as cm  # noqa: E402
 
 DEFAULT_COMPUTE_S = {"alexnet": 0.04, "vgg16": 0.28, "resnet50": 0.17, "lstm_lm": 0.05,
                      # compute_alone_s of docs/results/cpu-2cores-2026-11-26/costmodel-20261126-110529

@@ -104,11 +104,10 @@ def _exchange(scope, n_layers, momentum=0.0):
     from redsync_hvd.exchange import GradientExchange
     from redsync_hvd.policy import LayerPolicy
     layers = [Layer(f"l{i}", (20000 + 1000 * i,), 20000 + 1000 * i, i) for i in range(n_layers)]
-    comp, cfg = build_compressor({"method": "redsync", "density": 0.01, "selection": "tbs",
-                                  "selection_scope": scope, "momentum_correction": bool(momentum),
-                                  "min_compress_numel": 100})
+    comm = LocalCommunicator(2)
+    comp, cfg = build_compressor({"method": "redsync", "density": 0.01, "selection": {"method": "tbs", "scope": scope}, "dgc": {"momentum_correction": bool(momentum)}, "policy": {"min_compress_numel": 100}})
     memory = MomentumCorrectionMemory(momentum) if momentum else ResidualMemory()
-    return GradientExchange(layers, comp, LocalCommunicator(2), LayerPolicy(cfg), memory), layers
+    return GradientExchange(layers, comp, comm, LayerPolicy(cfg), memory), layers
 
 
 @pytest.mark.parametrize("n_layers", [2, 8])
@@ -120,7 +119,10 @@ def test_bucket_scope_waits_once_per_bucket(n_layers):
     counts = {}
     for scope in ("bucket", "layer"):
         ex, layers = _exchange(scope, n_layers)
-        assert all(b.by_bucket == (scope == "bucket") for b in ex._buckets) and len(ex._buckets) == 1
+        (bucket,) = ex.transport.buckets
+        unit = ex.units[layers[0].name]
+        assert unit.together == (scope == "bucket")
+        assert unit.layers == (bucket.layers if scope == "bucket" else (layers[0],))
         gen = torch.Generator().manual_seed(0)
         for step in range(2):       # the second step is the steady state (state, buffers exist)
             grads = {l.name: torch.randn(l.numel, generator=gen) for l in layers}
@@ -172,13 +174,12 @@ def test_bucket_scope_exchange_conserves_the_gradient(momentum):
 
 
 def test_scope_config():
-    with pytest.raises(ValueError, match="selection_scope=bucket .* set selection: tbs"):
-        build_compressor({"method": "redsync", "selection": "trimmed", "selection_scope": "bucket"})
-    with pytest.raises(ValueError, match="selection_scope=bucket"):
-        build_compressor({"method": "redsync", "selection_scope": "bucket",
-                          "layers": [{"pattern": "fc*", "selection": "exact"}]})
-    with pytest.raises(ValueError, match="selection_scope='tensor' is not one of"):
-        build_compressor({"method": "redsync", "selection_scope": "tensor"})
+    with pytest.raises(ValueError, match="selection.scope=bucket .* set selection.method: tbs"):
+        build_compressor({"method": "redsync", "selection": {"method": "trimmed", "scope": "bucket"}})
+    with pytest.raises(ValueError, match="selection.scope=bucket"):
+        build_compressor({"method": "redsync", "selection": {"scope": "bucket"}, "policy": {"layers": [{"pattern": "fc*", "selection": "exact"}]}})
+    with pytest.raises(ValueError, match="compression.selection.scope: Input should be 'auto', 'layer' or 'bucket'"):
+        build_compressor({"method": "redsync", "selection": {"scope": "tensor"}})
     comp, _ = build_compressor({"method": "redsync"})   # auto: CPU layers select one by one
     assert not comp.selects_by_bucket([Layer("w", (10,), 10, 0)])
 

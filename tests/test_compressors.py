@@ -13,15 +13,15 @@ def run_local(compression, inputs, numel):
     """Feed gradients through memory + compressor the way the exchange does; return sent total and residual."""
     comp, cfg = build_compressor(compression)
     layer = Layer("w", (numel,), numel, 0)
-    layer.density = getattr(cfg, "density", 1.0)
+    layer.density = cfg.layer_density()
     mem = ResidualMemory()
     sent = torch.zeros(numel, dtype=torch.float64)
     for step, g in enumerate(inputs):
         x = mem.compensate("w", g)
         msg = comp.compress(x, layer, step)
-        comp.decompress_add(x, msg.tensors, layer, alpha=-1.0)
         out = torch.zeros(numel)
-        comp.decompress_add(out, msg.tensors, layer)
+        comp.decompress_add(out, msg.tensors, layer, ctx=msg.ctx)
+        mem.update(layer, x, msg, comp)
         sent += out.double()
         mem.commit()
     return sent, mem.residual["w"].double()
@@ -86,10 +86,9 @@ CUDA_CASES = [
     {"method": "fp16"},
     {"method": "topk", "density": 0.01},
     {"method": "randomk", "density": 0.01},
-    {"method": "redsync", "density": 0.01, "selection": "trimmed", "quantize": "none"},
-    {"method": "redsync", "density": 0.01, "selection": "trimmed", "quantize": "sign_mean"},
-    {"method": "redsync", "density": 0.01, "selection": "trimmed", "quantize": "fp16",
-     "index_coding": "golomb"},
+    {"method": "redsync", "density": 0.01, "selection": {"method": "trimmed"}, "message": {"quantize": "none"}},
+    {"method": "redsync", "density": 0.01, "selection": {"method": "trimmed"}, "message": {"quantize": "sign_mean"}},
+    {"method": "redsync", "density": 0.01, "selection": {"method": "trimmed"}, "message": {"quantize": "fp16", "index_coding": "golomb"}},
     {"method": "sbc", "density": 0.01},
 ]
 
@@ -106,11 +105,11 @@ def test_cuda_tensors_give_the_cpu_result(compression):
     for device in ("cpu", "cuda"):
         comp, cfg = build_compressor(dict(compression))
         layer = Layer("w", (numel,), numel, 0, device=torch.device(device))
-        layer.density = getattr(cfg, "density", 1.0)
+        layer.density = cfg.layer_density()
         x = g.to(device)
         msg = comp.compress(x.clone(), layer, 0)
         out = torch.zeros(numel, device=device)
-        comp.decompress_add(out, msg.tensors, layer)
+        comp.decompress_add(out, msg.tensors, layer, ctx=msg.ctx)
         assert out.device.type == device
         outs[device] = out.cpu()
     assert torch.allclose(outs["cpu"], outs["cuda"], rtol=1e-5, atol=1e-6), \

@@ -11,16 +11,13 @@ from launch import horovodrun, run_script
     {"method": "topk", "density": 1.0},          # density 1 with residual: exactly dense
     {"method": "topk", "density": 1.0, "residual": False},
     # RedSync at density 1, no quantisation, no momentum correction: exactly dense
-    {"method": "redsync", "density": 1.0, "quantize": "none", "momentum_correction": False,
-     "min_compress_numel": 0, "selection": "tbs"},
+    {"method": "redsync", "density": 1.0, "message": {"quantize": "none"}, "dgc": {"momentum_correction": False}, "policy": {"min_compress_numel": 0}, "selection": {"method": "tbs"}},
     # momentum correction without masking at density 1 is plain momentum SGD (momentum is linear)
-    {"method": "redsync", "density": 1.0, "quantize": "none", "momentum_correction": True,
-     "momentum_masking": False, "min_compress_numel": 0, "selection": "trimmed"},
+    {"method": "redsync", "density": 1.0, "message": {"quantize": "none"}, "dgc": {"momentum_correction": True, "momentum_masking": False}, "policy": {"min_compress_numel": 0}, "selection": {"method": "trimmed"}},
     # the same with every layer's average applied straight to the weights (sparse_update)
-    {"method": "redsync", "density": 1.0, "quantize": "none", "momentum_correction": True,
-     "momentum_masking": False, "min_compress_numel": 0, "selection": "trimmed", "sparse_update": True},
+    {"method": "redsync", "density": 1.0, "message": {"quantize": "none"}, "dgc": {"momentum_correction": True, "momentum_masking": False}, "policy": {"min_compress_numel": 0}, "selection": {"method": "trimmed"}, "sparse_update": True},
     # IWP at density 1: the leader's indices cover everything, allreduce of all values = dense
-    {"method": "iwp", "density": 1.0, "min_compress_numel": 0},
+    {"method": "iwp", "density": 1.0, "policy": {"min_compress_numel": 0}},
 ])
 def test_dense_equals_single_process(compression):
     out = run_script("dense_equals_single.py", json.dumps(compression), np=2).stdout
@@ -55,12 +52,11 @@ def test_mpi4py_shares_horovods_world():
 
 
 @pytest.mark.parametrize("options", [
-    {"density": 0.01, "selection": "tbs", "quantize": "sign_mean", "sign_rule": "alternate"},
-    {"density": 0.01, "selection": "tbs", "quantize": "sign_mean", "selection_scope": "bucket"},
-    {"density": 0.02, "selection": "tbs", "quantize": "fp16", "selection_scope": "bucket", "index_coding": "golomb"},
-    {"density": 0.02, "selection": "trimmed", "quantize": "fp16", "index_coding": "golomb"},
-    {"density": 0.005, "selection": "sampled", "quantize": "sign_mean", "sign_rule": "larger",
-     "index_coding": "golomb", "threshold_reuse": 3},
+    {"density": 0.01, "selection": {"method": "tbs"}, "message": {"quantize": "sign_mean", "sign_rule": "alternate"}},
+    {"density": 0.01, "selection": {"method": "tbs", "scope": "bucket"}, "message": {"quantize": "sign_mean"}},
+    {"density": 0.02, "selection": {"method": "tbs", "scope": "bucket"}, "message": {"quantize": "fp16", "index_coding": "golomb"}},
+    {"density": 0.02, "selection": {"method": "trimmed"}, "message": {"quantize": "fp16", "index_coding": "golomb"}},
+    {"density": 0.005, "selection": {"method": "sampled", "threshold_reuse": 3}, "message": {"quantize": "sign_mean", "sign_rule": "larger", "index_coding": "golomb"}},
 ])
 def test_redsync_exchange_matches_every_ranks_message(options):
     out = run_script("redsync_exchange.py", json.dumps(options), np=2).stdout
@@ -74,7 +70,7 @@ def test_redsync_exchange_4_workers():
 
 @pytest.mark.parametrize("compression", [
     {"method": "none"},
-    {"method": "redsync", "density": 1.0, "quantize": "none", "momentum_correction": False, "min_compress_numel": 0},
+    {"method": "redsync", "density": 1.0, "message": {"quantize": "none"}, "dgc": {"momentum_correction": False}, "policy": {"min_compress_numel": 0}},
 ])
 def test_gradient_accumulation(compression):
     out = run_script("accumulate.py", json.dumps(compression), np=2).stdout
@@ -88,10 +84,10 @@ def test_iwp_shared_indices_and_rotating_leader(np):
 
 
 @pytest.mark.parametrize("options", [
-    {"local_steps": 1, "density": 1.0, "binarize": False, "check_dense": True},
-    {"local_steps": 1, "density": 1.0, "binarize": False, "index_coding": "raw", "check_dense": True},
-    {"local_steps": 4, "density": 0.05, "binarize": True},
-    {"local_steps": 3, "density": 0.01, "binarize": True, "index_coding": "raw"},
+    {"local_steps": 1, "density": 1.0, "message": {"binarize": False}, "check_dense": True},
+    {"local_steps": 1, "density": 1.0, "message": {"binarize": False, "index_coding": "raw"}, "check_dense": True},
+    {"local_steps": 4, "density": 0.05, "message": {"binarize": True}},
+    {"local_steps": 3, "density": 0.01, "message": {"binarize": True, "index_coding": "raw"}},
 ])
 def test_sbc_rounds_keep_models_identical(options):
     out = run_script("sbc_rounds.py", json.dumps(options), np=2).stdout

@@ -19,7 +19,7 @@ sys.path.insert(0, str(REPO))
 
 from scripts.netbench import netns  # noqa: E402
 from scripts.netbench.predict import plan_from_run, predict, wire_method  # noqa: E402
-from redsync_hvd import costmodel as cm  # noqa: E402
+from redsync_hvd.policy import costmodel as cm  # noqa: E402
 
 
 def _can_build() -> str | None:
@@ -41,10 +41,8 @@ needs_netns = pytest.mark.skipif(_WHY is not None, reason=f"netbench needs root 
 
 # -- anywhere ------------------------------------------------------------------------------
 def test_prediction_uses_measured_message_sizes():
-    run = {"compression": {"method": "redsync", "quantize": "sign_mean"}, "select_s": 0.01, "decompress_s": 0.02,
-           "layers": [{"name": "fc", "group": "sparse", "wire_bytes": 4 * 1000 + 4, "dense_bytes": 4 * 1_000_000},
-                      {"name": "bias", "group": "dense", "wire_bytes": 400, "dense_bytes": 400}],
-           "buckets": [["fc"]]}
+    run = {"compression": {"method": "redsync", "quantize": "sign_mean"}, "select_s": 0.01, "decompress_s": 0.02, "policy": {"layers": [{"name": "fc", "group": "sparse", "wire_bytes": 4 * 1000 + 4, "dense_bytes": 4 * 1_000_000},
+                      {"name": "bias", "group": "dense", "wire_bytes": 400, "dense_bytes": 400}]}, "buckets": [["fc"]]}
     plan = plan_from_run(run)
     assert plan[0][2] == "sign_mean" and cm.message_bytes(plan[0][0], plan[0][1], "sign_mean") == 4004
     assert plan[1] == (100, 1.0, "dense")
@@ -58,8 +56,8 @@ def test_prediction_uses_measured_message_sizes():
     one_round = predict(dict(two, buckets=[["fc2", "fc"]]), 2, net, 0.0)["predicted_comm_s"]
     two_rounds = predict(dict(two, buckets=[["fc2"], ["fc"]]), 2, net, 0.0)["predicted_comm_s"]
     assert two_rounds - one_round == pytest.approx(net.alpha)
-    dense = {"compression": {"method": "none"}, "layers": [{"name": "w", "group": "dense", "wire_bytes": 4e6,
-                                                             "dense_bytes": 4e6}]}
+    dense = {"compression": {"method": "none"}, "policy": {"layers": [{"name": "w", "group": "dense", "wire_bytes": 4e6,
+                                                             "dense_bytes": 4e6}]}}
     assert predict(dense, 2, net, 0.0)["predicted_comm_s"] == pytest.approx(cm.ring_allreduce(2, 4e6 + 4, net))
     assert wire_method({"method": "fp16"}) == "dense_fp16" and wire_method({"method": "topk"}) == "pairs"
 

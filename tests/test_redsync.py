@@ -6,7 +6,7 @@ from hypothesis import given, settings
 
 from redsync_hvd.compressors import build_compressor
 from redsync_hvd.compressors.base import Layer
-from redsync_hvd.costmodel import Network
+from redsync_hvd.policy.costmodel import Network
 from redsync_hvd.memory import MomentumCorrectionMemory, ResidualMemory
 from redsync_hvd.policy import LayerPolicy
 
@@ -20,13 +20,12 @@ def layer(n, density, name="w"):
 @pytest.mark.parametrize("coding", ["raw", "golomb"])
 @pytest.mark.parametrize("rule", ["alternate", "larger"])
 def test_sign_mean_reconstructs_mean_times_sign_at_sent_indices(coding, rule):
-    comp, _ = build_compressor({"method": "redsync", "density": 0.05, "quantize": "sign_mean",
-                                "sign_rule": rule, "index_coding": coding, "selection": "exact"})
+    comp, _ = build_compressor({"method": "redsync", "density": 0.05, "message": {"quantize": "sign_mean", "sign_rule": rule, "index_coding": coding}, "selection": {"method": "exact"}})
     x = torch.randn(2000, generator=torch.Generator().manual_seed(0))
     for step in (0, 1):
         lay = layer(2000, 0.05)
         msg = comp.compress(x, lay, step)
-        sent = comp.sent_indices(msg, lay)
+        sent = msg.positions
         mean = msg.tensors[-1]
         assert mean.numel() == 1 and msg.selected >= 100
         vals = x[sent]
@@ -48,11 +47,10 @@ def test_sign_mean_reconstructs_mean_times_sign_at_sent_indices(coding, rule):
 
 
 def test_larger_rule_keeps_the_side_with_larger_mean_magnitude():
-    comp, _ = build_compressor({"method": "redsync", "density": 0.5, "quantize": "sign_mean",
-                                "sign_rule": "larger", "selection": "exact"})
+    comp, _ = build_compressor({"method": "redsync", "density": 0.5, "message": {"quantize": "sign_mean", "sign_rule": "larger"}, "selection": {"method": "exact"}})
     x = torch.tensor([5.0, 4.0, -1.0, -1.5, 0.1, 0.0, 0.2, -0.1])
     msg = comp.compress(x, layer(8, 0.5), 1)
-    assert sorted(comp.sent_indices(msg, layer(8, 0.5)).tolist()) == [0, 1]
+    assert sorted(msg.positions.tolist()) == [0, 1]
     assert msg.tensors[-1].item() == pytest.approx(4.5)
 
 
@@ -61,8 +59,7 @@ def test_larger_rule_keeps_the_side_with_larger_mean_magnitude():
        quantize=st.sampled_from(["none", "fp16", "sign_mean"]), coding=st.sampled_from(["raw", "golomb"]),
        selection=st.sampled_from(["exact", "trimmed", "tbs", "sampled"]), seed=st.integers(0, 999))
 def test_conservation_with_every_quantiser(n, steps, density, quantize, coding, selection, seed):
-    comp, _ = build_compressor({"method": "redsync", "density": density, "quantize": quantize,
-                                "index_coding": coding, "selection": selection, "momentum_correction": False})
+    comp, _ = build_compressor({"method": "redsync", "density": density, "message": {"quantize": quantize, "index_coding": coding}, "selection": selection, "dgc": {"momentum_correction": False}})
     mem, gen = ResidualMemory(), torch.Generator().manual_seed(seed)
     sent, total = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
     for step in range(steps):
@@ -71,10 +68,9 @@ def test_conservation_with_every_quantiser(n, steps, density, quantize, coding, 
         lay = layer(n, density)
         x = mem.compensate("w", g)
         msg = comp.compress(x, lay, step)
-        comp.decompress_add(x, msg.tensors, lay, alpha=-1.0)
-        comp.sent_indices(msg, lay)
         out = torch.zeros(n)
         comp.decompress_add(out, msg.tensors, lay)
+        mem.update(lay, x, msg, comp)
         sent += out.double()
         mem.commit()
     assert torch.allclose(sent + mem.residual["w"].double(), total, atol=1e-4)
@@ -98,7 +94,7 @@ def test_momentum_correction_masks_sent_velocity_and_rolls_back():
 
 
 def test_dgc_warmup_schedule():
-    _, cfg = build_compressor({"method": "redsync", "density": 0.001, "warmup_epochs": 4})
+    _, cfg = build_compressor({"method": "redsync", "density": 0.001, "warmup": {"epochs": 4}})
     pol = LayerPolicy(cfg)
     lay = layer(100000, 0.001)
     pol.setup([lay])
@@ -113,10 +109,10 @@ def test_dgc_warmup_schedule():
 
 
 def test_layer_overrides_and_small_layers():
-    _, cfg = build_compressor({"method": "redsync", "density": 0.01, "min_compress_numel": 100, "layers": [
+    _, cfg = build_compressor({"method": "redsync", "density": 0.01, "policy": {"min_compress_numel": 100, "layers": [
         {"pattern": "embedding.*", "density": 0.001},
         {"pattern": "classifier.*", "dense": True},
-        {"pattern": "conv*", "selection": "trimmed"}]})
+        {"pattern": "conv*", "selection": "trimmed"}]}})
     layers = [layer(10000, 1, "embedding.weight"), layer(10000, 1, "classifier.weight"),
               layer(10000, 1, "conv1.weight"), layer(50, 1, "conv1.bias"), layer(10000, 1, "rnn.weight")]
     pol = LayerPolicy(cfg)
@@ -129,8 +125,7 @@ def test_layer_overrides_and_small_layers():
 
 
 def test_cost_model_policy_compresses_only_where_it_pays():
-    _, cfg = build_compressor({"method": "redsync", "density": 0.001, "policy": "cost_model",
-                               "min_compress_numel": 0})
+    _, cfg = build_compressor({"method": "redsync", "density": 0.001, "policy": {"mode": "cost_model", "min_compress_numel": 0}})
     sizes = [64, 4096, 1 << 20, 1 << 24]
     slow, fast = LayerPolicy(cfg), LayerPolicy(cfg)
     slow.setup([layer(n, 1, f"l{n}") for n in sizes], size=8, network=Network(alpha=1e-4, bandwidth=1.25e7))
@@ -141,28 +136,29 @@ def test_cost_model_policy_compresses_only_where_it_pays():
 
 
 def test_selection_state_round_trips_through_compressor_state():
-    comp, _ = build_compressor({"method": "redsync", "density": 0.01, "threshold_reuse": 4})
+    comp, _ = build_compressor({"method": "redsync", "density": 0.01, "selection": {"threshold_reuse": 4}})
     x = torch.randn(50000)
     comp.compress(x, layer(50000, 0.01), 0)
     state = comp.state_dict()
-    other, _ = build_compressor({"method": "redsync", "density": 0.01, "threshold_reuse": 4})
+    other, _ = build_compressor({"method": "redsync", "density": 0.01, "selection": {"threshold_reuse": 4}})
     other.load_state_dict(state)
     assert other.state_dict() == state and state["selection"]["w"]["threshold"] is not None
 
 
 def _local_exchange(compression, layers, memory, size=2):
+    """The exchange over a one-process transport that stands for ``size`` ranks, with this memory."""
     from redsync_hvd.comm import LocalCommunicator
     from redsync_hvd.exchange import GradientExchange
-    comp, cfg = build_compressor(compression)
-    return GradientExchange(layers, comp, LocalCommunicator(size), LayerPolicy(cfg), memory)
+    comm = LocalCommunicator(size)
+    comp, cfg = build_compressor(compression, comm)
+    return GradientExchange(layers, comp, comm, LayerPolicy(cfg), memory, fusion_bytes=cfg.fusion_bytes)
 
 
 def test_momentum_correction_sends_dense_layers_momentum_not_zeros():
     """Regression: a dense layer's message aliased the memory buffer that the residual
     update then zeroed, so with momentum correction small layers sent zeros."""
     layers = [Layer("bias", (10,), 10, 0), Layer("w", (5000,), 5000, 1)]
-    ex = _local_exchange({"method": "redsync", "density": 0.01, "momentum_correction": True,
-                          "min_compress_numel": 100}, layers, MomentumCorrectionMemory(0.9))
+    ex = _local_exchange({"method": "redsync", "density": 0.01, "dgc": {"momentum_correction": True}, "policy": {"min_compress_numel": 100}}, layers, MomentumCorrectionMemory(0.9))
     u = torch.zeros(10)
     gen = torch.Generator().manual_seed(0)
     for _ in range(4):
@@ -184,8 +180,7 @@ def test_momentum_correction_on_dense_layers_equals_the_optimizers_momentum():
     for nesterov in (False, True):
         layers = [Layer("a", (7,), 7, 0), Layer("b", (3, 4), 12, 1), Layer("c", (5,), 5, 2)]
         memory = MomentumCorrectionMemory({"a": 0.9, "b": 0.5, "c": 0.0}, nesterov=nesterov)
-        ex = _local_exchange({"method": "redsync", "density": 0.01, "momentum_correction": True,
-                              "min_compress_numel": 100}, layers, memory)
+        ex = _local_exchange({"method": "redsync", "density": 0.01, "dgc": {"momentum_correction": True}, "policy": {"min_compress_numel": 100}}, layers, memory)
         params = {l.name: torch.zeros(l.shape, requires_grad=True) for l in layers}
         ref = {n: torch.optim.SGD([p], lr=1.0, momentum=m, nesterov=nesterov and m > 0)
                for (n, p), m in zip(params.items(), (0.9, 0.5, 0.0))}
@@ -214,7 +209,7 @@ def test_momentum_correction_on_dense_layers_equals_the_optimizers_momentum():
 def test_nonfinite_in_a_compressed_layer_is_caught_by_selection_and_rolls_back():
     from redsync_hvd.exchange import NonFiniteGradientError
     layers = [Layer("w", (5000,), 5000, 0)]
-    ex = _local_exchange({"method": "redsync", "density": 0.01, "min_compress_numel": 100},
+    ex = _local_exchange({"method": "redsync", "density": 0.01, "policy": {"min_compress_numel": 100}},
                          layers, ResidualMemory())
     ex.submit("w", torch.randn(5000))
     ex.finish()
@@ -235,23 +230,16 @@ def test_nonfinite_in_a_compressed_layer_is_caught_by_selection_and_rolls_back()
 def test_exchange_with_fused_compensation_equals_the_unfused_exchange(momentum):
     """The compensation pass that also makes the selection's first pass (the native kernel)
     changes nothing that is sent or kept: 10 steps with threshold reuse, both paths."""
-    from redsync_hvd.core import passes
-
     def run(fused):
         layers = [Layer("b", (40,), 40, 0), Layer("w", (100000,), 100000, 1), Layer("v", (9000,), 9000, 2)]
-        memory = MomentumCorrectionMemory(momentum) if momentum else ResidualMemory()
-        ex = _local_exchange({"method": "redsync", "density": 0.01, "threshold_reuse": 3, "selection": "tbs",
-                              "momentum_correction": bool(momentum), "min_compress_numel": 100}, layers, memory)
+        memory = MomentumCorrectionMemory(momentum, fuse=fused) if momentum else ResidualMemory(fuse=fused)
+        ex = _local_exchange({"method": "redsync", "density": 0.01, "selection": {"method": "tbs", "threshold_reuse": 3}, "dgc": {"momentum_correction": bool(momentum)}, "policy": {"min_compress_numel": 100}}, layers, memory)
         gen, outs = torch.Generator().manual_seed(5), []
         base = {l.name: torch.randn(l.numel, generator=gen) for l in layers}
-        passes.FUSE_COMPENSATION = fused
-        try:
-            for step in range(10):
-                for l in layers:   # a slowly drifting gradient: the reused threshold stays in band
-                    ex.submit(l.name, base[l.name] * 0.1 + 0.01 * torch.randn(l.numel, generator=gen))
-                outs.append({k: v.clone() for k, v in ex.finish().items()})
-        finally:
-            passes.FUSE_COMPENSATION = True
+        for step in range(10):
+            for l in layers:   # a slowly drifting gradient: the reused threshold stays in band
+                ex.submit(l.name, base[l.name] * 0.1 + 0.01 * torch.randn(l.numel, generator=gen))
+            outs.append({k: v.clone() for k, v in ex.finish().items()})
         return outs, memory, ex.compressor.selection_state
 
     (a, mem_a, sel_a), (b, mem_b, sel_b) = run(True), run(False)
@@ -267,12 +255,12 @@ def test_exchange_with_fused_compensation_equals_the_unfused_exchange(momentum):
 
 def test_cost_model_buckets_are_the_exchanges():
     """costmodel.sparse_buckets predicts the allgather buckets the exchange really builds."""
-    from redsync_hvd import costmodel as cm
+    from redsync_hvd.policy import costmodel as cm
     sizes = [300, 5000, 2_000_000, 10, 1_500_000, 800_000, 3_000_000, 64]
     layers = [Layer(f"l{i}", (n,), n, i) for i, n in enumerate(sizes)]
-    ex = _local_exchange({"method": "redsync", "density": 0.01, "min_compress_numel": 100},
+    ex = _local_exchange({"method": "redsync", "density": 0.01, "policy": {"min_compress_numel": 100}},
                          layers, ResidualMemory())   # the default fusion_bytes, 16 MiB
-    built = [[l.index for l in b.layers] for b in ex._buckets]
+    built = [[l.index for l in b.layers] for b in ex.transport.buckets]
     plan = [(l.numel, l.density, "sign_mean" if l.compressed else "dense") for l in layers]
     assert len(built) == 2 and sum(map(len, built)) == 6   # the two small ones stay dense
     assert built == cm.sparse_buckets(plan) == cm.sparse_buckets(plan, cm.BUCKET_BYTES)
@@ -282,14 +270,13 @@ def test_cost_model_network_probes_only_what_the_config_leaves_out():
     """latency_s / bandwidth_gbit: each one given is used as is, each one left out is probed
     (the probe's alpha is the framework's cost per collective round)."""
     from redsync_hvd.comm import LocalCommunicator
-    from redsync_hvd.compressors.config import parse_compression
-    from redsync_hvd.torch.optimizer import _network
+    from redsync_hvd.config import parse_compression
+    from redsync_hvd.engine import network_for as _network
     comm = LocalCommunicator(2)
-    both = _network(parse_compression({"method": "redsync", "policy": "cost_model", "latency_s": 1e-3,
-                                       "bandwidth_gbit": 1.0}), comm)
+    both = _network(parse_compression({"method": "redsync", "policy": {"mode": "cost_model", "latency_s": 1e-3, "bandwidth_gbit": 1.0}}), comm)
     assert (both.alpha, both.bandwidth) == (1e-3, 1.25e8)
-    bw_only = _network(parse_compression({"method": "redsync", "policy": "cost_model", "bandwidth_gbit": 1.0}), comm)
+    bw_only = _network(parse_compression({"method": "redsync", "policy": {"mode": "cost_model", "bandwidth_gbit": 1.0}}), comm)
     assert bw_only.bandwidth == 1.25e8 and 0.0 <= bw_only.alpha < 1e-2
-    lat_only = _network(parse_compression({"method": "redsync", "policy": "cost_model", "latency_s": 2e-3}), comm)
+    lat_only = _network(parse_compression({"method": "redsync", "policy": {"mode": "cost_model", "latency_s": 2e-3}}), comm)
     assert lat_only.alpha == 2e-3 and lat_only.bandwidth > 1.25e8   # no network in a local "allreduce"
     assert _network(parse_compression({"method": "redsync"}), comm) is None

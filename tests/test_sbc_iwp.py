@@ -20,7 +20,7 @@ def test_sbc_keeps_the_side_with_larger_mean_and_codes_positions():
     comp, _ = build_compressor({"method": "sbc", "density": 0.25})
     x = torch.tensor([3.0, -1.0, 0.5, -0.2, 2.0, -4.5, -4.0, 0.1])   # top-2: +{3,2} mean 2.5, -{4.5,4} mean 4.25
     msg = comp.compress(x, layer(8, 0.25), 0)
-    assert sorted(comp.sent_indices(msg, layer(8, 0.25)).tolist()) == [5, 6]
+    assert sorted(msg.positions.tolist()) == [5, 6]
     assert msg.tensors[-1].item() == pytest.approx(-4.25)
     out = torch.zeros(8)
     comp.decompress_add(out, msg.tensors, layer(8, 0.25))
@@ -40,7 +40,7 @@ def test_sbc_message_size_follows_golomb_formula():
 @given(n=st.integers(2, 300), rounds=st.integers(1, 5), density=st.floats(0.01, 1.0),
        binarize=st.booleans(), coding=st.sampled_from(["golomb", "raw"]), seed=st.integers(0, 999))
 def test_sbc_conservation(n, rounds, density, binarize, coding, seed):
-    comp, _ = build_compressor({"method": "sbc", "density": density, "binarize": binarize, "index_coding": coding})
+    comp, _ = build_compressor({"method": "sbc", "density": density, "message": {"binarize": binarize, "index_coding": coding}})
     mem, gen = ResidualMemory(), torch.Generator().manual_seed(seed)
     sent, total = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
     for r in range(rounds):
@@ -48,10 +48,9 @@ def test_sbc_conservation(n, rounds, density, binarize, coding, seed):
         total += delta.double()
         x = mem.compensate("w", delta)
         msg = comp.compress(x, layer(n, density), r)
-        comp.decompress_add(x, msg.tensors, layer(n, density), alpha=-1.0)
-        comp.sent_indices(msg, layer(n, density))
         out = torch.zeros(n)
         comp.decompress_add(out, msg.tensors, layer(n, density))
+        mem.update(layer(n, density), x, msg, comp)
         sent += out.double()
         mem.commit()
     assert torch.allclose(sent + mem.residual["w"].double(), total, atol=1e-4)
@@ -74,6 +73,6 @@ def test_iwp_importance_is_residual_over_weight():
     lay.param = torch.tensor([100.0, 1.0, 1.0, 0.01, 1.0, 50.0, 1.0, 1.0])
     x = torch.tensor([10.0, 0.5, 0.1, 0.2, 0.3, 9.0, 0.4, 0.1])   # importance: .1 .5 .1 20 .3 .18 .4 .1
     msg = comp.compress(x, lay, 0)
-    assert sorted(comp.sent_indices(msg, lay).tolist()) == [1, 3]
+    assert sorted(msg.positions.tolist()) == [1, 3]
     assert msg.nbytes() == {"indices": 8, "values": 8}     # this rank led: it broadcast the indices
     assert comp.leaders == [(0, 0)]

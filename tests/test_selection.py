@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from redsync_hvd.core import _native
+from redsync_hvd.core import _native, reference
 from redsync_hvd.core.selection import METHODS, SelectionState, native_available, select_topk
 
 BACKENDS = ["torch"] + (["native"] if native_available() else [])
@@ -120,18 +120,16 @@ def test_layouts_and_dtypes(method):
 
 
 def reference_tbs(x, k, probes):
-    """Digest section 1, probe by probe, with plain counts (None: never accepted)."""
-    a = x.abs()
-    mean, mx = float(a.double().sum()) / a.numel(), float(a.max())
-    lo, hi = 0.0, 1.0
-    for _ in range(probes):
-        r = (lo + hi) / 2
-        t = float(torch.tensor(mean + r * (mx - mean), dtype=torch.float64).float())
-        c = int((a > t).sum())
-        if k <= c <= 2 * k:
-            return set((a > t).nonzero().flatten().tolist())
-        lo, hi = (lo, r) if c < k else (r, hi)
-    return None
+    """The paper's walk (core/reference.py), probe by probe with plain counts: the positions, or
+    None when no probe was accepted."""
+    accepted = []
+
+    def count(t):
+        c = reference.count_above(x)(t)
+        accepted.append(k <= c <= 2 * k)
+        return c
+    got = set(reference.tbs(x, k, count, max_probes=probes).tolist())
+    return got if accepted[-1] else None
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -145,6 +143,16 @@ def test_tbs_matches_reference_probe_walk(dist, backend, k, probes):
         assert len(got) == k and got == true_topk(x, k)
     else:  # same probes, same threshold (the mean may differ in its last bits)
         assert len(got ^ ref) <= max(2, 0.01 * k)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dist", ["gauss", "laplace", "t3"])
+@pytest.mark.parametrize("k,eps", [(200, 0.2), (2000, 0.1), (20000, 0.3)])
+def test_trimmed_matches_the_reference(dist, backend, k, eps):
+    """Trimmed top-k returns the exact top-k, as the paper's ratio walk does."""
+    x = sample(dist, 200000, seed=k)
+    got = set(select_topk(x, k, "trimmed", backend=backend, trimmed_eps=eps).tolist())
+    assert got == set(reference.trimmed(x, k, reference.count_above(x), eps=eps).tolist()) == true_topk(x, k)
 
 
 @pytest.mark.parametrize("levels", [2, 4])

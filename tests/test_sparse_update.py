@@ -10,8 +10,7 @@ from redsync_hvd.comm import LocalCommunicator
 from redsync_hvd.exchange import NonFiniteGradientError
 from redsync_hvd.torch import DistributedOptimizer
 
-BASE = {"method": "redsync", "density": 0.05, "quantize": "sign_mean", "momentum_correction": True,
-        "min_compress_numel": 200, "selection": "tbs"}
+BASE = {"method": "redsync", "density": 0.05, "message": {"quantize": "sign_mean"}, "dgc": {"momentum_correction": True}, "policy": {"min_compress_numel": 200}, "selection": {"method": "tbs"}}
 
 
 def _model():
@@ -33,7 +32,8 @@ def _batches(n):
 @pytest.mark.parametrize("quantize", ["sign_mean", "none"])
 def test_sparse_update_gives_the_weights_of_the_dense_gradient_path(quantize):
     a, b = _model(), _model()
-    opt_a, opt_b = _opt(a, quantize=quantize), _opt(b, quantize=quantize, sparse_update=True)
+    message = {"quantize": quantize}
+    opt_a, opt_b = _opt(a, message=message), _opt(b, message=message, sparse_update=True)
     lossf = torch.nn.CrossEntropyLoss()
     for x, y in _batches(8):
         for model, opt in ((a, opt_a), (b, opt_b)):
@@ -82,8 +82,8 @@ def test_sparse_update_leaves_the_weights_alone_on_a_nan_step():
 
 
 @pytest.mark.parametrize("make, extra, problem", [
-    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), {"momentum_correction": False}, "momentum=0.9"),
-    (lambda ps: torch.optim.SGD(ps, lr=0.1, weight_decay=0.1), {"momentum_correction": False}, "weight_decay=0.1"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), {"dgc": {"momentum_correction": False}}, "momentum=0.9"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, weight_decay=0.1), {"dgc": {"momentum_correction": False}}, "weight_decay=0.1"),
     (lambda ps: torch.optim.Adam(ps, lr=0.1), {}, "not torch.optim.SGD"),
 ])
 def test_sparse_update_refuses_optimizers_that_are_not_plain_sgd(make, extra, problem):

@@ -78,8 +78,7 @@ def test_keras_twin_computes_the_torch_model(name):
     ({"method": "none"}, "keras"),
     ({"method": "none"}, "fit"),
     ({"method": "topk", "density": 1.0}, "eager"),
-    ({"method": "redsync", "density": 1.0, "quantize": "none", "momentum_correction": False,
-      "min_compress_numel": 0, "selection": "tbs"}, "function"),
+    ({"method": "redsync", "density": 1.0, "message": {"quantize": "none"}, "dgc": {"momentum_correction": False}, "policy": {"min_compress_numel": 0}, "selection": {"method": "tbs"}}, "function"),
 ])
 def test_tf_dense_equals_single_process(compression, mode):
     out = run_script("tf_dense_equals_single.py", json.dumps(compression), mode, np=2, timeout=TF_TIMEOUT).stdout
@@ -88,13 +87,11 @@ def test_tf_dense_equals_single_process(compression, mode):
 
 @pytest.mark.parametrize("compression", [
     {"method": "topk", "density": 0.01},
-    {"method": "redsync", "density": 0.01, "selection": "tbs", "threshold_reuse": 3, "quantize": "sign_mean",
-     "min_compress_numel": 1000},                               # DGC momentum correction on (the default)
-    {"method": "redsync", "density": 0.02, "selection": "trimmed", "quantize": "fp16", "index_coding": "golomb",
-     "momentum_correction": False, "min_compress_numel": 0},
-    {"method": "redsync", "density": 0.01, "selection": "sampled", "momentum_correction": False},
+    {"method": "redsync", "density": 0.01, "selection": {"method": "tbs", "threshold_reuse": 3}, "message": {"quantize": "sign_mean"}, "policy": {"min_compress_numel": 1000}},                               # DGC momentum correction on (the default)
+    {"method": "redsync", "density": 0.02, "selection": {"method": "trimmed"}, "message": {"quantize": "fp16", "index_coding": "golomb"}, "dgc": {"momentum_correction": False}, "policy": {"min_compress_numel": 0}},
+    {"method": "redsync", "density": 0.01, "selection": {"method": "sampled"}, "dgc": {"momentum_correction": False}},
     {"method": "randomk", "density": 0.05},
-    {"method": "iwp", "density": 0.05, "min_compress_numel": 0},   # the leader weighs by |w|: TF passes w too
+    {"method": "iwp", "density": 0.05, "policy": {"min_compress_numel": 0}},   # the leader weighs by |w|: TF passes w too
     {"method": "fp16"},
 ])
 def test_same_config_selects_the_same_indices_in_torch_and_tf(compression):

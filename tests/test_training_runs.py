@@ -30,7 +30,7 @@ def digits_runs(tmp_path_factory):
             train(out, f"configs/digits/{cfg}.yaml", "training.epochs=40", f"training.seed={seed}",
                   f"output.name={name}{suffix}")
         train(out, "configs/digits/redsync.yaml", "training.epochs=40", f"training.seed={seed}",
-              "compression.selection_scope=bucket", f"output.name=redsync-bucket{suffix}")
+              "compression.selection.scope=bucket", f"output.name=redsync-bucket{suffix}")
     for cfg in ("dcd", "ecd"):
         train(out, f"configs/digits/{cfg}.yaml")
     return out

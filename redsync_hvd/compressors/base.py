@@ -118,5 +118,5 @@ class Compressor(ABC):
     def state_dict(self) -> dict:
         return {}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> None:  # noqa: B027 (stateless compressors keep nothing)
         pass

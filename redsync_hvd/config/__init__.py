@@ -1,6 +1,6 @@
 """Configuration: the YAML experiment schema (run.py) and the compression schema (compression.py)."""
-from .compression import CompressionConfig, method_names, parse_compression
+from .compression import CompressionConfig, MethodConfig, method_names, parse_compression
 from .run import ConfigError, RunConfig, apply_overrides, load_config, read_yaml, validate
 
-__all__ = ["CompressionConfig", "ConfigError", "RunConfig", "apply_overrides", "load_config", "method_names",
-           "parse_compression", "read_yaml", "validate"]
+__all__ = ["CompressionConfig", "ConfigError", "MethodConfig", "RunConfig", "apply_overrides", "load_config",
+           "method_names", "parse_compression", "read_yaml", "validate"]

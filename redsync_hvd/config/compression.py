@@ -22,7 +22,7 @@ from typing import Any, Callable, ClassVar, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-_METHODS: dict[str, type["CompressionConfig"]] = {}
+_METHODS: dict[str, type["MethodConfig"]] = {}
 
 Selection = Literal["exact", "trimmed", "tbs", "sampled"]
 
@@ -181,17 +181,10 @@ class WarmupConfig(_Group):
 
 
 # -- methods ------------------------------------------------------------------------------
-class CompressionConfig(BaseModel):
-    """Knobs every method shares, and what the method can do (class variables)."""
+class MethodConfig(BaseModel):
+    """A method's name, and what it can do (class variables)."""
     model_config = ConfigDict(extra="forbid")
     method: str
-    check_finite: bool = Field(
-        True, description="stop with a clear error on NaN/Inf gradients (all ranks agree, residuals untouched); "
-                          "costs one reduction per layer and one tiny allreduce per step")
-    fusion_bytes: int = Field(
-        16 << 20, gt=0, description="compressed layers are packed into buckets of at most this many dense bytes; "
-                                    "one bucket = one allgather (fewer collectives, later start)")
-    policy: PolicyConfig = Field(default_factory=PolicyConfig, description="which layers compress")
 
     strategy: ClassVar[Literal["exchange", "decentralized"]] = "exchange"
     frameworks: ClassVar[tuple] = ("torch", "tensorflow")
@@ -201,11 +194,6 @@ class CompressionConfig(BaseModel):
     def limits(self) -> str:
         """Why the method runs only where ``frameworks`` and ``engines`` say, for error messages."""
         return "exchanges gradients"
-
-    @field_validator("policy", mode="before")
-    @classmethod
-    def _policy_shorthand(cls, v):
-        return {"mode": v} if isinstance(v, str) else v
 
     @property
     def uses_memory(self) -> bool:
@@ -218,6 +206,22 @@ class CompressionConfig(BaseModel):
     def wire_format(self) -> str:
         """The message kind the cost model prices (policy/costmodel.py ``message_bytes``)."""
         return "pairs"
+
+
+class CompressionConfig(MethodConfig):
+    """Knobs every method of the gradient exchange shares."""
+    check_finite: bool = Field(
+        True, description="stop with a clear error on NaN/Inf gradients (all ranks agree, residuals untouched); "
+                          "costs one reduction per layer and one tiny allreduce per step")
+    fusion_bytes: int = Field(
+        16 << 20, gt=0, description="compressed layers are packed into buckets of at most this many dense bytes; "
+                                    "one bucket = one allgather (fewer collectives, later start)")
+    policy: PolicyConfig = Field(default_factory=PolicyConfig, description="which layers compress")
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _policy_shorthand(cls, v):
+        return {"mode": v} if isinstance(v, str) else v
 
 
 @register_method("none")
@@ -360,7 +364,7 @@ class SBCConfig(ResidualConfig):
         return self
 
 
-class DecentralizedConfig(CompressionConfig):
+class DecentralizedConfig(MethodConfig):
     """Decentralized training (Tang et al., NeurIPS 2018), no allreduce: each worker mixes models with
     its neighbours (ring by default) through mpi4py. dcd: compressed differences (minmax); ecd:
     compressed extrapolations (grid); dpsgd: uncompressed D-PSGD; naive: compressed models (fails)."""
@@ -393,9 +397,10 @@ for _name in DECENTRALIZED:
 
 
 # -- parsing ------------------------------------------------------------------------------
-def parse_compression(value: Any) -> CompressionConfig:
-    """dict (YAML section) or config object -> validated config object."""
-    if isinstance(value, CompressionConfig):
+def parse_compression(value: Any) -> MethodConfig:
+    """dict (YAML section) or config object -> validated config object: a CompressionConfig for the
+    gradient exchange's methods, a DecentralizedConfig for dcd, ecd, dpsgd and naive."""
+    if isinstance(value, MethodConfig):
         return value
     if not isinstance(value, dict):
         raise ValueError(f"compression must be a mapping like {{'method': 'topk', 'density': 0.01}}, got {value!r}")
@@ -410,7 +415,7 @@ def parse_compression(value: Any) -> CompressionConfig:
     try:
         return cls.model_validate({**value, "method": method})
     except ValidationError as exc:
-        raise ValueError("; ".join(_problem(err, method) for err in exc.errors())) from None
+        raise ValueError("; ".join(_problem(err, cls, method) for err in exc.errors())) from None
 
 
 def _nested_example(path: str, value: Any) -> str:
@@ -418,8 +423,25 @@ def _nested_example(path: str, value: Any) -> str:
     return f"{group}: {{{key}: {value!r}}}"
 
 
-def _problem(err: dict, method: str) -> str:
-    loc = "compression." + ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
+def _problem(err: dict, cls: type, method: str) -> str:
+    path = [str(p) for p in err["loc"] if not str(p).startswith("function-")]
+    loc = "compression." + ".".join(path)
     if err["type"] == "extra_forbidden":
-        return f"{loc}: unknown key for method {method!r}; the valid keys are listed in docs/configuration.md"
+        return f"{loc}: unknown key for method {method!r}{_valid_keys(cls, path[:-1])}"
     return f"{loc}: {err['msg']}"
+
+
+def _valid_keys(cls: type, path: list) -> str:
+    """'; valid keys: [...]' of the group at ``path`` (a key of a list entry: its element type)."""
+    for part in path:
+        field = cls.model_fields.get(part) if isinstance(cls, type) and issubclass(cls, BaseModel) else None
+        if field is None:
+            if part.isdigit():
+                continue
+            return ""
+        cls = field.annotation
+        args = [a for a in getattr(cls, "__args__", ()) if isinstance(a, type) and issubclass(a, BaseModel)]
+        cls = args[0] if args else cls
+    if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
+        return ""
+    return f"; valid keys: {sorted(cls.model_fields)}"

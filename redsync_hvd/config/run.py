@@ -20,7 +20,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator
 
-from .compression import CompressionConfig, expand_shorthands, parse_compression
+from .compression import SHORTHANDS, MethodConfig, expand_shorthands, parse_compression
 
 
 class ConfigError(ValueError):
@@ -83,12 +83,13 @@ class OutputConfig(_Section):
 
 
 class RunConfig(_Section):
-    framework: Literal["torch", "tensorflow"] = Field("torch", description="torch | tensorflow (digits mlp/cnn; docs/tensorflow.md)")
+    framework: Literal["torch", "tensorflow"] = Field("torch", description="torch | tensorflow (digits mlp/cnn; "
+                                                                          "docs/tensorflow.md)")
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
-    compression: SerializeAsAny[CompressionConfig] = Field(default_factory=lambda: parse_compression({"method": "none"}))
+    compression: SerializeAsAny[MethodConfig] = Field(default_factory=lambda: parse_compression({"method": "none"}))
     output: OutputConfig = Field(default_factory=OutputConfig)
 
     @field_validator("compression", mode="before")
@@ -172,6 +173,10 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         if parts == ["compression", "method"] and node.get("method") != value:
             # switching method on the CLI drops the old method's knobs
             node.clear()
+        if parts[:1] == ["compression"] and len(parts) == 2 and isinstance(value, str) \
+                and isinstance(node.get(parts[1]), dict) and parts[1] in SHORTHANDS:
+            node[parts[1]][SHORTHANDS[parts[1]]] = value   # --set compression.selection=trimmed keeps the group
+            continue
         node[parts[-1]] = value
     return raw
 

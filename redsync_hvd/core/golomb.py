@@ -367,11 +367,8 @@ def _chain(g: np.ndarray, start: int, count: int) -> np.ndarray:
 
     ``g`` maps node ``i`` in ``[0, m)`` to a node in ``(i, m]`` and is
     non-decreasing; ``m = len(g)`` is a sentinel (end of stream), which maps to
-    itself.  Two ingredients, both exact:
+    itself.  Two ingredients, both exact: pointer doubling (``_double``) and
 
-    * pointer doubling: with ``J = g^(2^t)`` the chain prefix of length
-      ``2^(t+1)`` is the prefix of length ``2^t`` followed by ``J`` applied to
-      it (``t`` rounds of gathers give ``2^t`` items);
     * graph reduction: every chain item after the first ``2^t`` lies in the
       image of ``J``, and that image is closed under ``g``.  Decoding chains
       started at wrong bits (inside remainders) quickly merge into the true
@@ -393,32 +390,7 @@ def _chain(g: np.ndarray, start: int, count: int) -> np.ndarray:
         gext = np.empty(mloc + 1, dtype=g.dtype)
         gext[:mloc] = g
         gext[mloc] = mloc
-        chain = np.array([start], dtype=g.dtype)
-        jump = gext
-        measure, excess, excess_zero = measure_next, None, False
-        while True:
-            # Doubling round: chain = first 2^(t+1) items, jump = g^(2^(t+1)).
-            chain = np.concatenate((chain, jump[chain]))
-            if chain.size >= count:
-                break
-            jump = jump[jump]
-            if not measure:
-                continue
-            # jump is non-decreasing, so its image from `start` on is its
-            # distinct values there, and the rest of the chain is part of it.
-            vals = jump[start:mloc]
-            first = _first_of_runs(vals)
-            distinct = int(np.count_nonzero(first)) - int(vals[-1] == mloc)
-            new_excess = distinct - (count - chain.size)
-            if new_excess < 0:  # fewer candidates than codes still needed:
-                measure = False  # truncated stream, the chain will hit the sentinel
-                continue
-            excess_zero = new_excess == 0
-            if excess_zero or 2 * distinct <= mloc - start:
-                break
-            if excess is not None and new_excess > 0.75 * excess:
-                measure = False  # false chains not merging: plain doubling
-            excess = new_excess
+        chain, jump, vals, first, excess_zero = _double(gext, start, count, measure_next)
         done = chain.size >= count
         if done:
             chain = chain[:count]
@@ -449,6 +421,42 @@ def _chain(g: np.ndarray, start: int, count: int) -> np.ndarray:
         # (Only a truncated chain fails the shortcut when the excess was 0.)
         measure_next = not excess_zero
     return np.concatenate(out)
+
+
+def _double(gext: np.ndarray, start: int, count: int, measure: bool):
+    """Pointer doubling: with ``J = g^(2^t)`` the chain prefix of length ``2^(t+1)`` is the prefix of
+    length ``2^t`` followed by ``J`` applied to it (``t`` rounds of gathers give ``2^t`` items).
+
+    Doubling rounds from ``start`` until the chain has ``count`` items or (``measure``) the image
+    of the jump is small enough to restart on: (chain, jump, the jump's values from ``start``,
+    the first of each run of them, whether the image is exactly the rest of the chain)."""
+    mloc = gext.size - 1
+    chain, jump = np.array([start], dtype=gext.dtype), gext
+    vals = first = None
+    excess, excess_zero = None, False
+    while True:
+        # Doubling round: chain = first 2^(t+1) items, jump = g^(2^(t+1)).
+        chain = np.concatenate((chain, jump[chain]))
+        if chain.size >= count:
+            return chain, jump, vals, first, excess_zero
+        jump = jump[jump]
+        if not measure:
+            continue
+        # jump is non-decreasing, so its image from `start` on is its
+        # distinct values there, and the rest of the chain is part of it.
+        vals = jump[start:mloc]
+        first = _first_of_runs(vals)
+        distinct = int(np.count_nonzero(first)) - int(vals[-1] == mloc)
+        new_excess = distinct - (count - chain.size)
+        if new_excess < 0:  # fewer candidates than codes still needed:
+            measure = False  # truncated stream, the chain will hit the sentinel
+            continue
+        excess_zero = new_excess == 0
+        if excess_zero or 2 * distinct <= mloc - start:
+            return chain, jump, vals, first, excess_zero
+        if excess is not None and new_excess > 0.75 * excess:
+            measure = False  # false chains not merging: plain doubling
+        excess = new_excess
 
 
 def decode(data, count: int, b: int) -> torch.Tensor:

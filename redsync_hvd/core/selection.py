@@ -1,4 +1,4 @@
-"""Top-k selection by magnitude for residual gradient compression (digest section 1).
+"""Top-k selection by magnitude for residual gradient compression (RedSync, Fang et al., JPDC 2019).
 
     idx = select_topk(v, k, "tbs", state=layer_state, threshold_reuse=5)
 
@@ -329,7 +329,8 @@ def _options(method: str, options: Dict[str, Any]) -> Dict[str, Any]:
         raise ValueError("unknown selection method %r; valid methods: %s" % (method, ", ".join(METHODS)))
     bad = sorted(set(options) - set(_DEFAULTS))
     if bad:
-        raise ValueError("unknown selection option(s) %s; valid options: %s" % (", ".join(bad), ", ".join(sorted(_DEFAULTS))))
+        raise ValueError("unknown selection option(s) %s; valid options: %s"
+                         % (", ".join(bad), ", ".join(sorted(_DEFAULTS))))
     o = dict(_DEFAULTS, **options)
     if not 0.0 < float(o["trimmed_eps"]) <= 1.0:
         raise ValueError("trimmed_eps must be in (0, 1], got %r" % o["trimmed_eps"])

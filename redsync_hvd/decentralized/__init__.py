@@ -12,11 +12,26 @@ in-place updates out. Importing this package does not initialise MPI.
     params = [p.data.view(-1) for p in model.parameters()]
     ... loss.backward(); algo.step(params, [p.grad for p in model.parameters()], lr)
 """
-from .algorithms import (ALGORITHMS, DCD, DPSGD, ECD, METHODS, DecentralizedAlgorithm, NaiveCompressed,
-                         build_algorithm, optimizer_step_as_gradient)
+from .algorithms import (
+                         ALGORITHMS,
+                         DCD,
+                         DPSGD,
+                         ECD,
+                         METHODS,
+                         DecentralizedAlgorithm,
+                         NaiveCompressed,
+                         build_algorithm,
+                         optimizer_step_as_gradient,
+)
 from .exchange import ExchangeBase, NeighborExchange, ThreadedExchange, ThreadedGroup, check_world, pack, unpack
-from .quantizers import (FixedGridQuantizer, IdentityQuantizer, MinMaxQuantizer, Quantizer, TopKSparsifier,
-                         build_quantizer)
+from .quantizers import (
+                         FixedGridQuantizer,
+                         IdentityQuantizer,
+                         MinMaxQuantizer,
+                         Quantizer,
+                         TopKSparsifier,
+                         build_quantizer,
+)
 from .topology import Topology, from_config, from_matrix, from_yaml, ring
 
 __all__ = ["ALGORITHMS", "DCD", "DPSGD", "ECD", "METHODS", "DecentralizedAlgorithm", "NaiveCompressed",

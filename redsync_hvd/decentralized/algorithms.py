@@ -19,7 +19,7 @@ calls it the same number of times (each step is one neighbour exchange).
   replicas stay bit-identical to the true models. z shrinks as training
   converges, so a relative-error quantiser (min-max) suffices.
 - ``ecd`` (extrapolation compression), t = 1, 2, ... (the step counter, as in the
-  digest and the paper's Algorithm 2): every worker keeps estimates y_j of all
+  paper's Algorithm 2): every worker keeps estimates y_j of all
   models in its neighbourhood, its own included (y_i is NOT x_i).
       x_half = sum_j W_ij y_j;  x_new = x_half - lr g_i
       z = (1 - t/2) x_i + (t/2) x_new  (computed as x_i + (t/2)(x_new - x_i));  x_i = x_new
@@ -229,6 +229,7 @@ def build_algorithm(method: str, exchange=None, topology="ring", quantizer: str 
         raise ValueError(f"decentralized method {method!r} is unknown; choose one of {list(METHODS)}")
     if exchange is None:
         from mpi4py import MPI
+
         from .exchange import NeighborExchange, check_world
         from .topology import from_config
         comm = MPI.COMM_WORLD if comm is None else comm

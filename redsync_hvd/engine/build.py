@@ -19,8 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ..compressors import Compressor, build_compressor
-from ..config.compression import (AllgatherConfig, CompressionConfig, ResidualConfig, method_names,
-                                  parse_compression)
+from ..config.compression import (
+    AllgatherConfig,
+    CompressionConfig,
+    MethodConfig,
+    ResidualConfig,
+    method_names,
+    parse_compression,
+)
 from ..exchange import GradientExchange
 from ..memory import MomentumCorrectionMemory, ResidualMemory
 from ..policy import LayerPolicy
@@ -42,7 +48,7 @@ class Built:
     momentum: Optional[MomentumSpec] = None   # set when momentum correction took it out
 
 
-def parse(compression: Any) -> CompressionConfig:
+def parse(compression: Any) -> MethodConfig:
     """The config of a dict, a config object or a Compressor (dense fp32 for None)."""
     if isinstance(compression, Compressor):
         return compression.config if isinstance(compression.config, CompressionConfig) \
@@ -50,7 +56,7 @@ def parse(compression: Any) -> CompressionConfig:
     return parse_compression(compression if compression is not None else {"method": "none"})
 
 
-def refuse(config: CompressionConfig, framework: str, engine: str) -> None:
+def refuse(config: MethodConfig, framework: str, engine: str) -> None:
     """Stop, naming the alternatives, when this framework or engine cannot run the method."""
     if framework not in config.frameworks:
         able = [m for m in method_names() if framework in parse_compression({"method": m}).frameworks]
@@ -58,9 +64,10 @@ def refuse(config: CompressionConfig, framework: str, engine: str) -> None:
                                   f"exchanges gradients. Use framework: torch for {config.method}, or one of "
                                   f"{', '.join(able)}")
     if isinstance(config, AllgatherConfig) and config.sparse_update and (framework, engine) != ("torch", "horovod"):
-        raise ValueError("compression.sparse_update updates the weights inside redsync_hvd.torch.DistributedOptimizer's "
-                         f"step(); the {framework} adapter{' under engine: ' + engine if engine != 'horovod' else ''} "
-                         "writes dense averaged gradients. Set sparse_update: false")
+        where = f"the {framework} adapter" + (f" under engine: {engine}" if engine != "horovod" else "")
+        raise ValueError("compression.sparse_update updates the weights inside "
+                         f"redsync_hvd.torch.DistributedOptimizer's step(); {where} writes dense averaged "
+                         "gradients. Set sparse_update: false")
     if engine not in config.engines:
         able = [m for m in method_names() if engine in parse_compression({"method": m}).engines]
         raise NotImplementedError(f"compression.method={config.method!r} {config.limits()}; it runs on the "
@@ -96,6 +103,9 @@ def build_exchange(compression: Any, layers: list, comm, *, framework: str = "to
     config asks for momentum correction; it takes momentum and weight decay out of the optimizer."""
     config = parse(compression)                                                     # 1.
     refuse(config, framework, engine)                                               # 2.
+    if not isinstance(config, CompressionConfig):
+        raise ValueError(f"compression.method={config.method!r} {config.limits()}: build it with "
+                         "redsync_hvd.torch.DecentralizedOptimizer (DistributedOptimizer does so for you)")
     compressor, config = build_compressor(compression if isinstance(compression, Compressor) else config, comm)
     if agree:
         check_same_everywhere(comm, config, layers)                                 # 3.
@@ -111,8 +121,7 @@ def build_exchange(compression: Any, layers: list, comm, *, framework: str = "to
     network = network_for(config, comm)
     if network is not None:
         policy.compute = probe_compute(comm, layers[0].device if layers else "cpu")
-    policy.setup(layers, comm.size, network)
     clip = config.dgc.clip_norm if isinstance(config, ResidualConfig) else None
     exchange = GradientExchange(layers, compressor, comm, policy, memory, check_finite=config.check_finite,  # 6.
-                                fusion_bytes=config.fusion_bytes, clip_norm=clip, **options)
+                                fusion_bytes=config.fusion_bytes, clip_norm=clip, network=network, **options)
     return Built(exchange, config, momentum)

@@ -36,7 +36,8 @@ class NonFiniteGradientError(FloatingPointError):
 class GradientExchange:
     """One step: ``submit(name, grad)`` for every layer (from hooks), then ``finish()``.
 
-    layers: the parameters, with the policy's decisions made (``policy.setup``).
+    layers: the parameters; ``policy.setup`` decides how each travels (``network``: what the
+        cost-model policy plans for, None for the static policy).
     memory: residual memory for compressed layers (None: no error feedback).
     check_finite: agree across ranks that the step was finite (else every rank raises).
     on_nonfinite: "raise" (NonFiniteGradientError) | "skip": roll back and return gradients
@@ -47,7 +48,8 @@ class GradientExchange:
 
     def __init__(self, layers: list, compressor: Compressor, comm, policy, memory=None, *,
                  check_finite: bool = True, on_nonfinite: str = "raise", fusion_bytes: int = 16 << 20,
-                 clip_norm: float | None = None, reuse_buffers: bool = True, grads_writable: bool = False):
+                 clip_norm: float | None = None, reuse_buffers: bool = True, grads_writable: bool = False,
+                 network=None):
         if on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"on_nonfinite={on_nonfinite!r} is not 'raise' or 'skip'")
         for layer in layers:
@@ -66,6 +68,7 @@ class GradientExchange:
         self.stats = CommStats()
         self.step = 0
         self.applied: list = []
+        policy.setup(layers, comm.size, network)
         buckets = self._buckets(layers, fusion_bytes)
         self.units = self._units(layers, buckets)
         self.transport = Transport(comm, self.stats, self.layers, buckets, reuse_buffers)
@@ -81,7 +84,7 @@ class GradientExchange:
         units = {l.name: Unit((l,)) for l in layers}
         for bucket in buckets:
             if self.compressor.selects_by_bucket(list(bucket.layers)):
-                units.update(dict.fromkeys((l.name for l in bucket.layers), Unit(bucket.layers)))
+                units.update(dict.fromkeys((l.name for l in bucket.layers), Unit(bucket.layers, together=True)))
         return units
 
     def parts(self, layer: Layer) -> tuple:
@@ -132,13 +135,13 @@ class GradientExchange:
         return msgs
 
     def _compress(self, unit: Unit, comp: Compressor, memory, grads: list, xs: list, scans: list) -> list:
-        if len(unit.layers) > 1:
+        if unit.together:
             msgs = comp.compress_bucket(xs, list(unit.layers), self.step)
             for layer, msg in zip(unit.layers, msgs):
-                if msg.nonfinite is True:
-                    self._mark_bad(layer.name)   # sent empty; every rank fails the step in finish()
-                elif msg.nonfinite is not None:   # a device flag: no host wait now
+                if isinstance(msg.nonfinite, torch.Tensor):   # a device flag: no host wait now
                     self.state.evidence.append((layer.name, torch.where(msg.nonfinite, math.inf, 0.0)))
+                elif msg.nonfinite:
+                    self._mark_bad(layer.name)   # sent empty; every rank fails the step in finish()
             return msgs
         (layer,), (x,), (scan,) = unit.layers, xs, scans
         try:

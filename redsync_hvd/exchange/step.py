@@ -20,8 +20,10 @@ class Bucket:
 
 @dataclass(frozen=True)
 class Unit:
-    """Layers compressed at once: one, or a whole bucket (``Compressor.selects_by_bucket``)."""
+    """Layers compressed at once: one (``together`` False), or a whole bucket
+    (``Compressor.selects_by_bucket``: ``compress_bucket`` then sees them all)."""
     layers: tuple
+    together: bool = False
 
     @property
     def key(self) -> str:

@@ -35,6 +35,7 @@ class LayerPolicy:
     def setup(self, layers: list, size: int = 1, network=None) -> None:
         """Decide once, before the first step, how each layer travels."""
         p = self.config.policy
+        self.decisions = []
         for layer in layers:
             o = self._override(layer.name)
             layer.base_density = o.density if o is not None and o.density is not None else self.config.layer_density()

@@ -78,7 +78,8 @@ class _DecentralizedOptimizer(torch.optim.Optimizer):
         last, self._last = sent - self._last, sent
         return {"wire_bytes": sent, "dense_bytes": int(s["dense_bytes"]), "compression_ratio": s["compression_ratio"],
                 "steps": s["steps"], "select": 0.0, "communicate": float(s.get("time_communicate", 0.0)),
-                "decompress": 0.0, "setup_bytes": int(s.get("setup_bytes", 0)), "eval_bytes": int(s.get("eval_bytes", 0)),
+                "decompress": 0.0, "setup_bytes": int(s.get("setup_bytes", 0)),
+                "eval_bytes": int(s.get("eval_bytes", 0)),
                 "message_bytes": int(s.get("message_bytes", 0)), "clipped": s.get("clipped"),
                 # the last step: the neighbour exchange, and the gossip step's local work (mixing,
                 # compressing, decoding) as "select"; the optimizer's own update counts as compute

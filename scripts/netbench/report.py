@@ -7,8 +7,8 @@ import math
 import statistics
 from pathlib import Path
 
-from redsync_hvd import costmodel as cm
-from redsync_hvd.compressors.config import DECENTRALIZED
+from redsync_hvd.policy import costmodel as cm
+from redsync_hvd.config.compression import DECENTRALIZED
 from scripts.netbench.predict import network as cm_network, plan_from_run, predict, fusion_bytes
 
 MPI_DENSE = "dense/mpi"   # dense Horovod, launched with the decentralized methods under mpirun

@@ -170,7 +170,7 @@ def run(spec) -> dict:
         # the cost model's own fit from timed allreduces of 8 bytes and probe_bytes; the median
         # of 9 after 2 untimed: with 5 after 1, alpha ranged over 1.1-11.6 ms between sweeps
         from redsync_hvd.comm import HorovodCommunicator
-        from redsync_hvd.costmodel import probe_network
+        from redsync_hvd.policy.costmodel import probe_network
         t0 = time.perf_counter()
         net = probe_network(HorovodCommunicator(), sizes=(8, int(spec["probe_bytes"])), repeats=9, warmup=2,
                             reduce=statistics.median)

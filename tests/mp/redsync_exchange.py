@@ -19,8 +19,8 @@ def main(options):
     rhvd.init()
     rank, size = rhvd.rank(), rhvd.size()
     spec = [("big", 20000), ("mid", 3000), ("small", 64)]
-    comp, cfg = build_compressor({"method": "redsync", "min_compress_numel": 100, "fusion_bytes": 40000,
-                                  "momentum_correction": False, **options})
+    comp, cfg = build_compressor({"method": "redsync", "policy": {"min_compress_numel": 100}, "fusion_bytes": 40000,
+                                  "dgc": {"momentum_correction": False}, **options})
     layers = [Layer(n, (m,), m, i) for i, (n, m) in enumerate(spec)]
     ex = GradientExchange(layers, comp, HorovodCommunicator(), LayerPolicy(cfg), ResidualMemory(),
                           fusion_bytes=cfg.fusion_bytes)
@@ -35,19 +35,15 @@ def main(options):
             ex.submit(layer.name, grads[rank][layer.name])
         out = ex.finish()
         # every rank's messages, as that rank's compressor builds them: layer by layer, or
-        # (selection_scope: bucket) the bucket's layers at once
+        # (selection.scope: bucket) the bucket's layers at once
         sent = {}
         for r in range(size):
-            for bucket in ex._buckets:
+            for bucket in ex.transport.buckets:
                 xs = [mems[r].compensate(l.name, grads[r][l.name]) for l in bucket.layers]
-                if bucket.by_bucket:
-                    msgs, bad = replicas[r].compress_bucket(xs, bucket.layers, step)
-                    assert not bad
-                else:
-                    msgs = [replicas[r].compress(x, l, step) for x, l in zip(xs, bucket.layers)]
+                msgs = replicas[r].compress_bucket(xs, list(bucket.layers), step)
+                assert not any(m.nonfinite for m in msgs)
                 for x, l, msg in zip(xs, bucket.layers, msgs):
-                    replicas[r].decompress_add(x, msg.tensors, l, alpha=-1.0)
-                    replicas[r].sent_indices(msg, l)
+                    mems[r].update(l, x, msg, replicas[r])
                     sent.setdefault(l.name, []).append(msg)
                     counts.append(msg.selected)
         for layer in layers:
@@ -67,7 +63,8 @@ def main(options):
     everyone = rhvd.allgather_object(out["big"].tolist())
     assert all(o == everyone[0] for o in everyone), "ranks ended with different gradients"
     assert len(set(counts)) > 1, "expected uneven selection counts"
-    assert any(b.by_bucket for b in ex._buckets) == (options.get("selection_scope") == "bucket")
+    by_bucket = any(ex.units[l.name].together for b in ex.transport.buckets for l in b.layers)
+    assert by_bucket == (cfg.selection.scope == "bucket")
     print(f"rank {rank}: OK redsync exchange {options} counts={sorted(set(counts))[:6]}")
 
 

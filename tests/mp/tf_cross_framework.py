@@ -20,17 +20,13 @@ SPEC = [("fc.weight", (96, 80)), ("fc.bias", (80,)), ("conv.weight", (16, 8, 3, 
 
 
 def record(compressor, log):
-    """Wrap compressor.compress to keep every message it produces."""
+    """Wrap compressor.compress to keep every message it produces, with the positions that are not
+    in the message (randomk's shared seed, IWP's leader's broadcast) from its ctx."""
     inner = compressor.compress
 
-    def compress(x, layer, step):
-        msg = inner(x, layer, step)
-        # positions that are not in the message: randomk's (shared seed) and IWP's (leader's broadcast)
-        # (read, not sent_indices(): RedSync's pops what the memory's masking needs)
-        sent = getattr(compressor, "_step_positions", {}).get(layer.index)
-        if sent is None:
-            sent = getattr(compressor, "_positions", {}).get(layer.name)
-        extra = [] if sent is None else [sent.detach().clone().to(torch.int64)]
+    def compress(x, layer, step, scan=None):
+        msg = inner(x, layer, step, scan)
+        extra = [] if msg.ctx is None else [msg.ctx.detach().clone().to(torch.int64)]
         log.append((step, layer.name, [t.detach().clone() for t in msg.tensors] + extra))
         return msg
     compressor.compress = compress
@@ -97,7 +93,7 @@ def main(compression):
             assert torch.allclose(t_out[s][n], f_out[s][n], atol=1e-6, rtol=1e-5), (s, n)
     t_res = t_opt._exchange.state_dict()["memory"]
     f_res = tape.exchange.state_dict()["memory"]
-    if t_res is not None:
+    if t_res:
         for kind in t_res:
             for n in t_res[kind]:
                 assert torch.allclose(t_res[kind][n], f_res[kind][n], atol=1e-6), (kind, n)
