@@ -9,8 +9,8 @@ optimizer update; the same SGD in every variant) and, separately, the gradient
 exchange's local work: residual compensation, selection, quantisation and packing,
 then decoding and averaging ``--world`` messages as a worker of a ``--world``-rank
 job would (``LocalCommunicator``: every rank sends what this one sends; no bytes
-move). ``overhead / compute`` is the issue's "select + pack + decompress as a share
-of the compute time of a step". For methods with a residual, ``r + g alone`` times just
+move). ``exchange / compute`` is that local work (select, pack, decompress) as a share
+of a step's compute. For methods with a residual, ``r + g alone`` times just
 the error-feedback update over the layers they compress (read two layer-sized buffers,
 write one): no exchange over those layers can cost less on this memory system, so it is
 the floor under that share. Each variant's steps are interleaved with the others

@@ -21,8 +21,8 @@ REPO = Path(__file__).resolve().parent.parent
 RS = "configs/digits/redsync.yaml"
 E40 = ["training.epochs=40"]
 E80 = ["training.epochs=80"]
-# configs/digits/{sbc,iwp}.yaml hold the documented settings found in session 3; the earlier
-# variants below pin what those files said when they were measured
+# configs/digits/{sbc,iwp}.yaml hold the documented settings; SBC0 and IWP0 are one density for
+# every compressed layer and no per-layer overrides, the settings the variants below start from
 SBC0 = ["compression.local_steps=10", "compression.density=0.01", "compression.layers=[]"]
 IWP0 = ["compression.density=0.01", "compression.min_compress_numel=1024", "compression.layers=[]"]
 # the small layers (biases, the first conv, the output layer: 1.8k of 53k parameters) at a
@@ -36,8 +36,8 @@ VARIANTS = {
     "dense": ("configs/digits/dense.yaml", []),
     "dense 40 epochs": ("configs/digits/dense.yaml", E40),
     "redsync 0.01 sign_mean 40 epochs": (RS, E40),
-    # session 6: selection of a whole bucket at once (the CUDA default), against per-layer
-    # trimmed, which also sends about k per layer (tbs sends k to 2k)
+    # selection of a whole bucket at once (the CUDA default), against per-layer trimmed,
+    # which also sends about k per layer (tbs sends k to 2k)
     "redsync 0.01 sign_mean 40 epochs, selection_scope=bucket": (RS, E40 + ["compression.selection_scope=bucket"]),
     "redsync 0.01 sign_mean 40 epochs, selection=trimmed": (RS, E40 + ["compression.selection=trimmed"]),
     "redsync 0.001 sign_mean 40 epochs (redsync-0.001.yaml)": ("configs/digits/redsync-0.001.yaml", E40),
@@ -54,7 +54,7 @@ VARIANTS = {
     "redsync 0.01 20 epochs momentum_correction": (RS, ["compression.momentum_correction=true"]),
     "redsync 0.01 20 epochs momentum_correction, no masking": (RS, ["compression.momentum_correction=true",
                                                                     "compression.momentum_masking=false"]),
-    "sbc local_steps=10 density=0.01 40 epochs (the issue's reporting setting)": (
+    "sbc local_steps=10 density=0.01 40 epochs (the method's defaults)": (
         "configs/digits/sbc.yaml", SBC0 + E40),
     "sbc local_steps=13 density=0.01 40 epochs": ("configs/digits/sbc.yaml", SBC0 + E40 + ["compression.local_steps=13"]),
     "sbc local_steps=13 density=0.01 40 epochs lr=0.1": ("configs/digits/sbc.yaml", SBC0 + E40 + ["compression.local_steps=13", "optimizer.lr=0.1"]),
@@ -75,7 +75,7 @@ VARIANTS = {
     # the documented settings, as the config files hold them (docs/sbc.md, docs/iwp.md)
     "sbc.yaml 40 epochs": ("configs/digits/sbc.yaml", E40),
     "iwp.yaml 40 epochs": ("configs/digits/iwp.yaml", E40),
-    # session 3: what limits SBC and IWP at their target ratios (seeds 0-2, 40 epochs)
+    # what limits SBC and IWP at their target ratios (40 epochs)
     "dense 80 epochs": ("configs/digits/dense.yaml", E80),
     "sbc local_steps=13 density=1.0 binarize=false 40 epochs (local SGD only)": (
         "configs/digits/sbc.yaml", SBC0 + E40 + ["compression.local_steps=13", "compression.density=1.0",
