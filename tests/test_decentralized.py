@@ -259,7 +259,8 @@ def _quadratic(method, n, steps, kw, lr=0.5):
 
 
 def test_quadratic_8_workers_in_process():
-    """The digest's toy check on an 8-worker ring (threads): DCD exact, ECD converging, naive stalled."""
+    """A quadratic toy problem on an 8-worker ring (threads): DCD exact, ECD converging, naive stalled
+    (the behaviours Tang et al., NeurIPS 2018, describe)."""
     dcd, st = _quadratic("dcd", 8, 240, dict(quantizer="minmax", bits=4))
     ecd, est = _quadratic("ecd", 8, 240, dict(quantizer="grid", bits=4, step=0.5))
     naive, _ = _quadratic("naive", 8, 240, dict(quantizer="minmax", bits=4))

@@ -1,4 +1,5 @@
-"""Tests for redsync_hvd.core.selection (digest section 1)."""
+"""Tests for redsync_hvd.core.selection: trimmed top-k and threshold binary search (Fang et al.,
+RedSync, JPDC 2019), DGC's sampled threshold (Lin et al., ICLR 2018)."""
 import math
 
 import pytest
@@ -120,7 +121,8 @@ def test_layouts_and_dtypes(method):
 
 
 def reference_tbs(x, k, probes):
-    """Digest section 1, probe by probe, with plain counts (None: never accepted)."""
+    """Threshold binary search as RedSync's paper writes it, probe by probe, with plain counts
+    (None: never accepted)."""
     a = x.abs()
     mean, mx = float(a.double().sum()) / a.numel(), float(a.max())
     lo, hi = 0.0, 1.0

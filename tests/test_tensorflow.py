@@ -135,11 +135,10 @@ def tf_digits_runs(tmp_path_factory):
 
 
 def test_tf_redsync_accuracy_close_to_tf_dense(tf_digits_runs):
-    """Issue 6: TF with RedSync at density 0.01 within 0.5 point of TF dense at the same epochs,
-    on the mean of seeds 0-2 (paired: same seed and split). Measured (2026-11-26, 40 epochs,
-    360 test samples: one sample = 0.28 point): TF dense 0.9778/0.9806/0.9889, TF RedSync
-    0.9778/0.9806/0.9917 (36.6-37.0x). At 20 epochs sign_mean is still catching up in both
-    frameworks (0.8-2.5 points below, docs/tensorflow.md)."""
+    """TF with RedSync at density 0.01 within 0.5 point of TF dense at the same epochs (40), on
+    the mean of seeds 0-2 (paired: same seed and split; 360 test samples, one sample = 0.28
+    point). At 20 epochs sign_mean is still catching up, in both frameworks. Measured figures:
+    docs/tensorflow.md."""
     def mean(name):
         runs = [summary(tf_digits_runs / (name + ("" if s == 0 else f"-s{s}"))) for s in TF_SEEDS]
         return sum(r["final_accuracy"] for r in runs) / len(runs), runs
