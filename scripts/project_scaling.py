@@ -6,7 +6,7 @@
     python scripts/project_scaling.py --compute vgg16=0.5 --latency-us 50 --overlap
     python scripts/project_scaling.py --compute-from runs/bench/<run>/results.csv
 
-A PREDICTION, not a measurement: redsync_hvd/costmodel.py (algorithms.md section 6).
+A PREDICTION, not a measurement: the alpha-beta model of redsync_hvd/costmodel.py.
 Methods: redsync = sign-mean (indices + one mean) at density 0.001; topk =
 (int32, fp32) pairs at 0.001; iwp = shared indices + allreduce at 0.01;
 decentralized = ring neighbour exchange of the 8-bit quantised full model.
