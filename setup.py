@@ -20,5 +20,8 @@ setup(
     extras_require={
         "dev": ["pytest", "hypothesis", "pytest-timeout"],
         "tensorflow": ["tensorflow-cpu==2.15.1"],
+        # the device selection kernels (core/triton_select.py); their CPU tests run them in
+        # Triton's interpreter. CUDA builds of torch bring their own triton: keep that one.
+        "kernels": ["triton==3.9.0"],
     },
 )
