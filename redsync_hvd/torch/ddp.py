@@ -1,0 +1,256 @@
+"""The same compressors under PyTorch DDP and ``torchrun``: a DDP communication hook.
+
+    model = DistributedDataParallel(net)          # Gloo on CPU, NCCL on CUDA
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = redsync_hvd.torch.ddp.register(model, compression={"method": "redsync", "density": 0.01},
+                                           optimizer=opt)
+    ... train as usual; state.communication_stats(); state.state_dict()
+
+A step (DDP calls the hook once per bucket, in bucket order, the same order on every rank):
+
+  1. Each bucket's hook hands every parameter's gradient (a view of DDP's bucket buffer)
+     to the :class:`~redsync_hvd.exchange.GradientExchange` under the parameter's name:
+     compensate with the residual, compress, start the collective. The hook returns a
+     future that is not set yet, so communication overlaps the rest of the backward pass.
+  2. The last bucket's hook (``bucket.is_last()``) finishes the step: the exchange waits,
+     decodes, agrees across ranks that every gradient was finite and commits the residuals.
+     Each averaged gradient is written into its bucket view and every future is set.
+     If the step fails (a NaN on any rank), every future carries the error, ``backward()``
+     raises it on every rank and the residuals stay as they were.
+  3. DDP copies the buckets into ``.grad``; the optimizer steps as usual.
+
+Residuals, velocities and per-layer decisions are kept per parameter name, not per bucket:
+DDP rebuilds its buckets after the first iteration (in the order gradients became ready),
+which would scramble state keyed by bucket (torch's PowerSGD hook needs
+``start_powerSGD_iter >= 2`` for that reason).
+
+``method: none`` takes a fast path: DDP's own reduction, one asynchronous allreduce of
+the whole bucket buffer divided by N first (as DDP divides, so the result is bit for bit
+DDP's), with its bytes counted; no per-layer work, no finite check.
+
+Methods that fit a hook: everything that compresses one step's gradients (none, fp16,
+topk, randomk, redsync, iwp and the allreduce/allgather baselines). Refused, with the
+Horovod path named: SBC (it exchanges model deltas after local steps, which a gradient
+hook never sees), the decentralized methods (dcd, ecd, dpsgd, naive: no allreduce at all)
+and ``sparse_update`` (it updates the weights inside the optimizer step).
+
+Momentum correction (DGC, Lin et al., ICLR 2018) is supported when ``optimizer`` is given:
+as :class:`~redsync_hvd.torch.optimizer.DistributedOptimizer` does, the optimizer's momentum
+(and weight decay) move into the residual memory, the hook adds ``weight_decay * w`` to
+each gradient before it enters the velocity, and the optimizer then takes plain SGD steps
+on what arrives. Build the optimizer before calling :func:`register`: its param groups are
+edited (momentum, nesterov and weight_decay set to 0). Without ``optimizer`` a config that
+asks for momentum correction is refused with that fix.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..comm.torch_dist import TorchDistCommunicator
+from ..compressors import build_compressor, parse_compression
+from ..compressors.base import Compressor, Layer
+from ..compressors.config import DECENTRALIZED
+from ..compressors.dense import NoneCompressor
+from ..core.stats import CommStats
+from ..exchange import GradientExchange
+from ..policy import LayerPolicy
+from .optimizer import _build_memory, _check_same_everywhere, _network
+
+_HOROVOD_PATH = ("use the Horovod path instead: redsync_hvd.torch.DistributedOptimizer under horovodrun "
+                 "(or `python -m redsync_hvd.train` with engine: horovod)")
+
+
+class DDPCompressionState:
+    """What :func:`register` returns: the step's pending buckets, the exchange, and the accessors
+    the Horovod optimizer offers (``communication_stats``, ``layer_decisions``,
+    ``set_steps_per_epoch``, ``state_dict``/``load_state_dict``)."""
+
+    def __init__(self, config, comm, named: list, exchange=None, decay=None):
+        self.config = config
+        self.comm = comm
+        self.exchange = exchange
+        self.stats = exchange.stats if exchange is not None else CommStats()
+        self._name = {id(p): n for n, p in named}
+        self._decay = decay or {}
+        self._pending: list = []     # (names, grads, buffer, future) of this step's buckets
+
+    # -- the step, from the hooks -------------------------------------------
+    def names_of(self, params) -> list:
+        try:
+            return [self._name[id(p)] for p in params]
+        except KeyError:
+            raise RuntimeError("a DDP bucket holds a parameter that register() did not see: register the "
+                               "hook on the same DDP model, after every parameter exists") from None
+
+    def grad_for(self, name: str, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        wd = self._decay.get(name, 0.0)
+        # momentum correction: weight decay joins the gradient before it enters the velocity
+        return grad.add(param.detach(), alpha=wd) if wd else grad
+
+    def finish_step(self) -> None:
+        """Finish the exchange, write each average into its bucket view, set every future."""
+        pending, self._pending = self._pending, []
+        into = {n: g.view(-1) for names, grads, _, _ in pending for n, g in zip(names, grads)
+                if g.dtype == torch.float32 and g.is_contiguous()}
+        try:
+            averaged = self.exchange.finish(into=into)
+        except BaseException as exc:   # the exchange rolled its memory back; every rank raises
+            for *_, fut in pending:
+                fut.set_exception(exc)
+            return
+        for names, grads, buffer, fut in pending:
+            for name, grad in zip(names, grads):
+                flat = averaged[name]
+                if flat.data_ptr() != grad.data_ptr():
+                    grad.copy_(flat.view(grad.shape))
+            fut.set_result(buffer)
+
+    # -- accessors -----------------------------------------------------------
+    def communication_stats(self) -> dict:
+        """Cumulative per-worker figures since start, as the Horovod optimizer reports them."""
+        out = self.stats.summary()
+        out["last_step"] = dict(getattr(self.stats, "last", {}))
+        out["layers"] = dict(self.stats.layers)
+        return out
+
+    def layer_decisions(self) -> list:
+        """How each layer travels (compressed or dense, density, and why)."""
+        return list(self.exchange.policy.decisions) if self.exchange is not None else []
+
+    def set_steps_per_epoch(self, steps: int) -> None:
+        """Needed by epoch-based schedules such as ``warmup_epochs``."""
+        if self.exchange is not None:
+            self.exchange.policy.steps_per_epoch = int(steps)
+
+    def state_dict(self) -> dict:
+        """This rank's compression state (residuals are per worker: save one per rank)."""
+        inner = self.exchange.state_dict() if self.exchange is not None else {"stats": self.stats.state_dict()}
+        return {"method": self.config.method, "world_size": self.comm.size, "exchange": inner}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("method") != self.config.method or state.get("world_size") != self.comm.size:
+            raise ValueError(f"this compression state was saved with method {state.get('method')!r} on "
+                             f"{state.get('world_size')} workers, but the hook runs {self.config.method!r} on "
+                             f"{self.comm.size}: resume with the same compression config and world size")
+        if self.exchange is not None:
+            self.exchange.load_state_dict(state["exchange"])
+        else:
+            self.stats.load_state_dict(state["exchange"]["stats"])
+
+
+def _exchange_hook(state, bucket):   # no annotations: DDP checks them literally
+    """Steps 1 and 2 of the module docstring, for one bucket."""
+    params, grads = bucket.parameters(), bucket.gradients()
+    names = state.names_of(params)
+    for name, p, g in zip(names, params, grads):
+        state.exchange.submit(name, state.grad_for(name, p, g))
+    buffer = bucket.buffer()
+    fut = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+    state._pending.append((names, grads, buffer, fut))
+    if bucket.is_last():
+        state.finish_step()
+    return fut
+
+
+def _allreduce_hook(state, bucket):
+    """``method: none``: DDP's reduction (divide by N, then one allreduce of the bucket), counted."""
+    import torch.distributed as dist
+    buffer = bucket.buffer()
+    wire = buffer.numel() * buffer.element_size()
+    state.stats.add_bytes({"values": wire}, "dense")
+    state.stats.add("dense_bytes", 4 * buffer.numel())
+    for name, g in zip(state.names_of(bucket.parameters()), bucket.gradients()):
+        state.stats.layer(name, "dense", None, None, g.numel() * g.element_size(), 4 * g.numel())
+    if bucket.is_last():
+        state.stats.end_step()
+    buffer.div_(state.comm.size)
+    work = dist.all_reduce(buffer, group=state.comm.group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def register(ddp_model, compression=None, process_group=None, optimizer=None) -> DDPCompressionState:
+    """Register the compression hook on ``ddp_model``; return its state (stats, checkpoints).
+
+    1. parse the config and refuse what a gradient hook cannot run, naming the Horovod path;
+    2. list the parameters DDP reduces, check that every rank has the same config and model;
+    3. ``none``: register the fast allreduce hook; otherwise build the memory (taking momentum
+       out of ``optimizer`` for momentum correction), the layer policy and the exchange over
+       a torch.distributed communicator, and register the exchange hook.
+
+    compression: a dict like the YAML ``compression:`` section, a config object, or a Compressor.
+    process_group: the group to reduce over (default: the DDP model's own group).
+    optimizer: the optimizer that will step ``ddp_model``; needed for momentum correction.
+    """
+    compressor, config = _parse(compression)
+    comm = TorchDistCommunicator(process_group if process_group is not None
+                                 else getattr(ddp_model, "process_group", None))
+    named = _reduced_parameters(ddp_model)
+    layers = [Layer(n, tuple(p.shape), p.numel(), i, p.device, param=p) for i, (n, p) in enumerate(named)]
+    _check_same_everywhere(comm, config, layers)
+    if type(compressor) is NoneCompressor:
+        state = DDPCompressionState(config, comm, named)
+        ddp_model.register_comm_hook(state, _allreduce_hook)
+        return state
+    memory, decay = _memory(config, optimizer, named)
+    exchange = GradientExchange(layers, compressor, comm, LayerPolicy(config), memory,
+                                check_finite=config.check_finite, fusion_bytes=config.fusion_bytes,
+                                clip_norm=getattr(config, "clip_norm", None),
+                                network=_network(config, comm), grads_writable=True)
+    state = DDPCompressionState(config, comm, named, exchange, decay)
+    ddp_model.register_comm_hook(state, _exchange_hook)
+    return state
+
+
+def _parse(compression):
+    """(compressor, config), refusing the methods a gradient hook cannot run."""
+    if isinstance(compression, Compressor):
+        compressor, config = build_compressor(compression)
+    else:
+        config = parse_compression(compression if compression is not None else {"method": "none"})
+        _refuse(config)
+        compressor, config = build_compressor(config)
+    _refuse(config)
+    return compressor, config
+
+
+def _refuse(config) -> None:
+    if config.method in DECENTRALIZED:
+        raise ValueError(f"compression.method={config.method!r} is decentralized (models mixed with neighbours "
+                         f"through mpi4py, no allreduce), which a DDP communication hook cannot do: "
+                         + _HOROVOD_PATH)
+    if getattr(config, "local_steps", None):
+        raise ValueError(f"compression.method={config.method!r} exchanges model deltas after local steps "
+                         "(communication delay); a DDP communication hook sees one step's gradients only: "
+                         + _HOROVOD_PATH + "; or use topk/redsync for per-step compression")
+    if getattr(config, "sparse_update", False):
+        raise ValueError("compression.sparse_update applies the averaged sparse gradient to the weights inside "
+                         "the optimizer step, which a DDP communication hook does not run: set sparse_update: "
+                         "false (DDP writes dense gradients into .grad), or " + _HOROVOD_PATH)
+
+
+def _reduced_parameters(ddp_model) -> list:
+    """(name, parameter) for every parameter DDP reduces, in registration order."""
+    module = getattr(ddp_model, "module", None)
+    if module is None or not hasattr(ddp_model, "register_comm_hook"):
+        raise TypeError(f"register() needs a torch.nn.parallel.DistributedDataParallel model, got "
+                        f"{type(ddp_model).__name__}: wrap it first, DistributedDataParallel(model)")
+    ignored = set(getattr(ddp_model, "parameters_to_ignore", ()) or ())
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignored]
+
+
+def _memory(config, optimizer, named: list):
+    """Residual memory for the method; with momentum correction, the optimizer's momentum and
+    weight decay move into it (the optimizer's param groups are edited)."""
+    if not getattr(config, "momentum_correction", False):
+        return _build_memory(config, [], {})
+    if optimizer is None:
+        raise ValueError("compression.momentum_correction=true moves the optimizer's momentum into the residual "
+                         "memory (DGC), and a DDP hook sees gradients only: pass optimizer=<the optimizer that "
+                         "steps this model> to register(), built before it, or set momentum_correction: false")
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing = [n for n, p in named if id(p) not in held]
+    if missing:
+        raise ValueError(f"optimizer does not hold parameters {missing[:5]} of the DDP model: pass the optimizer "
+                         "built on ddp_model.parameters() (momentum correction moves its momentum per parameter)")
+    names = {p: n for n, p in named}
+    return _build_memory(config, optimizer.param_groups, names)
