@@ -1,0 +1,131 @@
+"""QSGD: unbiased stochastic quantisation to s levels (Alistarh, Grubic, Li, Tomioka and Vojnovic,
+"QSGD: Communication-Efficient SGD via Gradient Quantization and Encoding", NeurIPS 2017).
+
+The quantiser of section 3.1, for v in R^d and s levels:
+
+    Q_s(v_i) = ||v||_2 * sign(v_i) * xi_i(v, s)
+    l        = the integer in [0, s) with |v_i| / ||v||_2 in [l / s, (l + 1) / s]
+    xi_i     = (l + 1) / s   with probability  p_i = s * |v_i| / ||v||_2 - l
+               l / s         otherwise
+
+so E[xi_i] = |v_i| / ||v||_2 and E[Q_s(v)] = v (unbiased), with
+E||Q_s(v) - v||^2 <= min(d / s^2, sqrt(d) / s) * ||v||^2 (Lemma 3.1). The paper quantises
+buckets of d consecutive elements, one norm each (d = 512 in its experiments), and sends
+norm, signs and levels, Elias-coded; here each level and its sign is one fixed-width code.
+
+Per layer:
+
+  1. ``compress``: cut x into buckets of ``bucket_size`` (the last one zero-padded); per bucket
+     the norm; a = s * |v_i| / norm; level = floor(a + u_i) with u_i ~ U[0, 1) from a
+     generator seeded by (seed, rank, step, layer): it is l + 1 with probability a - l
+     exactly; code = sign(v_i) * level + s in [0, 2s], packed ``bits`` per element. The
+     message (fp32 norms, uint8 codes) travels by allgather: codes of different workers
+     have different norms and cannot be summed as codes.
+  2. ``decompress_add``: out += alpha * norm / s * (code - s).
+  3. with ``residual`` the exchange keeps v - Q_s(v) (the paper has no error feedback).
+
+s = 2**(bits - 1) - 1: bits=2 is ternary (s = 1), bits=4 gives s = 7, bits=8 gives s = 127.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import ConfigDict, Field
+
+from ..core import bitpack
+from .base import Compressor, Layer, Message
+from .config import CompressionConfig
+
+
+class QSGDConfig(CompressionConfig):
+    """QSGD: s-level stochastic rounding per bucket, unbiased; norms plus packed codes by allgather."""
+    model_config = ConfigDict(extra="forbid")
+    method: Literal["qsgd"] = "qsgd"
+    bits: Literal[2, 4, 8] = Field(
+        4, description="bits per element, sign included, for s = 2**(bits-1) - 1 levels (2: s=1, ternary; "
+                       "4: s=7; 8: s=127). Fewer bits send fewer bytes (32/bits x less than fp32) but add "
+                       "variance: at most min(d/s^2, sqrt(d)/s) * ||v||^2 per bucket of d elements")
+    bucket_size: int = Field(
+        512, ge=1, description="elements sharing one norm (the paper's bucketing; 512 in its experiments). "
+                               "Smaller buckets lower the variance bound (d is the bucket size) and add "
+                               "4 bytes per bucket")
+    residual: bool = Field(
+        False, description="error feedback: keep the rounding noise v - Q(v) and add it to the next gradient. "
+                           "QSGD is unbiased and converges without it (the paper's setting); with it the noise "
+                           "is resent instead of averaged away, at one fp32 buffer per layer")
+    seed: int = Field(
+        0, description="seed of the stochastic rounding, combined with the rank, the step and the layer: "
+                       "workers draw independent noise (it averages out) and a resumed run draws the same")
+    min_compress_numel: int = Field(
+        0, ge=0, description="layers with fewer elements go dense (fp32 allreduce): a small layer's norm and "
+                             "the allgather's per-rank latency cost more than the bytes saved")
+
+    @property
+    def uses_memory(self) -> bool:  # type: ignore[override]
+        return self.residual
+
+
+def levels(bits: int) -> int:
+    """s, the number of positive levels a code of ``bits`` bits holds next to its sign."""
+    return 2 ** (bits - 1) - 1
+
+
+def rounding_seed(seed: int, rank: int, step: int, index: int) -> int:
+    """The rounding generator's seed: distinct per worker (independent noise averages out),
+    step and layer; a function of them alone, so a resumed run draws the same noise."""
+    for part in (rank, step, index):
+        seed = (seed * 1_000_003 + part) % (2 ** 61 - 1)
+    return seed
+
+
+def _buckets(x: torch.Tensor, bucket_size: int) -> torch.Tensor:
+    """x as (buckets, bucket_size), the last bucket zero-padded."""
+    pad = (-x.numel()) % bucket_size
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad)])
+    return x.view(-1, bucket_size)
+
+
+def quantize(x: torch.Tensor, s: int, bucket_size: int, generator: torch.Generator) -> tuple:
+    """Step 1 for a flat fp32 x: (norm per bucket, signed levels in [-s, s] per element)."""
+    v = _buckets(x, bucket_size)
+    norms = torch.linalg.vector_norm(v, dim=1)
+    safe = torch.where(norms > 0, norms, torch.ones_like(norms))   # an all-zero bucket stays zero
+    a = v.abs().mul_(s / safe.unsqueeze(1))
+    u = torch.rand(a.shape, generator=generator, device=a.device, dtype=a.dtype)
+    level = a.add_(u).floor_().clamp_(max=s)   # l + 1 with probability a - l
+    signed = level.mul_(torch.sign(v)).reshape(-1)[:x.numel()]
+    return norms, signed
+
+
+def dequantize(norms: torch.Tensor, signed: torch.Tensor, s: int, bucket_size: int) -> torch.Tensor:
+    """Step 2: norm / s * signed level, flat, as many elements as ``signed``."""
+    scale = (norms.to(torch.float32) / s).repeat_interleave(bucket_size)[:signed.numel()]
+    return signed.to(torch.float32) * scale
+
+
+class QSGDCompressor(Compressor):
+    collective = "allgather"
+
+    def __init__(self, config=None, comm=None):
+        super().__init__(config if config is not None else QSGDConfig())
+        self.comm = comm     # set by the exchange; only its rank is used, to seed the rounding
+        self.s = levels(self.config.bits)
+
+    def wire_dtypes(self, layer: Layer) -> tuple:
+        return (torch.float32, torch.uint8)
+
+    def compress(self, x: torch.Tensor, layer: Layer, step: int) -> Message:
+        rank = self.comm.rank if self.comm is not None else 0
+        seed = rounding_seed(self.config.seed, rank, step, layer.index)
+        generator = torch.Generator(device=x.device).manual_seed(seed)
+        norms, signed = quantize(x, self.s, self.config.bucket_size, generator)
+        codes = bitpack.pack(signed.add_(self.s), self.config.bits)
+        return Message([norms, codes], ("scalars", "values"))
+
+    def decompress_add(self, out: torch.Tensor, tensors: list, layer: Layer, alpha: float = 1.0,
+                       ctx=None) -> None:
+        norms, codes = tensors
+        signed = bitpack.unpack(codes.to(out.device), self.config.bits, layer.numel).to(torch.float32) - self.s
+        out.add_(dequantize(norms.to(out.device), signed, self.s, self.config.bucket_size), alpha=alpha)

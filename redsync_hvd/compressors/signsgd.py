@@ -1,0 +1,81 @@
+"""EF-signSGD: the scaled sign with error feedback (Karimireddy, Rebjock, Stich and Jaggi,
+"Error Feedback Fixes SignSGD and other Gradient Compression Schemes", ICML 2019).
+
+Algorithm 1 of the paper (EF-SIGNSGD), on one worker:
+
+    e_0 = 0
+    for t = 0, 1, ...:
+        g_t     = stochastic gradient at x_t
+        p_t     = gamma * g_t + e_t                  # error correction
+        Delta_t = (||p_t||_1 / d) * sign(p_t)        # the scaled sign C(p_t)
+        x_{t+1} = x_t - Delta_t
+        e_{t+1} = p_t - Delta_t                      # what was not applied is kept
+
+Here, per layer of d elements, with workers averaging their decoded messages:
+
+  1. the exchange compensates: p = g + e;
+  2. ``compress``: scale = ||p||_1 / d; one bit per element, 1 where p >= 0 (sign(0) is
+     taken as +1: one bit has no zero symbol), packed 8 per byte; the message is
+     (uint8 bits, fp32 scale) and travels by allgather, because signs of different workers
+     cannot be summed in one bit;
+  3. ``decompress_add``: out += alpha * scale * (2 * bit - 1);
+  4. the exchange keeps e = p - decode(own message), the paper's line e_{t+1} = p_t - Delta_t.
+
+The learning rate is applied by the optimizer after averaging, so p holds gradients, not
+steps. The scaled sign is positively homogeneous, C(gamma * p) = gamma * C(p): with a constant
+learning rate the steps are exactly the paper's; under a schedule the residual is kept in
+gradient units and applied at the current rate. Wire: ceil(d / 8) + 4 bytes per layer, about
+32x fewer than fp32.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import ConfigDict, Field
+
+from ..core import bitpack
+from .base import Compressor, Layer, Message
+from .config import CompressionConfig
+
+
+class SignSGDConfig(CompressionConfig):
+    """EF-signSGD: one bit per element plus one scale per layer, with error feedback."""
+    model_config = ConfigDict(extra="forbid")
+    method: Literal["signsgd"] = "signsgd"
+    residual: bool = Field(
+        True, description="error feedback (EF-signSGD): keep p - scale * sign(p) and add it to the next "
+                          "gradient. Without it this is scaled signSGD, which is biased and can fail to "
+                          "converge (Karimireddy et al., ICML 2019, section 3); with it the residual costs "
+                          "one fp32 buffer per compressed layer")
+    min_compress_numel: int = Field(
+        0, ge=0, description="layers with fewer elements go dense (fp32 allreduce): for a bias of a few "
+                             "hundred values the 4-byte scale and the allgather's per-rank latency cost "
+                             "more than the 31/32 of the bytes saved")
+
+    @property
+    def uses_memory(self) -> bool:  # type: ignore[override]
+        return self.residual
+
+
+def scaled_sign(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bits as uint8 0/1 with 1 for p >= 0, scale = ||p||_1 / d as a 1-element fp32 tensor)."""
+    scale = p.abs().mean(dtype=torch.float32).reshape(1)
+    return (p >= 0).to(torch.uint8), scale
+
+
+class SignSGDCompressor(Compressor):
+    collective = "allgather"
+
+    def wire_dtypes(self, layer: Layer) -> tuple:
+        return (torch.uint8, torch.float32)
+
+    def compress(self, x: torch.Tensor, layer: Layer, step: int) -> Message:
+        bits, scale = scaled_sign(x)
+        return Message([bitpack.pack(bits, 1), scale], ("values", "scalars"))
+
+    def decompress_add(self, out: torch.Tensor, tensors: list, layer: Layer, alpha: float = 1.0,
+                       ctx=None) -> None:
+        packed, scale = tensors
+        signs = bitpack.unpack(packed.to(out.device), 1, layer.numel).to(out.dtype).mul_(2).sub_(1)
+        out.addcmul_(signs, scale.to(out), value=alpha)   # no host read of the scale
