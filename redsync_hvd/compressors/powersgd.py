@@ -1,0 +1,203 @@
+"""PowerSGD: rank-r compression by one step of power iteration, with error feedback and warm
+start (Vogels, Karimireddy and Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for
+Distributed Optimization", NeurIPS 2019).
+
+Algorithm 1 of the paper, for a layer's update matrix M (n x m) on each worker, with Q
+(m x r) kept from the previous step (warm start):
+
+    P  <- M Q
+    P  <- ALL-REDUCE-MEAN(P)
+    P^ <- ORTHOGONALIZE(P)                  # Gram-Schmidt on the columns
+    Q  <- M^T P^
+    Q  <- ALL-REDUCE-MEAN(Q)
+    return P^ Q^T                           # the same rank-r matrix on every worker
+
+Algorithm 2 (error feedback), on each worker: M <- g + e;  approx <- Algorithm 1 on M;
+e <- M - approx;  the optimizer applies approx (with momentum).
+
+Here, per layer (M = x viewed as (shape[0], -1), as torch's ``powerSGD_hook`` does):
+
+  1. ``compress``: layers that are vectors or too small for rank r to save bytes
+     ((n + m) r * min_compression_rate >= n m), and every step before ``start_iter``,
+     are sent whole (allreduce mean). Otherwise:
+       Q  = the warm-start Q (the previous step's averaged Q), or a N(0, 1) draw from a
+            seed every worker shares; orthogonalised;
+       P  = M Q;  P = ALL-REDUCE-SUM(P) through ``self.comm`` (so ``blocking = True``);
+       P^ = orthogonalise(P);  Q = M^T P^;
+     the message is Q (allreduce mean); ``ctx`` holds P^, which the decoder needs.
+  2. ``decompress_add``: out += alpha * P^ Q_avg^T; Q_avg becomes the next warm start.
+  3. the exchange keeps e = M - P^ Q_avg^T (``error_feedback = "aggregate"``): the error of
+     the aggregated approximation, as both the paper's code and torch's hook keep it.
+
+Arithmetic follows torch's hook, so the two agree to float rounding on the same seed:
+P is summed, not averaged (orthogonalisation removes the scale); Q is orthogonalised before
+P = M Q at every step (the paper does not; in exact arithmetic P^ Q^T = P^ P^^T M depends
+only on span(P), which that changes only by a basis, so the result is the same);
+Gram-Schmidt for r <= 2, Householder QR above; Q's first draw takes one seed per step from
+``numpy.random.RandomState(seed)`` and draws every new layer's Q from it in the order
+layers are compressed. torch draws one seed per DDP bucket and its Qs grouped by shape, so
+the draws coincide when the compressed layers share one bucket, have distinct shapes and
+are compressed in that bucket's order. Two differences: a zero column stays zero in
+Gram-Schmidt (torch divides by a zero norm and gets NaN), and before ``start_iter`` the
+residual keeps x - mean(x) (torch keeps no error then); that residual sums to zero over
+workers, and PowerSGD sees workers only through sums, so it changes rounding only.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import ConfigDict, Field
+
+from .base import Compressor, Layer, Message
+from .config import CompressionConfig
+
+
+class PowerSGDConfig(CompressionConfig):
+    """PowerSGD: each matrix as a rank-r product P Q^T, two allreduces per layer, error feedback."""
+    model_config = ConfigDict(extra="forbid")
+    method: Literal["powersgd"] = "powersgd"
+    rank: int = Field(
+        2, ge=1, description="columns of P and Q: a layer of n x m sends (n + m) * rank values instead of "
+                             "n * m. Higher is closer to the gradient, sends more and costs two n*m*rank "
+                             "products per step; 1 to 4 is usual (start at 1, double until accuracy holds)")
+    start_iter: int = Field(
+        0, ge=0, description="steps of plain allreduce before compression starts (torch's start_powerSGD_iter): "
+                             "early training is the most sensitive to compression error; torch suggests about "
+                             "10% of the steps. Residuals are per parameter here, so 0 is allowed under DDP")
+    min_compression_rate: float = Field(
+        2.0, gt=0, description="factorise a layer only when n * m > rate * (n + m) * rank (torch's rule): "
+                               "below it the bytes saved do not pay for the products and the error")
+    warm_start: bool = Field(
+        True, description="start each step's power iteration from the previous averaged Q: one iteration per "
+                          "step then tracks the top subspace over steps. false draws a fresh Q every step "
+                          "(worse approximations, no Q kept per layer)")
+    orthogonalization: Literal["auto", "gram_schmidt", "qr"] = Field(
+        "auto", description="auto: Gram-Schmidt up to rank 2, Householder QR above (torch's choice; QR is "
+                            "faster at higher rank and steadier)")
+    orthogonalization_epsilon: float = Field(
+        0.0, ge=0, description="added to each column norm in Gram-Schmidt. 0 is exact (a zero column stays "
+                               "zero); a small value (1e-8) damps near-zero columns instead")
+    seed: int = Field(0, description="seed of Q's first draw, the same on every worker (numpy RandomState, "
+                                     "as torch's hook)")
+    residual: bool = Field(
+        True, description="error feedback: keep M - P^ Q_avg^T and add it to the next gradient. Without it "
+                          "PowerSGD is biased and usually loses accuracy (Vogels et al., section 3)")
+
+    @property
+    def uses_memory(self) -> bool:  # type: ignore[override]
+        return self.residual
+
+
+def orthogonalize(matrix: torch.Tensor, method: str = "auto", eps: float = 0.0) -> torch.Tensor:
+    """Orthonormal columns, in place, for an (n, r) matrix with r <= n; returns it."""
+    rank = matrix.shape[1]
+    if method == "qr" or (method == "auto" and rank > 2 and matrix.dtype not in (torch.float16, torch.bfloat16)):
+        q, _ = torch.linalg.qr(matrix)
+        return matrix.copy_(q)
+    for i in range(rank):
+        col = matrix[:, i:i + 1]
+        norm = torch.linalg.vector_norm(col, dim=0, keepdim=True)
+        if eps:
+            col /= norm + eps
+        else:   # a zero column stays zero instead of becoming NaN
+            col /= torch.where(norm > 0, norm, torch.ones_like(norm))
+        if i + 1 < rank:
+            rest = matrix[:, i + 1:]
+            rest -= torch.sum(col * rest, dim=0, keepdim=True) * col
+    return matrix
+
+
+def matrix_shape(layer: Layer) -> tuple[int, int]:
+    """(n, m): the layer as shape[0] rows, everything else flattened into columns."""
+    n = layer.shape[0] if len(layer.shape) else 1
+    return n, layer.numel // n
+
+
+class PowerSGDCompressor(Compressor):
+    collective = "allreduce"
+    blocking = True                 # waits on the P allreduce inside compress
+    error_feedback = "aggregate"    # e = M - P^ Q_avg^T, after the collective
+
+    def __init__(self, config=None, comm=None):
+        super().__init__(config if config is not None else PowerSGDConfig())
+        self.comm = comm            # set by the exchange: the P allreduce happens inside compress
+        self._q: dict = {}          # warm start: each layer's last averaged Q
+        self._rng = np.random.RandomState(self.config.seed)
+        self._draw = None           # (step, generator): this step's shared seed for first draws
+
+    def wire_dtypes(self, layer: Layer) -> tuple:
+        return (torch.float32,)
+
+    def rank_for(self, layer: Layer) -> int:
+        n, m = matrix_shape(layer)
+        return min(n, m, self.config.rank)
+
+    def factorizes(self, layer: Layer, step: int) -> bool:
+        """Whether this layer travels as factors at ``step`` (else whole, by allreduce mean)."""
+        n, m = matrix_shape(layer)
+        if step < self.config.start_iter or len(layer.shape) < 2 or min(n, m) < 2:
+            return False
+        return (n + m) * self.rank_for(layer) * self.config.min_compression_rate < n * m
+
+    def compress(self, x: torch.Tensor, layer: Layer, step: int) -> Message:
+        if not self.factorizes(layer, step):
+            return Message([x], ("values",))
+        n, m = matrix_shape(layer)
+        matrix = x.view(n, m)
+        p = matrix @ self._start_q(layer, step, m, x.device)
+        p = self.comm.wait(self.comm.allreduce_async(p, name=f"rsync.powersgd.{layer.name}.p", average=False))
+        orthogonalize(p, self.config.orthogonalization, self.config.orthogonalization_epsilon)
+        msg = Message([matrix.t() @ p], ("values",))
+        msg.extra_bytes = {"values": p.numel() * p.element_size()}
+        msg.ctx = p
+        return msg
+
+    def decompress_add(self, out: torch.Tensor, tensors: list, layer: Layer, alpha: float = 1.0,
+                       ctx=None) -> None:
+        if not isinstance(ctx, torch.Tensor):
+            if tensors[0].numel() != layer.numel:
+                raise RuntimeError(f"PowerSGD's factor message of {layer.name!r} decodes only with its P "
+                                   "(the message's ctx); this exchange passed none: it needs ctx support")
+            out.add_(tensors[0].to(out), alpha=alpha)
+            return
+        n, m = matrix_shape(layer)
+        q = tensors[0].to(out).view(m, -1)
+        if self.config.warm_start:
+            self._remember(layer.name, q)
+        out.view(n, m).addmm_(ctx.to(out), q.t(), alpha=alpha)
+
+    # -- Q ------------------------------------------------------------------------
+    def _start_q(self, layer: Layer, step: int, m: int, device) -> torch.Tensor:
+        r = self.rank_for(layer)
+        q = self._q.get(layer.name) if self.config.warm_start else None
+        if q is None or q.shape != (m, r):
+            q = torch.randn(m, r, generator=self._generator(step)).to(device)
+            if self.config.warm_start:
+                self._q[layer.name] = q
+        return orthogonalize(q, self.config.orthogonalization, self.config.orthogonalization_epsilon)
+
+    def _generator(self, step: int) -> torch.Generator:
+        """One seed per step for every Q drawn in it, the same on every worker (torch's hook
+        draws one per bucket)."""
+        if self._draw is None or self._draw[0] != step:
+            self._draw = (step, torch.Generator().manual_seed(int(self._rng.randint(1_000_000_000))))
+        return self._draw[1]
+
+    def _remember(self, name: str, q: torch.Tensor) -> None:
+        kept = self._q.get(name)
+        if kept is None or kept.shape != q.shape or kept.device != q.device:
+            self._q[name] = q.clone()
+        elif kept.data_ptr() != q.data_ptr():
+            kept.copy_(q)
+
+    # -- checkpoints ----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"q": {k: v.detach().clone() for k, v in self._q.items()}, "rng": self._rng.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._q = {k: v.detach().clone() for k, v in state.get("q", {}).items()}
+        if "rng" in state:
+            self._rng.set_state(state["rng"])
+        self._draw = None
