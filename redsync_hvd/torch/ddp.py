@@ -45,6 +45,7 @@ asks for momentum correction is refused with that fix.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ..comm.torch_dist import TorchDistCommunicator
 from ..compressors import build_compressor, parse_compression
@@ -74,7 +75,30 @@ class DDPCompressionState:
         self._decay = decay or {}
         self._pending: list = []     # (names, grads, buffer, future) of this step's buckets
 
-    # -- the step, from the hooks -------------------------------------------
+    # -- the step, from the hooks -----------------------------------------------
+    def submit_bucket(self, bucket) -> torch.futures.Future:
+        """Steps 1 and 2 of the module docstring, for one bucket."""
+        params, grads = bucket.parameters(), bucket.gradients()
+        names = self.names_of(params)
+        for name, p, g in zip(names, params, grads):
+            self.exchange.submit(name, self._with_decay(name, p, g))
+        buffer = bucket.buffer()
+        fut = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+        self._pending.append((names, grads, buffer, fut))
+        if bucket.is_last():
+            self._finish_step()
+        return fut
+
+    def count_bucket(self, bucket) -> None:
+        """The fast path's accounting: what DDP's own allreduce of this bucket hands over."""
+        buffer = bucket.buffer()
+        self.stats.add_bytes({"values": buffer.numel() * buffer.element_size()}, "dense")
+        self.stats.add("dense_bytes", 4 * buffer.numel())
+        for name, g in zip(self.names_of(bucket.parameters()), bucket.gradients()):
+            self.stats.layer(name, "dense", None, None, g.numel() * g.element_size(), 4 * g.numel())
+        if bucket.is_last():
+            self.stats.end_step()
+
     def names_of(self, params) -> list:
         try:
             return [self._name[id(p)] for p in params]
@@ -82,12 +106,12 @@ class DDPCompressionState:
             raise RuntimeError("a DDP bucket holds a parameter that register() did not see: register the "
                                "hook on the same DDP model, after every parameter exists") from None
 
-    def grad_for(self, name: str, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    def _with_decay(self, name: str, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         wd = self._decay.get(name, 0.0)
         # momentum correction: weight decay joins the gradient before it enters the velocity
         return grad.add(param.detach(), alpha=wd) if wd else grad
 
-    def finish_step(self) -> None:
+    def _finish_step(self) -> None:
         """Finish the exchange, write each average into its bucket view, set every future."""
         pending, self._pending = self._pending, []
         into = {n: g.view(-1) for names, grads, _, _ in pending for n, g in zip(names, grads)
@@ -138,32 +162,15 @@ class DDPCompressionState:
             self.stats.load_state_dict(state["exchange"]["stats"])
 
 
-def _exchange_hook(state, bucket):   # no annotations: DDP checks them literally
-    """Steps 1 and 2 of the module docstring, for one bucket."""
-    params, grads = bucket.parameters(), bucket.gradients()
-    names = state.names_of(params)
-    for name, p, g in zip(names, params, grads):
-        state.exchange.submit(name, state.grad_for(name, p, g))
-    buffer = bucket.buffer()
-    fut = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
-    state._pending.append((names, grads, buffer, fut))
-    if bucket.is_last():
-        state.finish_step()
-    return fut
+# the hooks take no annotations: DDP compares them literally with its own
+def _exchange_hook(state, bucket):
+    return state.submit_bucket(bucket)
 
 
 def _allreduce_hook(state, bucket):
     """``method: none``: DDP's reduction (divide by N, then one allreduce of the bucket), counted."""
-    import torch.distributed as dist
-    buffer = bucket.buffer()
-    wire = buffer.numel() * buffer.element_size()
-    state.stats.add_bytes({"values": wire}, "dense")
-    state.stats.add("dense_bytes", 4 * buffer.numel())
-    for name, g in zip(state.names_of(bucket.parameters()), bucket.gradients()):
-        state.stats.layer(name, "dense", None, None, g.numel() * g.element_size(), 4 * g.numel())
-    if bucket.is_last():
-        state.stats.end_step()
-    buffer.div_(state.comm.size)
+    state.count_bucket(bucket)
+    buffer = bucket.buffer().div_(state.comm.size)
     work = dist.all_reduce(buffer, group=state.comm.group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
 
@@ -202,13 +209,12 @@ def register(ddp_model, compression=None, process_group=None, optimizer=None) ->
 
 
 def _parse(compression):
-    """(compressor, config), refusing the methods a gradient hook cannot run."""
-    if isinstance(compression, Compressor):
-        compressor, config = build_compressor(compression)
-    else:
-        config = parse_compression(compression if compression is not None else {"method": "none"})
-        _refuse(config)
-        compressor, config = build_compressor(config)
+    """(compressor, config), refusing the methods a gradient hook cannot run (before building:
+    the decentralized methods have no compressor)."""
+    if not isinstance(compression, Compressor):
+        compression = parse_compression(compression if compression is not None else {"method": "none"})
+        _refuse(compression)
+    compressor, config = build_compressor(compression)
     _refuse(config)
     return compressor, config
 
