@@ -17,7 +17,8 @@ def test_communicator_uneven_allgather_and_every_collective():
     assert out.count("OK torch.distributed communicator") == 2, out
 
 
-@pytest.mark.parametrize("compression", [
+# one launch per script, several configs each: torchrun's start-up dominates a launch
+DENSE = [
     {"method": "none"},
     # RedSync at density 1, no quantisation, no momentum correction: exactly dense
     {"method": "redsync", "density": 1.0, "quantize": "none", "momentum_correction": False, "min_compress_numel": 0},
@@ -27,29 +28,32 @@ def test_communicator_uneven_allgather_and_every_collective():
      "momentum_masking": False, "min_compress_numel": 0, "selection": "trimmed"},
     # IWP at density 1: the leader's broadcast indices cover everything
     {"method": "iwp", "density": 1.0, "min_compress_numel": 0},
-])
-def test_ddp_dense_equals_single_process(compression):
-    out = run_torch_script("ddp_dense_equals_single.py", json.dumps(compression)).stdout
-    assert out.count("OK") == 2, out
+]
 
 
-@pytest.mark.parametrize("compression", [
-    {"method": "redsync", "density": 0.05, "momentum_correction": False, "min_compress_numel": 100},
-    {"method": "signsgd"},
-])
-def test_ddp_conservation_sent_plus_residual_equals_inputs(compression):
-    out = run_torch_script("ddp_conservation.py", json.dumps(compression)).stdout
-    assert out.count("OK conservation") == 2, out
+def _run_all(script, specs, tag):
+    out = run_torch_script(script, json.dumps(specs)).stdout
+    for spec in specs:
+        assert out.count(f"OK {tag}{json.dumps(spec)}") == 2, (spec, out)
 
 
-@pytest.mark.parametrize("compression", [
-    {"method": "redsync", "density": 0.05, "min_compress_numel": 100},   # residuals and velocities
-    {"method": "randomk", "density": 0.1},                               # positions drawn per step
-    {"method": "qsgd", "bits": 2, "residual": True},                     # rounding seeded per step
-])
-def test_ddp_resume_is_bit_identical(compression):
-    out = run_torch_script("ddp_resume.py", json.dumps(compression)).stdout
-    assert out.count("OK resume") == 2, out
+def test_ddp_dense_equals_single_process():
+    _run_all("ddp_dense_equals_single.py", DENSE, "")
+
+
+def test_ddp_conservation_sent_plus_residual_equals_inputs():
+    _run_all("ddp_conservation.py", [
+        {"method": "redsync", "density": 0.05, "momentum_correction": False, "min_compress_numel": 100},
+        {"method": "signsgd"},
+    ], "conservation ")
+
+
+def test_ddp_resume_is_bit_identical():
+    _run_all("ddp_resume.py", [
+        {"method": "redsync", "density": 0.05, "min_compress_numel": 100},   # residuals and velocities
+        {"method": "randomk", "density": 0.1},                               # positions drawn per step
+        {"method": "qsgd", "bits": 2, "residual": True},                     # rounding seeded per step
+    ], "resume ")
 
 
 def test_ddp_failures_raise_on_every_rank_without_hanging():
