@@ -1,0 +1,108 @@
+#!/usr/bin/env python
+"""DDP step time: plain DDP against redsync_hvd's hook registered as ``none``, on the same work.
+
+    torchrun --standalone --nproc_per_node 2 scripts/bench_ddp_hook.py            # Gloo on CPU
+    torchrun --standalone --nproc_per_node 2 scripts/bench_ddp_hook.py --models cnn --rounds 15
+
+For each model, two DDP copies (same weights, same synthetic batches, same SGD) train in
+alternating rounds of ``--steps`` steps, so load drifting on a shared machine hits both
+alike. A round gives each variant its mean step time (forward, backward with DDP's
+reduction, optimizer step) after ``--warmup`` steps; rank 0 prints the medians over rounds,
+their ratio (hook / plain: 1.00 is no cost) and the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from redsync_hvd.models import build_model  # noqa: E402
+from redsync_hvd.torch import ddp as rddp  # noqa: E402
+
+MODELS = {
+    # the digits peer workload (1x8x8 images, batch 32)
+    "cnn": dict(model="cnn", options={}, input_shape=(1, 8, 8), classes=10, batch=32),
+    # communication-bound: 4096-wide fully connected layers (the end-to-end benchmark's model)
+    "vgg_fc4096": dict(model="vgg", options={"fc_width": 4096, "width": 0.25}, input_shape=(3, 32, 32),
+                       classes=10, batch=16),
+}
+
+
+def variant(spec: dict, device, hook: bool):
+    """A DDP model, its optimizer and a step function; ``hook``: with our ``none`` hook."""
+    torch.manual_seed(0)
+    model = build_model(spec["model"], spec["classes"], spec["input_shape"], **spec["options"]).to(device)
+    ddp = DDP(model)
+    if hook:
+        rddp.register(ddp, {"method": "none"})
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(spec["batch"], *spec["input_shape"], device=device)
+    y = torch.randint(0, spec["classes"], (spec["batch"],), device=device)
+
+    def step():
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    return step
+
+
+def timed(step, steps: int, warmup: int, device) -> float:
+    """Mean seconds per step after ``warmup`` steps; ranks start together."""
+    for _ in range(warmup):
+        step()
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
+def bench(name: str, args, device) -> tuple:
+    spec = MODELS[name]
+    plain, ours = variant(spec, device, False), variant(spec, device, True)
+    times = {"plain": [], "hook": []}
+    for r in range(args.rounds):
+        order = [("plain", plain), ("hook", ours)] if r % 2 == 0 else [("hook", ours), ("plain", plain)]
+        for label, step in order:
+            times[label].append(timed(step, args.steps, args.warmup, device))
+    return statistics.median(times["plain"]), statistics.median(times["hook"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available() and os.environ.get("REDSYNC_BENCH_CPU") != "1"
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    rows = [(name, *bench(name, args, device)) for name in args.models]
+    if dist.get_rank() == 0:
+        print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+              f"torch {torch.__version__}, {dist.get_backend()} on {device.type}, {dist.get_world_size()} ranks, "
+              f"{args.rounds} rounds x {args.steps} steps")
+        print("| model | plain DDP ms/step | hook none ms/step | hook / plain |")
+        print("|-------|-------------------|-------------------|--------------|")
+        for name, plain, hook in rows:
+            print(f"| {name} | {plain * 1e3:.2f} | {hook * 1e3:.2f} | {hook / plain:.3f} |")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
