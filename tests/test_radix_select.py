@@ -260,7 +260,7 @@ def test_layout_and_bad_input():
         rs.select(seg, x, mean=True)
     with pytest.raises(ValueError, match="x: need a contiguous 1-D tensor of 5013"):
         rs.select(seg, x[:100])
-    with pytest.raises(ValueError, match=r"hist: need the \(8, 4096\) int32 histogram"):
+    with pytest.raises(ValueError, match=r"hist: need the \(8, 256\) int32 histogram"):
         rs.select(seg, x, sign="pos", hist=torch.zeros(4, 4096, dtype=torch.int32))
     with pytest.raises(ValueError, match="backend='cuda' is not one of"):
         rs.select(seg, x, backend="cuda")

@@ -9,7 +9,7 @@ Zhang et al., SC'23). For every layer (``Segments``: one flat fp32 buffer, one k
     key  = float32 bits of |x| (sign=None), or of x on its kept side (below): a non-negative
            float orders like its bit pattern; NaN/Inf sit at the top (bits >= 0x7F800000)
     need = k, prefix = 0
-    for (shift, bins) in (19, 4096), (7, 4096), (0, 128):     # 12 + 12 + 7 = 31 bits
+    for (shift, bins) in (23, 256), (11, 4096), (0, 2048):    # 8 + 12 + 11 = 31 bits
         h    = histogram of (key >> shift) & (bins-1) over keys whose higher bits == prefix
         b    = largest bin with sum(h[b:]) >= need             # on the device
         need = need - sum(h[b+1:]);  prefix |= b << shift
@@ -41,9 +41,9 @@ import torch
 from redsync_hvd.core.segments import Segments
 
 ABS = 0x7FFFFFFF
-SHIFTS = (19, 7, 0)
-BINS = (4096, 4096, 128)
-NONFINITE_BIN = 0x7F800000 >> 19   # level-1 bins at and above hold NaN and Inf
+SHIFTS = (23, 11, 0)                # digits of a non-negative float32's 31 bits: 8 + 12 + 11
+BINS = (256, 4096, 2048)
+NONFINITE_BIN = 0x7F800000 >> 23   # level-1 bin 255 (exponent all ones) holds NaN and Inf
 SIGNS = (None, "pos", "neg", "larger")
 BACKENDS = ("auto", "torch", "triton")
 _GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -124,7 +124,7 @@ def compensate(seg: Segments, residual: torch.Tensor, grad: torch.Tensor, out: t
     out = residual + velocity_out, or residual + (grad + momentum * velocity_out) with
     ``nesterov``. grad may be fp16/bf16; everything else is fp32. ``out`` may be
     ``residual`` and ``velocity_out`` may be ``velocity`` (in place). Returns the
-    (L*R, 4096) int32 histogram for ``sign``'s rows.
+    (L*R, 256) int32 histogram of the exponents for ``sign``'s rows.
     """
     R, _ = sides(sign)
     for name, t, dt in (("residual", residual, (torch.float32,)), ("grad", grad, _GRAD_DTYPES),
@@ -136,7 +136,7 @@ def compensate(seg: Segments, residual: torch.Tensor, grad: torch.Tensor, out: t
     ks = _kernels(backend, out)
     if ks is not None:
         return ks.pass1(seg, out, R, residual=residual, grad=grad, velocity=velocity,
-                        velocity_out=velocity_out, momentum=float(momentum), nesterov=bool(nesterov))
+                        velocity_out=velocity_out, momentum=float(momentum), nesterov=nesterov)
     g = grad.float()
     if velocity is None:
         torch.add(residual, g, out=out)
@@ -194,6 +194,8 @@ def decode_add(seg: Segments, out: torch.Tensor, positions: torch.Tensor,
     (DGC's momentum masking of the velocity)."""
     _check("out", out, seg.n)
     _check("zero", zero, seg.n)
+    if seg.k_total == 0:
+        return
     pos = positions.reshape(-1, seg.k_total)
     if positions.dim() not in (1, 2) or positions.shape[-1] != seg.k_total \
             or pos.dtype not in (torch.int32, torch.int64):

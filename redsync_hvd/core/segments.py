@@ -20,9 +20,9 @@ _MAX_LAYER = 2 ** 31 - 1      # positions and counts are int32 inside the kernel
 
 
 def auto_tile(n: int) -> int:
-    """Elements per program: at least 8192 so that flushing a 4096-bin histogram costs less
-    than the elements it summarises; about n/512 above that (several waves on an H100's 132
-    SMs); at most 65536 so that a program stays a few microseconds long."""
+    """Elements per program: at least 8192 so that a program's fixed costs (its histogram
+    flush, its table loads) stay small against its elements; about n/512 above that (several
+    waves on an H100's 132 SMs); at most 65536 so that a program stays a few microseconds long."""
     want = max(1, n // 512)
     return min(65536, max(8192, 1 << (want - 1).bit_length()))
 

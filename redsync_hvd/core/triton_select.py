@@ -22,7 +22,10 @@ from redsync_hvd.core.radix_select import BINS, NONFINITE_BIN, SHIFTS
 from redsync_hvd.core.segments import Segments
 
 _WARPS = 8
-_SMALL = 1024         # block of the per-row kernels (choose, scan, finish)
+_SMALL = 1024         # block of the per-layer scan over tiles
+# rows per program of the per-row kernels (choose, scan): one on a GPU; the interpreter pays
+# per program and per nested call, so it takes many rows at once (the same code, wider)
+_INTERPRETER_ROWS = 16
 
 
 def _block(seg: Segments) -> int:
@@ -34,9 +37,9 @@ def _pass1(x_ptr, r_ptr, g_ptr, u_ptr, uo_ptr, hist_ptr, tile_seg, tile_lo, tile
            COMPENSATE: tl.constexpr, MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
            R: tl.constexpr, BLOCK: tl.constexpr):
     """1. x = r + g (DGC: u' = g + m*u; x = r + u', nesterov r + (g + m*u')), stored, or x
-    loaded; 2. bin = top 12 bits of |x| (+4096 for negative x when R == 2); 3. the tile's
+    loaded; 2. bin = the exponent of |x| (+256 for negative x when R == 2); 3. the tile's
     histogram; 4. one atomic add per non-empty bin."""
-    NB: tl.constexpr = R * 4096
+    NB: tl.constexpr = R * 256
     t = tl.program_id(0)
     seg, lo, hi = tl.load(tile_seg + t), tl.load(tile_lo + t), tl.load(tile_hi + t)
     h = tl.zeros([NB], dtype=tl.int32)
@@ -59,46 +62,47 @@ def _pass1(x_ptr, r_ptr, g_ptr, u_ptr, uo_ptr, hist_ptr, tile_seg, tile_lo, tile
         else:
             x = tl.load(x_ptr + offs, mask=m, other=0.0)
         bits = x.to(tl.int32, bitcast=True)
-        b = (bits & 0x7FFFFFFF) >> 19
+        b = (bits & 0x7FFFFFFF) >> 23
         if R == 2:
-            b += (bits < 0).to(tl.int32) * 4096
+            b += (bits < 0).to(tl.int32) * 256
         h += tl.histogram(b, NB, mask=m)
     tl.atomic_add(hist_ptr + seg * NB + tl.arange(0, NB), h, mask=h > 0)
 
 
 @triton.jit
-def _choose(hist_ptr, k_ptr, prefix_ptr, need_ptr, zeros_ptr, bad_ptr,
+def _choose(hist_ptr, k_ptr, prefix_ptr, need_ptr, zeros_ptr, bad_ptr, LR,
             LEVEL: tl.constexpr, R: tl.constexpr, B: tl.constexpr, SHIFT: tl.constexpr,
-            NONFINITE: tl.constexpr):
-    """One program per (layer, row). 1. level 1: need = k, prefix = 0, the other side's
-    count (sided rows rank it as key 0) and the non-finite flag from the top bins; else
-    load them; 2. add the other side's zeros to bin 0 while the prefix is 0; 3. b = the
+            NONFINITE: tl.constexpr, ROWS: tl.constexpr):
+    """ROWS (layer, row) pairs per program. 1. level 1: need = k, prefix = 0, the other
+    side's count (sided rows rank it as key 0) and the non-finite flag from the top bins;
+    else load them; 2. add the other side's zeros to bin 0 while the prefix is 0; 3. b = the
     largest bin with sum(h[b:]) >= need; 4. need -= sum(h[b+1:]), prefix |= b << SHIFT."""
-    row = tl.program_id(0)
-    bins = tl.arange(0, B)
-    h = tl.load(hist_ptr + row * B + bins)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = rows < LR
+    bins = tl.arange(0, B)[None, :]
+    h = tl.load(hist_ptr + rows[:, None] * B + bins, mask=live[:, None], other=0)
     if LEVEL == 0:
-        prefix = tl.zeros([], dtype=tl.int32)
-        need = tl.load(k_ptr + row)
-        top = tl.sum(tl.where(bins >= NONFINITE, h, 0), 0)
+        prefix = tl.zeros([ROWS], dtype=tl.int32)
+        need = tl.load(k_ptr + rows, mask=live, other=0)
+        top = tl.sum(tl.where(bins >= NONFINITE, h, 0), 1)
         if R == 2:
-            other = tl.load(hist_ptr + (row ^ 1) * B + bins)
-            zeros = tl.sum(other, 0)
-            tl.store(zeros_ptr + row, zeros)
-            top += tl.sum(tl.where(bins >= NONFINITE, other, 0), 0)
-        tl.store(bad_ptr + row // R, (top > 0).to(tl.int8))
+            other = tl.load(hist_ptr + (rows ^ 1)[:, None] * B + bins, mask=live[:, None], other=0)
+            zeros = tl.sum(other, 1)
+            tl.store(zeros_ptr + rows, zeros, mask=live)
+            top += tl.sum(tl.where(bins >= NONFINITE, other, 0), 1)
+        tl.store(bad_ptr + rows // R, (top > 0).to(tl.int8), mask=live)
     else:
-        prefix = tl.load(prefix_ptr + row)
-        need = tl.load(need_ptr + row)
+        prefix = tl.load(prefix_ptr + rows, mask=live, other=0)
+        need = tl.load(need_ptr + rows, mask=live, other=0)
         if R == 2:
-            zeros = tl.load(zeros_ptr + row)
+            zeros = tl.load(zeros_ptr + rows, mask=live, other=0)
     if R == 2:
-        h += tl.where((bins == 0) & (prefix == 0), zeros, 0)
-    c = tl.cumsum(h, 0, reverse=True)
-    b = tl.maximum(tl.sum((c >= need).to(tl.int32), 0) - 1, 0)
-    above = tl.sum(tl.where(bins > b, h, 0), 0)
-    tl.store(need_ptr + row, need - above)
-    tl.store(prefix_ptr + row, prefix | (b << SHIFT))
+        h += tl.where((bins == 0) & (prefix[:, None] == 0), zeros[:, None], 0)
+    c = tl.cumsum(h, 1, reverse=True)
+    b = tl.maximum(tl.sum((c >= need[:, None]).to(tl.int32), 1) - 1, 0)
+    above = tl.sum(tl.where(bins > b[:, None], h, 0), 1)
+    tl.store(need_ptr + rows, need - above, mask=live)
+    tl.store(prefix_ptr + rows, prefix | (b << SHIFT), mask=live)
 
 
 @triton.jit
@@ -106,24 +110,31 @@ def _refine(x_ptr, hist_ptr, prefix_ptr, tile_seg, tile_lo, tile_hi,
             R: tl.constexpr, B: tl.constexpr, SHIFT: tl.constexpr, PSHIFT: tl.constexpr,
             BLOCK: tl.constexpr):
     """1. the tile's rows' prefixes; 2. per element: its row (sign when R == 2) and whether
-    its key's higher digits equal the prefix; 3. histogram of the next digit of those;
-    4. flush."""
+    its key's higher digits equal the prefix (few do: the chosen bin's); 3. count the next
+    digit of those with global atomics: one for all of the block's smallest bin, one for its
+    largest, one per element for the rest (a layer of zeros, or of a few quantised values,
+    would otherwise send every element to one address)."""
     NB: tl.constexpr = R * B
     t = tl.program_id(0)
     seg, lo, hi = tl.load(tile_seg + t), tl.load(tile_lo + t), tl.load(tile_hi + t)
     p0 = tl.load(prefix_ptr + seg * R) >> PSHIFT
     p1 = tl.load(prefix_ptr + seg * R + R - 1) >> PSHIFT
-    h = tl.zeros([NB], dtype=tl.int32)
+    hist = hist_ptr + seg * NB
     for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         m = offs < hi
         bits = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.int32, bitcast=True)
         key = bits & 0x7FFFFFFF
         side = (bits < 0).to(tl.int32) if R == 2 else tl.zeros_like(bits)
-        p = tl.where(side == 1, p1, p0)
+        match = m & ((key >> PSHIFT) == tl.where(side == 1, p1, p0))
         b = ((key >> SHIFT) & (B - 1)) + side * B
-        h += tl.histogram(b, NB, mask=m & ((key >> PSHIFT) == p))
-    tl.atomic_add(hist_ptr + seg * NB + tl.arange(0, NB), h, mask=h > 0)
+        first = tl.min(tl.where(match, b, NB), 0)
+        last = tl.max(tl.where(match, b, -1), 0)
+        n_first = tl.sum((match & (b == first)).to(tl.int32), 0)
+        n_last = tl.sum((match & (b == last) & (b != first)).to(tl.int32), 0)
+        tl.atomic_add(hist + first, n_first, mask=n_first > 0, sem="relaxed")
+        tl.atomic_add(hist + last, n_last, mask=n_last > 0, sem="relaxed")
+        tl.atomic_add(hist + b, tl.full([BLOCK], 1, tl.int32), mask=match & (b != first) & (b != last), sem="relaxed")
 
 
 @triton.jit
@@ -168,56 +179,64 @@ def _count(x_ptr, T_ptr, cnt_ptr, sum_ptr, tile_seg, tile_lo, tile_hi, S0: tl.co
 
 
 @triton.jit
-def _scan(cnt_ptr, sum_ptr, T_ptr, need_ptr, kofs, seg_tile, base_ptr, mean_ptr, side_ptr, kth_ptr,
-          S0: tl.constexpr, S1: tl.constexpr, R: tl.constexpr, MAGS: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per layer, over its tiles in order. 1. with MAGS: each selected row's mean
-    key over its k = (sum of keys above T + need * T) / k, in float64; 2. the kept row: S0,
-    or for "larger" the one with the larger mean (ties: positive); store it, its k-th key and
-    its signed mean; 3. per tile, exclusive prefix sums of that row's above/equal counts:
-    the tile's first output slot = keys above T before it + min(keys equal to T before it,
-    need), and the keys equal to T before it."""
-    seg = tl.program_id(0)
-    first, last = tl.load(seg_tile + seg), tl.load(seg_tile + seg + 1)
-    k = tl.maximum(tl.load(kofs + seg + 1) - tl.load(kofs + seg), 1).to(tl.float64)
-    side = tl.zeros([], tl.int32) + S0
+def _scan(cnt_ptr, sum_ptr, T_ptr, need_ptr, kofs, seg_tile, base_ptr, mean_ptr, side_ptr, kth_ptr, L,
+          S0: tl.constexpr, S1: tl.constexpr, R: tl.constexpr, MAGS: tl.constexpr, ROWS: tl.constexpr,
+          BLOCK: tl.constexpr):
+    """ROWS layers per program, each over its tiles in order. 1. with MAGS: each selected
+    row's mean key over its k = (sum of keys above T + need * T) / k, in float64; 2. the
+    kept row: S0, or for "larger" the one with the larger mean (ties: positive); store it,
+    its k-th key and its signed mean; 3. per tile, exclusive prefix sums of that row's
+    above/equal counts: the tile's first output slot = keys above T before it + min(keys
+    equal to T before it, need), and the keys equal to T before it."""
+    segs = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = segs < L
+    first = tl.load(seg_tile + segs, mask=live, other=0)
+    last = tl.load(seg_tile + segs + 1, mask=live, other=0)
+    span = tl.max(last - first, 0)
+    cols = tl.arange(0, BLOCK)[None, :]
+    side = tl.zeros([ROWS], dtype=tl.int32) + S0
     if MAGS:
-        s0 = tl.zeros([], tl.float64)
-        s1 = tl.zeros([], tl.float64)
-        for start in range(first, last, BLOCK):
-            t = start + tl.arange(0, BLOCK)
-            s0 += tl.sum(tl.load(sum_ptr + t * R + S0, mask=t < last, other=0.0), 0)
-            s1 += tl.sum(tl.load(sum_ptr + t * R + S1, mask=t < last, other=0.0), 0)
-        n0, n1 = tl.load(need_ptr + seg * R + S0), tl.load(need_ptr + seg * R + S1)
-        f0 = tl.load(T_ptr + seg * R + S0).to(tl.float32, bitcast=True).to(tl.float64)
-        f1 = tl.load(T_ptr + seg * R + S1).to(tl.float32, bitcast=True).to(tl.float64)
-        mag0 = (s0 + tl.where(n0 > 0, n0.to(tl.float64) * f0, 0.0)) / k
-        mag1 = (s1 + tl.where(n1 > 0, n1.to(tl.float64) * f1, 0.0)) / k
+        k = tl.maximum(tl.load(kofs + segs + 1, mask=live, other=1) - tl.load(kofs + segs, mask=live, other=0), 1)
+        s0 = tl.zeros([ROWS], dtype=tl.float64)
+        s1 = tl.zeros([ROWS], dtype=tl.float64)
+        for j in range(0, span, BLOCK):
+            t = first[:, None] + j + cols
+            m = t < last[:, None]
+            s0 += tl.sum(tl.load(sum_ptr + t * R + S0, mask=m, other=0.0), 1)
+            s1 += tl.sum(tl.load(sum_ptr + t * R + S1, mask=m, other=0.0), 1)
+        n0 = tl.load(need_ptr + segs * R + S0, mask=live, other=0).to(tl.float64)
+        n1 = tl.load(need_ptr + segs * R + S1, mask=live, other=0).to(tl.float64)
+        f0 = tl.load(T_ptr + segs * R + S0, mask=live, other=0).to(tl.float32, bitcast=True).to(tl.float64)
+        f1 = tl.load(T_ptr + segs * R + S1, mask=live, other=0).to(tl.float32, bitcast=True).to(tl.float64)
+        mag0 = (s0 + tl.where(n0 > 0, n0 * f0, 0.0)) / k.to(tl.float64)
+        mag1 = (s1 + tl.where(n1 > 0, n1 * f1, 0.0)) / k.to(tl.float64)
         if S1 != S0:
             side = (mag1 > mag0).to(tl.int32)
         mag = tl.where(side == S0, mag0, mag1)
-        tl.store(mean_ptr + seg, tl.where(side == 1, -mag, mag).to(tl.float32))
-    row = seg * R + side
-    tl.store(side_ptr + seg, side.to(tl.int8))
-    tl.store(kth_ptr + seg, tl.load(T_ptr + row))
-    need = tl.load(need_ptr + row)
-    carry_gt = tl.zeros([], tl.int32)
-    carry_eq = tl.zeros([], tl.int32)
-    for start in range(first, last, BLOCK):
-        t = start + tl.arange(0, BLOCK)
-        m = t < last
-        gt = tl.load(cnt_ptr + (t * R + side) * 2, mask=m, other=0)
-        eq = tl.load(cnt_ptr + (t * R + side) * 2 + 1, mask=m, other=0)
-        eq_before = carry_eq + tl.cumsum(eq, 0) - eq
-        tl.store(base_ptr + t * 2, carry_gt + tl.cumsum(gt, 0) - gt + tl.minimum(eq_before, need), mask=m)
+        tl.store(mean_ptr + segs, tl.where(side == 1, -mag, mag).to(tl.float32), mask=live)
+    row = segs * R + side
+    tl.store(side_ptr + segs, side.to(tl.int8), mask=live)
+    tl.store(kth_ptr + segs, tl.load(T_ptr + row, mask=live, other=0), mask=live)
+    need = tl.load(need_ptr + row, mask=live, other=0)[:, None]
+    carry_gt = tl.zeros([ROWS], dtype=tl.int32)
+    carry_eq = tl.zeros([ROWS], dtype=tl.int32)
+    for j in range(0, span, BLOCK):
+        t = first[:, None] + j + cols
+        m = t < last[:, None]
+        at = (t * R + side[:, None]) * 2
+        gt = tl.load(cnt_ptr + at, mask=m, other=0)
+        eq = tl.load(cnt_ptr + at + 1, mask=m, other=0)
+        eq_before = carry_eq[:, None] + tl.cumsum(eq, 1) - eq
+        tl.store(base_ptr + t * 2, carry_gt[:, None] + tl.cumsum(gt, 1) - gt + tl.minimum(eq_before, need), mask=m)
         tl.store(base_ptr + t * 2 + 1, eq_before, mask=m)
-        carry_gt += tl.sum(gt, 0)
-        carry_eq += tl.sum(eq, 0)
+        carry_gt += tl.sum(gt, 1)
+        carry_eq += tl.sum(eq, 1)
 
 
 @triton.jit
 def _write(x_ptr, u_ptr, T_ptr, need_ptr, base_ptr, side_ptr, mean_ptr, offsets, kofs, pos_ptr, val_ptr,
            tile_seg, tile_lo, tile_hi, R: tl.constexpr, MEAN: tl.constexpr, UPDATE: tl.constexpr,
-           VELOCITY: tl.constexpr, BLOCK: tl.constexpr):
+           VELOCITY: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr):
     """Per tile, the kept row of its layer: 1. take the keys above T and those equal to T whose
     rank among equals (position order, counted from the tile's base) is below need; 2. write
     their layer-local positions, and values in the wire's dtype, at consecutive slots from
@@ -248,7 +267,12 @@ def _write(x_ptr, u_ptr, T_ptr, need_ptr, base_ptr, side_ptr, mean_ptr, offsets,
         if MEAN:
             sent = mean
         else:
-            wire = x.to(val_ptr.dtype.element_ty)
+            if BF16:   # round to nearest even by hand: the interpreter's cast truncates
+                up = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+                up = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, up)   # NaN: torch's quiet NaN
+                wire = up.to(tl.float32, bitcast=True).to(tl.bfloat16)
+            else:
+                wire = x.to(val_ptr.dtype.element_ty)
             tl.store(val_ptr + at, wire, mask=take)
             sent = wire.to(tl.float32)
         if UPDATE:
@@ -301,7 +325,7 @@ def _decode(out_ptr, zero_ptr, pos_ptr, val_ptr, mean_ptr, offsets, kofs, tile_s
 
 def pass1(seg: Segments, x: torch.Tensor, R: int, *, residual=None, grad=None, velocity=None,
           velocity_out=None, momentum: float = 0.0, nesterov: bool = False) -> torch.Tensor:
-    """Histogram 1 of x ((L*R, 4096) int32), computing x = compensated residual first when
+    """Histogram 1 of x ((L*R, 256) int32), computing x = compensated residual first when
     ``residual`` is given."""
     tab = seg.tables(x.device)
     hist = torch.zeros(len(seg) * R, BINS[0], dtype=torch.int32, device=x.device)
@@ -322,8 +346,8 @@ def select(seg: Segments, x: torch.Tensor, R: int, active, k_row: torch.Tensor, 
     L, K, dev, block = len(seg), seg.k_total, x.device, _block(seg)
     tab = seg.tables(dev)
     T = tab.tile_seg.numel()
-    tiles, rows = (T,), (L * R,)
-    LR = L * R
+    tiles, LR = (T,), L * R
+    rows = 1 if x.is_cuda else _INTERPRETER_ROWS
     # one zeroed workspace: prefix (becomes T), need, other-side count, flags, histograms 2 and 3
     ws = torch.zeros(3 * LR + L + LR * (BINS[1] + BINS[2]), dtype=torch.int32, device=dev)
     prefix, need, zeros = ws[:LR], ws[LR:2 * LR], ws[2 * LR:3 * LR]
@@ -334,8 +358,9 @@ def select(seg: Segments, x: torch.Tensor, R: int, active, k_row: torch.Tensor, 
         if level and T:
             _refine[tiles](x, hists[level], prefix, tab.tile_seg, tab.tile_lo, tab.tile_hi, R=R, B=BINS[level],
                            SHIFT=SHIFTS[level], PSHIFT=SHIFTS[level - 1], BLOCK=block, num_warps=_WARPS)
-        _choose[rows](hists[level], k_row, prefix, need, zeros, bad, LEVEL=level, R=R, B=BINS[level],
-                      SHIFT=SHIFTS[level], NONFINITE=NONFINITE_BIN, num_warps=4)
+        _choose[(triton.cdiv(LR, rows),)](hists[level], k_row, prefix, need, zeros, bad, LR, LEVEL=level, R=R,
+                                          B=BINS[level], SHIFT=SHIFTS[level], NONFINITE=NONFINITE_BIN, ROWS=rows,
+                                          num_warps=4)
     s0, s1 = active[0], active[-1]
     mags = mean or s1 != s0
     cnt = torch.empty(max(T, 1) * R * 2, dtype=torch.int32, device=dev)
@@ -349,12 +374,13 @@ def select(seg: Segments, x: torch.Tensor, R: int, active, k_row: torch.Tensor, 
     if T:
         _count[tiles](x, prefix, cnt, sums, tab.tile_seg, tab.tile_lo, tab.tile_hi, S0=s0, S1=s1, R=R,
                       MAGS=mags, BLOCK=block, num_warps=_WARPS)
-    _scan[(L,)](cnt, sums, prefix, need, tab.kofs, tab.seg_tile, base, means, side, kth, S0=s0, S1=s1,
-                R=R, MAGS=mags, BLOCK=_SMALL, num_warps=4)
+    _scan[(triton.cdiv(L, rows),)](cnt, sums, prefix, need, tab.kofs, tab.seg_tile, base, means, side, kth, L,
+                                   S0=s0, S1=s1, R=R, MAGS=mags, ROWS=rows, BLOCK=_SMALL, num_warps=4)
     if T:
         _write[tiles](x, velocity if velocity is not None else x, prefix, need, base, side, means, tab.offsets,
                       tab.kofs, pos, vals, tab.tile_seg, tab.tile_lo, tab.tile_hi, R=R, MEAN=mean,
-                      UPDATE=update, VELOCITY=velocity is not None, BLOCK=block, num_warps=_WARPS,
+                      UPDATE=update, VELOCITY=velocity is not None, BF16=value_dtype == torch.bfloat16,
+                      BLOCK=block, num_warps=_WARPS,
                       enable_fp_fusion=False)
     return pos, vals, means if mags else None, bad.bool(), kth, side
 
