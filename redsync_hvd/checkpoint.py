@@ -208,7 +208,8 @@ def load(path, rank: int, map_location=None) -> dict:
         raise CheckpointError(
             f"rank {rank}: {p} ({p.stat().st_size} bytes) is truncated or corrupt and cannot be read "
             f"({type(exc).__name__}: {first}). A crash while a file is being written leaves this (checkpoint.save "
-            f"never leaves a partial file under a checkpoint's name){_alternatives(p, rank)}", p, rank, "corrupt") from exc
+            f"never leaves a partial file under a checkpoint's name){_alternatives(p, rank)}",
+            p, rank, "corrupt") from exc
     missing = [k for k in REQUIRED if not isinstance(blob, dict) or k not in blob]
     if missing:
         raise CheckpointError(f"rank {rank}: {p} is not a redsync_hvd checkpoint (it lacks {missing}); point "
