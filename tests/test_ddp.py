@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from launch import run_torch_script
+from redsync_hvd.compressors import COMPRESSORS
 
 
 def test_communicator_uneven_allgather_and_every_collective():
@@ -45,6 +46,7 @@ def test_ddp_conservation_sent_plus_residual_equals_inputs():
     _run_all("ddp_conservation.py", [
         {"method": "redsync", "density": 0.05, "momentum_correction": False, "min_compress_numel": 100},
         {"method": "signsgd"},
+        {"method": "qsgd", "residual": True},
     ], "conservation ")
 
 
@@ -56,9 +58,19 @@ def test_ddp_resume_is_bit_identical():
     ], "resume ")
 
 
+@pytest.mark.skipif("powersgd" not in COMPRESSORS,
+                    reason="needs method powersgd registered and the exchange's ctx and error_feedback='aggregate'")
+def test_ddp_powersgd_full_rank_equals_dense_conserves_and_resumes():
+    # rank >= min(n, m) spans every column: PowerSGD is then exact
+    _run_all("ddp_dense_equals_single.py", [{"method": "powersgd", "rank": 64, "min_compression_rate": 0.01}], "")
+    _run_all("ddp_conservation.py", [{"method": "powersgd", "rank": 1}], "conservation ")
+    _run_all("ddp_resume.py", [{"method": "powersgd", "rank": 2, "start_iter": 1}], "resume ")   # warm Q, seed
+
+
 def test_ddp_failures_raise_on_every_rank_without_hanging():
     out = run_torch_script("ddp_errors.py", timeout=90).stdout
-    assert out.count("raised at step 1") == 2 and out.count("OK errors") == 2, out
+    assert out.count("raised at step 1 (topk)") == 2 and out.count("raised at step 1 (none)") == 2, out
+    assert out.count("OK errors") == 2, out
 
 
 # -- in this process, one rank ------------------------------------------------------

@@ -26,7 +26,10 @@ which would scramble state keyed by bucket (torch's PowerSGD hook needs
 
 ``method: none`` takes a fast path: DDP's own reduction, one asynchronous allreduce of
 the whole bucket buffer divided by N first (as DDP divides, so the result is bit for bit
-DDP's), with its bytes counted; no per-layer work, no finite check.
+DDP's), with its bytes counted and no per-layer work. ``check_finite`` (the default) then
+reads the averaged bucket once: a NaN or Inf on any rank is in every rank's average, so
+every rank raises without another collective (on CUDA the read waits for the bucket's
+allreduce; ``check_finite: false`` is exactly DDP).
 
 Methods that fit a hook: everything that compresses one step's gradients (none, fp16,
 topk, randomk, redsync, iwp and the allreduce/allgather baselines). Refused, with the
@@ -53,12 +56,12 @@ from ..compressors.base import Compressor, Layer
 from ..compressors.config import DECENTRALIZED
 from ..compressors.dense import NoneCompressor
 from ..core.stats import CommStats
-from ..exchange import GradientExchange
+from ..exchange import GradientExchange, NonFiniteGradientError
 from ..policy import LayerPolicy
 from .optimizer import _build_memory, _check_same_everywhere, _network
 
 _HOROVOD_PATH = ("use the Horovod path instead: redsync_hvd.torch.DistributedOptimizer under horovodrun "
-                 "(or `python -m redsync_hvd.train` with engine: horovod)")
+                 "(or python -m redsync_hvd.train under horovodrun)")
 
 
 class DDPCompressionState:
@@ -98,6 +101,16 @@ class DDPCompressionState:
             self.stats.layer(name, "dense", None, None, g.numel() * g.element_size(), 4 * g.numel())
         if bucket.is_last():
             self.stats.end_step()
+
+    def checked(self, fut: torch.futures.Future) -> torch.Tensor:
+        """The fast path's finite check, on the averaged bucket (the same on every rank)."""
+        averaged = fut.value()[0]
+        if not bool(torch.isfinite(averaged).all()):
+            raise NonFiniteGradientError(
+                f"non-finite gradient (NaN/Inf) in the average of a DDP bucket at step {self.stats.steps}: "
+                "some rank's gradient held NaN or Inf. Lower the learning rate, clip gradients or check "
+                "the input data; compression.check_finite=false disables this check")
+        return averaged
 
     def names_of(self, params) -> list:
         try:
@@ -171,8 +184,8 @@ def _allreduce_hook(state, bucket):
     """``method: none``: DDP's reduction (divide by N, then one allreduce of the bucket), counted."""
     state.count_bucket(bucket)
     buffer = bucket.buffer().div_(state.comm.size)
-    work = dist.all_reduce(buffer, group=state.comm.group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    fut = dist.all_reduce(buffer, group=state.comm.group, async_op=True).get_future()
+    return fut.then(state.checked if state.config.check_finite else lambda done: done.value()[0])
 
 
 def register(ddp_model, compression=None, process_group=None, optimizer=None) -> DDPCompressionState:

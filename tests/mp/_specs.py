@@ -1,10 +1,10 @@
 """A compression spec for the DDP scripts: the dict itself where the registry knows the method,
 else (baselines not registered yet) the compressor built from the method's own config class."""
-from redsync_hvd.compressors import method_names
+from redsync_hvd.compressors import COMPRESSORS
 
 
 def compression_arg(spec: dict):
-    if spec["method"] in method_names():
+    if spec["method"] in COMPRESSORS:
         return spec
     from redsync_hvd.compressors import powersgd, qsgd, signsgd
     classes = {"powersgd": (powersgd.PowerSGDCompressor, powersgd.PowerSGDConfig),
