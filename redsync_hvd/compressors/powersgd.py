@@ -141,9 +141,9 @@ class PowerSGDCompressor(Compressor):
             return False
         return (n + m) * self.rank_for(layer) * self.config.min_compression_rate < n * m
 
-    def compress(self, x: torch.Tensor, layer: Layer, step: int) -> Message:
+    def compress(self, x: torch.Tensor, layer: Layer, step: int, scan=None) -> Message:
         if not self.factorizes(layer, step):
-            return Message([x], ("values",))
+            return Message([x.clone()], ("values",))   # never a view of x (the contract)
         n, m = matrix_shape(layer)
         matrix = x.view(n, m)
         p = matrix @ self._start_q(layer, step, m, x.device)

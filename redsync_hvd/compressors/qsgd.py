@@ -57,9 +57,6 @@ class QSGDConfig(CompressionConfig):
     seed: int = Field(
         0, description="seed of the stochastic rounding, combined with the rank, the step and the layer: "
                        "workers draw independent noise (it averages out) and a resumed run draws the same")
-    min_compress_numel: int = Field(
-        0, ge=0, description="layers with fewer elements go dense (fp32 allreduce): a small layer's norm and "
-                             "the allgather's per-rank latency cost more than the bytes saved")
 
     @property
     def uses_memory(self) -> bool:  # type: ignore[override]
@@ -116,7 +113,7 @@ class QSGDCompressor(Compressor):
     def wire_dtypes(self, layer: Layer) -> tuple:
         return (torch.float32, torch.uint8)
 
-    def compress(self, x: torch.Tensor, layer: Layer, step: int) -> Message:
+    def compress(self, x: torch.Tensor, layer: Layer, step: int, scan=None) -> Message:
         rank = self.comm.rank if self.comm is not None else 0
         seed = rounding_seed(self.config.seed, rank, step, layer.index)
         generator = torch.Generator(device=x.device).manual_seed(seed)

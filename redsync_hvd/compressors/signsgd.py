@@ -48,10 +48,6 @@ class SignSGDConfig(CompressionConfig):
                           "gradient. Without it this is scaled signSGD, which is biased and can fail to "
                           "converge (Karimireddy et al., ICML 2019, section 3); with it the residual costs "
                           "one fp32 buffer per compressed layer")
-    min_compress_numel: int = Field(
-        0, ge=0, description="layers with fewer elements go dense (fp32 allreduce): for a bias of a few "
-                             "hundred values the 4-byte scale and the allgather's per-rank latency cost "
-                             "more than the 31/32 of the bytes saved")
 
     @property
     def uses_memory(self) -> bool:  # type: ignore[override]
@@ -67,10 +63,14 @@ def scaled_sign(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class SignSGDCompressor(Compressor):
     collective = "allgather"
 
+    def __init__(self, config=None, comm=None):
+        super().__init__(config if config is not None else SignSGDConfig())
+        self.comm = comm
+
     def wire_dtypes(self, layer: Layer) -> tuple:
         return (torch.uint8, torch.float32)
 
-    def compress(self, x: torch.Tensor, layer: Layer, step: int) -> Message:
+    def compress(self, x: torch.Tensor, layer: Layer, step: int, scan=None) -> Message:
         bits, scale = scaled_sign(x)
         return Message([bitpack.pack(bits, 1), scale], ("values", "scalars"))
 
