@@ -1,6 +1,7 @@
 """Elastic training with residuals under ``horovodrun --min-np/--max-np --host-discovery-script``.
 
     elastic_toy.py <steps> <victim host> <kill step> [sum|reset]
+    elastic_toy.py <steps> rank=<r> <kill step> [sum|reset]     (the worker of rank r is killed)
     elastic_toy.py <steps> +<flag file> <step> [sum|reset]     (rank 0 creates the file then)
 
 A 2-layer MLP, redsync_hvd's DistributedOptimizer with top-k and residuals, and
@@ -68,7 +69,8 @@ def main() -> None:
             state.step += 1
             if victim.startswith("+") and hvd.rank() == 0 and state.step == kill_step:
                 open(victim[1:], "w").close()   # the discovery script lists one more host from now on
-            if os.environ.get("HOROVOD_HOSTNAME") == victim and state.step == kill_step:
+            doomed = victim == f"rank={hvd.rank()}" or os.environ.get("HOROVOD_HOSTNAME") == victim
+            if doomed and state.step == kill_step:
                 print(f"{me} killing itself after step {state.step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             state.commit()
