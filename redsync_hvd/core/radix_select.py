@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from redsync_hvd.core.segments import Segments
+from redsync_hvd.core.segments import Segments, to_device
 
 ABS = 0x7FFFFFFF
 SHIFTS = (23, 11, 0)                # digits of a non-negative float32's 31 bits: 8 + 12 + 11
@@ -80,8 +80,8 @@ def sides(sign: str | None) -> tuple[int, tuple[int, ...]]:
 def k_rows(seg: Segments, device, sign: str | None) -> torch.Tensor:
     """(L*R,) int32: k for every (layer, row) selected from, 0 for a row not selected from."""
     R, active = sides(sign)
-    return seg.derived(f"k_rows:{sign}", device, lambda: torch.tensor(
-        [k if r in active else 0 for k in seg.ks for r in range(R)], dtype=torch.int32).to(device))
+    return seg.derived(f"k_rows:{sign}", device, lambda: to_device(torch.tensor(
+        [k if r in active else 0 for k in seg.ks for r in range(R)], dtype=torch.int32), device))
 
 
 def _interpreting() -> bool:

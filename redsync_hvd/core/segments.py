@@ -96,7 +96,7 @@ class Segments:
             layers = torch.arange(len(self), dtype=torch.int64)
             sizes = torch.tensor(self.sizes, dtype=torch.int64)
             # output_size: known here, so repeat_interleave reads nothing back
-            return torch.repeat_interleave(layers, sizes, output_size=self.n).to(device)
+            return to_device(torch.repeat_interleave(layers, sizes, output_size=self.n), device)
         return self.derived("seg_of", device, build)
 
     def _build(self, device: torch.device) -> Tables:
@@ -111,13 +111,21 @@ class Segments:
         ks = torch.tensor(self.ks, dtype=torch.int64)
 
         def dev(values, dtype):
-            return torch.as_tensor(values, dtype=dtype).to(device)
+            return to_device(torch.as_tensor(values, dtype=dtype), device)
         return Tables(
             offsets=dev(self.offsets, torch.int64), kofs=dev(self.kofs, torch.int64),
             ks=dev(self.ks, torch.int32), tile_seg=dev(tile_seg, torch.int32),
             tile_lo=dev(tile_lo, torch.int64), tile_hi=dev(tile_hi, torch.int64),
             seg_tile=dev(seg_tile, torch.int32),
-            slot_seg=torch.repeat_interleave(layers, ks, output_size=self.k_total).to(device))
+            slot_seg=to_device(torch.repeat_interleave(layers, ks, output_size=self.k_total), device))
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host table on the device without a wait: from pinned memory, queued on the stream
+    (a pageable copy would wait for the stream once, at the layout's first use)."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _cumsum(values: Sequence[int]) -> tuple[int, ...]:
