@@ -47,6 +47,8 @@ asks for momentum correction is refused with that fix.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -77,6 +79,7 @@ class DDPCompressionState:
         self._name = {id(p): n for n, p in named}
         self._decay = decay or {}
         self._pending: list = []     # (names, grads, buffer, future) of this step's buckets
+        self._bucket_bytes: dict = {}    # fast path: (bucket index, buffer address) -> bytes
 
     # -- the step, from the hooks -----------------------------------------------
     def submit_bucket(self, bucket) -> torch.futures.Future:
@@ -93,19 +96,26 @@ class DDPCompressionState:
         return fut
 
     def count_bucket(self, bucket) -> None:
-        """The fast path's accounting: what DDP's own allreduce of this bucket hands over."""
+        """The fast path's accounting: what DDP's own allreduce of this bucket hands over. A
+        bucket's layers and sizes only change when DDP rebuilds its buckets (new buffers), so
+        they are worked out once per buffer, and a step costs two counter updates."""
         buffer = bucket.buffer()
-        self.stats.add_bytes({"values": buffer.numel() * buffer.element_size()}, "dense")
-        self.stats.add("dense_bytes", 4 * buffer.numel())
-        for name, g in zip(self.names_of(bucket.parameters()), bucket.gradients()):
-            self.stats.layer(name, "dense", None, None, g.numel() * g.element_size(), 4 * g.numel())
+        key = (bucket.index(), buffer.data_ptr())
+        wire = self._bucket_bytes.get(key)
+        if wire is None:
+            for name, g in zip(self.names_of(bucket.parameters()), bucket.gradients()):
+                self.stats.layer(name, "dense", None, None, g.numel() * g.element_size(), 4 * g.numel())
+            wire = self._bucket_bytes[key] = ({"values": buffer.numel() * buffer.element_size()}, 4 * buffer.numel())
+        self.stats.add_bytes(wire[0], "dense")
+        self.stats.add("dense_bytes", wire[1])
         if bucket.is_last():
             self.stats.end_step()
 
     def checked(self, fut: torch.futures.Future) -> torch.Tensor:
         """The fast path's finite check, on the averaged bucket (the same on every rank)."""
         averaged = fut.value()[0]
-        if not bool(torch.isfinite(averaged).all()):
+        # one summing pass, no mask tensor: NaN and Inf reach the sum (as in the exchange's check)
+        if not math.isfinite(float(averaged.sum(dtype=torch.float32))):
             raise NonFiniteGradientError(
                 f"non-finite gradient (NaN/Inf) in the average of a DDP bucket at step {self.stats.steps}: "
                 "some rank's gradient held NaN or Inf. Lower the learning rate, clip gradients or check "
