@@ -5,10 +5,13 @@
     torchrun --standalone --nproc_per_node 2 scripts/bench_ddp_hook.py --models cnn --rounds 15
 
 For each model, two DDP copies (same weights, same synthetic batches, same SGD) train in
-alternating rounds of ``--steps`` steps, so load drifting on a shared machine hits both
-alike. A round gives each variant its mean step time (forward, backward with DDP's
-reduction, optimizer step) after ``--warmup`` steps; rank 0 prints the medians over rounds,
-their ratio (hook / plain: 1.00 is no cost) and the machine.
+alternating rounds of ``--steps`` steps (the order flips every round), so load drifting on a
+shared machine hits both alike. A round gives each variant its mean step time (forward,
+backward with DDP's reduction, optimizer step) after ``--warmup`` steps, and one paired ratio
+hook / plain (1.00: no cost), in wall time and in CPU time (this process, all its threads:
+steadier than wall time when other jobs share the cores, since waiting costs none). Rank 0
+prints the medians of the times, the median ratios with their interquartile ranges over
+rounds, and the machine.
 """
 from __future__ import annotations
 
@@ -54,19 +57,26 @@ def variant(spec: dict, device, hook: bool):
     return step
 
 
-def timed(step, steps: int, warmup: int, device) -> float:
-    """Mean seconds per step after ``warmup`` steps; ranks start together."""
+def timed(step, steps: int, warmup: int, device) -> tuple:
+    """(wall, CPU) seconds per step after ``warmup`` steps; ranks start together."""
     for _ in range(warmup):
         step()
     dist.barrier()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         step()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / steps
+    return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
+
+
+def summary(hook: list, plain: list) -> tuple:
+    """(median plain, median hook, quartiles of the paired ratios hook / plain)."""
+    ratios = sorted(h / p for h, p in zip(hook, plain))
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return statistics.median(plain), statistics.median(hook), quartiles
 
 
 def bench(name: str, args, device) -> tuple:
@@ -77,7 +87,7 @@ def bench(name: str, args, device) -> tuple:
         order = [("plain", plain), ("hook", ours)] if r % 2 == 0 else [("hook", ours), ("plain", plain)]
         for label, step in order:
             times[label].append(timed(step, args.steps, args.warmup, device))
-    return statistics.median(times["plain"]), statistics.median(times["hook"])
+    return [summary([t[clock] for t in times["hook"]], [t[clock] for t in times["plain"]]) for clock in (0, 1)]
 
 
 def main() -> None:
@@ -92,15 +102,16 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    rows = [(name, *bench(name, args, device)) for name in args.models]
+    rows = [(name, bench(name, args, device)) for name in args.models]
     if dist.get_rank() == 0:
         print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
               f"torch {torch.__version__}, {dist.get_backend()} on {device.type}, {dist.get_world_size()} ranks, "
               f"{args.rounds} rounds x {args.steps} steps")
-        print("| model | plain DDP ms/step | hook none ms/step | hook / plain |")
-        print("|-------|-------------------|-------------------|--------------|")
-        for name, plain, hook in rows:
-            print(f"| {name} | {plain * 1e3:.2f} | {hook * 1e3:.2f} | {hook / plain:.3f} |")
+        print("| model | clock | plain DDP ms/step | hook none ms/step | hook / plain (median, IQR over rounds) |")
+        print("|-------|-------|-------------------|-------------------|----------------------------------------|")
+        for name, clocks in rows:
+            for clock, (plain, hook, (q1, q2, q3)) in zip(("wall", "CPU"), clocks):
+                print(f"| {name} | {clock} | {plain * 1e3:.2f} | {hook * 1e3:.2f} | {q2:.3f} ({q1:.3f}-{q3:.3f}) |")
     dist.destroy_process_group()
 
 
