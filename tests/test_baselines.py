@@ -186,6 +186,18 @@ def test_powersgd_warm_start_converges_to_the_best_rank_r_approximation():
     assert errors[-1] < best * (1 + 1e-3)                # warm start: power iteration converged
 
 
+def test_powersgd_recovers_after_an_all_zero_gradient():
+    lay = layer((30, 20))
+    comp = PowerSGDCompressor(PowerSGDConfig(rank=2), LocalCommunicator(1))
+    matrix = torch.randn(30, 2, generator=torch.Generator().manual_seed(1)) @ torch.randn(2, 20)
+    for step, x in enumerate([torch.zeros(600), matrix.reshape(-1), matrix.reshape(-1)]):
+        msg = comp.compress(x, lay, step)
+        out = torch.zeros(600)
+        comp.decompress_add(out, msg.tensors, lay, 1.0, msg.ctx)
+        assert torch.isfinite(out).all()
+    assert (out.view(30, 20) - matrix).norm() / matrix.norm() < 1e-5   # not stuck at zero
+
+
 def test_powersgd_factorises_only_where_torch_would():
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
     comp = PowerSGDCompressor(PowerSGDConfig(rank=4, start_iter=3), LocalCommunicator(1))

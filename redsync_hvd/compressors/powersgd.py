@@ -31,16 +31,19 @@ Here, per layer (M = x viewed as (shape[0], -1), as torch's ``powerSGD_hook`` do
 
 Arithmetic follows torch's hook, so the two agree to float rounding on the same seed:
 P is summed, not averaged (orthogonalisation removes the scale); Q is orthogonalised before
-P = M Q at every step (the paper does not; in exact arithmetic P^ Q^T = P^ P^^T M depends
+P = M Q at every step (the paper does not; in exact arithmetic P^ Q^T = P^ (P^)^T M depends
 only on span(P), which that changes only by a basis, so the result is the same);
 Gram-Schmidt for r <= 2, Householder QR above; Q's first draw takes one seed per step from
 ``numpy.random.RandomState(seed)`` and draws every new layer's Q from it in the order
 layers are compressed. torch draws one seed per DDP bucket and its Qs grouped by shape, so
 the draws coincide when the compressed layers share one bucket, have distinct shapes and
-are compressed in that bucket's order. Two differences: a zero column stays zero in
-Gram-Schmidt (torch divides by a zero norm and gets NaN), and before ``start_iter`` the
-residual keeps x - mean(x) (torch keeps no error then); that residual sums to zero over
-workers, and PowerSGD sees workers only through sums, so it changes rounding only.
+are compressed in that bucket's order. Where it differs: a zero column stays zero in
+Gram-Schmidt (torch divides by a zero norm and gets NaN), and a warm Q column that became
+zero restarts from a fresh draw (torch's would stay zero, or NaN, for good); before
+``start_iter`` the residual keeps x - mean(x) (torch keeps no error then): that residual
+sums to zero over workers and PowerSGD sees workers only through sums, so it changes
+rounding only. The warm Q is taken when the averaged message is decoded; a step that fails
+after that keeps it (it is only a starting point; residuals still roll back).
 """
 from __future__ import annotations
 
@@ -176,7 +179,18 @@ class PowerSGDCompressor(Compressor):
             q = torch.randn(m, r, generator=self._generator(step)).to(device)
             if self.config.warm_start:
                 self._q[layer.name] = q
+        else:
+            self._revive(q, layer, step)
         return orthogonalize(q, self.config.orthogonalization, self.config.orthogonalization_epsilon)
+
+    def _revive(self, q: torch.Tensor, layer: Layer, step: int) -> None:
+        """A warm Q column that is zero (the layer's whole gradient was zero, e.g. a branch not
+        taken) would stay zero for good: P = M Q, Q = M^T P^. Such columns restart from a
+        draw seeded by (seed, step, layer), the same on every worker since Q_avg is; no host
+        read, and columns that are not zero are left bit for bit."""
+        seed = (self.config.seed * 1_000_003 + step) * 1_000_003 + layer.index
+        fresh = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed % (2 ** 61 - 1))).to(q.device)
+        q.copy_(torch.where(torch.linalg.vector_norm(q, dim=0, keepdim=True) > 0, q, fresh))
 
     def _generator(self, step: int) -> torch.Generator:
         """One seed per step for every Q drawn in it, the same on every worker (torch's hook
