@@ -5,6 +5,7 @@ launchers, elastic with a host-discovery script), torchrun. docs/reliability.md 
 each fault and the outcome these tests check.
 """
 import glob
+import json
 import os
 import re
 import signal
@@ -139,10 +140,13 @@ def test_resize_sum_conserves_and_reset_counts(resumed):
 
 
 def test_mismatched_steps_exit_nonzero_within_30s(tmp_path):
-    t0 = time.time()
-    r = run_script("checkpoint_resume.py", tmp_path, "exit", np=2, timeout=60, check=False)
-    elapsed = time.time() - t0
-    assert r.returncode != 0 and elapsed < 30, (r.returncode, elapsed, r.stdout[-3000:])
+    """From the moment the ranks start resuming to the end of the job (start-up excluded:
+    on a loaded machine importing torch and Horovod alone can take tens of seconds)."""
+    r = run_script("checkpoint_resume.py", tmp_path, "exit", np=2, timeout=120, check=False)
+    ended = time.time()
+    starts = [float(t) for t in re.findall(r"resuming at ([\d.]+)", r.stdout)]
+    assert r.returncode != 0 and len(starts) == 2, (r.returncode, r.stdout[-3000:])
+    assert ended - min(starts) < 30, (ended - min(starts), r.stdout[-3000:])
     assert r.stdout.count("step 40 on rank 0, step 20 on rank 1") == 2, r.stdout[-3000:]
 
 
@@ -226,10 +230,22 @@ def test_stop_controller_over_torch_distributed():
 
 
 # -- Horovod Elastic ---------------------------------------------------------------------------
-# Three host names of this machine, one slot each. Horovod blacklists the *host* of a failed
-# worker; with one name for all three, the first failure would blacklist every slot and end
-# the job. Names that resolve to a local address are launched without ssh.
-HOSTS = ("localhost", "127.0.0.1", "vm")
+def _local_host_names() -> tuple:
+    """Three names of this machine, one slot each. Horovod blacklists the *host* of a failed
+    worker; with one name for all three, the first failure would blacklist every slot and end
+    the job. Names that resolve to a local address are launched without ssh."""
+    import socket
+
+    import psutil
+    local = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET}
+    names = ["localhost", "127.0.0.1"]
+    for candidate in [socket.gethostname(), *sorted(local - {"127.0.0.1"})]:
+        try:
+            if socket.gethostbyname(candidate) in local and candidate not in names:
+                return (*names, candidate)
+        except OSError:
+            continue
+    pytest.skip("no third name of this machine resolves to a local address (hostname or an interface's IPv4)")
 
 
 def _discovery(tmp_path, hosts, join_flag=None):
@@ -260,9 +276,9 @@ def test_elastic_kill_one_of_three_finishes_with_two(tmp_path, rule):
     """kill -9 of one of three workers after step 10: the two others roll back to their own
     last commit (not rank 0's residual), go on as two, and finish with the same model; what the
     dead worker held ("sum") or everyone held ("reset") is reported as dropped."""
-    victim = HOSTS[1]
+    victim = "127.0.0.1"
     r = horovodrun_elastic(["python", MP / "elastic_toy.py", 30, victim, 10, rule], min_np=2, max_np=3,
-                           discovery_script=_discovery(tmp_path, HOSTS), timeout=150,
+                           discovery_script=_discovery(tmp_path, _local_host_names()), timeout=150,
                            launcher_args=["--gloo-timeout-seconds", 10])
     events = _elastic_events(r.stdout)
     survivors = [w for w in events if not w.startswith(victim + ":")]
@@ -286,7 +302,6 @@ def test_elastic_kill_one_of_three_finishes_with_two(tmp_path, rule):
     if rule == "sum":
         assert resets[0][1][3] != resets[1][1][3]                  # residuals stayed per worker
     reports = re.findall(r"resizes (\[.*\])", r.stdout)
-    import json
     report = json.loads(reports[0])
     assert len(reports) == 2 and report[0]["departed"] == 1 and report[0]["new_world_size"] == 2
     expect = last_dead[4] if rule == "sum" else last_dead[4] + sum(b[4] for b, _ in resets)
@@ -299,7 +314,7 @@ def test_elastic_worker_joins_with_its_own_residual(tmp_path):
     three finish with the same model; the survivors keep their residuals."""
     flag = tmp_path / "join"
     r = horovodrun_elastic(["python", MP / "elastic_toy.py", 40, f"+{flag}", 10], min_np=2, max_np=3, np=2,
-                           discovery_script=_discovery(tmp_path, HOSTS, join_flag=flag), timeout=150,
+                           discovery_script=_discovery(tmp_path, _local_host_names(), join_flag=flag), timeout=150,
                            launcher_args=["--gloo-timeout-seconds", 10])
     events = _elastic_events(r.stdout)
     done = {w: next(e for e in ev if e[0] == "done") for w, ev in events.items()}

@@ -92,6 +92,8 @@ def run(folder: Path, scenario: str, rank: int, size: int) -> None:
     kwargs = prepare(folder, scenario, rank, size)
     hvd.allreduce(torch.zeros(1), name=f"ready.{scenario}")   # every file is written before anyone reads
     t0 = time.time()
+    if scenario == "exit":
+        print(f"rank {rank} resuming at {t0:.3f}", flush=True)
     try:
         r = checkpoint.resume(folder, rank, size, lambda obj: hvd.allgather_object(obj, name=f"ag.{scenario}"),
                               **kwargs)
