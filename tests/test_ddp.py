@@ -21,6 +21,7 @@ def test_communicator_uneven_allgather_and_every_collective():
 # one launch per script, several configs each: torchrun's start-up dominates a launch
 DENSE = [
     {"method": "none"},
+    {"method": "none", "check_finite": False},   # the fast path without its finite check: DDP itself
     # RedSync at density 1, no quantisation, no momentum correction: exactly dense
     {"method": "redsync", "density": 1.0, "quantize": "none", "momentum_correction": False, "min_compress_numel": 0},
     # momentum correction (momentum and weight decay moved out of the optimizer) without

@@ -27,9 +27,9 @@ which would scramble state keyed by bucket (torch's PowerSGD hook needs
 ``method: none`` takes a fast path: DDP's own reduction, one asynchronous allreduce of
 the whole bucket buffer divided by N first (as DDP divides, so the result is bit for bit
 DDP's), with its bytes counted and no per-layer work. ``check_finite`` (the default) then
-reads the averaged bucket once: a NaN or Inf on any rank is in every rank's average, so
-every rank raises without another collective (on CUDA the read waits for the bucket's
-allreduce; ``check_finite: false`` is exactly DDP).
+sums every averaged bucket once the last one is reduced and reads the total once per step: a
+NaN or Inf on any rank is in every rank's average, so every rank raises without a collective
+of its own. That costs one pass over the gradients; ``check_finite: false`` is exactly DDP.
 
 Methods that fit a hook: everything that compresses one step's gradients (none, fp16,
 topk, randomk, redsync, iwp and the allreduce/allgather baselines). Refused, with the
@@ -80,6 +80,7 @@ class DDPCompressionState:
         self._decay = decay or {}
         self._pending: list = []     # (names, grads, buffer, future) of this step's buckets
         self._bucket_bytes: dict = {}    # fast path: (bucket index, buffer address) -> bytes
+        self._reduced: list = []         # fast path: (work, buffer, future) of this step's buckets
 
     # -- the step, from the hooks -----------------------------------------------
     def submit_bucket(self, bucket) -> torch.futures.Future:
@@ -111,16 +112,38 @@ class DDPCompressionState:
         if bucket.is_last():
             self.stats.end_step()
 
-    def checked(self, fut: torch.futures.Future) -> torch.Tensor:
-        """The fast path's finite check, on the averaged bucket (the same on every rank)."""
-        averaged = fut.value()[0]
-        # one summing pass, no mask tensor: NaN and Inf reach the sum (as in the exchange's check)
-        if not math.isfinite(float(averaged.sum(dtype=torch.float32))):
-            raise NonFiniteGradientError(
-                f"non-finite gradient (NaN/Inf) in the average of a DDP bucket at step {self.stats.steps}: "
-                "some rank's gradient held NaN or Inf. Lower the learning rate, clip gradients or check "
-                "the input data; compression.check_finite=false disables this check")
-        return averaged
+    def reduce_bucket(self, bucket) -> torch.futures.Future:
+        """The fast path: DDP's reduction of one bucket (divide by N, one asynchronous allreduce),
+        counted. Its future is set by the last bucket's hook, which waits for every bucket's
+        allreduce (they ran during backward; DDP waits for them right after anyway), checks
+        them all at once and sets every future: no callback per bucket, no second thread."""
+        self.count_bucket(bucket)
+        buffer = bucket.buffer().div_(self.comm.size)
+        work = dist.all_reduce(buffer, group=self.comm.group, async_op=True)
+        fut = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+        self._reduced.append((work, buffer, fut))
+        if bucket.is_last():
+            reduced, self._reduced = self._reduced, []
+            for work, _, _ in reduced:
+                work.wait()
+            error = self._nonfinite([b for _, b, _ in reduced]) if self.config.check_finite else None
+            for _, buffer, fut in reduced:
+                if error is not None:
+                    fut.set_exception(error)
+                else:
+                    fut.set_result(buffer)
+        return fut
+
+    def _nonfinite(self, averaged: list):
+        """A NaN or Inf on any rank is in every rank's average, so every rank finds it, with no
+        collective of its own: one summing pass per bucket, no mask tensor, one host read."""
+        total = torch.stack([b.sum(dtype=torch.float32) for b in averaged]).sum()
+        if math.isfinite(float(total)):
+            return None
+        return NonFiniteGradientError(
+            f"non-finite gradient (NaN/Inf) in DDP's averaged gradients at step {self.stats.steps}: some "
+            "rank's gradient held NaN or Inf. Lower the learning rate, clip gradients or check the input "
+            "data; compression.check_finite=false disables this check")
 
     def names_of(self, params) -> list:
         try:
@@ -191,11 +214,7 @@ def _exchange_hook(state, bucket):
 
 
 def _allreduce_hook(state, bucket):
-    """``method: none``: DDP's reduction (divide by N, then one allreduce of the bucket), counted."""
-    state.count_bucket(bucket)
-    buffer = bucket.buffer().div_(state.comm.size)
-    fut = dist.all_reduce(buffer, group=state.comm.group, async_op=True).get_future()
-    return fut.then(state.checked if state.config.check_finite else lambda done: done.value()[0])
+    return state.reduce_bucket(bucket)
 
 
 def register(ddp_model, compression=None, process_group=None, optimizer=None) -> DDPCompressionState:
