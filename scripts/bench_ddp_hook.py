@@ -4,14 +4,15 @@
     torchrun --standalone --nproc_per_node 2 scripts/bench_ddp_hook.py            # Gloo on CPU
     torchrun --standalone --nproc_per_node 2 scripts/bench_ddp_hook.py --models cnn --rounds 15
 
-For each model, two DDP copies (same weights, same synthetic batches, same SGD) train in
-alternating rounds of ``--steps`` steps (the order flips every round), so load drifting on a
-shared machine hits both alike. A round gives each variant its mean step time (forward,
-backward with DDP's reduction, optimizer step) after ``--warmup`` steps, and one paired ratio
-hook / plain (1.00: no cost), in wall time and in CPU time (this process, all its threads:
-steadier than wall time when other jobs share the cores, since waiting costs none). Rank 0
-prints the medians of the times, the median ratios with their interquartile ranges over
-rounds, and the machine.
+For each model, DDP copies (same weights, same synthetic batches, same SGD) train in rounds
+of ``--steps`` steps, one copy after the other in an order that rotates every round, so load
+drifting on a shared machine hits all alike: plain DDP, our hook as ``none`` (with its finite
+check, the default), and our hook with ``check_finite: false`` (DDP's arithmetic exactly). A
+round gives each its mean step time (forward, backward with the reduction, optimizer step)
+after ``--warmup`` steps, and a ratio to plain DDP's time in the same round (1.00: no cost),
+in wall time and in CPU time (this process, all its threads: steadier than wall time when
+other jobs share the cores, since waiting costs none). Rank 0 prints the medians, the
+median ratios with their interquartile ranges over rounds, and the machine.
 """
 from __future__ import annotations
 
@@ -39,13 +40,21 @@ MODELS = {
 }
 
 
-def variant(spec: dict, device, hook: bool):
-    """A DDP model, its optimizer and a step function; ``hook``: with our ``none`` hook."""
+# what DDP's reduction runs: its own (None), or our hook with these settings
+VARIANTS = {
+    "plain DDP": None,
+    "hook none": {"method": "none"},                                   # with the finite check (default)
+    "hook none, check_finite: false": {"method": "none", "check_finite": False},   # exactly DDP's arithmetic
+}
+
+
+def variant(spec: dict, device, compression):
+    """A DDP model, its optimizer and a step function; ``compression``: our hook's config, or None."""
     torch.manual_seed(0)
     model = build_model(spec["model"], spec["classes"], spec["input_shape"], **spec["options"]).to(device)
     ddp = DDP(model)
-    if hook:
-        rddp.register(ddp, {"method": "none"})
+    if compression is not None:
+        rddp.register(ddp, compression)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     x = torch.randn(spec["batch"], *spec["input_shape"], device=device)
     y = torch.randint(0, spec["classes"], (spec["batch"],), device=device)
@@ -72,22 +81,24 @@ def timed(step, steps: int, warmup: int, device) -> tuple:
     return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
 
 
-def summary(hook: list, plain: list) -> tuple:
-    """(median plain, median hook, quartiles of the paired ratios hook / plain)."""
-    ratios = sorted(h / p for h, p in zip(hook, plain))
+def summary(times: list, plain: list) -> tuple:
+    """(median ms, quartiles of the paired ratios to plain DDP)."""
+    ratios = sorted(t / p for t, p in zip(times, plain))
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-    return statistics.median(plain), statistics.median(hook), quartiles
+    return statistics.median(times) * 1e3, quartiles
 
 
-def bench(name: str, args, device) -> tuple:
+def bench(name: str, args, device) -> list:
+    """[(variant, clock, median ms, ratio quartiles)]; the variants' order rotates every round."""
     spec = MODELS[name]
-    plain, ours = variant(spec, device, False), variant(spec, device, True)
-    times = {"plain": [], "hook": []}
+    steps = {label: variant(spec, device, compression) for label, compression in VARIANTS.items()}
+    labels = list(steps)
+    times: dict = {label: [] for label in labels}
     for r in range(args.rounds):
-        order = [("plain", plain), ("hook", ours)] if r % 2 == 0 else [("hook", ours), ("plain", plain)]
-        for label, step in order:
-            times[label].append(timed(step, args.steps, args.warmup, device))
-    return [summary([t[clock] for t in times["hook"]], [t[clock] for t in times["plain"]]) for clock in (0, 1)]
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            times[label].append(timed(steps[label], args.steps, args.warmup, device))
+    return [(label, clock_name, *summary([t[clock] for t in times[label]], [t[clock] for t in times["plain DDP"]]))
+            for clock, clock_name in ((0, "wall"), (1, "CPU")) for label in labels]
 
 
 def main() -> None:
@@ -107,11 +118,11 @@ def main() -> None:
         print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
               f"torch {torch.__version__}, {dist.get_backend()} on {device.type}, {dist.get_world_size()} ranks, "
               f"{args.rounds} rounds x {args.steps} steps")
-        print("| model | clock | plain DDP ms/step | hook none ms/step | hook / plain (median, IQR over rounds) |")
-        print("|-------|-------|-------------------|-------------------|----------------------------------------|")
-        for name, clocks in rows:
-            for clock, (plain, hook, (q1, q2, q3)) in zip(("wall", "CPU"), clocks):
-                print(f"| {name} | {clock} | {plain * 1e3:.2f} | {hook * 1e3:.2f} | {q2:.3f} ({q1:.3f}-{q3:.3f}) |")
+        print("| model | clock | variant | ms/step | / plain DDP (median, IQR over rounds) |")
+        print("|-------|-------|---------|---------|----------------------------------------|")
+        for name, results in rows:
+            for label, clock, ms, (q1, q2, q3) in results:
+                print(f"| {name} | {clock} | {label} | {ms:.2f} | {q2:.3f} ({q1:.3f}-{q3:.3f}) |")
     dist.destroy_process_group()
 
 
