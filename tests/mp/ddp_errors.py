@@ -1,7 +1,8 @@
 """Under torchrun (Gloo), failures are errors on every rank, never hangs:
 1. ranks with different compression configs: register() raises everywhere;
-2. a NaN gradient on rank 1 at step 1, with top-k and with none's fast path: backward() raises
-   on both ranks, residuals are left as they were, and the next step trains normally."""
+2. a NaN gradient on rank 1 at step 1, with top-k and with none's fast path (check_finite set):
+   backward() raises on both ranks, residuals are left as they were, and the next step trains
+   normally; none without check_finite averages the NaN into every rank's gradient, as DDP."""
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -51,12 +52,25 @@ def nan_on_one_rank(rank, compression):
         assert state.communication_stats()["steps"] == 2
 
 
+def nan_reaches_every_rank_alike(rank):
+    """none's fast path without an explicit check_finite is DDP: the NaN is in every rank's average."""
+    model, ddp, opt = model_and_opt()
+    rddp.register(ddp, {"method": "none"})
+    x, y = torch.randn(8, 30), torch.randint(0, 4, (8,))
+    if rank == 1:
+        x[0, 0] = float("nan")
+    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    assert all(torch.isnan(p.grad).any() for p in model.parameters()), "the NaN did not reach this rank"
+    print(f"rank {rank}: NaN averaged as DDP does")
+
+
 def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     config_mismatch(rank)
     nan_on_one_rank(rank, {"method": "topk", "density": 0.1})
-    nan_on_one_rank(rank, {"method": "none"})
+    nan_on_one_rank(rank, {"method": "none", "check_finite": True})
+    nan_reaches_every_rank_alike(rank)
     print(f"rank {rank}: OK errors")
     dist.destroy_process_group()
 
