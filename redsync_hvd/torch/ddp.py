@@ -30,7 +30,7 @@ DDP's), with its bytes counted and no per-layer work. Its finite check is off un
 ``check_finite: true`` is set explicitly: the check exists to keep NaN out of state that
 outlives a step (residuals, velocities) and to keep ranks in agreement, and dense DDP has
 neither problem (every rank gets the same average), while the check costs one pass over the
-gradients per step (7% of a step of vgg_fc4096 on a 2-core CPU, scripts/bench_ddp_hook.py).
+gradients per step (scripts/bench_ddp_hook.py times it).
 Set explicitly, it sums every averaged bucket once the last one is reduced and reads the
 total once: a NaN or Inf on any rank is in every rank's average, so every rank raises
 without a collective of its own.
