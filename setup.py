@@ -21,5 +21,8 @@ setup(
         # the code's own hygiene (tests/test_hygiene.py): pinned, so a release cannot change the rules
         "dev": ["pytest", "hypothesis", "pytest-timeout", "ruff==0.17.5", "import-linter==2.16"],
         "tensorflow": ["tensorflow-cpu==2.15.1"],
+        # the device selection kernels (core/triton_select.py); their CPU tests run them in
+        # Triton's interpreter. CUDA builds of torch bring their own triton: keep that one.
+        "kernels": ["triton==3.9.0"],
     },
 )

@@ -47,13 +47,13 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from redsync_hvd import costmodel as cm  # noqa: E402
+from redsync_hvd.compressors.config import DECENTRALIZED  # noqa: E402
+from redsync_hvd.config import ConfigError, read_yaml  # noqa: E402
 from scripts.netbench import allocator, netns  # noqa: E402
 from scripts.netbench.launcher import LaunchError, launch  # noqa: E402
 from scripts.netbench.mpi_launcher import launch_mpi  # noqa: E402
-from redsync_hvd.compressors.config import DECENTRALIZED  # noqa: E402
 from scripts.netbench.report import MPI_DENSE, build_rows, markdown, plots, skipped_rows, write_csv  # noqa: E402
-from redsync_hvd import costmodel as cm  # noqa: E402
-from redsync_hvd.config import ConfigError, read_yaml  # noqa: E402
 
 COLUMNS = ["model", "method", "hosts", "bandwidth_mbit", "latency_ms", "step_time_s", "speedup_vs_dense",
            "wire_bytes_per_step", "dense_bytes_per_step", "compression_ratio", "compute_s", "select_s",
@@ -393,9 +393,23 @@ def main(argv=None) -> int:
                                   compute_nproc_s=c.get(str(n), c["1"])["compute_s"], dense_allreduce_model_s=comm,
                                   compute_to_comm=c["1"]["compute_s"] / comm if comm else None,
                                   dense_step_measured_s=measured["step_time_s"] if measured else None))
-        write_csv(run_dir / "models.csv", mrows, ["model", "parameters", "dense_mbytes", "hosts", "bandwidth_mbit",
-                                                 "latency_ms", "compute_alone_s", "compute_nproc_s", "dense_allreduce_model_s",
-                                                 "compute_to_comm", "dense_step_measured_s"])
+        write_csv(
+            run_dir / "models.csv",
+            mrows,
+            [
+                "model",
+                "parameters",
+                "dense_mbytes",
+                "hosts",
+                "bandwidth_mbit",
+                "latency_ms",
+                "compute_alone_s",
+                "compute_nproc_s",
+                "dense_allreduce_model_s",
+                "compute_to_comm",
+                "dense_step_measured_s",
+            ],
+        )
         csv_path = run_dir / "results.csv"
         write_csv(csv_path, rows, COLUMNS)
         (run_dir / "results.json").write_text(json.dumps({"rows": rows, "models": mrows, **raw}, default=str))
@@ -406,7 +420,8 @@ def main(argv=None) -> int:
                 log(f"plotting failed: {exc}")
         table = markdown(rows)
         (run_dir / "results.md").write_text(table + "\n")
-        log(f"done in {time.time() - t_start:.0f}s; namespaces left: {netns.list_namespaces(netns.PREFIX + str(os.getpid()))}")
+        left = netns.list_namespaces(netns.PREFIX + str(os.getpid()))
+        log(f"done in {time.time() - t_start:.0f}s; namespaces left: {left}")
         logf.close()
         print(table)
         print(csv_path)

@@ -9,8 +9,8 @@ optimizer update; the same SGD in every variant) and, separately, the gradient
 exchange's local work: residual compensation, selection, quantisation and packing,
 then decoding and averaging ``--world`` messages as a worker of a ``--world``-rank
 job would (``LocalCommunicator``: every rank sends what this one sends; no bytes
-move). ``overhead / compute`` is the issue's "select + pack + decompress as a share
-of the compute time of a step". For methods with a residual, ``r + g alone`` times just
+move). ``exchange / compute`` is that local work (select, pack, decompress) as a share
+of a step's compute. For methods with a residual, ``r + g alone`` times just
 the error-feedback update over the layers they compress (read two layer-sized buffers,
 write one): no exchange over those layers can cost less on this memory system, so it is
 the floor under that share. Each variant's steps are interleaved with the others
@@ -41,18 +41,60 @@ MODELS = {
 METHODS = {
     "dense": {"method": "none"},
     "topk": {"method": "topk", "density": 0.001},
-    "redsync": {"method": "redsync", "density": 0.001, "selection": {"method": "tbs", "threshold_reuse": 5}, "message": {"quantize": "sign_mean"}, "dgc": {"momentum_correction": False}},
-    "redsync_noreuse": {"method": "redsync", "density": 0.001, "selection": {"method": "tbs", "threshold_reuse": 1}, "message": {"quantize": "sign_mean"}, "dgc": {"momentum_correction": False}},
+    "redsync": {
+        "method": "redsync",
+        "density": 0.001,
+        "selection": {"method": "tbs", "threshold_reuse": 5},
+        "message": {"quantize": "sign_mean"},
+        "dgc": {"momentum_correction": False},
+    },
+    "redsync_noreuse": {
+        "method": "redsync",
+        "density": 0.001,
+        "selection": {"method": "tbs", "threshold_reuse": 1},
+        "message": {"quantize": "sign_mean"},
+        "dgc": {"momentum_correction": False},
+    },
     # DGC momentum correction (RedSync's default, and the end-to-end benchmark's setting)
-    "redsync_mc": {"method": "redsync", "density": 0.001, "selection": {"method": "tbs", "threshold_reuse": 5}, "message": {"quantize": "sign_mean"}, "dgc": {"momentum_correction": True}},
+    "redsync_mc": {
+        "method": "redsync",
+        "density": 0.001,
+        "selection": {"method": "tbs", "threshold_reuse": 5},
+        "message": {"quantize": "sign_mean"},
+        "dgc": {"momentum_correction": True},
+    },
     # per-layer searches in the gradient hooks against one selection per bucket (the CUDA default,
     # core/bucket_select.py): on a GPU the difference is host waits, on a CPU the native passes
-    "redsync_mc_layer": {"method": "redsync", "density": 0.001, "selection": {"method": "tbs", "threshold_reuse": 5, "scope": "layer"}, "message": {"quantize": "sign_mean"}, "dgc": {"momentum_correction": True}},
-    "redsync_mc_bucket": {"method": "redsync", "density": 0.001, "selection": {"method": "tbs", "threshold_reuse": 5, "scope": "bucket"}, "message": {"quantize": "sign_mean"}, "dgc": {"momentum_correction": True}},
+    "redsync_mc_layer": {
+        "method": "redsync",
+        "density": 0.001,
+        "selection": {"method": "tbs", "threshold_reuse": 5, "scope": "layer"},
+        "message": {"quantize": "sign_mean"},
+        "dgc": {"momentum_correction": True},
+    },
+    "redsync_mc_bucket": {
+        "method": "redsync",
+        "density": 0.001,
+        "selection": {"method": "tbs", "threshold_reuse": 5, "scope": "bucket"},
+        "message": {"quantize": "sign_mean"},
+        "dgc": {"momentum_correction": True},
+    },
     # the same two without the compensation fused into the selection's first pass
     # (torch.add, then a separate native pass): what the fused kernel saves
-    "redsync_unfused": {"method": "redsync", "density": 0.001, "selection": {"method": "tbs", "threshold_reuse": 5}, "message": {"quantize": "sign_mean"}, "dgc": {"momentum_correction": False}},
-    "redsync_mc_unfused": {"method": "redsync", "density": 0.001, "selection": {"method": "tbs", "threshold_reuse": 5}, "message": {"quantize": "sign_mean"}, "dgc": {"momentum_correction": True}},
+    "redsync_unfused": {
+        "method": "redsync",
+        "density": 0.001,
+        "selection": {"method": "tbs", "threshold_reuse": 5},
+        "message": {"quantize": "sign_mean"},
+        "dgc": {"momentum_correction": False},
+    },
+    "redsync_mc_unfused": {
+        "method": "redsync",
+        "density": 0.001,
+        "selection": {"method": "tbs", "threshold_reuse": 5},
+        "message": {"quantize": "sign_mean"},
+        "dgc": {"momentum_correction": True},
+    },
 }
 
 
@@ -176,10 +218,23 @@ def main():
              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         floor = r["floor_ms"]
-        lines.append("| %s | %.2fM | %s | %d/%d | %.2f | %.2f | %.2f | %.2f | %.1f%% | %s | %s |" % (
-            r["model"], r["params"] / 1e6, r["method"], r["compressed"], r["layers"], r["compute_ms"],
-            r["exchange_ms"], r["select_ms"], r["decompress_ms"], 100 * r["ratio"],
-            "" if floor is None else "%.2f" % floor, "" if floor is None else "%.1f%%" % (100 * floor / r["compute_ms"])))
+        lines.append(
+            "| %s | %.2fM | %s | %d/%d | %.2f | %.2f | %.2f | %.2f | %.1f%% | %s | %s |"
+            % (
+                r["model"],
+                r["params"] / 1e6,
+                r["method"],
+                r["compressed"],
+                r["layers"],
+                r["compute_ms"],
+                r["exchange_ms"],
+                r["select_ms"],
+                r["decompress_ms"],
+                100 * r["ratio"],
+                "" if floor is None else "%.2f" % floor,
+                "" if floor is None else "%.1f%%" % (100 * floor / r["compute_ms"]),
+            )
+        )
     md = "\n".join(lines)
     print(md)
     if args.out:

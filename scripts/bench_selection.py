@@ -4,11 +4,16 @@
     python scripts/bench_selection.py                          # 1M..64M, CPU
     python scripts/bench_selection.py --sizes 16M --repeats 9 --out sel.md
     python scripts/bench_selection.py --device cuda --out sel.json
+    python scripts/bench_selection.py --device cuda --methods "" --exact-k torch,triton,triton-graph
 
 For every size x distribution (Gaussian, Student-t with 3 dof) x density, both the
 baseline and each method run in this process on the same tensor; the table gives the
 median and best time over --repeats (after one warm-up), speedup = median topk_ms /
 median method_ms, and the number selected over k (exact/trimmed: 1.0; tbs/sampled: 1..2).
+``--exact-k`` adds the device-resident exact-k select of core/radix_select.py (one layer
+as a bucket, no host wait): "torch" (its reference in plain torch ops), "triton" (the
+kernels), "triton-graph" (the kernels replayed from a CUDA graph: no launch overhead).
+Each such row also checks that its k-th key equals the smallest of torch.topk's values.
 Timings on a loaded machine are noise: the load average is recorded with the results,
 and --wait-idle S waits for an idle CPU before each case.
 """
@@ -25,7 +30,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from redsync_hvd.core import radix_select  # noqa: E402
+from redsync_hvd.core.segments import Segments  # noqa: E402
 from redsync_hvd.core.selection import native_available, select_topk  # noqa: E402
+
+EXACT_K = ("torch", "triton", "triton-graph")
 
 
 def parse_size(s: str) -> int:
@@ -80,6 +89,38 @@ def wait_idle(limit_s: float) -> None:
         ok = ok + 1 if cpu_idle() > 0.85 else 0
 
 
+def graphed(fn):
+    """fn's launches captured once in a CUDA graph (after two warm-up calls on a side stream,
+    which compile and allocate); returns the replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def exact_k_row(x, k, backend, base, args):
+    """Time radix_select.select on x as a one-layer bucket; check its k-th key against topk."""
+    seg = Segments([x.numel()], [k])
+    be = "torch" if backend == "torch" else "triton"
+    fn = lambda: radix_select.select(seg, x, backend=be)  # noqa: E731
+    try:
+        kth = fn().kth.view(torch.float32)[0]
+        ok = bool(kth == torch.topk(x.abs(), k).values.min())
+        ms, best = timeit(graphed(fn) if backend == "triton-graph" else fn, args.repeats, args.device)
+    except Exception as e:  # report and go on: the other rows still count
+        print("  exact-k %s failed: %s: %s" % (backend, type(e).__name__, e), file=sys.stderr)
+        return dict(method="exact-k %s (FAILED)" % backend, ms=float("nan"), best_ms=float("nan"),
+                    speedup=float("nan"), count_over_k=float("nan"))
+    name = "exact-k %s" % backend + ("" if ok else " (WRONG k-th key)")
+    return dict(method=name, ms=ms, best_ms=best, speedup=base / ms, count_over_k=1.0)
+
+
 def run(args) -> dict:
     rows = []
     for n in [parse_size(s) for s in args.sizes.split(",")]:
@@ -92,7 +133,7 @@ def run(args) -> dict:
                 base, base_best = timeit(lambda: torch.topk(x.abs(), k), args.repeats, args.device)
                 rows.append(dict(n=n, dist=dist, density=density, k=k, method="torch.topk",
                                  ms=base, best_ms=base_best, speedup=1.0, count_over_k=1.0))
-                for m in args.methods.split(","):
+                for m in [m for m in args.methods.split(",") if m]:
                     opts = {} if m == "exact" else {"backend": args.backend}
                     ms, best = timeit(lambda: select_topk(x, k, m, **opts), args.repeats, args.device)
                     cnt = select_topk(x, k, m, **opts).numel()
@@ -100,7 +141,13 @@ def run(args) -> dict:
                                      best_ms=best, speedup=base / ms, count_over_k=cnt / k))
                     print("  %6.1fM %-5s d=%-6g %-10s %9.2f ms (best %8.2f)  x%6.1f  count/k=%.3f"
                           % (n / 2 ** 20, dist, density, m, ms, best, base / ms, cnt / k), file=sys.stderr)
-            del x
+                for b in [b for b in args.exact_k.split(",") if b]:
+                    r = dict(n=n, dist=dist, density=density, k=k, **exact_k_row(x, k, b, base, args))
+                    rows.append(r)
+                    print("  %6.1fM %-5s d=%-6g %-10s %9.2f ms (best %8.2f)  x%6.1f"
+                          % (n / 2 ** 20, dist, density, r["method"], r["ms"], r["best_ms"], r["speedup"]),
+                          file=sys.stderr)
+            x = None   # the next size allocates anew: free this one first
     return rows
 
 
@@ -115,6 +162,11 @@ def machine(args) -> dict:
         pass
     if args.device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
+    for mod in ("triton", "cupy"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except ImportError:
+            info[mod] = None
     return info
 
 
@@ -142,7 +194,11 @@ def main() -> None:
     p.add_argument("--methods", default="exact,trimmed,tbs,sampled")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--backend", choices=["auto", "native", "cuda", "torch"], default="auto")
+    p.add_argument("--backend", choices=["auto", "native", "cuda", "torch"], default="auto",
+                   help="compute path of --methods (cuda: the CuPy kernels)")
+    p.add_argument("--exact-k", default=None, metavar="BACKENDS",
+                   help="comma list of %s (default: all three on CUDA, torch on the CPU; '' for none); "
+                        "triton on the CPU needs TRITON_INTERPRET=1" % ", ".join(EXACT_K))
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave)")
     p.add_argument("--wait-idle", type=float, default=0, metavar="S",
                    help="shared machines: before each case wait up to S s for an idle CPU")
@@ -150,6 +206,12 @@ def main() -> None:
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but CUDA is not available")
+    if args.exact_k is None:
+        args.exact_k = ",".join(EXACT_K) if args.device == "cuda" else "torch"
+    bad = [b for b in args.exact_k.split(",") if b and b not in EXACT_K]
+    if bad or ("triton-graph" in args.exact_k and args.device != "cuda"):
+        p.error("--exact-k: choose from %s (triton-graph needs --device cuda), got %r"
+                % (", ".join(EXACT_K), args.exact_k))
     if args.threads:
         torch.set_num_threads(args.threads)
     info = machine(args)

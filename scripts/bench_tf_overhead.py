@@ -41,9 +41,9 @@ def main():
                          "Horovod instance's background thread costs the other variants")
     args = ap.parse_args()
 
+    import horovod.tensorflow as hvd_tf
     import tensorflow as tf
     import torch
-    import horovod.tensorflow as hvd_tf
 
     import redsync_hvd.tensorflow as rhvd
     import redsync_hvd.torch as rhvd_torch
@@ -122,11 +122,22 @@ def main():
         torch.nn.functional.cross_entropy(tmodel(tx), ty).backward()
         topt.step()
 
-    variants = {"hvd_tf": hvd_step, "ours_fn": ours_fn({"method": "none"})[0], "ours_eager": ours_eager,
-                "local": local_step,
-                "ours_fn_topk": ours_fn({"method": "topk", "density": 0.01})[0],
-                "ours_fn_redsync": ours_fn({"method": "redsync", "density": 0.01, "dgc": {"momentum_correction": False}, "policy": {"min_compress_numel": 1024}})[0],
-                "torch_adapter": torch_step}
+    variants = {
+        "hvd_tf": hvd_step,
+        "ours_fn": ours_fn({"method": "none"})[0],
+        "ours_eager": ours_eager,
+        "local": local_step,
+        "ours_fn_topk": ours_fn({"method": "topk", "density": 0.01})[0],
+        "ours_fn_redsync": ours_fn(
+            {
+                "method": "redsync",
+                "density": 0.01,
+                "dgc": {"momentum_correction": False},
+                "policy": {"min_compress_numel": 1024},
+            }
+        )[0],
+        "torch_adapter": torch_step,
+    }
     # tf.py_function alone: the gradients go through an identity py_function, no communication
     @tf.function
     def pyfunc_step():

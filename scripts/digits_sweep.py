@@ -21,87 +21,141 @@ REPO = Path(__file__).resolve().parent.parent
 RS = "configs/digits/redsync.yaml"
 E40 = ["training.epochs=40"]
 E80 = ["training.epochs=80"]
-# configs/digits/{sbc,iwp}.yaml hold the documented settings found in session 3; the earlier
-# variants below pin what those files said when they were measured
+# configs/digits/{sbc,iwp}.yaml hold the documented settings; SBC0 and IWP0 are one density for
+# every compressed layer and no per-layer overrides, the settings the variants below start from
 SBC0 = ["compression.local_steps=10", "compression.density=0.01", "compression.policy.layers=[]"]
 IWP0 = ["compression.density=0.01", "compression.policy.min_compress_numel=1024", "compression.policy.layers=[]"]
 # the small layers (biases, the first conv, the output layer: 1.8k of 53k parameters) at a
 # density that moves them every round, for a few dozen bytes
-SMALL_LAYERS = ('compression.policy.layers=[{pattern: "*.bias", density: 0.25}, {pattern: "features.0.*", density: 0.25}, '
-                '{pattern: "classifier.3.*", density: 0.05}]')
+SMALL_LAYERS = (
+    'compression.policy.layers=[{pattern: "*.bias", density: 0.25}, {pattern: "features.0.*", density: 0.25}, '
+    '{pattern: "classifier.3.*", density: 0.05}]'
+)
 # ... denser still: the output layer and the biases move a quarter to half of their values per round
-SMALL_LAYERS_2 = ('compression.policy.layers=[{pattern: "*.bias", density: 0.5}, {pattern: "features.0.*", density: 0.25}, '
-                  '{pattern: "classifier.3.*", density: 0.25}]')
+SMALL_LAYERS_2 = (
+    'compression.policy.layers=[{pattern: "*.bias", density: 0.5}, {pattern: "features.0.*", density: 0.25}, '
+    '{pattern: "classifier.3.*", density: 0.25}]'
+)
 VARIANTS = {
     "dense": ("configs/digits/dense.yaml", []),
     "dense 40 epochs": ("configs/digits/dense.yaml", E40),
     "redsync 0.01 sign_mean 40 epochs": (RS, E40),
-    # session 6: selection of a whole bucket at once (the CUDA default), against per-layer
-    # trimmed, which also sends about k per layer (tbs sends k to 2k)
+    # selection of a whole bucket at once (the CUDA default), against per-layer trimmed,
+    # which also sends about k per layer (tbs sends k to 2k)
     "redsync 0.01 sign_mean 40 epochs, selection_scope=bucket": (RS, E40 + ["compression.selection.scope=bucket"]),
     "redsync 0.01 sign_mean 40 epochs, selection=trimmed": (RS, E40 + ["compression.selection=trimmed"]),
     "redsync 0.001 sign_mean 40 epochs (redsync-0.001.yaml)": ("configs/digits/redsync-0.001.yaml", E40),
     "redsync 0.001 sign_mean 40 epochs, no override": (RS, E40 + ["compression.density=0.001"]),
-    "redsync 0.001 sign_mean 40 epochs, override, warmup_epochs=8": ("configs/digits/redsync-0.001.yaml",
-                                                                     E40 + ["compression.warmup.epochs=8"]),
+    "redsync 0.001 sign_mean 40 epochs, override, warmup_epochs=8": (
+        "configs/digits/redsync-0.001.yaml",
+        E40 + ["compression.warmup.epochs=8"],
+    ),
     "redsync 0.001 sign_mean 40 epochs, override, momentum_correction": (
-        "configs/digits/redsync-0.001.yaml", E40 + ["compression.dgc.momentum_correction=true"]),
+        "configs/digits/redsync-0.001.yaml",
+        E40 + ["compression.dgc.momentum_correction=true"],
+    ),
     "redsync 0.001 sign_mean 40 epochs, override, momentum_correction, no masking": (
-        "configs/digits/redsync-0.001.yaml", E40 + ["compression.dgc.momentum_correction=true",
-                                                    "compression.dgc.momentum_masking=false"]),
+        "configs/digits/redsync-0.001.yaml",
+        E40 + ["compression.dgc.momentum_correction=true", "compression.dgc.momentum_masking=false"],
+    ),
     "redsync 0.01 sign_mean 20 epochs": (RS, []),
     "redsync 0.001 sign_mean 20 epochs": (RS, ["compression.density=0.001"]),
     "redsync 0.01 20 epochs momentum_correction": (RS, ["compression.dgc.momentum_correction=true"]),
-    "redsync 0.01 20 epochs momentum_correction, no masking": (RS, ["compression.dgc.momentum_correction=true",
-                                                                    "compression.dgc.momentum_masking=false"]),
-    "sbc local_steps=10 density=0.01 40 epochs (the issue's reporting setting)": (
-        "configs/digits/sbc.yaml", SBC0 + E40),
-    "sbc local_steps=13 density=0.01 40 epochs": ("configs/digits/sbc.yaml", SBC0 + E40 + ["compression.local_steps=13"]),
-    "sbc local_steps=13 density=0.01 40 epochs lr=0.1": ("configs/digits/sbc.yaml", SBC0 + E40 + ["compression.local_steps=13", "optimizer.lr=0.1"]),
-    "iwp density=0.01 min_compress_numel=0 40 epochs": ("configs/digits/iwp.yaml", IWP0 + E40 + ["compression.policy.min_compress_numel=0"]),
+    "redsync 0.01 20 epochs momentum_correction, no masking": (
+        RS,
+        ["compression.dgc.momentum_correction=true", "compression.dgc.momentum_masking=false"],
+    ),
+    "sbc local_steps=10 density=0.01 40 epochs (the method's defaults)": ("configs/digits/sbc.yaml", SBC0 + E40),
+    "sbc local_steps=13 density=0.01 40 epochs": (
+        "configs/digits/sbc.yaml",
+        SBC0 + E40 + ["compression.local_steps=13"],
+    ),
+    "sbc local_steps=13 density=0.01 40 epochs lr=0.1": (
+        "configs/digits/sbc.yaml",
+        SBC0 + E40 + ["compression.local_steps=13", "optimizer.lr=0.1"],
+    ),
+    "iwp density=0.01 min_compress_numel=0 40 epochs": (
+        "configs/digits/iwp.yaml",
+        IWP0 + E40 + ["compression.policy.min_compress_numel=0"],
+    ),
     "topk 0.01": ("configs/digits/topk.yaml", []),
     "redsync 0.01 quantize=none 20 epochs": (RS, ["compression.message.quantize=none"]),
     "redsync 0.001 quantize=none 20 epochs": (RS, ["compression.density=0.001", "compression.message.quantize=none"]),
     "redsync 0.01 fp16 20 epochs": (RS, ["compression.message.quantize=fp16"]),
-    "redsync 0.001 sign_rule=larger 20 epochs": (RS, ["compression.density=0.001", "compression.message.sign_rule=larger"]),
+    "redsync 0.001 sign_rule=larger 20 epochs": (
+        RS,
+        ["compression.density=0.001", "compression.message.sign_rule=larger"],
+    ),
     "sbc local_steps=10 density=0.01": ("configs/digits/sbc.yaml", SBC0 + []),
-    "sbc local_steps=10 density=0.01 binarize=false": ("configs/digits/sbc.yaml", SBC0 + ["compression.message.binarize=false"]),
+    "sbc local_steps=10 density=0.01 binarize=false": (
+        "configs/digits/sbc.yaml",
+        SBC0 + ["compression.message.binarize=false"],
+    ),
     "sbc local_steps=5 density=0.01": ("configs/digits/sbc.yaml", SBC0 + ["compression.local_steps=5"]),
     "sbc local_steps=10 density=0.02": ("configs/digits/sbc.yaml", SBC0 + ["compression.density=0.02"]),
     "iwp density=0.01": ("configs/digits/iwp.yaml", IWP0 + []),
     "iwp density=0.05": ("configs/digits/iwp.yaml", IWP0 + ["compression.density=0.05"]),
-    "iwp density=0.02 min_compress_numel=0": ("configs/digits/iwp.yaml", IWP0 + ["compression.density=0.02",
-                                                                          "compression.policy.min_compress_numel=0"]),
+    "iwp density=0.02 min_compress_numel=0": (
+        "configs/digits/iwp.yaml",
+        IWP0 + ["compression.density=0.02", "compression.policy.min_compress_numel=0"],
+    ),
     # the documented settings, as the config files hold them (docs/sbc.md, docs/iwp.md)
     "sbc.yaml 40 epochs": ("configs/digits/sbc.yaml", E40),
     "iwp.yaml 40 epochs": ("configs/digits/iwp.yaml", E40),
-    # session 3: what limits SBC and IWP at their target ratios (seeds 0-2, 40 epochs)
+    # what limits SBC and IWP at their target ratios (40 epochs)
     "dense 80 epochs": ("configs/digits/dense.yaml", E80),
     "sbc local_steps=13 density=1.0 binarize=false 40 epochs (local SGD only)": (
-        "configs/digits/sbc.yaml", SBC0 + E40 + ["compression.local_steps=13", "compression.density=1.0",
-                                          "compression.message.binarize=false"]),
-    "sbc local_steps=1 density=0.01 40 epochs (no delay)": ("configs/digits/sbc.yaml", SBC0 + E40 + ["compression.local_steps=1"]),
+        "configs/digits/sbc.yaml",
+        SBC0 + E40 + ["compression.local_steps=13", "compression.density=1.0", "compression.message.binarize=false"],
+    ),
+    "sbc local_steps=1 density=0.01 40 epochs (no delay)": (
+        "configs/digits/sbc.yaml",
+        SBC0 + E40 + ["compression.local_steps=1"],
+    ),
     "sbc local_steps=13 density=0.01 40 epochs, small layers 0.25": (
-        "configs/digits/sbc.yaml", SBC0 + E40 + ["compression.local_steps=13", SMALL_LAYERS]),
+        "configs/digits/sbc.yaml",
+        SBC0 + E40 + ["compression.local_steps=13", SMALL_LAYERS],
+    ),
     "sbc local_steps=13 density=0.01 40 epochs, min_compress_numel=4096": (
-        "configs/digits/sbc.yaml", SBC0 + E40 + ["compression.local_steps=13", "compression.policy.min_compress_numel=4096"]),
+        "configs/digits/sbc.yaml",
+        SBC0 + E40 + ["compression.local_steps=13", "compression.policy.min_compress_numel=4096"],
+    ),
     "sbc local_steps=13 density=0.01 40 epochs binarize=false, small layers 0.25": (
-        "configs/digits/sbc.yaml", SBC0 + E40 + ["compression.local_steps=13", "compression.message.binarize=false", SMALL_LAYERS]),
+        "configs/digits/sbc.yaml",
+        SBC0 + E40 + ["compression.local_steps=13", "compression.message.binarize=false", SMALL_LAYERS],
+    ),
     "sbc local_steps=20 density=0.02 40 epochs, small layers 0.25": (
-        "configs/digits/sbc.yaml", SBC0 + E40 + ["compression.local_steps=20", "compression.density=0.02", SMALL_LAYERS]),
+        "configs/digits/sbc.yaml",
+        SBC0 + E40 + ["compression.local_steps=20", "compression.density=0.02", SMALL_LAYERS],
+    ),
     "sbc local_steps=14 density=0.01 40 epochs, small layers 0.25-0.5": (
-        "configs/digits/sbc.yaml", SBC0 + E40 + ["compression.local_steps=14", SMALL_LAYERS_2]),
+        "configs/digits/sbc.yaml",
+        SBC0 + E40 + ["compression.local_steps=14", SMALL_LAYERS_2],
+    ),
     "sbc local_steps=21 density=0.02 40 epochs, small layers 0.25": (
-        "configs/digits/sbc.yaml", SBC0 + E40 + ["compression.local_steps=21", "compression.density=0.02", SMALL_LAYERS]),
-    "sbc local_steps=13 density=0.01 80 epochs": ("configs/digits/sbc.yaml", SBC0 + E80 + ["compression.local_steps=13"]),
+        "configs/digits/sbc.yaml",
+        SBC0 + E40 + ["compression.local_steps=21", "compression.density=0.02", SMALL_LAYERS],
+    ),
+    "sbc local_steps=13 density=0.01 80 epochs": (
+        "configs/digits/sbc.yaml",
+        SBC0 + E80 + ["compression.local_steps=13"],
+    ),
     "iwp density=0.01 min_compress_numel=0 40 epochs eps=1": (
-        "configs/digits/iwp.yaml", IWP0 + E40 + ["compression.policy.min_compress_numel=0", "compression.eps=1.0"]),
+        "configs/digits/iwp.yaml",
+        IWP0 + E40 + ["compression.policy.min_compress_numel=0", "compression.eps=1.0"],
+    ),
     "iwp density=0.01 min_compress_numel=0 40 epochs, small layers 0.25": (
-        "configs/digits/iwp.yaml", IWP0 + E40 + ["compression.policy.min_compress_numel=0", SMALL_LAYERS]),
+        "configs/digits/iwp.yaml",
+        IWP0 + E40 + ["compression.policy.min_compress_numel=0", SMALL_LAYERS],
+    ),
     "iwp density=0.0075 min_compress_numel=0 40 epochs, small layers 0.25": (
-        "configs/digits/iwp.yaml", IWP0 + E40 + ["compression.density=0.0075", "compression.policy.min_compress_numel=0",
-                                          SMALL_LAYERS]),
-    "iwp density=0.01 min_compress_numel=0 80 epochs": ("configs/digits/iwp.yaml", IWP0 + E80 + ["compression.policy.min_compress_numel=0"]),
+        "configs/digits/iwp.yaml",
+        IWP0 + E40 + ["compression.density=0.0075", "compression.policy.min_compress_numel=0", SMALL_LAYERS],
+    ),
+    "iwp density=0.01 min_compress_numel=0 80 epochs": (
+        "configs/digits/iwp.yaml",
+        IWP0 + E80 + ["compression.policy.min_compress_numel=0"],
+    ),
 }
 
 

@@ -1,24 +1,93 @@
 #!/usr/bin/env bash
-# The GPU checks, as one short script for a CUDA machine (see docs/benchmarks.md):
-# the CUDA tests (selection, CuPy kernels, compressors on CUDA tensors), then the
-# selection benchmark with the CuPy kernels and with plain torch ops, each against
-# torch.topk in the same process. Results go to $OUT (default ./gpu-results).
-#   bash scripts/gpu_check.sh            # python3 with torch (CUDA), cupy, pydantic, pytest
-set -uo pipefail
-OUT=${OUT:-gpu-results}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# The GPU checks, as one short script for a CUDA machine (an H100 or H200: under 6 minutes).
+#
+#   bash scripts/gpu_check.sh              # python3 with torch (CUDA), triton; cupy, pytest, hypothesis if there
+#   PY=python RESULTS=/tmp/r bash scripts/gpu_check.sh
+#
+# Writes docs/results/<gpu>-<date>/ (or $RESULTS): the logs of every step, the tables, and
+# summary.json (scripts/gpu_summary.py). Each step has its own time limit and a failed or
+# timed-out step only leaves its keys null: the summary is written in any case. Where the
+# caller sets $OUT (a folder whose files are returned, as on a lent device), the results
+# folder is copied there too.
+#
+# Steps (limits in seconds; typical times are far below):
+#   env        nvidia-smi and versions                                          10
+#   compile    scripts/compile_kernels.py --quick: does this Triton compile them,
+#              with how many registers, any spills                               40
+#   tests      the exact-k tests on CUDA (compiled kernels against the reference)  90
+#   tests_old  the existing CUDA tests (selection, CuPy kernels, bucket path)      40
+#   selection  bench_selection.py: exact-k (torch ops, Triton, CUDA graph) and the
+#              CuPy tbs/trimmed rows against torch.topk, 1M/16M/64M, D=0.001/0.01   60
+#   stages     bench_bucket_select.py: the exact-k stages against model compute      35
+#   overhead   bench_overhead.py: the exchange against compute (dense, the per-layer
+#              and bucket paths, and any exact_k method it offers)                   45
+#   summary    scripts/gpu_summary.py                                               10
+# (335 s in all at the limits)
+set -u
+cd "$(dirname "$0")/.."
 PY=${PY:-python3}
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
-$PY -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)" | tee -a "$OUT/gpu.txt"
-$PY -m pytest -q -ra -p no:cacheprovider tests/test_selection.py tests/test_compressors.py \
-    tests/test_bucket_select.py -k cuda \
-    2>&1 | tee "$OUT/tests.txt"
-for backend in cuda torch; do
-  $PY scripts/bench_selection.py --device cuda --backend "$backend" --repeats 11 \
-      --out "$OUT/selection_$backend.md" 2>&1 | tail -n 40
-done
-# compression overhead against compute on the GPU (no Horovod, no network); among the
-# methods, redsync_mc_layer against redsync_mc_bucket: per-layer searches against one
-# selection per bucket (selection_scope)
-$PY scripts/bench_overhead.py --device cuda --threads 0 --out "$OUT/overhead_cuda.md" 2>&1 | tail -n 12
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+
+NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+SLUG=$(echo "${NAME:-gpu}" | grep -oE '[A-Z][0-9]{2,4}' | head -1 | tr 'A-Z' 'a-z')
+RESULTS=${RESULTS:-docs/results/${SLUG:-gpu}-$(date +%Y-%m-%d)}
+mkdir -p "$RESULTS"
+: > "$RESULTS/steps.txt"
+echo "results: $RESULTS"
+
+step() {  # step NAME LIMIT_S COMMAND...: run with a limit, log to NAME.log, record status and time
+  local name=$1 limit=$2 t0 rc
+  shift 2
+  t0=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" >"$RESULTS/$name.log" 2>&1
+  rc=$?
+  printf '%-10s rc=%-3s %4ss (limit %ss)%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$limit" \
+    "$([ "$rc" = 124 ] && echo ' TIMED OUT')" | tee -a "$RESULTS/steps.txt"
+  tail -n 4 "$RESULTS/$name.log" | sed 's/^/    /'
+}
+
+step env 10 "$PY" - "$RESULTS/env.json" <<'PY'
+import json, subprocess, sys
+import torch
+env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda}
+for mod in ("triton", "cupy", "pytest", "hypothesis"):
+    try:
+        env[mod] = __import__(mod).__version__
+    except ImportError:
+        env[mod] = None
+env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True).stdout.strip()
+json.dump(env, open(sys.argv[1], "w"), indent=1)
+print(env)
+PY
+
+ARCH=$("$PY" -c 'import torch; a, b = torch.cuda.get_device_capability(); print(a * 10 + b)' 2>/dev/null)
+step compile 40 "$PY" scripts/compile_kernels.py --quick --arch "${ARCH:-90}"
+
+step tests 90 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_triton_select.py tests/test_radix_select.py
+
+step tests_old 40 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_selection.py tests/test_compressors.py \
+  tests/test_bucket_select.py -k cuda
+
+# the CuPy kernels (select_topk's "cuda" backend) where CuPy is installed, beside the exact-k rows
+if "$PY" -c "import cupy" 2>/dev/null; then CUPY=(--methods tbs,trimmed --backend cuda); else CUPY=(--methods ""); fi
+step selection 60 "$PY" scripts/bench_selection.py --device cuda --sizes 1M,16M,64M --dists gauss \
+  --densities 0.001,0.01 "${CUPY[@]}" --exact-k torch,triton,triton-graph --repeats 11 --out "$RESULTS/selection.json"
+sed -n '/^Machine:/,$p' "$RESULTS/selection.log" > "$RESULTS/selection.md"
+
+step stages 35 "$PY" scripts/bench_bucket_select.py --device cuda --out "$RESULTS/stages.json"
+sed -n '/^Device:/,$p' "$RESULTS/stages.log" > "$RESULTS/stages.md"
+
+METHODS=$("$PY" -c "
+import scripts.bench_overhead as b
+print(','.join(m for m in b.METHODS if m in ('dense', 'redsync_mc_layer', 'redsync_mc_bucket') or 'exact_k' in m))" \
+  2>/dev/null || echo dense,redsync_mc_layer,redsync_mc_bucket)
+step overhead 45 "$PY" scripts/bench_overhead.py --device cuda --threads 0 --rounds 2 --steps 6 \
+  --methods "$METHODS" --out "$RESULTS/overhead_cuda.md"
+
+step summary 10 "$PY" scripts/gpu_summary.py "$RESULTS"
+cat "$RESULTS/steps.txt"
+if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
+  mkdir -p "$OUT/$RESULTS" && cp -r "$RESULTS"/. "$OUT/$RESULTS"/ && echo "copied to $OUT/$RESULTS"
+fi

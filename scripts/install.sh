@@ -133,6 +133,8 @@ fi
 # ---- the package itself (editable) + test deps --------------------------------
 EXTRAS="dev"
 [ "$WITH_TF" = 1 ] && EXTRAS="dev,tensorflow"
+# Triton for the selection kernels, unless torch already brought one (CUDA wheels pin theirs)
+"$PY" -c "import triton" 2>/dev/null || EXTRAS="$EXTRAS,kernels"
 "${PIP[@]}" -e "$ROOT[$EXTRAS]"
 
 # Optional native selection kernel (fused count); built here so the hot path never compiles.

@@ -29,8 +29,9 @@ def measure(name, spec, compression, steps, batch):
     kind, classes, shape, options = spec
     torch.manual_seed(0)
     model = build_model(kind, classes, shape, **options)
-    opt = rhvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters(),
-                                    compression=compression)
+    opt = rhvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters(), compression=compression
+    )
     for _ in range(steps):
         if kind == "lstm_lm":
             x = torch.randint(0, classes, (batch,) + shape)

@@ -64,7 +64,7 @@ def layer_shapes(models) -> dict:
         if m in cm.PAPER_MODELS:
             out[m] = cm.PAPER_MODELS[m]
             continue
-        from redsync_hvd.models import build_model   # torch on demand: paper shapes need none
+        from redsync_hvd.models import build_model  # torch on demand: paper shapes need none
         name, options = REFERENCE_MODELS[m]
         out[m] = [p.numel() for p in build_model(name, 10, (3, 32, 32), **options).parameters()]
     return out

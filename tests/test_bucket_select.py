@@ -105,7 +105,15 @@ def _exchange(scope, n_layers, momentum=0.0):
     from redsync_hvd.policy import LayerPolicy
     layers = [Layer(f"l{i}", (20000 + 1000 * i,), 20000 + 1000 * i, i) for i in range(n_layers)]
     comm = LocalCommunicator(2)
-    comp, cfg = build_compressor({"method": "redsync", "density": 0.01, "selection": {"method": "tbs", "scope": scope}, "dgc": {"momentum_correction": bool(momentum)}, "policy": {"min_compress_numel": 100}})
+    comp, cfg = build_compressor(
+        {
+            "method": "redsync",
+            "density": 0.01,
+            "selection": {"method": "tbs", "scope": scope},
+            "dgc": {"momentum_correction": bool(momentum)},
+            "policy": {"min_compress_numel": 100},
+        }
+    )
     memory = MomentumCorrectionMemory(momentum) if momentum else ResidualMemory()
     return GradientExchange(layers, comp, comm, LayerPolicy(cfg), memory), layers
 
@@ -177,7 +185,13 @@ def test_scope_config():
     with pytest.raises(ValueError, match="selection.scope=bucket .* set selection.method: tbs"):
         build_compressor({"method": "redsync", "selection": {"method": "trimmed", "scope": "bucket"}})
     with pytest.raises(ValueError, match="selection.scope=bucket"):
-        build_compressor({"method": "redsync", "selection": {"scope": "bucket"}, "policy": {"layers": [{"pattern": "fc*", "selection": "exact"}]}})
+        build_compressor(
+            {
+                "method": "redsync",
+                "selection": {"scope": "bucket"},
+                "policy": {"layers": [{"pattern": "fc*", "selection": "exact"}]},
+            }
+        )
     with pytest.raises(ValueError, match="compression.selection.scope: Input should be 'auto', 'layer' or 'bucket'"):
         build_compressor({"method": "redsync", "selection": {"scope": "tensor"}})
     comp, _ = build_compressor({"method": "redsync"})   # auto: CPU layers select one by one

@@ -88,7 +88,12 @@ CUDA_CASES = [
     {"method": "randomk", "density": 0.01},
     {"method": "redsync", "density": 0.01, "selection": {"method": "trimmed"}, "message": {"quantize": "none"}},
     {"method": "redsync", "density": 0.01, "selection": {"method": "trimmed"}, "message": {"quantize": "sign_mean"}},
-    {"method": "redsync", "density": 0.01, "selection": {"method": "trimmed"}, "message": {"quantize": "fp16", "index_coding": "golomb"}},
+    {
+        "method": "redsync",
+        "density": 0.01,
+        "selection": {"method": "trimmed"},
+        "message": {"quantize": "fp16", "index_coding": "golomb"},
+    },
     {"method": "sbc", "density": 0.01},
 ]
 

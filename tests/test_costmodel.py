@@ -3,7 +3,8 @@ import math
 import time
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from redsync_hvd.policy import costmodel as cm
 from redsync_hvd.policy.costmodel import Network
@@ -255,12 +256,14 @@ def test_probe_compute_measures_selection_cost_and_feeds_the_policy():
     from redsync_hvd.compressors import build_compressor
     from redsync_hvd.compressors.base import Layer
     from redsync_hvd.engine import probe_compute
-    from redsync_hvd.policy.costmodel import ComputeModel, Network
     from redsync_hvd.policy import LayerPolicy
+    from redsync_hvd.policy.costmodel import ComputeModel, Network
     cm = probe_compute(LocalCommunicator(2), numel=1 << 16, repeats=2)
     assert 1e-12 < cm.select_c1 < 1e-6 and math.isfinite(cm.select_c1)   # s per element
-    assert 0.0 <= cm.select_c0 < 0.1                                       # s per compressed layer
-    _, cfg = build_compressor({"method": "redsync", "density": 0.001, "policy": {"mode": "cost_model", "min_compress_numel": 0}})
+    assert 0.0 <= cm.select_c0 < 0.1  # s per compressed layer
+    _, cfg = build_compressor(
+        {"method": "redsync", "density": 0.001, "policy": {"mode": "cost_model", "min_compress_numel": 0}}
+    )
     net = Network(1e-5, 1.25e8)   # 10 us, 1 Gbit/s: dense costs ~32 ns per element at N=2
     for c1, expect in ((1e-12, True), (1e-6, False)):   # cheap selection pays, dear does not
         policy = LayerPolicy(cfg)
@@ -277,9 +280,12 @@ def test_policy_weighs_a_layer_against_its_share_of_the_fused_dense_allreduce():
     allgather (1 alpha) looks cheaper; against its share of the fused one it is not."""
     from redsync_hvd.compressors import build_compressor
     from redsync_hvd.compressors.base import Layer
-    from redsync_hvd.policy.costmodel import ComputeModel, Network
     from redsync_hvd.policy import LayerPolicy
-    _, cfg = build_compressor({"method": "redsync", "density": 0.001, "policy": {"mode": "cost_model", "min_compress_numel": 0}})
+    from redsync_hvd.policy.costmodel import ComputeModel, Network
+
+    _, cfg = build_compressor(
+        {"method": "redsync", "density": 0.001, "policy": {"mode": "cost_model", "min_compress_numel": 0}}
+    )
     net, free = Network(1e-3, 1.25e8), ComputeModel(0.0, 0.0, 0.0, 0.0, 0.0)
     assert cm.decide(20000, 0.001, 2, net, compute=free) and not cm.decide(20000, 0.001, 2, net, fused=True,
                                                                             compute=free)

@@ -7,12 +7,25 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from launch import horovodrun, run_script
-from redsync_hvd.decentralized import (FixedGridQuantizer, IdentityQuantizer, MinMaxQuantizer, ThreadedGroup,
-                                       TopKSparsifier, build_algorithm, build_quantizer, check_world,
-                                       from_config, from_matrix, from_yaml, optimizer_step_as_gradient, pack,
-                                       ring, unpack)
+
+from redsync_hvd.decentralized import (
+    FixedGridQuantizer,
+    IdentityQuantizer,
+    MinMaxQuantizer,
+    ThreadedGroup,
+    TopKSparsifier,
+    build_algorithm,
+    build_quantizer,
+    check_world,
+    from_config,
+    from_matrix,
+    from_yaml,
+    optimizer_step_as_gradient,
+    pack,
+    ring,
+    unpack,
+)
 from redsync_hvd.decentralized.quantizers import pack_codes, unpack_codes
 
 # OpenMPI busy-polls while waiting; 4 ranks on 2 shared cores then starve each other (10x slower)
@@ -259,7 +272,8 @@ def _quadratic(method, n, steps, kw, lr=0.5):
 
 
 def test_quadratic_8_workers_in_process():
-    """The digest's toy check on an 8-worker ring (threads): DCD exact, ECD converging, naive stalled."""
+    """A quadratic toy problem on an 8-worker ring (threads): DCD exact, ECD converging, naive stalled
+    (the behaviours Tang et al., NeurIPS 2018, describe)."""
     dcd, st = _quadratic("dcd", 8, 240, dict(quantizer="minmax", bits=4))
     ecd, est = _quadratic("ecd", 8, 240, dict(quantizer="grid", bits=4, step=0.5))
     naive, _ = _quadratic("naive", 8, 240, dict(quantizer="minmax", bits=4))

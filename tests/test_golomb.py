@@ -1,4 +1,4 @@
-"""Tests for redsync_hvd.core.golomb (digest section 3: Golomb position coding)."""
+"""Tests for redsync_hvd.core.golomb: Golomb-Rice position coding as SBC uses it (Sattler et al., IJCNN 2019)."""
 import math
 
 import numpy as np

@@ -15,7 +15,6 @@ from redsync_hvd.data import DATASET_NAMES, DataBundle, build_datasets, shard_in
 from redsync_hvd.models import MODEL_NAMES, build_model
 
 
-
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """The CI box has 2 shared cores: intra-op threading there is >10x *slower* for these

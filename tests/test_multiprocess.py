@@ -2,23 +2,47 @@
 import json
 
 import pytest
+from launch import run_script
 
-from launch import horovodrun, run_script
 
-
-@pytest.mark.parametrize("compression", [
-    {"method": "none"},
-    {"method": "topk", "density": 1.0},          # density 1 with residual: exactly dense
-    {"method": "topk", "density": 1.0, "residual": False},
-    # RedSync at density 1, no quantisation, no momentum correction: exactly dense
-    {"method": "redsync", "density": 1.0, "message": {"quantize": "none"}, "dgc": {"momentum_correction": False}, "policy": {"min_compress_numel": 0}, "selection": {"method": "tbs"}},
-    # momentum correction without masking at density 1 is plain momentum SGD (momentum is linear)
-    {"method": "redsync", "density": 1.0, "message": {"quantize": "none"}, "dgc": {"momentum_correction": True, "momentum_masking": False}, "policy": {"min_compress_numel": 0}, "selection": {"method": "trimmed"}},
-    # the same with every layer's average applied straight to the weights (sparse_update)
-    {"method": "redsync", "density": 1.0, "message": {"quantize": "none"}, "dgc": {"momentum_correction": True, "momentum_masking": False}, "policy": {"min_compress_numel": 0}, "selection": {"method": "trimmed"}, "sparse_update": True},
-    # IWP at density 1: the leader's indices cover everything, allreduce of all values = dense
-    {"method": "iwp", "density": 1.0, "policy": {"min_compress_numel": 0}},
-])
+@pytest.mark.parametrize(
+    "compression",
+    [
+        {"method": "none"},
+        {"method": "topk", "density": 1.0},  # density 1 with residual: exactly dense
+        {"method": "topk", "density": 1.0, "residual": False},
+        # RedSync at density 1, no quantisation, no momentum correction: exactly dense
+        {
+            "method": "redsync",
+            "density": 1.0,
+            "message": {"quantize": "none"},
+            "dgc": {"momentum_correction": False},
+            "policy": {"min_compress_numel": 0},
+            "selection": {"method": "tbs"},
+        },
+        # momentum correction without masking at density 1 is plain momentum SGD (momentum is linear)
+        {
+            "method": "redsync",
+            "density": 1.0,
+            "message": {"quantize": "none"},
+            "dgc": {"momentum_correction": True, "momentum_masking": False},
+            "policy": {"min_compress_numel": 0},
+            "selection": {"method": "trimmed"},
+        },
+        # the same with every layer's average applied straight to the weights (sparse_update)
+        {
+            "method": "redsync",
+            "density": 1.0,
+            "message": {"quantize": "none"},
+            "dgc": {"momentum_correction": True, "momentum_masking": False},
+            "policy": {"min_compress_numel": 0},
+            "selection": {"method": "trimmed"},
+            "sparse_update": True,
+        },
+        # IWP at density 1: the leader's indices cover everything, allreduce of all values = dense
+        {"method": "iwp", "density": 1.0, "policy": {"min_compress_numel": 0}},
+    ],
+)
 def test_dense_equals_single_process(compression):
     out = run_script("dense_equals_single.py", json.dumps(compression), np=2).stdout
     assert out.count("OK") == 2, out
@@ -51,13 +75,32 @@ def test_mpi4py_shares_horovods_world():
     assert out.count("OK mpi4py") == 2, out
 
 
-@pytest.mark.parametrize("options", [
-    {"density": 0.01, "selection": {"method": "tbs"}, "message": {"quantize": "sign_mean", "sign_rule": "alternate"}},
-    {"density": 0.01, "selection": {"method": "tbs", "scope": "bucket"}, "message": {"quantize": "sign_mean"}},
-    {"density": 0.02, "selection": {"method": "tbs", "scope": "bucket"}, "message": {"quantize": "fp16", "index_coding": "golomb"}},
-    {"density": 0.02, "selection": {"method": "trimmed"}, "message": {"quantize": "fp16", "index_coding": "golomb"}},
-    {"density": 0.005, "selection": {"method": "sampled", "threshold_reuse": 3}, "message": {"quantize": "sign_mean", "sign_rule": "larger", "index_coding": "golomb"}},
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {
+            "density": 0.01,
+            "selection": {"method": "tbs"},
+            "message": {"quantize": "sign_mean", "sign_rule": "alternate"},
+        },
+        {"density": 0.01, "selection": {"method": "tbs", "scope": "bucket"}, "message": {"quantize": "sign_mean"}},
+        {
+            "density": 0.02,
+            "selection": {"method": "tbs", "scope": "bucket"},
+            "message": {"quantize": "fp16", "index_coding": "golomb"},
+        },
+        {
+            "density": 0.02,
+            "selection": {"method": "trimmed"},
+            "message": {"quantize": "fp16", "index_coding": "golomb"},
+        },
+        {
+            "density": 0.005,
+            "selection": {"method": "sampled", "threshold_reuse": 3},
+            "message": {"quantize": "sign_mean", "sign_rule": "larger", "index_coding": "golomb"},
+        },
+    ],
+)
 def test_redsync_exchange_matches_every_ranks_message(options):
     out = run_script("redsync_exchange.py", json.dumps(options), np=2).stdout
     assert out.count("OK redsync exchange") == 2, out
@@ -68,10 +111,19 @@ def test_redsync_exchange_4_workers():
     assert out.count("OK redsync exchange") == 4, out
 
 
-@pytest.mark.parametrize("compression", [
-    {"method": "none"},
-    {"method": "redsync", "density": 1.0, "message": {"quantize": "none"}, "dgc": {"momentum_correction": False}, "policy": {"min_compress_numel": 0}},
-])
+@pytest.mark.parametrize(
+    "compression",
+    [
+        {"method": "none"},
+        {
+            "method": "redsync",
+            "density": 1.0,
+            "message": {"quantize": "none"},
+            "dgc": {"momentum_correction": False},
+            "policy": {"min_compress_numel": 0},
+        },
+    ],
+)
 def test_gradient_accumulation(compression):
     out = run_script("accumulate.py", json.dumps(compression), np=2).stdout
     assert out.count("OK accumulate") == 2, out

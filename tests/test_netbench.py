@@ -17,9 +17,9 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from redsync_hvd.policy import costmodel as cm  # noqa: E402
 from scripts.netbench import netns  # noqa: E402
 from scripts.netbench.predict import plan_from_run, predict, wire_method  # noqa: E402
-from redsync_hvd.policy import costmodel as cm  # noqa: E402
 
 
 def _can_build() -> str | None:
@@ -41,8 +41,18 @@ needs_netns = pytest.mark.skipif(_WHY is not None, reason=f"netbench needs root 
 
 # -- anywhere ------------------------------------------------------------------------------
 def test_prediction_uses_measured_message_sizes():
-    run = {"compression": {"method": "redsync", "quantize": "sign_mean"}, "select_s": 0.01, "decompress_s": 0.02, "policy": {"layers": [{"name": "fc", "group": "sparse", "wire_bytes": 4 * 1000 + 4, "dense_bytes": 4 * 1_000_000},
-                      {"name": "bias", "group": "dense", "wire_bytes": 400, "dense_bytes": 400}]}, "buckets": [["fc"]]}
+    run = {
+        "compression": {"method": "redsync", "quantize": "sign_mean"},
+        "select_s": 0.01,
+        "decompress_s": 0.02,
+        "policy": {
+            "layers": [
+                {"name": "fc", "group": "sparse", "wire_bytes": 4 * 1000 + 4, "dense_bytes": 4 * 1_000_000},
+                {"name": "bias", "group": "dense", "wire_bytes": 400, "dense_bytes": 400},
+            ]
+        },
+        "buckets": [["fc"]],
+    }
     plan = plan_from_run(run)
     assert plan[0][2] == "sign_mean" and cm.message_bytes(plan[0][0], plan[0][1], "sign_mean") == 4004
     assert plan[1] == (100, 1.0, "dense")
@@ -122,6 +132,7 @@ def test_unknown_bench_key_is_refused(tmp_path):
 def test_allocator_and_cycle_time_reach_the_worker_environment(tmp_path):
     sys.path.insert(0, str(REPO / "scripts"))
     import bench_end_to_end as bench
+
     from scripts.netbench import allocator
     base = "name: x\nmodels: [{name: m, model: mlp}]\nmethods: {dense: {method: none}}\nnetworks: [{hosts: 2}]\n"
     path = tmp_path / "ok.yaml"

@@ -6,9 +6,9 @@ from hypothesis import given, settings
 
 from redsync_hvd.compressors import build_compressor
 from redsync_hvd.compressors.base import Layer
-from redsync_hvd.policy.costmodel import Network
 from redsync_hvd.memory import MomentumCorrectionMemory, ResidualMemory
 from redsync_hvd.policy import LayerPolicy
+from redsync_hvd.policy.costmodel import Network
 
 
 def layer(n, density, name="w"):
@@ -20,7 +20,14 @@ def layer(n, density, name="w"):
 @pytest.mark.parametrize("coding", ["raw", "golomb"])
 @pytest.mark.parametrize("rule", ["alternate", "larger"])
 def test_sign_mean_reconstructs_mean_times_sign_at_sent_indices(coding, rule):
-    comp, _ = build_compressor({"method": "redsync", "density": 0.05, "message": {"quantize": "sign_mean", "sign_rule": rule, "index_coding": coding}, "selection": {"method": "exact"}})
+    comp, _ = build_compressor(
+        {
+            "method": "redsync",
+            "density": 0.05,
+            "message": {"quantize": "sign_mean", "sign_rule": rule, "index_coding": coding},
+            "selection": {"method": "exact"},
+        }
+    )
     x = torch.randn(2000, generator=torch.Generator().manual_seed(0))
     for step in (0, 1):
         lay = layer(2000, 0.05)
@@ -47,7 +54,14 @@ def test_sign_mean_reconstructs_mean_times_sign_at_sent_indices(coding, rule):
 
 
 def test_larger_rule_keeps_the_side_with_larger_mean_magnitude():
-    comp, _ = build_compressor({"method": "redsync", "density": 0.5, "message": {"quantize": "sign_mean", "sign_rule": "larger"}, "selection": {"method": "exact"}})
+    comp, _ = build_compressor(
+        {
+            "method": "redsync",
+            "density": 0.5,
+            "message": {"quantize": "sign_mean", "sign_rule": "larger"},
+            "selection": {"method": "exact"},
+        }
+    )
     x = torch.tensor([5.0, 4.0, -1.0, -1.5, 0.1, 0.0, 0.2, -0.1])
     msg = comp.compress(x, layer(8, 0.5), 1)
     assert sorted(msg.positions.tolist()) == [0, 1]
@@ -59,7 +73,15 @@ def test_larger_rule_keeps_the_side_with_larger_mean_magnitude():
        quantize=st.sampled_from(["none", "fp16", "sign_mean"]), coding=st.sampled_from(["raw", "golomb"]),
        selection=st.sampled_from(["exact", "trimmed", "tbs", "sampled"]), seed=st.integers(0, 999))
 def test_conservation_with_every_quantiser(n, steps, density, quantize, coding, selection, seed):
-    comp, _ = build_compressor({"method": "redsync", "density": density, "message": {"quantize": quantize, "index_coding": coding}, "selection": selection, "dgc": {"momentum_correction": False}})
+    comp, _ = build_compressor(
+        {
+            "method": "redsync",
+            "density": density,
+            "message": {"quantize": quantize, "index_coding": coding},
+            "selection": selection,
+            "dgc": {"momentum_correction": False},
+        }
+    )
     mem, gen = ResidualMemory(), torch.Generator().manual_seed(seed)
     sent, total = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
     for step in range(steps):
@@ -125,7 +147,9 @@ def test_layer_overrides_and_small_layers():
 
 
 def test_cost_model_policy_compresses_only_where_it_pays():
-    _, cfg = build_compressor({"method": "redsync", "density": 0.001, "policy": {"mode": "cost_model", "min_compress_numel": 0}})
+    _, cfg = build_compressor(
+        {"method": "redsync", "density": 0.001, "policy": {"mode": "cost_model", "min_compress_numel": 0}}
+    )
     sizes = [64, 4096, 1 << 20, 1 << 24]
     slow, fast = LayerPolicy(cfg), LayerPolicy(cfg)
     slow.setup([layer(n, 1, f"l{n}") for n in sizes], size=8, network=Network(alpha=1e-4, bandwidth=1.25e7))
@@ -158,7 +182,16 @@ def test_momentum_correction_sends_dense_layers_momentum_not_zeros():
     """Regression: a dense layer's message aliased the memory buffer that the residual
     update then zeroed, so with momentum correction small layers sent zeros."""
     layers = [Layer("bias", (10,), 10, 0), Layer("w", (5000,), 5000, 1)]
-    ex = _local_exchange({"method": "redsync", "density": 0.01, "dgc": {"momentum_correction": True}, "policy": {"min_compress_numel": 100}}, layers, MomentumCorrectionMemory(0.9))
+    ex = _local_exchange(
+        {
+            "method": "redsync",
+            "density": 0.01,
+            "dgc": {"momentum_correction": True},
+            "policy": {"min_compress_numel": 100},
+        },
+        layers,
+        MomentumCorrectionMemory(0.9),
+    )
     u = torch.zeros(10)
     gen = torch.Generator().manual_seed(0)
     for _ in range(4):
@@ -180,7 +213,16 @@ def test_momentum_correction_on_dense_layers_equals_the_optimizers_momentum():
     for nesterov in (False, True):
         layers = [Layer("a", (7,), 7, 0), Layer("b", (3, 4), 12, 1), Layer("c", (5,), 5, 2)]
         memory = MomentumCorrectionMemory({"a": 0.9, "b": 0.5, "c": 0.0}, nesterov=nesterov)
-        ex = _local_exchange({"method": "redsync", "density": 0.01, "dgc": {"momentum_correction": True}, "policy": {"min_compress_numel": 100}}, layers, memory)
+        ex = _local_exchange(
+            {
+                "method": "redsync",
+                "density": 0.01,
+                "dgc": {"momentum_correction": True},
+                "policy": {"min_compress_numel": 100},
+            },
+            layers,
+            memory,
+        )
         params = {l.name: torch.zeros(l.shape, requires_grad=True) for l in layers}
         ref = {n: torch.optim.SGD([p], lr=1.0, momentum=m, nesterov=nesterov and m > 0)
                for (n, p), m in zip(params.items(), (0.9, 0.5, 0.0))}
@@ -233,7 +275,17 @@ def test_exchange_with_fused_compensation_equals_the_unfused_exchange(momentum):
     def run(fused):
         layers = [Layer("b", (40,), 40, 0), Layer("w", (100000,), 100000, 1), Layer("v", (9000,), 9000, 2)]
         memory = MomentumCorrectionMemory(momentum, fuse=fused) if momentum else ResidualMemory(fuse=fused)
-        ex = _local_exchange({"method": "redsync", "density": 0.01, "selection": {"method": "tbs", "threshold_reuse": 3}, "dgc": {"momentum_correction": bool(momentum)}, "policy": {"min_compress_numel": 100}}, layers, memory)
+        ex = _local_exchange(
+            {
+                "method": "redsync",
+                "density": 0.01,
+                "selection": {"method": "tbs", "threshold_reuse": 3},
+                "dgc": {"momentum_correction": bool(momentum)},
+                "policy": {"min_compress_numel": 100},
+            },
+            layers,
+            memory,
+        )
         gen, outs = torch.Generator().manual_seed(5), []
         base = {l.name: torch.randn(l.numel, generator=gen) for l in layers}
         for step in range(10):
@@ -273,10 +325,19 @@ def test_cost_model_network_probes_only_what_the_config_leaves_out():
     from redsync_hvd.config import parse_compression
     from redsync_hvd.engine import network_for as _network
     comm = LocalCommunicator(2)
-    both = _network(parse_compression({"method": "redsync", "policy": {"mode": "cost_model", "latency_s": 1e-3, "bandwidth_gbit": 1.0}}), comm)
+    both = _network(
+        parse_compression(
+            {"method": "redsync", "policy": {"mode": "cost_model", "latency_s": 1e-3, "bandwidth_gbit": 1.0}}
+        ),
+        comm,
+    )
     assert (both.alpha, both.bandwidth) == (1e-3, 1.25e8)
-    bw_only = _network(parse_compression({"method": "redsync", "policy": {"mode": "cost_model", "bandwidth_gbit": 1.0}}), comm)
+    bw_only = _network(
+        parse_compression({"method": "redsync", "policy": {"mode": "cost_model", "bandwidth_gbit": 1.0}}), comm
+    )
     assert bw_only.bandwidth == 1.25e8 and 0.0 <= bw_only.alpha < 1e-2
-    lat_only = _network(parse_compression({"method": "redsync", "policy": {"mode": "cost_model", "latency_s": 2e-3}}), comm)
+    lat_only = _network(
+        parse_compression({"method": "redsync", "policy": {"mode": "cost_model", "latency_s": 2e-3}}), comm
+    )
     assert lat_only.alpha == 2e-3 and lat_only.bandwidth > 1.25e8   # no network in a local "allreduce"
     assert _network(parse_compression({"method": "redsync"}), comm) is None

@@ -40,7 +40,9 @@ def test_sbc_message_size_follows_golomb_formula():
 @given(n=st.integers(2, 300), rounds=st.integers(1, 5), density=st.floats(0.01, 1.0),
        binarize=st.booleans(), coding=st.sampled_from(["golomb", "raw"]), seed=st.integers(0, 999))
 def test_sbc_conservation(n, rounds, density, binarize, coding, seed):
-    comp, _ = build_compressor({"method": "sbc", "density": density, "message": {"binarize": binarize, "index_coding": coding}})
+    comp, _ = build_compressor(
+        {"method": "sbc", "density": density, "message": {"binarize": binarize, "index_coding": coding}}
+    )
     mem, gen = ResidualMemory(), torch.Generator().manual_seed(seed)
     sent, total = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
     for r in range(rounds):

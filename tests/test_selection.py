@@ -1,4 +1,5 @@
-"""Tests for redsync_hvd.core.selection (digest section 1)."""
+"""Tests for redsync_hvd.core.selection: trimmed top-k and threshold binary search (Fang et al.,
+RedSync, JPDC 2019), DGC's sampled threshold (Lin et al., ICLR 2018)."""
 import math
 
 import pytest
@@ -53,7 +54,9 @@ def check_range(x, idx, k):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("method", EXACT_METHODS)
-@pytest.mark.parametrize("n,k", [(1, 0), (2, 1), (10, 3), (1000, 1), (1000, 10), (4097, 300), (50000, 50), (50000, 5000)])
+@pytest.mark.parametrize(
+    "n,k", [(1, 0), (2, 1), (10, 3), (1000, 1), (1000, 10), (4097, 300), (50000, 50), (50000, 5000)]
+)
 def test_exact_and_trimmed_return_true_topk(method, backend, n, k):
     x = distinct(n, seed=n + k)
     idx = select_topk(x, k, method, backend=backend)
@@ -64,7 +67,9 @@ def test_exact_and_trimmed_return_true_topk(method, backend, n, k):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("method", RANGE_METHODS + ("trimmed",))
 @pytest.mark.parametrize("dist", ["gauss", "laplace", "t3"])
-@pytest.mark.parametrize("n,density", [(20000, 0.001), (20000, 0.01), (20000, 0.1), (1_000_000, 0.001), (1_000_000, 0.01)])
+@pytest.mark.parametrize(
+    "n,density", [(20000, 0.001), (20000, 0.01), (20000, 0.1), (1_000_000, 0.001), (1_000_000, 0.01)]
+)
 def test_distributions(method, backend, dist, n, density):
     x = sample(dist, n, seed=n)
     k = max(1, int(n * density))

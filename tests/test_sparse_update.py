@@ -10,7 +10,14 @@ from redsync_hvd.comm import LocalCommunicator
 from redsync_hvd.exchange import NonFiniteGradientError
 from redsync_hvd.torch import DistributedOptimizer
 
-BASE = {"method": "redsync", "density": 0.05, "message": {"quantize": "sign_mean"}, "dgc": {"momentum_correction": True}, "policy": {"min_compress_numel": 200}, "selection": {"method": "tbs"}}
+BASE = {
+    "method": "redsync",
+    "density": 0.05,
+    "message": {"quantize": "sign_mean"},
+    "dgc": {"momentum_correction": True},
+    "policy": {"min_compress_numel": 200},
+    "selection": {"method": "tbs"},
+}
 
 
 def _model():
@@ -81,11 +88,18 @@ def test_sparse_update_leaves_the_weights_alone_on_a_nan_step():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
-@pytest.mark.parametrize("make, extra, problem", [
-    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), {"dgc": {"momentum_correction": False}}, "momentum=0.9"),
-    (lambda ps: torch.optim.SGD(ps, lr=0.1, weight_decay=0.1), {"dgc": {"momentum_correction": False}}, "weight_decay=0.1"),
-    (lambda ps: torch.optim.Adam(ps, lr=0.1), {}, "not torch.optim.SGD"),
-])
+@pytest.mark.parametrize(
+    "make, extra, problem",
+    [
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), {"dgc": {"momentum_correction": False}}, "momentum=0.9"),
+        (
+            lambda ps: torch.optim.SGD(ps, lr=0.1, weight_decay=0.1),
+            {"dgc": {"momentum_correction": False}},
+            "weight_decay=0.1",
+        ),
+        (lambda ps: torch.optim.Adam(ps, lr=0.1), {}, "not torch.optim.SGD"),
+    ],
+)
 def test_sparse_update_refuses_optimizers_that_are_not_plain_sgd(make, extra, problem):
     model = _model()
     with pytest.raises(ValueError, match=problem) as err:

@@ -10,7 +10,6 @@ import json
 import subprocess
 
 import pytest
-
 from launch import BIN, run_script, summary
 from launch import train as launch_train
 
@@ -41,6 +40,7 @@ def test_dlpack_hand_over_is_zero_copy():
     import numpy as np
     import tensorflow as tf
     import torch
+
     from redsync_hvd.tensorflow.dlpack import to_tf, to_torch
 
     g = tf.constant(np.arange(12, dtype=np.float32).reshape(3, 4))
@@ -58,6 +58,7 @@ def test_dlpack_hand_over_is_zero_copy():
 def test_keras_twin_computes_the_torch_model(name):
     import numpy as np
     import torch
+
     from redsync_hvd.models import build_model
     from redsync_hvd.tensorflow.models import build_keras_model
 
@@ -72,28 +73,66 @@ def test_keras_twin_computes_the_torch_model(name):
 
 
 # -- real horovodrun jobs ---------------------------------------------------------------------------
-@pytest.mark.parametrize("compression,mode", [
-    ({"method": "none"}, "eager"),
-    ({"method": "none"}, "function"),
-    ({"method": "none"}, "keras"),
-    ({"method": "none"}, "fit"),
-    ({"method": "topk", "density": 1.0}, "eager"),
-    ({"method": "redsync", "density": 1.0, "message": {"quantize": "none"}, "dgc": {"momentum_correction": False}, "policy": {"min_compress_numel": 0}, "selection": {"method": "tbs"}}, "function"),
-])
+@pytest.mark.parametrize(
+    "compression,mode",
+    [
+        ({"method": "none"}, "eager"),
+        ({"method": "none"}, "function"),
+        ({"method": "none"}, "keras"),
+        ({"method": "none"}, "fit"),
+        ({"method": "topk", "density": 1.0}, "eager"),
+        (
+            {
+                "method": "redsync",
+                "density": 1.0,
+                "message": {"quantize": "none"},
+                "dgc": {"momentum_correction": False},
+                "policy": {"min_compress_numel": 0},
+                "selection": {"method": "tbs"},
+            },
+            "function",
+        ),
+    ],
+)
 def test_tf_dense_equals_single_process(compression, mode):
     out = run_script("tf_dense_equals_single.py", json.dumps(compression), mode, np=2, timeout=TF_TIMEOUT).stdout
     assert out.count("OK tf") == 2, out
 
 
-@pytest.mark.parametrize("compression", [
-    {"method": "topk", "density": 0.01},
-    {"method": "redsync", "density": 0.01, "selection": {"method": "tbs", "threshold_reuse": 3}, "message": {"quantize": "sign_mean"}, "policy": {"min_compress_numel": 1000}},                               # DGC momentum correction on (the default)
-    {"method": "redsync", "density": 0.02, "selection": {"method": "trimmed"}, "message": {"quantize": "fp16", "index_coding": "golomb"}, "dgc": {"momentum_correction": False}, "policy": {"min_compress_numel": 0}},
-    {"method": "redsync", "density": 0.01, "selection": {"method": "sampled"}, "dgc": {"momentum_correction": False}},
-    {"method": "randomk", "density": 0.05},
-    {"method": "iwp", "density": 0.05, "policy": {"min_compress_numel": 0}},   # the leader weighs by |w|: TF passes w too
-    {"method": "fp16"},
-])
+@pytest.mark.parametrize(
+    "compression",
+    [
+        {"method": "topk", "density": 0.01},
+        {
+            "method": "redsync",
+            "density": 0.01,
+            "selection": {"method": "tbs", "threshold_reuse": 3},
+            "message": {"quantize": "sign_mean"},
+            "policy": {"min_compress_numel": 1000},
+        },  # DGC momentum correction on (the default)
+        {
+            "method": "redsync",
+            "density": 0.02,
+            "selection": {"method": "trimmed"},
+            "message": {"quantize": "fp16", "index_coding": "golomb"},
+            "dgc": {"momentum_correction": False},
+            "policy": {"min_compress_numel": 0},
+        },
+        {
+            "method": "redsync",
+            "density": 0.01,
+            "selection": {"method": "sampled"},
+            "dgc": {"momentum_correction": False},
+        },
+        {"method": "randomk", "density": 0.05},
+        {
+            "method": "iwp",
+            "density": 0.05,
+            "policy": {"min_compress_numel": 0},
+        },  # the leader weighs by |w|: TF passes w too
+        {"method": "fp16"},
+    ],
+)
 def test_same_config_selects_the_same_indices_in_torch_and_tf(compression):
     out = run_script("tf_cross_framework.py", json.dumps(compression), np=2, timeout=TF_TIMEOUT).stdout
     assert out.count("OK cross-framework") == 2, out
@@ -101,8 +140,14 @@ def test_same_config_selects_the_same_indices_in_torch_and_tf(compression):
 
 def test_tf_bad_inputs_give_the_torch_errors():
     out = run_script("tf_errors.py", np=2, timeout=TF_TIMEOUT).stdout
-    for what in ("OK bad compression dicts", "OK zero-size variable", "OK sbc, decentralized and momentum_correction errors",
-                 "eager raised at step 2", "function raised at step 2", "OK nonfinite handling"):
+    for what in (
+        "OK bad compression dicts",
+        "OK zero-size variable",
+        "OK sbc, decentralized and momentum_correction errors",
+        "eager raised at step 2",
+        "function raised at step 2",
+        "OK nonfinite handling",
+    ):
         assert out.count(what) == 2, (what, out[-3000:])
 
 
@@ -132,11 +177,10 @@ def tf_digits_runs(tmp_path_factory):
 
 
 def test_tf_redsync_accuracy_close_to_tf_dense(tf_digits_runs):
-    """Issue 6: TF with RedSync at density 0.01 within 0.5 point of TF dense at the same epochs,
-    on the mean of seeds 0-2 (paired: same seed and split). Measured (2026-11-26, 40 epochs,
-    360 test samples: one sample = 0.28 point): TF dense 0.9778/0.9806/0.9889, TF RedSync
-    0.9778/0.9806/0.9917 (36.6-37.0x). At 20 epochs sign_mean is still catching up in both
-    frameworks (0.8-2.5 points below, docs/tensorflow.md)."""
+    """TF with RedSync at density 0.01 within 0.5 point of TF dense at the same epochs (40), on
+    the mean of seeds 0-2 (paired: same seed and split; 360 test samples, one sample = 0.28
+    point). At 20 epochs sign_mean is still catching up, in both frameworks. Measured figures:
+    docs/tensorflow.md."""
     def mean(name):
         runs = [summary(tf_digits_runs / (name + ("" if s == 0 else f"-s{s}"))) for s in TF_SEEDS]
         return sum(r["final_accuracy"] for r in runs) / len(runs), runs

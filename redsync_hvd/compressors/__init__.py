@@ -7,8 +7,11 @@ from ..config.compression import CompressionConfig, parse_compression
 from .base import Compressor, Layer, Message
 from .dense import FP16Compressor, NoneCompressor
 from .iwp import IWPCompressor
+from .powersgd import PowerSGDCompressor
+from .qsgd import QSGDCompressor
 from .redsync import RedSyncCompressor
 from .sbc import SBCCompressor
+from .signsgd import SignSGDCompressor
 from .topk import RandomKCompressor, TopKCompressor
 
 COMPRESSORS: dict[str, type] = {
@@ -19,6 +22,10 @@ COMPRESSORS: dict[str, type] = {
     "redsync": RedSyncCompressor,
     "iwp": IWPCompressor,
     "sbc": SBCCompressor,
+    # the incumbent baselines, behind the same API
+    "powersgd": PowerSGDCompressor,
+    "signsgd": SignSGDCompressor,
+    "qsgd": QSGDCompressor,
 }
 
 
@@ -40,4 +47,4 @@ def build_compressor(compression: Any, comm: Any = None) -> tuple[Compressor, Co
 
 __all__ = ["Compressor", "Layer", "Message", "COMPRESSORS", "build_compressor", "NoneCompressor",
            "FP16Compressor", "TopKCompressor", "RandomKCompressor", "RedSyncCompressor", "IWPCompressor",
-           "SBCCompressor"]
+           "SBCCompressor", "PowerSGDCompressor", "SignSGDCompressor", "QSGDCompressor"]

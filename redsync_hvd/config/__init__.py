@@ -1,4 +1,5 @@
 """Configuration: the YAML experiment schema (run.py) and the compression schema (compression.py)."""
+from . import baselines  # noqa: F401  (registers powersgd, signsgd, qsgd)
 from .compression import CompressionConfig, MethodConfig, method_names, parse_compression
 from .run import ConfigError, RunConfig, apply_overrides, load_config, read_yaml, validate
 

@@ -349,8 +349,8 @@ class SBCConfig(ResidualConfig):
         return self.message.wire_format()
 
     def limits(self) -> str:
-        return ("uses communication delay (model deltas over local_steps), which needs the optimizer to own "
-                "the update")
+        return ("exchanges model deltas after local steps (communication delay, local_steps), which needs the "
+                "optimizer to own the update")
 
     @model_validator(mode="after")
     def _no_dgc_no_selection(self):

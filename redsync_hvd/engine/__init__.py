@@ -1,7 +1,26 @@
 """The adapter core: what every framework adapter needs to run the exchange (build.py), and the
 measurements the cost-model policy takes at start (probes.py)."""
-from .build import Built, MomentumSpec, build_exchange, build_memory, check_same_everywhere, parse, refuse
+from .build import (
+                    Built,
+                    MomentumSpec,
+                    UnsupportedMethodError,
+                    build_exchange,
+                    build_memory,
+                    check_same_everywhere,
+                    parse,
+                    refuse,
+)
 from .probes import network_for, probe_compute
 
-__all__ = ["Built", "MomentumSpec", "build_exchange", "build_memory", "check_same_everywhere", "network_for",
-           "parse", "probe_compute", "refuse"]
+__all__ = [
+    "Built",
+    "MomentumSpec",
+    "UnsupportedMethodError",
+    "build_exchange",
+    "build_memory",
+    "check_same_everywhere",
+    "network_for",
+    "parse",
+    "probe_compute",
+    "refuse",
+]

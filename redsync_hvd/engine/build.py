@@ -33,6 +33,10 @@ from ..policy import LayerPolicy
 from .probes import network_for, probe_compute
 
 
+class UnsupportedMethodError(ValueError, NotImplementedError):
+    """This framework or engine cannot run the method; the message names what can."""
+
+
 @dataclass
 class MomentumSpec:
     """What DGC's momentum correction takes out of the wrapped optimizer, per layer name."""
@@ -60,9 +64,9 @@ def refuse(config: MethodConfig, framework: str, engine: str) -> None:
     """Stop, naming the alternatives, when this framework or engine cannot run the method."""
     if framework not in config.frameworks:
         able = [m for m in method_names() if framework in parse_compression({"method": m}).frameworks]
-        raise NotImplementedError(f"compression.method={config.method!r} {config.limits()}; the {framework} adapter "
-                                  f"exchanges gradients. Use framework: torch for {config.method}, or one of "
-                                  f"{', '.join(able)}")
+        raise UnsupportedMethodError(f"compression.method={config.method!r} {config.limits()}; the {framework} "
+                                     f"adapter exchanges gradients. Use framework: torch for {config.method}, or "
+                                     f"one of {', '.join(able)}")
     if isinstance(config, AllgatherConfig) and config.sparse_update and (framework, engine) != ("torch", "horovod"):
         where = f"the {framework} adapter" + (f" under engine: {engine}" if engine != "horovod" else "")
         raise ValueError("compression.sparse_update updates the weights inside "
@@ -70,9 +74,11 @@ def refuse(config: MethodConfig, framework: str, engine: str) -> None:
                          "gradients. Set sparse_update: false")
     if engine not in config.engines:
         able = [m for m in method_names() if engine in parse_compression({"method": m}).engines]
-        raise NotImplementedError(f"compression.method={config.method!r} {config.limits()}; it runs on the "
-                                  f"Horovod engine (engine: horovod, redsync_hvd.torch.DistributedOptimizer). "
-                                  f"Under engine: {engine} use one of {', '.join(able)}")
+        raise UnsupportedMethodError(f"compression.method={config.method!r} {config.limits()}, which a "
+                                     f"{engine} communication hook cannot run: use the Horovod engine "
+                                     "(redsync_hvd.torch.DistributedOptimizer under horovodrun, or engine: horovod "
+                                     f"in python -m redsync_hvd.train). Under engine: {engine} use one of "
+                                     f"{', '.join(able)}")
 
 
 def check_same_everywhere(comm, config: CompressionConfig, layers: list) -> None:
@@ -113,8 +119,8 @@ def build_exchange(compression: Any, layers: list, comm, *, framework: str = "to
     if isinstance(config, ResidualConfig) and config.dgc.momentum_correction:       # 4.
         if take_momentum is None:
             raise ValueError("compression.dgc.momentum_correction keeps the optimizer's momentum in the compression "
-                             "memory: pass the optimizer (or its momentum) to the adapter, or set "
-                             "dgc: {momentum_correction: false}")
+                             "memory: pass optimizer=<the optimizer that steps the model> (its momentum and weight "
+                             "decay move into the memory), or set dgc: {momentum_correction: false}")
         momentum = take_momentum()
     memory = build_memory(config, momentum, fuse)
     policy = LayerPolicy(config)                                                    # 5.

@@ -60,6 +60,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # with momentum correction, weight decay joins the gradient before it enters the velocity
         return g.add(p.detach(), alpha=wd) if wd else g
 
+    @property
+    def exchange(self):
+        """The :class:`~redsync_hvd.exchange.GradientExchange` this optimizer feeds."""
+        return self._exchange
+
+    def abort_step(self) -> None:
+        """Forget a step that failed half way (a collective interrupted by a lost worker): the
+        exchange rolls back, gradients already counted as passes are forgotten."""
+        self._exchange.abort()
+        self._passes = dict.fromkeys(self._passes, 0)
+        self._synchronized = False
+
     def set_steps_per_epoch(self, steps: int) -> None:
         """Needed by epoch-based schedules such as ``warmup.epochs``."""
         self._exchange.set_steps_per_epoch(steps)

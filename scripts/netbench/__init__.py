@@ -15,8 +15,15 @@
 Driven by ``scripts/bench_end_to_end.py --config configs/bench/quick.yaml``.
 Needs root and iproute2 (``ip``, ``tc``); see ``netns.missing_prerequisites()``.
 """
-from .netns import (NetbenchUnavailable, ShapedNetwork, check_prerequisites, cleanup, list_namespaces,
-                    missing_prerequisites, netem_available)
+from .netns import (
+                    NetbenchUnavailable,
+                    ShapedNetwork,
+                    check_prerequisites,
+                    cleanup,
+                    list_namespaces,
+                    missing_prerequisites,
+                    netem_available,
+)
 
 __all__ = ["ShapedNetwork", "NetbenchUnavailable", "check_prerequisites", "missing_prerequisites",
            "cleanup", "list_namespaces", "netem_available"]

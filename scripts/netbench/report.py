@@ -7,9 +7,10 @@ import math
 import statistics
 from pathlib import Path
 
-from redsync_hvd.policy import costmodel as cm
 from redsync_hvd.config.compression import DECENTRALIZED
-from scripts.netbench.predict import network as cm_network, plan_from_run, predict, fusion_bytes
+from redsync_hvd.policy import costmodel as cm
+from scripts.netbench.predict import fusion_bytes, plan_from_run, predict
+from scripts.netbench.predict import network as cm_network
 
 MPI_DENSE = "dense/mpi"   # dense Horovod, launched with the decentralized methods under mpirun
 
@@ -187,8 +188,11 @@ def plots(run_dir: Path, rows: list[dict]) -> list[Path]:
             ax.scatter([r["step_time_s"] for r in cal], [r["predicted_calibrated_s"] for r in cal], marker="x",
                        label="alpha, B probed through Horovod")
         for r in pts:
-            ax.annotate(f"{r['model'][:6]} {r['method']} N={r['hosts']}", (r["step_time_s"], r["predicted_step_time_s"]),
-                        fontsize=5)
+            ax.annotate(
+                f"{r['model'][:6]} {r['method']} N={r['hosts']}",
+                (r["step_time_s"], r["predicted_step_time_s"]),
+                fontsize=5,
+            )
         ys = [r["predicted_step_time_s"] for r in pts] + [r["predicted_calibrated_s"] for r in cal]
         hi = max(xs + ys) * 1.1
         ax.plot([0, hi], [0, hi], color="grey", lw=0.8)

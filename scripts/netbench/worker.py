@@ -65,6 +65,7 @@ def make_batches(spec, rank: int):
 
 def build(spec):
     import torch
+
     from redsync_hvd.models import build_model
     torch.manual_seed(spec["seed"])
     shape = (spec["seq_len"],) if spec["model"] == "lstm_lm" else tuple(spec["input_shape"])

@@ -1,4 +1,4 @@
-"""The digest's toy check on a ring: f_i(x) = 0.5 ||x - b_i||^2, optimum = mean of b_i.
+"""A quadratic toy problem on a ring: f_i(x) = 0.5 ||x - b_i||^2, optimum = mean of b_i.
 
 Runs every named config (argv[1], comma-separated; argv[2] steps) in one launch and
 prints, from rank 0, one line ``RESULT {json}`` per config with relative errors

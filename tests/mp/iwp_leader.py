@@ -8,8 +8,11 @@ rhvd.init()
 rank, size = rhvd.rank(), rhvd.size()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
-opt = rhvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
-                                compression={"method": "iwp", "density": 0.05, "policy": {"min_compress_numel": 1000}, "seed": 7})
+opt = rhvd.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.1),
+    named_parameters=model.named_parameters(),
+    compression={"method": "iwp", "density": 0.05, "policy": {"min_compress_numel": 1000}, "seed": 7},
+)
 rhvd.broadcast_parameters(model.state_dict(), root_rank=0)
 comp = opt._exchange.compressor
 sent, inner = {}, comp.compress

@@ -137,4 +137,5 @@ for e in (t_err, ex.last_error):
 assert str(t_err).split(". ", 1)[1] == str(ex.last_error).split(". ", 1)[1], (str(t_err), str(ex.last_error))
 print(f"rank {rank}: OK nonfinite handling")
 from _tf_exit import exit_cleanly  # noqa: E402
+
 exit_cleanly()

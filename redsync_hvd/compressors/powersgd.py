@@ -1,0 +1,178 @@
+"""PowerSGD: rank-r compression by one step of power iteration, with error feedback and warm
+start (Vogels, Karimireddy and Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for
+Distributed Optimization", NeurIPS 2019).
+
+Algorithm 1 of the paper, for a layer's update matrix M (n x m) on each worker, with Q
+(m x r) kept from the previous step (warm start):
+
+    P  <- M Q
+    P  <- ALL-REDUCE-MEAN(P)
+    P^ <- ORTHOGONALIZE(P)                  # Gram-Schmidt on the columns
+    Q  <- M^T P^
+    Q  <- ALL-REDUCE-MEAN(Q)
+    return P^ Q^T                           # the same rank-r matrix on every worker
+
+Algorithm 2 (error feedback), on each worker: M <- g + e;  approx <- Algorithm 1 on M;
+e <- M - approx;  the optimizer applies approx (with momentum).
+
+Here, per layer (M = x viewed as (shape[0], -1), as torch's ``powerSGD_hook`` does):
+
+  1. ``compress``: layers that are vectors or too small for rank r to save bytes
+     ((n + m) r * min_compression_rate >= n m), and every step before ``start_iter``,
+     are sent whole (allreduce mean). Otherwise:
+       Q  = the warm-start Q (the previous step's averaged Q), or a N(0, 1) draw from a
+            seed every worker shares; orthogonalised;
+       P  = M Q;  P = ALL-REDUCE-SUM(P) through ``self.comm`` (so ``blocking = True``);
+       P^ = orthogonalise(P);  Q = M^T P^;
+     the message is Q (allreduce mean); ``ctx`` holds P^, which the decoder needs.
+  2. ``decompress_add``: out += alpha * P^ Q_avg^T; Q_avg becomes the next warm start.
+  3. the exchange keeps e = M - P^ Q_avg^T (``error_feedback = "aggregate"``): the error of
+     the aggregated approximation, as both the paper's code and torch's hook keep it.
+
+Arithmetic follows torch's hook, so the two agree to float rounding on the same seed:
+P is summed, not averaged (orthogonalisation removes the scale); Q is orthogonalised before
+P = M Q at every step (the paper does not; in exact arithmetic P^ Q^T = P^ (P^)^T M depends
+only on span(P), which that changes only by a basis, so the result is the same);
+Gram-Schmidt for r <= 2, Householder QR above; Q's first draw takes one seed per step from
+``numpy.random.RandomState(seed)`` and draws every new layer's Q from it in the order
+layers are compressed. torch draws one seed per DDP bucket and its Qs grouped by shape, so
+the draws coincide when the compressed layers share one bucket, have distinct shapes and
+are compressed in that bucket's order. Where it differs: a zero column stays zero in
+Gram-Schmidt (torch divides by a zero norm and gets NaN), and a warm Q column that became
+zero restarts from a fresh draw (torch's would stay zero, or NaN, for good); before
+``start_iter`` the residual keeps x - mean(x) (torch keeps no error then): that residual
+sums to zero over workers and PowerSGD sees workers only through sums, so it changes
+rounding only. The warm Q is taken when the averaged message is decoded; a step that fails
+after that keeps it (it is only a starting point; residuals still roll back).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..config.baselines import PowerSGDConfig
+from .base import Compressor, Layer, Message
+
+
+def orthogonalize(matrix: torch.Tensor, method: str = "auto", eps: float = 0.0) -> torch.Tensor:
+    """Orthonormal columns, in place, for an (n, r) matrix with r <= n; returns it."""
+    rank = matrix.shape[1]
+    if method == "qr" or (method == "auto" and rank > 2 and matrix.dtype not in (torch.float16, torch.bfloat16)):
+        q, _ = torch.linalg.qr(matrix)
+        return matrix.copy_(q)
+    for i in range(rank):
+        col = matrix[:, i:i + 1]
+        norm = torch.linalg.vector_norm(col, dim=0, keepdim=True)
+        if eps:
+            col /= norm + eps
+        else:   # a zero column stays zero instead of becoming NaN
+            col /= torch.where(norm > 0, norm, torch.ones_like(norm))
+        if i + 1 < rank:
+            rest = matrix[:, i + 1:]
+            rest -= torch.sum(col * rest, dim=0, keepdim=True) * col
+    return matrix
+
+
+def matrix_shape(layer: Layer) -> tuple[int, int]:
+    """(n, m): the layer as shape[0] rows, everything else flattened into columns."""
+    n = layer.shape[0] if len(layer.shape) else 1
+    return n, layer.numel // n
+
+
+class PowerSGDCompressor(Compressor):
+    collective = "allreduce"
+    blocking = True                 # waits on the P allreduce inside compress
+    error_feedback = "aggregate"    # e = M - P^ Q_avg^T, after the collective
+
+    def __init__(self, config=None, comm=None):
+        super().__init__(config if config is not None else PowerSGDConfig())
+        self.comm = comm            # set by the exchange: the P allreduce happens inside compress
+        self._q: dict = {}          # warm start: each layer's last averaged Q
+        self._rng = np.random.RandomState(self.config.seed)
+        self._draw = None           # (step, generator): this step's shared seed for first draws
+
+    def wire_dtypes(self, layer: Layer) -> tuple:
+        return (torch.float32,)
+
+    def rank_for(self, layer: Layer) -> int:
+        n, m = matrix_shape(layer)
+        return min(n, m, self.config.rank)
+
+    def factorizes(self, layer: Layer, step: int) -> bool:
+        """Whether this layer travels as factors at ``step`` (else whole, by allreduce mean)."""
+        n, m = matrix_shape(layer)
+        if step < self.config.start_iter or len(layer.shape) < 2 or min(n, m) < 2:
+            return False
+        return (n + m) * self.rank_for(layer) * self.config.min_compression_rate < n * m
+
+    def compress(self, x: torch.Tensor, layer: Layer, step: int, scan=None) -> Message:
+        if not self.factorizes(layer, step):
+            return Message([x.clone()], ("values",))   # never a view of x (the contract)
+        n, m = matrix_shape(layer)
+        matrix = x.view(n, m)
+        p = matrix @ self._start_q(layer, step, m, x.device)
+        p = self.comm.wait(self.comm.allreduce_async(p, name=f"rsync.powersgd.{layer.name}.p", average=False))
+        orthogonalize(p, self.config.orthogonalization, self.config.orthogonalization_epsilon)
+        msg = Message([matrix.t() @ p], ("values",))
+        msg.extra_bytes = {"values": p.numel() * p.element_size()}
+        msg.ctx = p
+        return msg
+
+    def decompress_add(self, out: torch.Tensor, tensors: list, layer: Layer, alpha: float = 1.0,
+                       ctx=None) -> None:
+        if not isinstance(ctx, torch.Tensor):
+            if tensors[0].numel() != layer.numel:
+                raise RuntimeError(f"PowerSGD's factor message of {layer.name!r} decodes only with its P "
+                                   "(the message's ctx); this exchange passed none: it needs ctx support")
+            out.add_(tensors[0].to(out), alpha=alpha)
+            return
+        n, m = matrix_shape(layer)
+        q = tensors[0].to(out).view(m, -1)
+        if self.config.warm_start:
+            self._remember(layer.name, q)
+        out.view(n, m).addmm_(ctx.to(out), q.t(), alpha=alpha)
+
+    # -- Q ------------------------------------------------------------------------
+    def _start_q(self, layer: Layer, step: int, m: int, device) -> torch.Tensor:
+        r = self.rank_for(layer)
+        q = self._q.get(layer.name) if self.config.warm_start else None
+        if q is None or q.shape != (m, r):
+            q = torch.randn(m, r, generator=self._generator(step)).to(device)
+            if self.config.warm_start:
+                self._q[layer.name] = q
+        else:
+            self._revive(q, layer, step)
+        return orthogonalize(q, self.config.orthogonalization, self.config.orthogonalization_epsilon)
+
+    def _revive(self, q: torch.Tensor, layer: Layer, step: int) -> None:
+        """A warm Q column that is zero (the layer's whole gradient was zero, e.g. a branch not
+        taken) would stay zero for good: P = M Q, Q = M^T P^. Such columns restart from a
+        draw seeded by (seed, step, layer), the same on every worker since Q_avg is; no host
+        read, and columns that are not zero are left bit for bit."""
+        seed = (self.config.seed * 1_000_003 + step) * 1_000_003 + layer.index
+        fresh = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed % (2 ** 61 - 1))).to(q.device)
+        q.copy_(torch.where(torch.linalg.vector_norm(q, dim=0, keepdim=True) > 0, q, fresh))
+
+    def _generator(self, step: int) -> torch.Generator:
+        """One seed per step for every Q drawn in it, the same on every worker (torch's hook
+        draws one per bucket)."""
+        if self._draw is None or self._draw[0] != step:
+            self._draw = (step, torch.Generator().manual_seed(int(self._rng.randint(1_000_000_000))))
+        return self._draw[1]
+
+    def _remember(self, name: str, q: torch.Tensor) -> None:
+        kept = self._q.get(name)
+        if kept is None or kept.shape != q.shape or kept.device != q.device:
+            self._q[name] = q.clone()
+        elif kept.data_ptr() != q.data_ptr():
+            kept.copy_(q)
+
+    # -- checkpoints ----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"q": {k: v.detach().clone() for k, v in self._q.items()}, "rng": self._rng.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._q = {k: v.detach().clone() for k, v in state.get("q", {}).items()}
+        if "rng" in state:
+            self._rng.set_state(state["rng"])
+        self._draw = None

@@ -1,0 +1,286 @@
+"""The same compressors under PyTorch DDP and ``torchrun``: a DDP communication hook.
+
+    model = DistributedDataParallel(net)          # Gloo on CPU, NCCL on CUDA
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = redsync_hvd.torch.ddp.register(model, compression={"method": "redsync", "density": 0.01},
+                                           optimizer=opt)
+    ... train as usual; state.communication_stats(); state.state_dict()
+
+A step (DDP calls the hook once per bucket, in bucket order, the same order on every rank):
+
+  1. Each bucket's hook hands every parameter's gradient (a view of DDP's bucket buffer)
+     to the :class:`~redsync_hvd.exchange.GradientExchange` under the parameter's name:
+     compensate with the residual, compress, start the collective. The hook returns a
+     future that is not set yet, so communication overlaps the rest of the backward pass.
+  2. The last bucket's hook (``bucket.is_last()``) finishes the step: the exchange waits,
+     decodes, agrees across ranks that every gradient was finite and commits the residuals.
+     Each averaged gradient is written into its bucket view and every future is set.
+     If the step fails (a NaN on any rank), every future carries the error, ``backward()``
+     raises it on every rank and the residuals stay as they were.
+  3. DDP copies the buckets into ``.grad``; the optimizer steps as usual.
+
+Residuals, velocities and per-layer decisions are kept per parameter name, not per bucket:
+DDP rebuilds its buckets after the first iteration (in the order gradients became ready),
+which would scramble state keyed by bucket (torch's PowerSGD hook needs
+``start_powerSGD_iter >= 2`` for that reason).
+
+``method: none`` takes a fast path: DDP's own reduction, one asynchronous allreduce of
+the whole bucket buffer divided by N first (as DDP divides, so the result is bit for bit
+DDP's), with its bytes counted and no per-layer work. Its finite check is off unless
+``check_finite: true`` is set explicitly: the check exists to keep NaN out of state that
+outlives a step (residuals, velocities) and to keep ranks in agreement, and dense DDP has
+neither problem (every rank gets the same average), while the check costs one pass over the
+gradients per step (scripts/bench_ddp_hook.py times it).
+Set explicitly, it sums every averaged bucket once the last one is reduced and reads the
+total once: a NaN or Inf on any rank is in every rank's average, so every rank raises
+without a collective of its own.
+
+Methods that fit a hook: everything that compresses one step's gradients (none, fp16,
+topk, randomk, redsync, iwp and the allreduce/allgather baselines). Refused, with the
+Horovod path named: SBC (it exchanges model deltas after local steps, which a gradient
+hook never sees), the decentralized methods (dcd, ecd, dpsgd, naive: no allreduce at all)
+and ``sparse_update`` (it updates the weights inside the optimizer step).
+
+Momentum correction (DGC, Lin et al., ICLR 2018) is supported when ``optimizer`` is given:
+as :class:`~redsync_hvd.torch.optimizer.DistributedOptimizer` does, the optimizer's momentum
+(and weight decay) move into the residual memory, the hook adds ``weight_decay * w`` to
+each gradient before it enters the velocity, and the optimizer then takes plain SGD steps
+on what arrives. Build the optimizer before calling :func:`register`: its param groups are
+edited (momentum, nesterov and weight_decay set to 0). Without ``optimizer`` a config that
+asks for momentum correction is refused with that fix.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..comm.torch_dist import TorchDistCommunicator
+from ..compressors.base import Compressor
+from ..config.compression import NoneConfig
+from ..core.stats import CommStats
+from ..engine import build_exchange, check_same_everywhere, parse, refuse
+from ..exchange import NonFiniteGradientError
+from .params import layers_of, take_momentum
+
+
+class DDPCompressionState:
+    """What :func:`register` returns: the step's pending buckets, the exchange, and the accessors
+    the Horovod optimizer offers (``communication_stats``, ``layer_decisions``,
+    ``set_steps_per_epoch``, ``state_dict``/``load_state_dict``)."""
+
+    def __init__(self, config, comm, named: list, exchange=None, decay=None):
+        self.config = config
+        self.comm = comm
+        self.exchange = exchange
+        self.stats = exchange.stats if exchange is not None else CommStats()
+        self._name = {id(p): n for n, p in named}
+        self._decay = decay or {}
+        self._pending: list = []     # (names, grads, buffer, future) of this step's buckets
+        self._bucket_bytes: dict = {}    # fast path: (bucket index, buffer address) -> bytes
+        self._reduced: list = []         # fast path: (work, buffer, future) of this step's buckets
+        # fast path: check only when asked for by name (see the module docstring)
+        self._check_dense = config.check_finite and "check_finite" in config.model_fields_set
+
+    # -- the step, from the hooks -----------------------------------------------
+    def submit_bucket(self, bucket) -> torch.futures.Future:
+        """Steps 1 and 2 of the module docstring, for one bucket."""
+        params, grads = bucket.parameters(), bucket.gradients()
+        names = self.names_of(params)
+        try:
+            for name, p, g in zip(names, params, grads):
+                self.exchange.submit(name, self._with_decay(name, p, g))
+        except BaseException:
+            self.exchange.abort()   # the next backward starts a clean step
+            self._pending = []
+            raise
+        buffer = bucket.buffer()
+        fut = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+        self._pending.append((names, grads, buffer, fut))
+        if bucket.is_last():
+            self._finish_step()
+        return fut
+
+    def count_bucket(self, bucket) -> None:
+        """The fast path's accounting: what DDP's own allreduce of this bucket hands over. A
+        bucket's layers and sizes only change when DDP rebuilds its buckets (new buffers), so
+        they are worked out once per buffer, and a step costs two counter updates."""
+        buffer = bucket.buffer()
+        key = (bucket.index(), buffer.data_ptr())
+        wire = self._bucket_bytes.get(key)
+        if wire is None:
+            for name, g in zip(self.names_of(bucket.parameters()), bucket.gradients()):
+                self.stats.layer(name, "dense", None, None, g.numel() * g.element_size(), 4 * g.numel())
+            wire = self._bucket_bytes[key] = ({"values": buffer.numel() * buffer.element_size()}, 4 * buffer.numel())
+        self.stats.add_bytes(wire[0], "dense")
+        self.stats.add("dense_bytes", wire[1])
+        if bucket.is_last():
+            self.stats.end_step()
+
+    def reduce_bucket(self, bucket) -> torch.futures.Future:
+        """The fast path: DDP's reduction of one bucket (divide by N, one asynchronous allreduce),
+        counted. Its future is set by the last bucket's hook, which waits for every bucket's
+        allreduce (they ran during backward; DDP waits for them right after anyway), checks
+        them all at once and sets every future: no callback per bucket, no second thread."""
+        self.count_bucket(bucket)
+        buffer = bucket.buffer().div_(self.comm.size)
+        work = dist.all_reduce(buffer, group=self.comm.group, async_op=True)
+        fut = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+        self._reduced.append((work, buffer, fut))
+        if bucket.is_last():
+            reduced, self._reduced = self._reduced, []
+            for work, _, _ in reduced:
+                work.wait()
+            error = self._nonfinite([b for _, b, _ in reduced]) if self._check_dense else None
+            for _, buffer, fut in reduced:
+                if error is not None:
+                    fut.set_exception(error)
+                else:
+                    fut.set_result(buffer)
+        return fut
+
+    def _nonfinite(self, averaged: list):
+        """A NaN or Inf on any rank is in every rank's average, so every rank finds it, with no
+        collective of its own: one summing pass per bucket, no mask tensor, one host read."""
+        total = torch.stack([b.sum(dtype=torch.float32) for b in averaged]).sum()
+        if math.isfinite(float(total)):
+            return None
+        return NonFiniteGradientError(
+            f"non-finite gradient (NaN/Inf) in DDP's averaged gradients at step {self.stats.steps}: some "
+            "rank's gradient held NaN or Inf. Lower the learning rate, clip gradients or check the input "
+            "data; compression.check_finite=false disables this check")
+
+    def names_of(self, params) -> list:
+        try:
+            return [self._name[id(p)] for p in params]
+        except KeyError:
+            raise RuntimeError("a DDP bucket holds a parameter that register() did not see: register the "
+                               "hook on the same DDP model, after every parameter exists") from None
+
+    def _with_decay(self, name: str, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        wd = self._decay.get(name, 0.0)
+        # momentum correction: weight decay joins the gradient before it enters the velocity
+        return grad.add(param.detach(), alpha=wd) if wd else grad
+
+    def _finish_step(self) -> None:
+        """Finish the exchange, write each average into its bucket view, set every future."""
+        pending, self._pending = self._pending, []
+        into = {n: g.view(-1) for names, grads, _, _ in pending for n, g in zip(names, grads)
+                if g.dtype == torch.float32 and g.is_contiguous()}
+        try:
+            averaged = self.exchange.finish(into=into)
+        except BaseException as exc:   # the exchange rolled its memory back; every rank raises
+            for *_, fut in pending:
+                fut.set_exception(exc)
+            return
+        for names, grads, buffer, fut in pending:
+            for name, grad in zip(names, grads):
+                flat = averaged[name]
+                if flat.data_ptr() != grad.data_ptr():
+                    grad.copy_(flat.view(grad.shape))
+            fut.set_result(buffer)
+
+    # -- accessors -----------------------------------------------------------
+    def communication_stats(self) -> dict:
+        """Cumulative per-worker figures since start, as the Horovod optimizer reports them."""
+        if self.exchange is not None:
+            return self.exchange.communication_stats()
+        out = self.stats.summary()
+        out["last_step"] = dict(getattr(self.stats, "last", {}))
+        out["layers"] = dict(self.stats.layers)
+        return out
+
+    def layer_decisions(self) -> list:
+        """How each layer travels (compressed or dense, density, and why)."""
+        return self.exchange.layer_decisions() if self.exchange is not None else []
+
+    def set_steps_per_epoch(self, steps: int) -> None:
+        """Needed by epoch-based schedules such as ``warmup.epochs``."""
+        if self.exchange is not None:
+            self.exchange.set_steps_per_epoch(steps)
+
+    def state_dict(self) -> dict:
+        """This rank's compression state (residuals are per worker: save one per rank)."""
+        inner = self.exchange.state_dict() if self.exchange is not None else {"stats": self.stats.state_dict()}
+        return {"method": self.config.method, "world_size": self.comm.size, "exchange": inner}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("method") != self.config.method or state.get("world_size") != self.comm.size:
+            raise ValueError(f"this compression state was saved with method {state.get('method')!r} on "
+                             f"{state.get('world_size')} workers, but the hook runs {self.config.method!r} on "
+                             f"{self.comm.size}: resume with the same compression config and world size")
+        if self.exchange is not None:
+            self.exchange.load_state_dict(state["exchange"])
+        else:
+            self.stats.load_state_dict(state["exchange"]["stats"])
+
+
+# the hooks take no annotations: DDP compares them literally with its own
+def _exchange_hook(state, bucket):
+    return state.submit_bucket(bucket)
+
+
+def _allreduce_hook(state, bucket):
+    return state.reduce_bucket(bucket)
+
+
+def register(ddp_model, compression=None, process_group=None, optimizer=None) -> DDPCompressionState:
+    """Register the compression hook on ``ddp_model``; return its state (stats, checkpoints).
+
+    1. parse the config and refuse what a gradient hook cannot run, naming the Horovod path;
+    2. list the parameters DDP reduces;
+    3. ``none``: check that every rank has the same config and model, and register the fast
+       allreduce hook; otherwise build the exchange over a torch.distributed communicator with
+       the engine (agreement, memory with momentum taken out of ``optimizer`` for momentum
+       correction, policy) and register the exchange hook.
+
+    compression: a dict like the YAML ``compression:`` section, a config object, or a Compressor.
+    process_group: the group to reduce over (default: the DDP model's own group).
+    optimizer: the optimizer that will step ``ddp_model``; needed for momentum correction.
+    """
+    config = parse(compression)
+    refuse(config, "torch", "ddp")
+    comm = TorchDistCommunicator(process_group if process_group is not None
+                                 else getattr(ddp_model, "process_group", None))
+    named = _reduced_parameters(ddp_model)
+    layers = layers_of(named)
+    if type(config) is NoneConfig and not isinstance(compression, Compressor):
+        check_same_everywhere(comm, config, layers)
+        state = DDPCompressionState(config, comm, named)
+        ddp_model.register_comm_hook(state, _allreduce_hook)
+        return state
+    built = build_exchange(compression, layers, comm, engine="ddp", grads_writable=True,
+                           take_momentum=_momentum_taker(optimizer, named))
+    decay = built.momentum.weight_decay if built.momentum else {}
+    state = DDPCompressionState(built.config, comm, named, built.exchange, decay)
+    ddp_model.register_comm_hook(state, _exchange_hook)
+    return state
+
+
+def _reduced_parameters(ddp_model) -> list:
+    """(name, parameter) for every parameter DDP reduces, in registration order."""
+    module = getattr(ddp_model, "module", None)
+    if module is None or not hasattr(ddp_model, "register_comm_hook"):
+        raise TypeError(f"register() needs a torch.nn.parallel.DistributedDataParallel model, got "
+                        f"{type(ddp_model).__name__}: wrap it first, DistributedDataParallel(model)")
+    ignored = set(getattr(ddp_model, "parameters_to_ignore", ()) or ())
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignored]
+
+
+def _momentum_taker(optimizer, named: list):
+    """With momentum correction the optimizer's momentum and weight decay move into the residual
+    memory (its param groups are edited); a DDP hook sees gradients only, so it needs the optimizer."""
+    if optimizer is None:
+        return None
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing = [n for n, p in named if id(p) not in held]
+    names = {p: n for n, p in named}
+
+    def take():
+        if missing:
+            raise ValueError(f"optimizer does not hold parameters {missing[:5]} of the DDP model: pass the "
+                             "optimizer built on ddp_model.parameters() (momentum correction moves its momentum "
+                             "per parameter)")
+        return take_momentum(optimizer.param_groups, names)
+    return take

@@ -1,0 +1,130 @@
+#!/usr/bin/env python
+"""DDP step time: plain DDP against redsync_hvd's hook registered as ``none``, on the same work.
+
+    torchrun --standalone --nproc_per_node 2 scripts/bench_ddp_hook.py            # Gloo on CPU
+    torchrun --standalone --nproc_per_node 2 scripts/bench_ddp_hook.py --models cnn --rounds 15
+
+For each model, DDP copies (same weights, same synthetic batches, same SGD) train in rounds
+of ``--steps`` steps, one copy after the other in an order that rotates every round, so load
+drifting on a shared machine hits all alike: plain DDP, our hook as ``none`` (DDP's arithmetic
+exactly, bytes counted), and our hook with ``check_finite: true`` (one summing pass more). A
+round gives each its mean step time (forward, backward with the reduction, optimizer step)
+after ``--warmup`` steps, and a ratio to plain DDP's time in the same round (1.00: no cost),
+in wall time and in CPU time (this process, all its threads: steadier than wall time when
+other jobs share the cores, since waiting costs none). Rank 0 prints the medians, the
+median ratios with their interquartile ranges over rounds, and the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from redsync_hvd.models import build_model  # noqa: E402
+from redsync_hvd.torch import ddp as rddp  # noqa: E402
+
+MODELS = {
+    # the digits peer workload (1x8x8 images, batch 32)
+    "cnn": dict(model="cnn", options={}, input_shape=(1, 8, 8), classes=10, batch=32),
+    # communication-bound: 4096-wide fully connected layers (the end-to-end benchmark's model)
+    "vgg_fc4096": dict(model="vgg", options={"fc_width": 4096, "width": 0.25}, input_shape=(3, 32, 32),
+                       classes=10, batch=16),
+}
+
+
+# what DDP's reduction runs: its own (None), or our hook with these settings
+VARIANTS = {
+    "plain DDP": None,
+    "hook none": {"method": "none"},                                               # the default
+    "hook none, check_finite: true": {"method": "none", "check_finite": True},     # a summing pass more
+}
+
+
+def variant(spec: dict, device, compression):
+    """A DDP model, its optimizer and a step function; ``compression``: our hook's config, or None."""
+    torch.manual_seed(0)
+    model = build_model(spec["model"], spec["classes"], spec["input_shape"], **spec["options"]).to(device)
+    ddp = DDP(model)
+    if compression is not None:
+        rddp.register(ddp, compression)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(spec["batch"], *spec["input_shape"], device=device)
+    y = torch.randint(0, spec["classes"], (spec["batch"],), device=device)
+
+    def step():
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    return step
+
+
+def timed(step, steps: int, warmup: int, device) -> tuple:
+    """(wall, CPU) seconds per step after ``warmup`` steps; ranks start together."""
+    for _ in range(warmup):
+        step()
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
+
+
+def summary(times: list, plain: list) -> tuple:
+    """(median ms, quartiles of the paired ratios to plain DDP)."""
+    ratios = sorted(t / p for t, p in zip(times, plain))
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return statistics.median(times) * 1e3, quartiles
+
+
+def bench(name: str, args, device) -> list:
+    """[(variant, clock, median ms, ratio quartiles)]; the variants' order rotates every round."""
+    spec = MODELS[name]
+    steps = {label: variant(spec, device, compression) for label, compression in VARIANTS.items()}
+    labels = list(steps)
+    times: dict = {label: [] for label in labels}
+    for r in range(args.rounds):
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            times[label].append(timed(steps[label], args.steps, args.warmup, device))
+    return [(label, clock_name, *summary([t[clock] for t in times[label]], [t[clock] for t in times["plain DDP"]]))
+            for clock, clock_name in ((0, "wall"), (1, "CPU")) for label in labels]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available() and os.environ.get("REDSYNC_BENCH_CPU") != "1"
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    rows = [(name, bench(name, args, device)) for name in args.models]
+    if dist.get_rank() == 0:
+        print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+              f"torch {torch.__version__}, {dist.get_backend()} on {device.type}, {dist.get_world_size()} ranks, "
+              f"{args.rounds} rounds x {args.steps} steps")
+        print("| model | clock | variant | ms/step | / plain DDP (median, IQR over rounds) |")
+        print("|-------|-------|---------|---------|----------------------------------------|")
+        for name, results in rows:
+            for label, clock, ms, (q1, q2, q3) in results:
+                print(f"| {name} | {clock} | {label} | {ms:.2f} | {q2:.3f} ({q1:.3f}-{q3:.3f}) |")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+#!/usr/bin/env python
+"""Gather what scripts/gpu_check.sh measured into RESULTS/summary.json and summary.md.
+
+    python scripts/gpu_summary.py docs/results/h100-2026-11-27
+
+Reads, where present (a missing or failed step leaves its keys null):
+  selection.json  scripts/bench_selection.py --out: exact-k rows against torch.topk
+  stages.json     scripts/bench_bucket_select.py --out: the exact-k stages against compute
+  overhead_cuda.md  scripts/bench_overhead.py --out: the exchange against compute
+  env.json        device and versions (gpu_check.sh)
+
+summary.json keys: device, torch; selection_speedup_vs_topk {1M, 16M, 64M}: median
+torch.topk time over median exact-k (Triton) time, Gaussian, D = 0.001, same process;
+exchange_share_of_compute {vgg_fc4096, resnet20}: the compressed exchange over forward +
+backward + update, from bench_overhead.py's rows of a method that selects exactly k by
+bucket (a method named *exact_k*), else null; host_waits_per_step: synchronising calls in
+one step of the exact-k stages (bench_bucket_select.py, Triton). Further keys give the other
+rows behind these numbers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+SIZES = {"1M": 1 << 20, "16M": 1 << 24, "64M": 1 << 26}
+MODELS = ("vgg_fc4096", "resnet20")
+
+
+def load_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def selection(results):
+    """{backend: {size: speedup}} at D = 0.001 (Gaussian) from bench_selection's rows."""
+    data = load_json(os.path.join(results, "selection.json"))
+    out = {}
+    for r in (data or {}).get("rows", []):
+        if r.get("dist") != "gauss" or abs(r.get("density", 0) - 0.001) > 1e-12 or r["method"] == "torch.topk":
+            continue
+        size = next((s for s, n in SIZES.items() if n == r["n"]), None)
+        if size is None:
+            continue
+        speedup = r.get("speedup")
+        out.setdefault(r["method"], {})[size] = None if speedup != speedup else round(speedup, 3)  # nan: null
+    return out
+
+
+def overhead(results):
+    """{method: {model: exchange / compute}} from bench_overhead's markdown table."""
+    try:
+        with open(os.path.join(results, "overhead_cuda.md")) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    out = {}
+    for line in lines:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 9 and cells[0] in MODELS and re.fullmatch(r"[\d.]+%", cells[8]):
+            out.setdefault(cells[2], {})[cells[0]] = round(float(cells[8][:-1]) / 100, 4)
+    return out
+
+
+def summary(results):
+    env = load_json(os.path.join(results, "env.json")) or {}
+    sel = selection(results)
+    stages = load_json(os.path.join(results, "stages.json")) or {}
+    over = overhead(results)
+    exact = next((m for m in over if "exact_k" in m), None)
+    triton_rows = [r.get("triton", {}) for r in stages.get("rows", [])]
+    waits = [r.get("host_waits") for r in triton_rows if r.get("host_waits") is not None]
+    main = sel.get("exact-k triton", {})
+    return {
+        "device": env.get("device") or stages.get("machine", {}).get("device"),
+        "torch": env.get("torch"),
+        "selection_speedup_vs_topk": {s: main.get(s) for s in SIZES},
+        "exchange_share_of_compute": {m: (over[exact].get(m) if exact else None) for m in MODELS},
+        "host_waits_per_step": max(waits) if waits else None,
+        # what the keys above come from, and the rows beside them
+        "exchange_share_method": exact,
+        "exchange_share_by_method": over,
+        "selection_speedup_by_backend": sel,
+        "exact_k_stages_share_of_compute": {
+            r["model"]: {b: round(r[b]["share"], 4) for b in ("torch", "triton", "triton-graph")
+                         if b in r and r[b]["share"] == r[b]["share"]} for r in stages.get("rows", [])},
+        "host_waits_scope": "one step of the exact-k stages (compensate, select with the residual update, "
+                            "decode), scripts/bench_bucket_select.py, Triton backend",
+        "versions": {k: env.get(k) for k in ("triton", "cupy", "driver")},
+    }
+
+
+def markdown(s):
+    lines = ["Device: %s; torch %s; %s." % (s["device"], s["torch"],
+                                             ", ".join("%s %s" % kv for kv in s["versions"].items())), "",
+             "| quantity | 1M | 16M | 64M |", "|---|---:|---:|---:|"]
+    for backend, row in sorted(s["selection_speedup_by_backend"].items()):
+        lines.append("| speedup vs torch.topk, D=0.001: %s | %s |" % (
+            backend, " | ".join("-" if row.get(k) is None else "%.2fx" % row[k] for k in SIZES)))
+    lines += ["", "| model | exchange / compute (%s) | exact-k stages / compute |" % (s["exchange_share_method"] or
+                                                                                    "no exact-k method yet"),
+              "|---|---:|---|"]
+    for m in MODELS:
+        share = s["exchange_share_of_compute"][m]
+        stages = s["exact_k_stages_share_of_compute"].get(m, {})
+        lines.append("| %s | %s | %s |" % (m, "-" if share is None else "%.1f%%" % (100 * share),
+                                           ", ".join("%s %.1f%%" % (b, 100 * v) for b, v in stages.items()) or "-"))
+    lines += ["", "Host waits per step (%s): %s." % (s["host_waits_scope"], s["host_waits_per_step"])]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    if len(sys.argv) != 2 or not os.path.isdir(sys.argv[1]):
+        sys.exit("usage: gpu_summary.py RESULTS_DIR (the folder gpu_check.sh wrote)")
+    s = summary(sys.argv[1])
+    with open(os.path.join(sys.argv[1], "summary.json"), "w") as f:
+        json.dump(s, f, indent=1)
+    with open(os.path.join(sys.argv[1], "summary.md"), "w") as f:
+        f.write(markdown(s))
+    print(json.dumps({k: s[k] for k in ("device", "torch", "selection_speedup_vs_topk", "exchange_share_of_compute",
+                                        "host_waits_per_step")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
