@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from redsync_hvd.costmodel import Network, predict_layer
+from redsync_hvd.policy.costmodel import Network, predict_layer
 
 
 def main() -> None:
