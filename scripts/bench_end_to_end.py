@@ -255,8 +255,8 @@ def _launch_model(cfg, net, model, methods, tag, run_dir, log, probe_bytes, laun
         runs += [{"label": f"{name}/comm", "compression": comp, "comm_only": True} for name, comp in methods
                  if name in cfg["comm_only"] and int(comp.get("local_steps", 1) or 1) == 1]
     # Horovod's alpha/B are fitted up to a message of the size that dominates a dense
-    # step (the 67 MB FC gradient): 8 MB allreduces ran at 690-960 Mbit/s across runs
-    # of the same 1 Gbit/s link, far noisier than the large transfer itself
+    # step (the 67 MB FC gradient): the rate of a few-MB allreduce varies between runs of
+    # the same link far more than that of the large transfer itself
     spec = worker_spec(cfg, model, runs=runs, probe_network=net.hosts > 1, probe_bytes=probe_bytes)
     out = run_dir / f"result-{model['name']}-{tag}{suffix}.json"
     t0 = time.time()

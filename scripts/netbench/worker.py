@@ -169,7 +169,7 @@ def run(spec) -> dict:
     if rhvd is not None and spec["probe_network"]:
         # alpha and B as Horovod itself sees them (negotiation, Gloo, CPU load included):
         # the cost model's own fit from timed allreduces of 8 bytes and probe_bytes; the median
-        # of 9 after 2 untimed: with 5 after 1, alpha ranged over 1.1-11.6 ms between sweeps
+        # of 9 after 2 untimed, so that one slow round on shared cores does not set alpha
         from redsync_hvd.comm import HorovodCommunicator
         from redsync_hvd.policy.costmodel import probe_network
         t0 = time.perf_counter()
