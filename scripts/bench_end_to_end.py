@@ -47,9 +47,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from redsync_hvd import costmodel as cm  # noqa: E402
-from redsync_hvd.compressors.config import DECENTRALIZED  # noqa: E402
 from redsync_hvd.config import ConfigError, read_yaml  # noqa: E402
+from redsync_hvd.config.compression import DECENTRALIZED, expand_shorthands  # noqa: E402
+from redsync_hvd.policy import costmodel as cm  # noqa: E402
 from scripts.netbench import allocator, netns  # noqa: E402
 from scripts.netbench.launcher import LaunchError, launch  # noqa: E402
 from scripts.netbench.mpi_launcher import launch_mpi  # noqa: E402
@@ -140,18 +140,20 @@ def method_config(spec: dict, net: dict, base_latency_s: float | None = None) ->
     (Horovod's cost per collective round, what a user's run without ``latency_s`` gets),
     unless the config fixes ``latency_s`` or sets bench key ``base_latency_s``: then
     added latency + base."""
-    c = dict(spec)
-    if c.get("policy") == "cost_model":
-        if c.get("latency_s") is None and base_latency_s is not None:
-            c["latency_s"] = float(net.get("latency_ms", 0.0)) / 1e3 + float(base_latency_s)
-        if c.get("bandwidth_gbit") is None:
-            c["bandwidth_gbit"] = float(net["bandwidth_mbit"]) / 1e3 if net.get("bandwidth_mbit") else 100.0
+    c = expand_shorthands(dict(spec))
+    policy = dict(c.get("policy") or {})
+    if policy.get("mode") == "cost_model":
+        if policy.get("latency_s") is None and base_latency_s is not None:
+            policy["latency_s"] = float(net.get("latency_ms", 0.0)) / 1e3 + float(base_latency_s)
+        if policy.get("bandwidth_gbit") is None:
+            policy["bandwidth_gbit"] = float(net["bandwidth_mbit"]) / 1e3 if net.get("bandwidth_mbit") else 100.0
+        c["policy"] = policy
     return c
 
 
 def validate_method(comp: dict) -> str | None:
     """None if ``comp`` is a valid compression config, else the reason (it is then skipped)."""
-    from redsync_hvd.compressors import parse_compression
+    from redsync_hvd.config import parse_compression
     try:
         parse_compression(comp)
         return None

@@ -41,18 +41,11 @@ needs_netns = pytest.mark.skipif(_WHY is not None, reason=f"netbench needs root 
 
 # -- anywhere ------------------------------------------------------------------------------
 def test_prediction_uses_measured_message_sizes():
-    run = {
-        "compression": {"method": "redsync", "quantize": "sign_mean"},
-        "select_s": 0.01,
-        "decompress_s": 0.02,
-        "policy": {
-            "layers": [
-                {"name": "fc", "group": "sparse", "wire_bytes": 4 * 1000 + 4, "dense_bytes": 4 * 1_000_000},
-                {"name": "bias", "group": "dense", "wire_bytes": 400, "dense_bytes": 400},
-            ]
-        },
-        "buckets": [["fc"]],
-    }
+    run = {"compression": {"method": "redsync", "message": {"quantize": "sign_mean"}}, "select_s": 0.01,
+           "decompress_s": 0.02,
+           "layers": [{"name": "fc", "group": "sparse", "wire_bytes": 4 * 1000 + 4, "dense_bytes": 4 * 1_000_000},
+                      {"name": "bias", "group": "dense", "wire_bytes": 400, "dense_bytes": 400}],
+           "buckets": [["fc"]]}
     plan = plan_from_run(run)
     assert plan[0][2] == "sign_mean" and cm.message_bytes(plan[0][0], plan[0][1], "sign_mean") == 4004
     assert plan[1] == (100, 1.0, "dense")
@@ -66,8 +59,8 @@ def test_prediction_uses_measured_message_sizes():
     one_round = predict(dict(two, buckets=[["fc2", "fc"]]), 2, net, 0.0)["predicted_comm_s"]
     two_rounds = predict(dict(two, buckets=[["fc2"], ["fc"]]), 2, net, 0.0)["predicted_comm_s"]
     assert two_rounds - one_round == pytest.approx(net.alpha)
-    dense = {"compression": {"method": "none"}, "policy": {"layers": [{"name": "w", "group": "dense", "wire_bytes": 4e6,
-                                                             "dense_bytes": 4e6}]}}
+    dense = {"compression": {"method": "none"}, "layers": [{"name": "w", "group": "dense", "wire_bytes": 4e6,
+                                                             "dense_bytes": 4e6}]}
     assert predict(dense, 2, net, 0.0)["predicted_comm_s"] == pytest.approx(cm.ring_allreduce(2, 4e6 + 4, net))
     assert wire_method({"method": "fp16"}) == "dense_fp16" and wire_method({"method": "topk"}) == "pairs"
 
@@ -93,12 +86,13 @@ def test_bench_configs_validate():
         for setting in cfg["networks"]:
             for method, spec in cfg["methods"].items():
                 comp = bench.method_config(spec, setting)
-                if comp.get("policy") == "cost_model":
-                    assert comp["bandwidth_gbit"] == pytest.approx(setting["bandwidth_mbit"] / 1e3)
+                policy = comp.get("policy") or {}
+                if policy.get("mode") == "cost_model":
+                    assert policy["bandwidth_gbit"] == pytest.approx(setting["bandwidth_mbit"] / 1e3)
                     # alpha is left to the start-up probe (Horovod's real cost per round)...
-                    assert comp.get("latency_s") == spec.get("latency_s")
+                    assert policy.get("latency_s") is None
                     # ...unless the bench config gives a base latency
-                    fixed = bench.method_config(spec, setting, 1e-4)
+                    fixed = bench.method_config(spec, setting, 1e-4)["policy"]
                     assert fixed["latency_s"] == pytest.approx(setting.get("latency_ms", 0) / 1e3 + 1e-4)
                 assert bench.validate_method(comp) is None, (name, method)
 

@@ -1,4 +1,4 @@
-"""Predicted step time of a measured run, from ``redsync_hvd.costmodel``.
+"""Predicted step time of a measured run, from ``redsync_hvd.policy.costmodel``.
 
     predicted = costmodel.step_time(layers, N, net, compute_s = compute + select + decompress,
                                     buckets=the run's allgather buckets, finite_check=True)
@@ -32,8 +32,8 @@ from __future__ import annotations
 import math
 import os
 
-from redsync_hvd import costmodel as cm
-from redsync_hvd.compressors.config import DECENTRALIZED
+from redsync_hvd.config import parse_compression
+from redsync_hvd.policy import costmodel as cm
 
 HOROVOD_DEFAULT_FUSION = 128 * 1024 * 1024
 ZERO = cm.ComputeModel(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
@@ -46,21 +46,11 @@ def fusion_bytes(env: dict | None = None) -> int:
 
 def wire_method(compression: dict | None) -> str:
     """The cost model's name for what a compressed layer of this method puts on the wire."""
-    c = compression or {"method": "none"}
-    m = c.get("method", "none")
-    if m == "redsync":
-        if c.get("index_coding", "raw") == "golomb":
-            return "golomb"
-        return {"sign_mean": "sign_mean", "fp16": "pairs_fp16"}.get(c.get("quantize", "sign_mean"), "pairs")
-    if m == "sbc":
-        return "golomb" if c.get("index_coding", "golomb") == "golomb" else "sign_mean"
-    if m in ("topk", "randomk"):
-        return "pairs"
-    if m == "iwp":
-        return "iwp"
-    if m in DECENTRALIZED:
+    config = parse_compression(compression or {"method": "none"})
+    named = {"none": "dense", "fp16": "dense_fp16", "iwp": "iwp"}
+    if config.strategy == "decentralized":
         return "decentralized"
-    return "dense_fp16" if m == "fp16" else "dense"
+    return named.get(config.method) or config.wire_format()
 
 
 def _density_for_bytes(n: int, nbytes: float, method: str) -> float:

@@ -125,9 +125,9 @@ def _train(spec, compression, rank, rhvd, comm_only=False):
         stats = opt.communication_stats()
         out["layers"] = [{"name": name, **v} for name, v in stats["layers"].items()]
         out["layer_decisions"] = opt.layer_decisions()
-        ex = getattr(opt, "_exchange", None)
+        ex = getattr(opt, "exchange", None)   # none for the decentralized optimizer
         # how compressed layers were grouped into allgathers (one header + one payload each)
-        out["buckets"] = [[l.name for l in b.layers] for b in getattr(ex, "_buckets", [])]
+        out["buckets"] = [[l.name for l in b.layers] for b in (ex.transport.buckets if ex is not None else [])]
         out["compression_ratio"] = stats["compression_ratio"]
     del opt, model
     return out

@@ -48,7 +48,7 @@ def main() -> None:
     opt = rhvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                     named_parameters=model.named_parameters(),
                                     compression={"method": "topk", "density": 0.1, "policy": {"min_compress_numel": 0}})
-    memory = opt._exchange.memory
+    memory = opt.exchange.memory
 
     def residual_hash() -> str:
         nonzero = sum(int(torch.count_nonzero(t)) for t in memory.residual.values())

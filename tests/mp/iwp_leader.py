@@ -14,7 +14,7 @@ opt = rhvd.DistributedOptimizer(
     compression={"method": "iwp", "density": 0.05, "policy": {"min_compress_numel": 1000}, "seed": 7},
 )
 rhvd.broadcast_parameters(model.state_dict(), root_rank=0)
-comp = opt._exchange.compressor
+comp = opt.exchange.compressor
 sent, inner = {}, comp.compress
 
 

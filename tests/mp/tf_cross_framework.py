@@ -46,7 +46,7 @@ def main(compression):
     t_opt = rhvd_torch.DistributedOptimizer(torch.optim.SGD(params.values(), lr=0.1, momentum=0.9),
                                             named_parameters=list(params.items()), compression=compression)
     t_log, t_out = [], []
-    record(t_opt._exchange.compressor, t_log)
+    record(t_opt.exchange.compressor, t_log)
     for s in range(steps):
         for n, p in params.items():
             p.grad = torch.from_numpy(grads[s][n].copy())
@@ -73,8 +73,8 @@ def main(compression):
         assert tape.exchange is ex
         f_out.append({n: torch.from_numpy(x.numpy()) for (n, _), x in zip(named, g)})
         k_opt.apply_gradients(zip(g, [v for _, v in named]))
-    assert tape.exchange.exchange.compressor is not t_opt._exchange.compressor   # two instances, one class
-    assert type(tape.exchange.exchange.compressor) is type(t_opt._exchange.compressor)
+    assert tape.exchange.exchange.compressor is not t_opt.exchange.compressor   # two instances, one class
+    assert type(tape.exchange.exchange.compressor) is type(t_opt.exchange.compressor)
 
     t_msgs = {(s, n): ts for s, n, ts in t_log}
     f_msgs = {(s, n): ts for s, n, ts in f_log}
@@ -91,7 +91,7 @@ def main(compression):
     for s in range(steps):
         for n, _ in SPEC:
             assert torch.allclose(t_out[s][n], f_out[s][n], atol=1e-6, rtol=1e-5), (s, n)
-    t_res = t_opt._exchange.state_dict()["memory"]
+    t_res = t_opt.exchange.state_dict()["memory"]
     f_res = tape.exchange.state_dict()["memory"]
     if t_res:
         for kind in t_res:
