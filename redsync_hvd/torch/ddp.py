@@ -181,6 +181,17 @@ class DDPCompressionState:
                     grad.copy_(flat.view(grad.shape))
             fut.set_result(buffer)
 
+    def set_grad_scaler(self, scaler) -> None:
+        """fp16 training with ``torch.amp.GradScaler``: buckets hold scaled gradients; residuals
+        keep unscaled values and a step that overflows on any rank leaves them as they were and
+        sets inf gradients, so ``scaler.step`` skips it. The fast path keeps no state: the
+        overflow reaches every rank's average and the scaler finds it there, so its own finite
+        check (which would raise) is turned off."""
+        if self.exchange is not None:
+            self.exchange.use_grad_scaler(scaler)
+        elif scaler.is_enabled():
+            self._check_dense = False
+
     # -- accessors -----------------------------------------------------------
     def communication_stats(self) -> dict:
         """Cumulative per-worker figures since start, as the Horovod optimizer reports them."""
