@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from launch import REPO, run_torch_script, summary, train
+from launch import REPO, plain, run_torch_script, summary, train
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from redsync_hvd.compressors import COMPRESSORS
@@ -308,3 +308,19 @@ def test_matching_launchers_and_engines_pass(capsys):
         assert engine_problem(load_config(REPO / "configs/digits/redsync.yaml", overrides), "x", environ) is None
     assert main(["--config", str(REPO / "configs/digits/sbc.yaml"), "--set", "engine=ddp"]) == 2
     assert "horovodrun" in capsys.readouterr().err
+
+
+def test_the_ddp_path_needs_no_horovod_and_horovods_functions_stay():
+    """``redsync_hvd.torch`` imports Horovod on first use of one of its functions: with Horovod
+    unimportable the hook, the runner and its DDP adapter still import, and ``rhvd.init``
+    names the DDP path; where Horovod is installed the functions are Horovod's own."""
+    code = ("import sys; sys.modules['horovod'] = None\n"
+            "import redsync_hvd.torch as rhvd, redsync_hvd.torch.ddp, redsync_hvd.train\n"
+            "from redsync_hvd.torch.training import DDPAdapter\n"
+            "try:\n    rhvd.init\nexcept ImportError as exc:\n"
+            "    assert 'redsync_hvd.torch.ddp' in str(exc), exc\n    print('OK without horovod')\n")
+    assert "OK without horovod" in plain(["-c", code], timeout=60).stdout
+    import horovod.torch as hvd
+
+    import redsync_hvd.torch as rhvd
+    assert rhvd.init is hvd.init and rhvd.Sum is hvd.Sum and rhvd.allgather_object is hvd.allgather_object

@@ -48,6 +48,12 @@ each gradient before it enters the velocity, and the optimizer then takes plain 
 on what arrives. Build the optimizer before calling :func:`register`: its param groups are
 edited (momentum, nesterov and weight_decay set to 0). Without ``optimizer`` a config that
 asks for momentum correction is refused with that fix.
+
+Mixed precision: bf16/fp16 gradients (autocast, or parameters of that dtype) enter the
+exchange as fp32 and the averages are written back into the buckets in their dtype;
+residuals stay fp32. With fp16 and ``torch.amp.GradScaler``, call
+``state.set_grad_scaler(scaler)`` once, then ``scaler.scale(loss).backward();
+scaler.step(opt); scaler.update()`` as usual (docs/ddp.md).
 """
 from __future__ import annotations
 
