@@ -1,21 +1,31 @@
-"""Train a model from a YAML config under horovodrun.
+"""Train a model from a YAML config, under horovodrun (``engine: horovod``, the default) or
+torchrun (``engine: ddp``).
 
     horovodrun -np 2 python -m redsync_hvd.train --config configs/digits/topk.yaml \
         [--set compression.density=0.01 --set training.epochs=5 ...]
+    torchrun --nproc_per_node 2 -m redsync_hvd.train --config configs/digits/topk.yaml --set engine=ddp
 
-``framework: torch`` (default) or ``framework: tensorflow`` picks the adapter; the loop itself
-is redsync_hvd/runner.py, the same for both.
+``framework: torch`` (default) or ``framework: tensorflow`` and ``engine`` pick the adapter;
+the loop itself is redsync_hvd/runner.py, the same for all. The engine comes from the config
+alone (it is part of the run's record and of its checkpoints); the launcher is only checked
+against it, so a config started by the other launcher stops with the command to use.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
 
 from .config import ConfigError, RunConfig, load_config
 from .data import build_datasets
+from .engine import refuse
 from .runner import run
+
+# what each launcher leaves in its workers' environment
+_TORCHRUN = ("TORCHELASTIC_RUN_ID",)
+_HOROVODRUN = ("HOROVOD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
 
 
 def parse_args(argv=None):
@@ -39,20 +49,59 @@ def main(argv=None, framework: str | None = None) -> int:
         print(f"error: {args.config} says framework: {cfg.framework}; this entry point trains framework: {framework} "
               f"configs (add `framework: {framework}` or --set framework={framework})", file=sys.stderr)
         return 2
+    problem = engine_problem(cfg, args.config, os.environ)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
-        adapter = _adapter(cfg.framework)
+        adapter = _adapter(cfg)
     except ImportError as exc:   # a torch-only install: redsync_hvd.tensorflow's message names the fix
         print(f"error: framework: {cfg.framework}: {exc}", file=sys.stderr)
         return 2
     return launch(cfg, adapter)
 
 
-def _adapter(framework: str):
-    if framework == "tensorflow":
+def launcher(environ) -> str | None:
+    """"torchrun", "horovodrun" (or mpirun), or None (a plain process), from the environment."""
+    if any(k in environ for k in _TORCHRUN):
+        return "torchrun"
+    if any(k in environ for k in _HOROVODRUN):
+        return "horovodrun"
+    return None
+
+
+def engine_problem(cfg: RunConfig, path: str, environ) -> str | None:
+    """What stops this config under this launcher before any process group starts (the same on
+    every rank), or None: 1. what engine: ddp cannot run; 2. a launcher that is not the engine's."""
+    if cfg.framework == "tensorflow" and cfg.training.precision != "fp32":
+        return (f"training.precision: {cfg.training.precision} runs with framework: torch; TensorFlow trains in "
+                "fp32 here (set training.precision: fp32)")
+    if cfg.engine == "ddp":                                                                  # 1.
+        if cfg.framework != "torch":
+            return (f"engine: ddp trains framework: torch models (torch.distributed); framework: {cfg.framework} "
+                    "trains under horovodrun with engine: horovod (the default)")
+        try:
+            refuse(cfg.compression, "torch", "ddp")
+        except ValueError as exc:
+            return str(exc)
+    started = launcher(environ)                                                              # 2.
+    if cfg.engine == "ddp" and started == "horovodrun":
+        return (f"{path} says engine: ddp (torch.distributed), but this process was started by horovodrun or "
+                f"mpirun. Start it with `torchrun --nproc_per_node N -m redsync_hvd.train --config {path}`, or "
+                "set engine: horovod (--set engine=horovod) to train under horovodrun")
+    if cfg.engine == "horovod" and started == "torchrun":
+        return (f"{path} says engine: horovod, but this process was started by torchrun, which Horovod does not "
+                "join (every process would train alone). Start it with `horovodrun -np N python -m "
+                f"redsync_hvd.train --config {path}`, or set engine: ddp (--set engine=ddp) to train under torchrun")
+    return None
+
+
+def _adapter(cfg: RunConfig):
+    if cfg.framework == "tensorflow":
         from .tensorflow.training import HorovodAdapter
-    else:
-        from .torch.training import HorovodAdapter
-    return HorovodAdapter()
+        return HorovodAdapter()
+    from .torch.training import DDPAdapter, HorovodAdapter
+    return DDPAdapter() if cfg.engine == "ddp" else HorovodAdapter()
 
 
 def launch(cfg: RunConfig, adapter) -> int:

@@ -2,7 +2,8 @@
 """DDP step time: plain DDP against redsync_hvd's hook registered as ``none``, on the same work.
 
     torchrun --standalone --nproc_per_node 2 scripts/bench_ddp_hook.py            # Gloo on CPU
-    torchrun --standalone --nproc_per_node 2 scripts/bench_ddp_hook.py --models cnn --rounds 15
+    torchrun --standalone --nproc_per_node 2 scripts/bench_ddp_hook.py --models cnn --rounds 15 \
+        --out docs/results/ddp_hook.md
 
 For each model, DDP copies (same weights, same synthetic batches, same SGD) train in rounds
 of ``--steps`` steps, one copy after the other in an order that rotates every round, so load
@@ -12,7 +13,9 @@ round gives each its mean step time (forward, backward with the reduction, optim
 after ``--warmup`` steps, and a ratio to plain DDP's time in the same round (1.00: no cost),
 in wall time and in CPU time (this process, all its threads: steadier than wall time when
 other jobs share the cores, since waiting costs none). Rank 0 prints the medians, the
-median ratios with their interquartile ranges over rounds, and the machine.
+median ratios with their interquartile ranges over rounds, and the machine, as a Markdown
+table; ``--out FILE`` also writes it there, with the command that made it. The target is a
+ratio within 1.05 for ``hook none`` (wall clock, on a machine with nothing else running).
 """
 from __future__ import annotations
 
@@ -107,6 +110,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", help="also write the table to this file (Markdown)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and os.environ.get("REDSYNC_BENCH_CPU") != "1"
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -115,15 +119,38 @@ def main() -> None:
         torch.cuda.set_device(device)
     rows = [(name, bench(name, args, device)) for name in args.models]
     if dist.get_rank() == 0:
-        print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-              f"torch {torch.__version__}, {dist.get_backend()} on {device.type}, {dist.get_world_size()} ranks, "
-              f"{args.rounds} rounds x {args.steps} steps")
-        print("| model | clock | variant | ms/step | / plain DDP (median, IQR over rounds) |")
-        print("|-------|-------|---------|---------|----------------------------------------|")
-        for name, results in rows:
-            for label, clock, ms, (q1, q2, q3) in results:
-                print(f"| {name} | {clock} | {label} | {ms:.2f} | {q2:.3f} ({q1:.3f}-{q3:.3f}) |")
+        text = "\n".join(table(rows, args, device)) + "\n"
+        print(text, end="")
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            command = f"torchrun --standalone --nproc_per_node {dist.get_world_size()} " + " ".join(sys.argv)
+            with open(args.out, "w") as f:
+                f.write(f"`{command}`\n\n{text}")
     dist.destroy_process_group()
+
+
+def machine(device) -> str:
+    """What ran it: host, CPU (model name from /proc/cpuinfo where there is one), cores, GPU."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
+    return f"{platform.node()}: {cpu}, {os.cpu_count()} cores{gpu}"
+
+
+def table(rows: list, args, device) -> list:
+    lines = [f"machine: {machine(device)}; torch {torch.__version__}, {dist.get_backend()} on {device.type}, "
+             f"{dist.get_world_size()} ranks, {args.rounds} rounds x {args.steps} steps (after {args.warmup})",
+             "",
+             "| model | clock | variant | ms/step | / plain DDP (median, IQR over rounds) |",
+             "|-------|-------|---------|---------|----------------------------------------|"]
+    for name, results in rows:
+        for label, clock, ms, (q1, q2, q3) in results:
+            lines.append(f"| {name} | {clock} | {label} | {ms:.2f} | {q2:.3f} ({q1:.3f}-{q3:.3f}) |")
+    return lines
 
 
 if __name__ == "__main__":

@@ -91,11 +91,16 @@ def run_script(name: str, *script_args, np: int = 2, timeout: float = 180, **kw)
 
 
 def train(out_dir, config: str, *overrides: str, np: int = 2, check: bool = True, timeout: float = 300,
-          module: str = "redsync_hvd.train") -> subprocess.CompletedProcess:
-    """``python -m <module> --config <config> --set output.dir=<out_dir> --set k=v ...`` on N workers."""
-    args = ["python", "-m", module, "--config", str(REPO / config), "--set", f"output.dir={out_dir}",
+          module: str = "redsync_hvd.train", launcher: str = "horovodrun") -> subprocess.CompletedProcess:
+    """``python -m <module> --config <config> --set output.dir=<out_dir> --set k=v ...`` on N workers,
+    under ``launcher``: horovodrun, torchrun, or python (one plain process, ``np`` ignored)."""
+    args = ["-m", module, "--config", str(REPO / config), "--set", f"output.dir={out_dir}",
             "--set", "training.progress=false", *sum((["--set", o] for o in overrides), [])]
-    return horovodrun(args, np=np, check=check, timeout=timeout)
+    if launcher == "torchrun":
+        return torchrun(args, nproc=np, check=check, timeout=timeout)
+    if launcher == "python":
+        return plain(args, check=check, timeout=timeout)
+    return horovodrun(["python", *args], np=np, check=check, timeout=timeout)
 
 
 def summary(folder) -> dict:
@@ -109,7 +114,15 @@ def torchrun(args: list, nproc: int = 2, timeout: float = 120, env: dict | None 
     """Run ``torchrun --standalone --nproc_per_node N <args>`` (args: a script and its arguments,
     or ["-m", module, ...]) with the same hard timeout and session kill as :func:`horovodrun`."""
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(nproc)]
-    cmd += [str(a) for a in args]
+    return _run(cmd + [str(a) for a in args], "torchrun", timeout, env, check)
+
+
+def plain(args: list, timeout: float = 120, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``python <args>`` as one process, no launcher, with the same timeout and session kill."""
+    return _run([sys.executable] + [str(a) for a in args], "python", timeout, env, check)
+
+
+def _run(cmd: list, what: str, timeout: float, env: dict | None, check: bool) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
                 "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -119,10 +132,10 @@ def torchrun(args: list, nproc: int = 2, timeout: float = 120, env: dict | None 
     except subprocess.TimeoutExpired:
         _kill_session(proc.pid)
         out, _ = proc.communicate()
-        raise AssertionError(f"torchrun timed out after {timeout}s (hang?): {' '.join(cmd)}\n{out[-4000:]}") from None
+        raise AssertionError(f"{what} timed out after {timeout}s (hang?): {' '.join(cmd)}\n{out[-4000:]}") from None
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
     if check and proc.returncode != 0:
-        raise AssertionError(f"torchrun failed with exit code {proc.returncode}: {' '.join(cmd)}\n{out[-6000:]}")
+        raise AssertionError(f"{what} failed with exit code {proc.returncode}: {' '.join(cmd)}\n{out[-6000:]}")
     return result
 
 

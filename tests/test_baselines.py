@@ -160,6 +160,7 @@ def _power_steps(matrix, rank, steps, comm=None):
         msg = comp.compress(matrix.reshape(-1), lay, step)
         out = torch.zeros(matrix.numel())
         comp.decompress_add(out, msg.tensors, lay, 1.0, msg.ctx)
+        comp.commit()   # as the exchange does once every rank finished the step
         outs.append(out.view_as(matrix))
     return comp, outs
 
@@ -194,6 +195,7 @@ def test_powersgd_recovers_after_an_all_zero_gradient():
         msg = comp.compress(x, lay, step)
         out = torch.zeros(600)
         comp.decompress_add(out, msg.tensors, lay, 1.0, msg.ctx)
+        comp.commit()
         assert torch.isfinite(out).all()
     assert (out.view(30, 20) - matrix).norm() / matrix.norm() < 1e-5   # not stuck at zero
 
@@ -221,6 +223,7 @@ def test_powersgd_message_ctx_state_dict_and_missing_ctx():
     with pytest.raises(RuntimeError, match="ctx"):
         comp.decompress_add(torch.zeros(64 * 32), msg.tensors, lay)
     comp.decompress_add(torch.zeros(64 * 32), msg.tensors, lay, 1.0, msg.ctx)
+    comp.commit()
     saved = comp.state_dict()
     twin = PowerSGDCompressor(PowerSGDConfig(rank=2), LocalCommunicator(1))
     twin.load_state_dict(saved)

@@ -1,4 +1,5 @@
-"""The DDP engine: the torch.distributed communicator and the communication hook.
+"""The DDP engine: the torch.distributed communicator, the communication hook, and the YAML
+runner with ``engine: ddp``.
 
 Multi-worker behaviour runs under real ``torchrun --nproc_per_node 2`` with Gloo (a few
 seconds per launch); refusals run in this process on a one-rank Gloo group."""
@@ -7,10 +8,11 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from launch import run_torch_script
+from launch import REPO, plain, run_torch_script, summary, train
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from redsync_hvd.compressors import COMPRESSORS
+from redsync_hvd.config import load_config
 
 
 def test_communicator_uneven_allgather_and_every_collective():
@@ -154,3 +156,171 @@ def test_momentum_correction_takes_momentum_and_decay_out_of_the_optimizer(one_r
     loss.backward()
     assert state.communication_stats()["steps"] == 1
     assert [d["compressed"] for d in state.layer_decisions()] == [True] * 4
+
+
+def test_pure_low_precision_parameters_get_gradients_in_their_dtype(one_rank):
+    """bf16 and fp16 parameters: DDP's buckets hold that dtype; the exchange works in fp32 and
+    writes the averages back in it (the fast path reduces the buffer as DDP does)."""
+    from redsync_hvd.torch import ddp as rddp
+    for dtype in (torch.bfloat16, torch.float16):
+        for compression in ({"method": "topk", "density": 0.5, "policy": {"min_compress_numel": 0}},
+                            {"method": "none"}):
+            model = DDP(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)).to(dtype))
+            state = rddp.register(model, compression)
+            model(torch.randn(5, 4, dtype=dtype)).float().square().sum().backward()
+            grads = [p.grad for p in model.parameters()]
+            assert all(g.dtype == dtype and g.abs().sum() > 0 for g in grads), (dtype, compression)
+            if state.exchange is not None:
+                assert all(r.dtype == torch.float32 for r in state.exchange.memory.residual.values())
+
+
+def test_grad_scaler_skips_an_overflow_step_and_the_residuals_stay(one_rank):
+    """fp16 autocast with a GradScaler through the hook: a scale that overflows fp16 gives inf
+    gradients, the scaler skips the step, residuals and velocities stay; the next step trains.
+    The fast path with check_finite set leaves overflows to the scaler instead of raising."""
+    from redsync_hvd.torch import ddp as rddp
+    for compression in ({"method": "redsync", "density": 0.5, "policy": {"min_compress_numel": 0}},
+                        {"method": "none", "check_finite": True}):
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        state = rddp.register(model, compression, optimizer=opt)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        state.set_grad_scaler(scaler)
+        memory = state.exchange.memory if state.exchange is not None else None
+        for step in range(3):
+            if step > 0:   # fp16 backward overflows at 2**40; then back to a scale that fits
+                scaler.update(new_scale=2.0 ** 40 if step == 1 else 2.0 ** 8)
+            kept = {k: v.clone() for k, v in getattr(memory, "residual", {}).items()}
+            weights = [p.detach().clone() for p in model.parameters()]
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(5, 4)).float().square().sum()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            same = all(torch.equal(a, p) for a, p in zip(weights, model.parameters()))
+            assert same == (step == 1), (compression["method"], step)
+            if step == 1 and memory is not None:
+                assert kept and all(torch.equal(kept[k], memory.residual[k]) for k in kept)
+        if state.exchange is not None:
+            assert state.exchange.step == 2
+
+
+
+# -- the YAML runner with engine: ddp ------------------------------------------------
+# RedSync with momentum correction (the hook takes the optimizer's momentum), in bf16 autocast;
+# lr 0.2: at the digits configs' 0.05 the CNN is still at chance after 40 steps
+RUN = ["training.steps=40", "training.eval_every=20", "training.precision=bf16", "optimizer.lr=0.2",
+       "compression.dgc.momentum_correction=true"]
+
+
+def _checkpoint(folder, rank):
+    return torch.load(folder / f"checkpoint-rank{rank}.pt", weights_only=False)
+
+
+def _same_state(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{what}: {k}"
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    """The digits CNN under torchrun --nproc_per_node 2, Gloo, checkpoints every 20 steps."""
+    out = tmp_path_factory.mktemp("ddp_runs")
+    train(out, "configs/digits/redsync.yaml", *RUN, "engine=ddp", "training.checkpoint_every=20", "output.name=ddp",
+          launcher="torchrun", timeout=240)
+    return out
+
+
+def test_runner_under_torchrun_trains_as_the_horovod_engine_bit_for_bit(ddp_run):
+    """The same config under horovodrun (engine: horovod, bf16 as well) ends with the same weights,
+    residuals, velocities and figures: the engines differ only in who carries the bytes."""
+    train(ddp_run, "configs/digits/redsync.yaml", *RUN, "output.name=horovod", timeout=240)
+    a, b = summary(ddp_run / "ddp"), summary(ddp_run / "horovod")
+    assert a["final_accuracy"] > 0.3 and a["steps"] == 40 and a["workers"] == 2, a
+    for key in ("final_accuracy", "final_loss", "wire_bytes", "dense_bytes"):
+        assert a[key] == b[key], (key, a[key], b[key])
+    for rank in (0, 1):
+        d, h = _checkpoint(ddp_run / "ddp", rank), _checkpoint(ddp_run / "horovod", rank)
+        assert d["engine"] == "ddp" and h["engine"] == "horovod"
+        _same_state(d["model"], h["model"], "weights")
+        mine, theirs = d["compression"]["exchange"]["memory"], h["optimizer"]["redsync"]["memory"]
+        _same_state(mine["residual"], theirs["residual"], "residuals")
+        _same_state(mine["velocity"], theirs["velocity"], "velocities")
+        assert any(v.abs().sum() > 0 for v in mine["residual"].values())
+
+
+def test_runner_resumes_under_torchrun_bit_for_bit(ddp_run):
+    train(ddp_run, "configs/digits/redsync.yaml", *RUN, "engine=ddp", "output.name=resumed",
+          f"training.resume={ddp_run}/ddp/checkpoint-step20-rank{{rank}}.pt", launcher="torchrun", timeout=240)
+    assert summary(ddp_run / "resumed")["wire_bytes"] == summary(ddp_run / "ddp")["wire_bytes"]
+    for rank in (0, 1):
+        a, b = _checkpoint(ddp_run / "ddp", rank), _checkpoint(ddp_run / "resumed", rank)
+        assert a["step"] == b["step"] == 40
+        _same_state(a["model"], b["model"], "weights")
+        for part in ("residual", "velocity"):
+            _same_state(a["compression"]["exchange"]["memory"][part], b["compression"]["exchange"]["memory"][part],
+                        part)
+        assert a["scheduler"] == b["scheduler"]
+
+
+def test_runner_without_a_launcher_trains_one_process_in_fp16(tmp_path):
+    """``python -m redsync_hvd.train`` with engine: ddp and no torchrun: a group of one process;
+    fp16 autocast with its GradScaler, whose state is checkpointed."""
+    train(tmp_path, "configs/digits/redsync.yaml", "engine=ddp", "training.precision=fp16", "training.steps=30",
+          "optimizer.lr=0.2", "output.name=alone", launcher="python", timeout=180)
+    s = summary(tmp_path / "alone")
+    assert s["workers"] == 1 and s["steps"] == 30 and s["final_accuracy"] > 0.3, s
+    blob = _checkpoint(tmp_path / "alone", 0)
+    assert blob["scaler"]["scale"] > 0 and "compression" in blob
+    assert all(torch.isfinite(v).all() for v in blob["compression"]["exchange"]["memory"]["residual"].values())
+
+
+def test_a_config_started_by_the_other_launcher_stops_with_the_command(tmp_path):
+    res = train(tmp_path, "configs/digits/dense.yaml", launcher="torchrun", check=False, timeout=120)
+    assert res.returncode != 0 and res.stdout.count("says engine: horovod, but this process was started by torchrun") \
+        == 2 and "horovodrun -np N python -m redsync_hvd.train" in res.stdout, res.stdout[-3000:]
+
+
+@pytest.mark.parametrize("overrides, environ, words", [
+    (["engine=ddp"], {"OMPI_COMM_WORLD_SIZE": "2"}, ["engine: ddp", "torchrun --nproc_per_node N", "engine=horovod"]),
+    (["engine=ddp"], {"HOROVOD_RANK": "0"}, ["started by horovodrun"]),
+    ([], {"TORCHELASTIC_RUN_ID": "x"}, ["started by torchrun", "horovodrun -np N", "engine=ddp"]),
+    (["engine=ddp", "compression.method=sbc"], {}, ["local steps", "engine: horovod"]),
+    (["engine=ddp", "compression.method=dcd"], {"TORCHELASTIC_RUN_ID": "x"}, ["decentralized", "engine: horovod"]),
+    (["engine=ddp", "framework=tensorflow"], {}, ["framework: torch", "horovodrun", "engine: horovod"]),
+    (["training.precision=bf16", "framework=tensorflow"], {}, ["framework: torch", "fp32"]),
+])
+def test_what_the_engine_or_launcher_cannot_run_is_named_before_any_process_group(overrides, environ, words):
+    from redsync_hvd.train import engine_problem
+    cfg = load_config(REPO / "configs/digits/dense.yaml", overrides)
+    problem = engine_problem(cfg, "dense.yaml", environ)
+    assert problem is not None, overrides
+    for word in words:
+        assert word in problem, problem
+
+
+def test_matching_launchers_and_engines_pass(capsys):
+    from redsync_hvd.train import engine_problem, main
+    for overrides, environ in (([], {}), ([], {"OMPI_COMM_WORLD_SIZE": "2"}), (["engine=ddp"], {}),
+                               (["engine=ddp"], {"TORCHELASTIC_RUN_ID": "x"})):
+        assert engine_problem(load_config(REPO / "configs/digits/redsync.yaml", overrides), "x", environ) is None
+    assert main(["--config", str(REPO / "configs/digits/sbc.yaml"), "--set", "engine=ddp"]) == 2
+    assert "horovodrun" in capsys.readouterr().err
+
+
+def test_the_ddp_path_needs_no_horovod_and_horovods_functions_stay():
+    """``redsync_hvd.torch`` imports Horovod on first use of one of its functions: with Horovod
+    unimportable the hook, the runner and its DDP adapter still import, and ``rhvd.init``
+    names the DDP path; where Horovod is installed the functions are Horovod's own."""
+    code = ("import sys; sys.modules['horovod'] = None\n"
+            "import redsync_hvd.torch as rhvd, redsync_hvd.torch.ddp, redsync_hvd.train\n"
+            "from redsync_hvd.torch.training import DDPAdapter\n"
+            "try:\n    rhvd.init\nexcept ImportError as exc:\n"
+            "    assert 'redsync_hvd.torch.ddp' in str(exc), exc\n    print('OK without horovod')\n")
+    assert "OK without horovod" in plain(["-c", code], timeout=60).stdout
+    import horovod.torch as hvd
+
+    import redsync_hvd.torch as rhvd
+    assert rhvd.init is hvd.init and rhvd.Sum is hvd.Sum and rhvd.allgather_object is hvd.allgather_object

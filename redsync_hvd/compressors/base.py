@@ -115,6 +115,12 @@ class Compressor(ABC):
         """Messages for several layers at once (``selects_by_bucket``); per layer by default."""
         return [self.compress(x, layer, step) for x, layer in zip(xs, layers)]
 
+    def commit(self) -> None:  # noqa: B027 (stateless compressors keep nothing)
+        """Every rank finished the step: keep the state it changed (PowerSGD's warm Q)."""
+
+    def rollback(self) -> None:  # noqa: B027 (stateless compressors keep nothing)
+        """The step failed or a GradScaler skips it: forget the state it changed, as the memory does."""
+
     def state_dict(self) -> dict:
         return {}
 

@@ -42,8 +42,10 @@ Gram-Schmidt (torch divides by a zero norm and gets NaN), and a warm Q column th
 zero restarts from a fresh draw (torch's would stay zero, or NaN, for good); before
 ``start_iter`` the residual keeps x - mean(x) (torch keeps no error then): that residual
 sums to zero over workers and PowerSGD sees workers only through sums, so it changes
-rounding only. The warm Q is taken when the averaged message is decoded; a step that fails
-after that keeps it (it is only a starting point; residuals still roll back).
+rounding only. The averaged Q decoded in a step becomes the warm start only when the step
+commits (``commit``): a step that fails, or that a GradScaler skips because its gradients
+overflowed, leaves the warm Q and the seed sequence as they were (``rollback``), as the
+residuals are left.
 """
 from __future__ import annotations
 
@@ -87,9 +89,11 @@ class PowerSGDCompressor(Compressor):
     def __init__(self, config=None, comm=None):
         super().__init__(config if config is not None else PowerSGDConfig())
         self.comm = comm            # set by the exchange: the P allreduce happens inside compress
-        self._q: dict = {}          # warm start: each layer's last averaged Q
+        self._q: dict = {}          # warm start: each layer's last averaged Q (of a committed step)
+        self._next: dict = {}       # this step's averaged Qs, the warm start once it commits
         self._rng = np.random.RandomState(self.config.seed)
         self._draw = None           # (step, generator): this step's shared seed for first draws
+        self._rng_before = None     # the seed sequence before this step's draw, for rollback
 
     def wire_dtypes(self, layer: Layer) -> tuple:
         return (torch.float32,)
@@ -138,9 +142,8 @@ class PowerSGDCompressor(Compressor):
         q = self._q.get(layer.name) if self.config.warm_start else None
         if q is None or q.shape != (m, r):
             q = torch.randn(m, r, generator=self._generator(step)).to(device)
-            if self.config.warm_start:
-                self._q[layer.name] = q
         else:
+            q = q.clone()   # the warm start changes only when the step commits
             self._revive(q, layer, step)
         return orthogonalize(q, self.config.orthogonalization, self.config.orthogonalization_epsilon)
 
@@ -157,15 +160,23 @@ class PowerSGDCompressor(Compressor):
         """One seed per step for every Q drawn in it, the same on every worker (torch's hook
         draws one per bucket)."""
         if self._draw is None or self._draw[0] != step:
+            if self._rng_before is None:
+                self._rng_before = self._rng.get_state()
             self._draw = (step, torch.Generator().manual_seed(int(self._rng.randint(1_000_000_000))))
         return self._draw[1]
 
     def _remember(self, name: str, q: torch.Tensor) -> None:
-        kept = self._q.get(name)
-        if kept is None or kept.shape != q.shape or kept.device != q.device:
-            self._q[name] = q.clone()
-        elif kept.data_ptr() != q.data_ptr():
-            kept.copy_(q)
+        self._next[name] = q.clone()   # q is the collective's buffer, reused next step
+
+    def commit(self) -> None:
+        self._q.update(self._next)
+        self._next, self._rng_before = {}, None
+
+    def rollback(self) -> None:
+        self._next = {}
+        if self._rng_before is not None:   # the retried step draws what this one drew
+            self._rng.set_state(self._rng_before)
+            self._draw = self._rng_before = None
 
     # -- checkpoints ----------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -175,4 +186,4 @@ class PowerSGDCompressor(Compressor):
         self._q = {k: v.detach().clone() for k, v in state.get("q", {}).items()}
         if "rng" in state:
             self._rng.set_state(state["rng"])
-        self._draw = None
+        self._draw, self._next, self._rng_before = None, {}, None

@@ -75,6 +75,9 @@ class TrainingConfig(_Section):
     resume: Optional[str] = Field(None, description="checkpoint file to resume from")
     progress: bool = Field(True, description="tqdm progress bar on rank 0")
     threads: Optional[int] = Field(None, gt=0, description="torch threads per worker (default: cores / local workers)")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="fp32 | bf16 | fp16: forward and backward under torch.autocast in that type; fp16 "
+                            "adds a GradScaler. Parameters, residuals and the update stay fp32 (framework: torch)")
 
 
 class OutputConfig(_Section):
@@ -85,6 +88,9 @@ class OutputConfig(_Section):
 class RunConfig(_Section):
     framework: Literal["torch", "tensorflow"] = Field("torch", description="torch | tensorflow (digits mlp/cnn; "
                                                                           "docs/tensorflow.md)")
+    engine: Literal["horovod", "ddp"] = Field(
+        "horovod", description="horovod (launch with horovodrun) | ddp (torch.distributed: launch with torchrun; "
+                               "Gloo on CPU, NCCL on CUDA; docs/ddp.md)")
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)

@@ -41,7 +41,8 @@ class GradientExchange:
     memory: residual memory for compressed layers (None: no error feedback).
     check_finite: agree across ranks that the step was finite (else every rank raises).
     on_nonfinite: "raise" (NonFiniteGradientError) | "skip": roll back and return gradients
-        filled with inf, so a GradScaler skips the step (fp16 training).
+        filled with inf, so a GradScaler skips the step (fp16 training; :meth:`use_grad_scaler`
+        sets it).
     clip_norm: DGC's local clipping; each worker's share of the norm is clip_norm * N**-0.5.
     grads_writable: the caller's gradients may be reduced in place (the torch adapter's .grad).
     """
@@ -65,6 +66,7 @@ class GradientExchange:
         self.grads_writable = grads_writable
         self.clip = clip_norm * comm.size ** -0.5 if clip_norm else None
         self.grad_scale = None   # a GradScaler's scale: residuals keep unscaled values
+        self.scaler = None       # where the scale comes from, once per step (use_grad_scaler)
         self.stats = CommStats()
         self.step = 0
         self.applied: list = []
@@ -91,12 +93,31 @@ class GradientExchange:
         """(compressor, memory) of a layer: dense layers skip both (their residual would stay 0)."""
         return (self.compressor, self.memory) if layer.compressed else (self.dense, NoMemory())
 
+    def use_grad_scaler(self, scaler) -> None:
+        """Gradients arrive multiplied by ``scaler``'s scale (``torch.amp.GradScaler``, fp16).
+
+        1. each step, with its first gradient, the scale is taken as a device tensor
+           (``scaler.scale(1)``: no host read) into ``grad_scale``: ``_prepare`` divides by it,
+           so residuals and the wire hold unscaled values;
+        2. the averages are multiplied by it again, so the scaler's ``unscale_`` is right;
+        3. an overflow (inf/NaN on any rank) rolls the memories back and returns inf-filled
+           gradients (``on_nonfinite="skip"``): the scaler skips the step and lowers its scale.
+        """
+        if not scaler.is_enabled():
+            return   # it scales nothing
+        if not self.check_finite:
+            raise ValueError("a GradScaler skips the steps whose gradients overflow, and the exchange must roll "
+                             "its residuals back on those steps: set compression.check_finite: true (the default)")
+        self.scaler, self.on_nonfinite = scaler, "skip"
+
     # -- per layer, from the hook ----------------------------------------------------------
     def submit(self, name: str, grad: torch.Tensor) -> None:
         layer = self.layers[name]
         if name in self.state.submitted:
             raise RuntimeError(f"gradient of {name!r} submitted twice in one step; call step() or "
                                "synchronize() between backward passes, or raise backward_passes_per_step")
+        if self.scaler is not None and not self.state.submitted:   # the step's first gradient
+            self.grad_scale = self.scaler.scale(torch.ones((), device=grad.device))
         self.state.submitted.add(name)
         if layer.compressed and self.compressor.blocking:
             # it waits on a collective inside compress: run in the fixed layer order in finish(), as
@@ -191,6 +212,7 @@ class GradientExchange:
         missing = self.missing()
         if missing:
             raise RuntimeError(f"finish() before gradients of {missing[:5]} were submitted")
+        self.applied = []   # a skipped step applies nothing
         try:
             for name in [n for n in self.order if n in self.state.deferred]:
                 self._stage(self.layers[name], self.state.deferred.pop(name))
@@ -204,6 +226,7 @@ class GradientExchange:
             self.abort()
             raise
         self.memory.commit()
+        self.compressor.commit()
         self._end_step()
         return out
 
@@ -252,8 +275,10 @@ class GradientExchange:
         self.applied = sorted({layer.name for layer, _, _ in updates})
 
     def abort(self) -> None:
-        """Drop this step: the memories roll back, the step's figures are discarded."""
+        """Drop this step: the memories (and the compressor's state) roll back, the step's figures
+        are discarded."""
         self.memory.rollback()
+        self.compressor.rollback()
         self.state = StepState()
         self.stats.step.clear()
 

@@ -48,6 +48,12 @@ each gradient before it enters the velocity, and the optimizer then takes plain 
 on what arrives. Build the optimizer before calling :func:`register`: its param groups are
 edited (momentum, nesterov and weight_decay set to 0). Without ``optimizer`` a config that
 asks for momentum correction is refused with that fix.
+
+Mixed precision: bf16/fp16 gradients (autocast, or parameters of that dtype) enter the
+exchange as fp32 and the averages are written back into the buckets in their dtype;
+residuals stay fp32. With fp16 and ``torch.amp.GradScaler``, call
+``state.set_grad_scaler(scaler)`` once, then ``scaler.scale(loss).backward();
+scaler.step(opt); scaler.update()`` as usual (docs/ddp.md).
 """
 from __future__ import annotations
 
@@ -180,6 +186,17 @@ class DDPCompressionState:
                 if flat.data_ptr() != grad.data_ptr():
                     grad.copy_(flat.view(grad.shape))
             fut.set_result(buffer)
+
+    def set_grad_scaler(self, scaler) -> None:
+        """fp16 training with ``torch.amp.GradScaler``: buckets hold scaled gradients; residuals
+        keep unscaled values and a step that overflows on any rank leaves them as they were and
+        sets inf gradients, so ``scaler.step`` skips it. The fast path keeps no state: the
+        overflow reaches every rank's average and the scaler finds it there, so its own finite
+        check (which would raise) is turned off."""
+        if self.exchange is not None:
+            self.exchange.use_grad_scaler(scaler)
+        elif scaler.is_enabled():
+            self._check_dense = False
 
     # -- accessors -----------------------------------------------------------
     def communication_stats(self) -> dict:

@@ -44,6 +44,9 @@ class _DecentralizedOptimizer(torch.optim.Optimizer):
     def synchronize(self):
         pass
 
+    def set_grad_scaler(self, scaler):
+        pass   # the gradients stay local: the scaler checks them itself
+
     @contextmanager
     def skip_synchronize(self):
         yield

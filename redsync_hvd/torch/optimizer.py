@@ -80,9 +80,26 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """How each layer travels (compressed or dense, density, and why), decided once at start."""
         return self._exchange.layer_decisions()
 
+    def set_grad_scaler(self, scaler) -> None:
+        """fp16 training with ``torch.amp.GradScaler``: the hooks see scaled gradients; residuals
+        keep unscaled values, and a step whose gradients overflow on any rank leaves them as they
+        were and hands the scaler inf gradients, so it skips the step. Step with
+
+            scaler.scale(loss).backward(); opt.synchronize()
+            with opt.skip_synchronize(): scaler.step(opt)
+            scaler.update()
+        """
+        if self._sparse_update:
+            raise ValueError("compression.sparse_update updates the weights inside step(), before a GradScaler "
+                             "could skip an overflowing step: set sparse_update: false to train with fp16")
+        if not self._local_steps:   # SBC's local steps see local gradients, which the scaler checks itself
+            self._exchange.use_grad_scaler(scaler)
+
     def synchronize(self):
-        """Finish this step's exchange and write the averaged gradients into ``.grad``."""
-        self._synchronize(apply_sparse=False)
+        """Finish this step's exchange and write the averaged gradients into ``.grad`` (SBC:
+        nothing, its exchange follows the local steps)."""
+        if not self._local_steps:
+            self._synchronize(apply_sparse=False)
 
     def _synchronize(self, apply_sparse: bool):
         """``apply_sparse`` (``sparse_update``, from ``step()``): layers that travelled sparse are

@@ -1,16 +1,38 @@
-"""The YAML runner's PyTorch side: model, optimizer and one training step (runner.py owns the loop)."""
+"""The YAML runner's PyTorch side: model, optimizer and one training step (runner.py owns the loop).
+
+One trainer, two engines (``engine:`` in the config), each an adapter that starts the process
+and says how gradients travel:
+
+- :class:`HorovodAdapter` (``engine: horovod``, under horovodrun): the optimizer is wrapped by
+  :func:`redsync_hvd.torch.DistributedOptimizer`;
+- :class:`DDPAdapter` (``engine: ddp``, under torchrun): torch.distributed (Gloo on CPU, NCCL
+  on CUDA), the model in ``DistributedDataParallel`` with :func:`redsync_hvd.torch.ddp.register`'s
+  communication hook.
+
+``training.precision`` runs forward and backward under ``torch.autocast`` (bf16 or fp16;
+parameters and the update stay fp32); fp16 adds a ``torch.amp.GradScaler``, handed to the
+exchange (``set_grad_scaler``) so residuals keep unscaled values and an overflowing step
+leaves them untouched.
+"""
 from __future__ import annotations
 
+import atexit
 import os
+import warnings
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset, default_collate
 
 from ..config import RunConfig
 from ..models import build_model
 from ..runner import lr_factor
+from . import ddp as rddp
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def loss_and_correct(model, x, y, task):
@@ -30,56 +52,143 @@ def build_optimizer(cfg: RunConfig, model, size):
                            weight_decay=o.weight_decay)
 
 
+def autocast(precision: str, device: torch.device):
+    """Forward (and so backward) in ``precision``; fp32: no autocast at all."""
+    if precision == "fp32":
+        return nullcontext()
+    return torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision])
+
+
+def _threads(cfg: RunConfig, local_workers: int) -> None:
+    # workers sharing a host split its cores; oversubscribed intra-op threads thrash
+    torch.set_num_threads(cfg.training.threads or max(1, (os.cpu_count() or 1) // max(1, local_workers)))
+
+
 class HorovodAdapter:
-    """Start-up of a PyTorch process under horovodrun."""
-    framework = "torch"
+    """Start-up of a PyTorch process under horovodrun (``engine: horovod``)."""
+    framework, engine = "torch", "horovod"
 
     def __init__(self):
         import redsync_hvd.torch as rhvd
         self.rhvd = rhvd
+        self.device = torch.device("cpu")
 
     def init(self, cfg: RunConfig) -> tuple:
         self.rhvd.init()
-        # workers sharing a host split its cores; oversubscribed intra-op threads thrash
-        torch.set_num_threads(cfg.training.threads or max(1, (os.cpu_count() or 1) // self.rhvd.local_size()))
+        _threads(cfg, self.rhvd.local_size())
         return self.rhvd.rank(), self.rhvd.size()
 
     def allgather_object(self, obj, name: str):
         return self.rhvd.allgather_object(obj, name=name)
 
     def trainer(self, cfg: RunConfig, data, rank: int, size: int) -> "TorchTrainer":
-        return TorchTrainer(cfg, data, rank, size, self.rhvd)
+        return TorchTrainer(cfg, data, rank, size, self)
+
+    def distribute(self, cfg: RunConfig, model, opt) -> tuple:
+        """(module the forward runs through, optimizer that steps, what counts the communication)."""
+        opt = self.rhvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                             compression=cfg.compression.model_dump())
+        self.rhvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        self.rhvd.broadcast_optimizer_state(opt, root_rank=0)
+        return model, opt, opt
+
+    def optimizer_step(self, opt, scaler) -> None:
+        if not scaler.is_enabled():
+            opt.step()
+            return
+        opt.synchronize()   # the averages reach .grad before the scaler unscales and checks them
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.rhvd.allreduce(tensor, op=self.rhvd.Sum, name="rsync.eval")
+
+
+class DDPAdapter:
+    """Start-up of a PyTorch process under torchrun (``engine: ddp``): torch.distributed."""
+    framework, engine = "torch", "ddp"
+
+    def __init__(self):
+        self.device = torch.device("cpu")
+
+    def init(self, cfg: RunConfig) -> tuple:
+        """1. the device: ``cuda:LOCAL_RANK`` where CUDA is available (NCCL), else the CPU (Gloo);
+        2. the process group from torchrun's environment (``env://``); started without a
+           launcher (no ``WORLD_SIZE``), a group of this one process;
+        3. torch threads: this host's cores shared by its workers."""
+        cuda = torch.cuda.is_available()
+        if cuda:                                                                               # 1.
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(self.device)
+        backend = "nccl" if cuda else "gloo"
+        if "WORLD_SIZE" in os.environ:                                                         # 2.
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        atexit.register(dist.destroy_process_group)
+        _threads(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))                              # 3.
+        return dist.get_rank(), dist.get_world_size()
+
+    def allgather_object(self, obj, name: str):
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+    def trainer(self, cfg: RunConfig, data, rank: int, size: int) -> "TorchTrainer":
+        return TorchTrainer(cfg, data, rank, size, self)
+
+    def distribute(self, cfg: RunConfig, model, opt) -> tuple:
+        """DDP broadcasts rank 0's weights as it wraps the model; the hook takes the optimizer's
+        momentum and weight decay when the config asks for momentum correction."""
+        ddp = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        state = rddp.register(ddp, compression=cfg.compression.model_dump(), optimizer=opt)
+        return ddp, opt, state
+
+    def optimizer_step(self, opt, scaler) -> None:
+        scaler.step(opt)   # a disabled scaler just steps
+        scaler.update()
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.to(self.device)
+        dist.all_reduce(out)
+        return out.cpu()
 
 
 class TorchTrainer:
     framework = "torch"
 
-    def __init__(self, cfg: RunConfig, data, rank: int, size: int, rhvd):
-        self.cfg, self.data, self.rank, self.size, self.rhvd = cfg, data, rank, size, rhvd
+    def __init__(self, cfg: RunConfig, data, rank: int, size: int, adapter):
+        self.cfg, self.data, self.rank, self.size, self.adapter = cfg, data, rank, size, adapter
+        self.engine, self.device = adapter.engine, adapter.device
         self.task, self.train_size = data.task, len(data.train)
-        self.model = build_model(cfg.model.name, data.num_classes, data.input_shape, **cfg.model.options)
-        base = build_optimizer(cfg, self.model, size)
-        self.opt = rhvd.DistributedOptimizer(base, named_parameters=self.model.named_parameters(),
-                                             compression=cfg.compression.model_dump())
-        rhvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
-        rhvd.broadcast_optimizer_state(self.opt, root_rank=0)
+        self.net = build_model(cfg.model.name, data.num_classes, data.input_shape, **cfg.model.options).to(self.device)
+        # model: what the forward runs through (the DDP wrapper); comm: what reports the exchange
+        self.model, self.opt, self.comm = adapter.distribute(cfg, self.net, build_optimizer(cfg, self.net, size))
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.training.precision == "fp16")
+        if self.scaler.is_enabled():
+            self.comm.set_grad_scaler(self.scaler)
+            # the scaler skips steps that overflow (the first ones, while it finds its scale)
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
         self.sched = None
 
     def set_steps_per_epoch(self, steps: int) -> None:
-        self.opt.set_steps_per_epoch(steps)
+        self.comm.set_steps_per_epoch(steps)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_factor(self.cfg, steps))
 
     def _batch(self, indices: torch.Tensor):
         ds = self.data.train
         items = ds.__getitems__(indices.tolist()) if hasattr(ds, "__getitems__") else [ds[i] for i in indices.tolist()]
-        return default_collate(items)
+        x, y = default_collate(items)
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def step(self, indices: torch.Tensor, step: int) -> tuple:
         x, y = self._batch(indices)
-        loss, correct, n = loss_and_correct(self.model, x, y, self.task)
+        with autocast(self.cfg.training.precision, self.device):
+            loss, correct, n = loss_and_correct(self.model, x, y, self.task)
         self.opt.zero_grad()
-        loss.backward()
-        self.opt.step()
+        self.scaler.scale(loss).backward()   # a disabled scaler returns the loss itself
+        self.adapter.optimizer_step(self.opt, self.scaler)
         self.sched.step()
         return loss.item(), correct, n
 
@@ -98,30 +207,45 @@ class TorchTrainer:
         return result
 
     def _score(self) -> dict:
-        self.model.eval()
+        self.net.eval()
         test = self.data.test
         loader = DataLoader(Subset(test, list(range(self.rank, len(test), self.size))),
                             batch_size=max(256, self.cfg.training.batch_size))
         tot = torch.zeros(3, dtype=torch.float64)
         for x, y in loader:
-            loss, correct, n = loss_and_correct(self.model, x, y, self.task)
+            x, y = x.to(self.device), y.to(self.device)
+            with autocast(self.cfg.training.precision, self.device):
+                loss, correct, n = loss_and_correct(self.net, x, y, self.task)
             tot += torch.tensor([loss.item() * n, correct, n], dtype=torch.float64)
-        tot = self.rhvd.allreduce(tot, op=self.rhvd.Sum, name="rsync.eval")
-        self.model.train()
+        tot = self.adapter.sum(tot)
+        self.net.train()
         return {"test_loss": tot[0].item() / max(1, tot[2].item()),
                 "test_accuracy": tot[1].item() / max(1, tot[2].item())}
 
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
-                "scheduler": self.sched.state_dict()}
+        state = {"engine": self.engine, "model": self.net.state_dict(), "optimizer": self.opt.state_dict(),
+                 "scheduler": self.sched.state_dict()}
+        if self.comm is not self.opt:   # the DDP hook's residuals (Horovod's are in the optimizer's)
+            state["compression"] = self.comm.state_dict()
+        if self.scaler.is_enabled():
+            state["scaler"] = self.scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
+        saved = state.get("engine", "horovod")
+        if saved != self.engine:
+            raise ValueError(f"training.resume points at an engine: {saved} checkpoint (its residuals and optimizer "
+                             f"state are kept the {saved} way); resume it with engine: {saved}, or start afresh")
+        self.net.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
+        if "compression" in state:
+            self.comm.load_state_dict(state["compression"])
+        if self.scaler.is_enabled() and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
 
     def communication_stats(self) -> dict:
-        return self.opt.communication_stats()
+        return self.comm.communication_stats()
 
     def layer_decisions(self) -> list:
-        return self.opt.layer_decisions()
+        return self.comm.layer_decisions()

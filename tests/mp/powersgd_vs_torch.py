@@ -37,7 +37,8 @@ class Net(torch.nn.Module):
 
 
 class DirectHook:
-    """The exchange's part, per bucket, in bucket order: compensate, compress, average Q, decode."""
+    """The exchange's part, per bucket, in bucket order: compensate, compress, average Q, decode;
+    commit at the step's end."""
 
     def __init__(self, model, comm):
         self.comm = comm
@@ -57,7 +58,9 @@ class DirectHook:
             self.comp.decompress_add(out, avg, layer, 1.0, getattr(msg, "ctx", None))
             self.residual[name] = x - out
             g.copy_(out.view_as(g))
-        self.step += bucket.is_last()
+        if bucket.is_last():   # the step is over: its averaged Qs become the warm start
+            self.comp.commit()
+            self.step += 1
         fut = torch.futures.Future()
         fut.set_result(bucket.buffer())
         return fut
