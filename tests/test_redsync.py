@@ -339,5 +339,6 @@ def test_cost_model_network_probes_only_what_the_config_leaves_out():
     lat_only = _network(
         parse_compression({"method": "redsync", "policy": {"mode": "cost_model", "latency_s": 2e-3}}), comm
     )
-    assert lat_only.alpha == 2e-3 and lat_only.bandwidth > 1.25e8   # no network in a local "allreduce"
+    # the bandwidth was measured (a local "allreduce" is a memory copy), not taken from elsewhere
+    assert lat_only.alpha == 2e-3 and 0 < lat_only.bandwidth < float("inf") and lat_only.bandwidth != 1.25e8
     assert _network(parse_compression({"method": "redsync"}), comm) is None
