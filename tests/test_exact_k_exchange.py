@@ -180,3 +180,23 @@ def test_config_refuses_what_radix_cannot_do():
                           "policy": {"layers": [{"pattern": "fc*", "selection": "trimmed"}]}})
     comp, _ = build_compressor({"method": "redsync", "selection": "radix"})
     assert comp.selects_by_bucket([Layer("a", (10,), 10, 0)])     # auto: by bucket on any device
+
+
+def test_sparse_update_applies_each_layers_slice_of_the_bucket():
+    """sparse_update decodes a layer's part of every rank's bucket message straight into its
+    weights (per layer: the bucket is not decoded flat then): p -= lr * average."""
+    runs = []
+    for sparse in (False, True):
+        ex, layers, _ = make([5000, 3000], momentum=0.0, sparse_update=sparse)
+        params = {l.name: torch.ones(l.numel) for l in layers}
+        for s in range(2):
+            for l in reversed(layers):
+                ex.submit(l.name, grads_for(layers, s)[l.name])
+            out = ex.finish(apply={n: (p, 0.1) for n, p in params.items()} if sparse else None)
+            for n, p in params.items():
+                if not sparse:
+                    p.sub_(0.1 * out[n])
+        runs.append(params)
+        assert sorted(ex.applied) == (["l0", "l1"] if sparse else [])
+    assert all(torch.allclose(runs[0][n], runs[1][n], atol=1e-7) and bool((runs[1][n] != 1).any())
+               for n in runs[0])
