@@ -195,8 +195,9 @@ def test_no_device_sync_in_a_compressed_step(backend):
     torch.cuda.synchronize()
 
 
-def _exchange_steps(backend, quantize, steps=2):
-    """Two steps of a radix exchange (DGC momentum, a dense layer beside): each step's averages,
+def _exchange_steps(backend, quantize, steps=3):
+    """Three steps of a radix exchange (DGC momentum, a dense layer beside; the last one runs kernel
+    variants compiled before, as the sign alternates): each step's averages,
     the residuals, and the host reads and (CUDA) device syncs of the last step."""
     import warnings
 

@@ -9,9 +9,12 @@ compressor selects by bucket) goes through:
     3. update memory memory.update(x, msg)               x -= decode(msg): the new residual
     4. send          transport.send(msg)                 allreduce, or a bucket's allgather
 
-and ``finish()`` then waits, decodes and averages, has every rank agree that every gradient was
-finite, and only then commits the memories; any failure calls ``abort()``, which rolls them
-back, so a failed step loses nothing.
+through the bucket-level methods (``compensate_bucket``, ``compress_bucket``, ``update_bucket``),
+whose defaults loop over the unit's layers; a compressor that selects a bucket at once on the
+device (RedSync's ``selection.method: radix``) makes each step one call over one flat buffer.
+``finish()`` then waits, decodes and averages, has every rank agree that every gradient was
+finite (the step's one read of a device value on the host), and only then commits the
+memories; any failure calls ``abort()``, which rolls them back, so a failed step loses nothing.
 """
 from __future__ import annotations
 
