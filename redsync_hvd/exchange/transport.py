@@ -127,12 +127,13 @@ class Transport:
         # equals dividing the sum bit for bit, and saves a pass over every output
         exact_scale = size & (size - 1) == 0
         alpha = 1.0 / size if exact_scale else 1.0
-        if any(l.name in apply for l in layers):                                                    # 2.
+        applied = any(l.name in apply for l in layers)
+        if applied:                                                                                 # 2.
             for tensors in per_rank:
                 for layer, part in zip(layers, comp.split_bucket(layers, tensors)):
                     if layer.name in apply:   # applied to the weights after the checks
                         updates.append((layer, part, -apply[layer.name][1] / size))
-        flat = self._flat(bucket) if comp.decodes_flat(layers) and not updates else None
+        flat = self._flat(bucket) if comp.decodes_flat(layers) and not applied else None
         if flat is not None:
             bufs = dict(zip((l.name for l in layers), flat.split([l.numel for l in layers])))
         else:
