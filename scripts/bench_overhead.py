@@ -15,20 +15,31 @@ the error-feedback update over the layers they compress (read two layer-sized bu
 write one): no exchange over those layers can cost less on this memory system, so it is
 the floor under that share. Each variant's steps are interleaved with the others
 in rounds, and medians are taken over all steps after ``--warmup`` per round.
+
+After the timed rounds one more step of each variant runs under a host-read count
+(``redsync_hvd/core/host_reads.py``: every op or Python call that reads a tensor value back
+to the host; on a GPU each one waits for the device), split into the compressed path (the
+hooks' submits, the collectives' start, the decode) and the exchange's one agreed finite
+check in ``finish()``; on CUDA ``torch.cuda.set_sync_debug_mode`` also counts the device
+syncs of that step. ``--json`` writes every row. Methods whose name contains ``exact_k``
+select exactly k per layer of a bucket on the device (``selection.method: radix``).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 import time
+import warnings
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from redsync_hvd.comm import LocalCommunicator  # noqa: E402
 from redsync_hvd.compressors.base import Layer  # noqa: E402
+from redsync_hvd.core.host_reads import HostReads  # noqa: E402
 from redsync_hvd.engine import MomentumSpec, build_exchange  # noqa: E402
 from redsync_hvd.models import build_model  # noqa: E402
 from scripts.netbench import allocator  # noqa: E402
@@ -79,6 +90,22 @@ METHODS = {
         "message": {"quantize": "sign_mean"},
         "dgc": {"momentum_correction": True},
     },
+    # exactly k per layer of a bucket on the device, no host wait (selection.method: radix):
+    # the Triton kernels on CUDA (torch ops on the CPU), and the same steps in torch ops
+    "redsync_mc_exact_k": {
+        "method": "redsync",
+        "density": 0.001,
+        "selection": {"method": "radix"},
+        "message": {"quantize": "sign_mean"},
+        "dgc": {"momentum_correction": True},
+    },
+    "redsync_mc_exact_k_torch": {
+        "method": "redsync",
+        "density": 0.001,
+        "selection": {"method": "radix", "radix_backend": "torch"},
+        "message": {"quantize": "sign_mean"},
+        "dgc": {"momentum_correction": True},
+    },
     # the same two without the compensation fused into the selection's first pass
     # (torch.add, then a separate native pass): what the fused kernel saves
     "redsync_unfused": {
@@ -98,9 +125,32 @@ METHODS = {
 }
 
 
+AGREEMENT = "redsync_hvd.exchange.pipeline:_any_nonfinite"   # the one read finish() makes
+
+
 def sync(device):
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def count_reads(step, device) -> dict:
+    """Host reads of one call of ``step``: in the compressed path, in the finite agreement, and
+    (CUDA) the device syncs torch reports."""
+    sync(device)
+    with HostReads() as reads, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode(0)
+    sync(device)
+    where = reads.where()
+    return {"host_reads": sum(w != AGREEMENT for w in where), "agreement_reads": where.count(AGREEMENT),
+            "read_sites": sorted(set(w for w in where if w != AGREEMENT)),
+            "device_syncs": sum("synchroniz" in str(w.message) for w in caught) if device == "cuda" else None}
 
 
 class Variant:
@@ -151,7 +201,12 @@ def bench_model(mname, args):
     x = torch.randn(spec["batch"], 3, 32, 32, device=args.device)
     y = torch.randint(0, 10, (spec["batch"],), device=args.device)
     lossf = torch.nn.CrossEntropyLoss()
-    variants = [Variant(m, METHODS[m], model, args.world) for m in args.methods.split(",")]
+    variants = []
+    for m in args.methods.split(","):
+        try:
+            variants.append(Variant(m, METHODS[m], model, args.world))
+        except Exception as e:   # report it and go on: the other rows still count
+            print("  %-10s %-24s cannot run: %s: %s" % (mname, m, type(e).__name__, e), file=sys.stderr)
     compute = []
     for rnd in range(args.rounds):
         for v in variants:
@@ -179,13 +234,18 @@ def bench_model(mname, args):
     c = statistics.median(compute)
     rows = []
     for v in variants:
+        model.zero_grad(set_to_none=True)
+        lossf(model(x), y).backward()
+        reads = count_reads(v.exchange, args.device)
         e = statistics.median(v.exchange_s)
         rows.append(dict(model=mname, params=nparams, method=v.name, compressed=v.compressed,
                          layers=len(v.named), compute_ms=c * 1e3, exchange_ms=e * 1e3,
                          ratio=e / c, floor_ms=statistics.median(v.floor_s) * 1e3 if v.floor_s else None,
-                         **{ph + "_ms": statistics.median(t) * 1e3 for ph, t in v.phases.items()}))
-        print("  %-10s %-16s compute %8.2f ms  exchange %8.2f ms  (%5.1f%% of compute)"
-              % (mname, v.name, c * 1e3, e * 1e3, 100 * e / c), file=sys.stderr)
+                         **{ph + "_ms": statistics.median(t) * 1e3 for ph, t in v.phases.items()}, **reads))
+        print("  %-10s %-24s compute %8.2f ms  exchange %8.2f ms  (%5.1f%% of compute)  host reads %d (+%d)%s"
+              % (mname, v.name, c * 1e3, e * 1e3, 100 * e / c, reads["host_reads"], reads["agreement_reads"],
+                 "" if reads["device_syncs"] is None else ", device syncs %d" % reads["device_syncs"]),
+              file=sys.stderr)
     return rows
 
 
@@ -200,6 +260,7 @@ def main():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default="", help="also write the markdown table here")
+    p.add_argument("--json", default="", help="also write every row here (JSON)")
     p.add_argument("--default-malloc", action="store_true",
                    help="leave glibc's malloc as it is (default: keep large freed blocks for the next "
                         "step, as the end-to-end benchmark does; scripts/netbench/allocator.py)")
@@ -209,17 +270,25 @@ def main():
         p.error("--device cuda but CUDA is not available")
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = [r for m in args.models.split(",") for r in bench_model(m, args)]
     dev = torch.cuda.get_device_name() if args.device == "cuda" else "CPU, %d torch threads" % torch.get_num_threads()
-    lines = ["Device: %s; torch %s; world %d; load average %.2f; large blocks kept by malloc: %s."
-             % (dev, torch.__version__, args.world, os.getloadavg()[0], "yes" if kept else "no"), "",
+    head = ("Device: %s; torch %s; world %d; load average %.2f; large blocks kept by malloc: %s."
+            % (dev, torch.__version__, args.world, os.getloadavg()[0], "yes" if kept else "no"))
+    rows = []
+    for m in args.models.split(","):
+        rows += bench_model(m, args)
+        write(rows, head, args, last=m == args.models.split(",")[-1])   # what is done survives a time limit
+
+
+def write(rows, head, args, last):
+    lines = [head, "",
              "| model | params | method | compressed layers | compute ms | exchange ms | select ms | decompress ms "
-             "| exchange / compute | r + g alone, ms | r + g alone / compute |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| exchange / compute | r + g alone, ms | r + g alone / compute | host reads / step (+ finite check) "
+             "| device syncs / step |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         floor = r["floor_ms"]
         lines.append(
-            "| %s | %.2fM | %s | %d/%d | %.2f | %.2f | %.2f | %.2f | %.1f%% | %s | %s |"
+            "| %s | %.2fM | %s | %d/%d | %.2f | %.2f | %.2f | %.2f | %.1f%% | %s | %s | %d (+%d) | %s |"
             % (
                 r["model"],
                 r["params"] / 1e6,
@@ -233,14 +302,20 @@ def main():
                 100 * r["ratio"],
                 "" if floor is None else "%.2f" % floor,
                 "" if floor is None else "%.1f%%" % (100 * floor / r["compute_ms"]),
+                r["host_reads"],
+                r["agreement_reads"],
+                "-" if r["device_syncs"] is None else r["device_syncs"],
             )
         )
     md = "\n".join(lines)
-    print(md)
+    if last:
+        print(md)
     if args.out:
         with open(args.out, "w") as f:
             f.write(md + "\n")
-
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": head, "world": args.world, "rows": rows}, f, indent=1)
 
 if __name__ == "__main__":
     main()

@@ -121,7 +121,7 @@ def exact_k_row(x, k, backend, base, args):
     return dict(method=name, ms=ms, best_ms=best, speedup=base / ms, count_over_k=1.0)
 
 
-def run(args) -> dict:
+def run(args, info) -> dict:
     rows = []
     for n in [parse_size(s) for s in args.sizes.split(",")]:
         for dist in args.dists.split(","):
@@ -148,6 +148,7 @@ def run(args) -> dict:
                           % (n / 2 ** 20, dist, density, r["method"], r["ms"], r["best_ms"], r["speedup"]),
                           file=sys.stderr)
             x = None   # the next size allocates anew: free this one first
+        save(rows, info, args)   # what is done survives a time limit
     return rows
 
 
@@ -216,16 +217,19 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     info = machine(args)
     info["load_before"] = "%.2f" % os.getloadavg()[0]
-    rows = run(args)
+    rows = run(args, info)
     info["load_after"] = "%.2f" % os.getloadavg()[0]
-    md = markdown(rows, info)
-    print(md)
+    print(markdown(rows, info))
+    save(rows, info, args)
+
+
+def save(rows, info, args) -> None:
     if args.out:
         with open(args.out, "w") as f:
             if args.out.endswith(".json"):
                 json.dump({"machine": info, "rows": rows}, f, indent=1)
             else:
-                f.write(md + "\n")
+                f.write(markdown(rows, info) + "\n")
 
 
 if __name__ == "__main__":

@@ -6,16 +6,21 @@
 Reads, where present (a missing or failed step leaves its keys null):
   selection.json  scripts/bench_selection.py --out: exact-k rows against torch.topk
   stages.json     scripts/bench_bucket_select.py --out: the exact-k stages against compute
-  overhead_cuda.md  scripts/bench_overhead.py --out: the exchange against compute
+  overhead.json   scripts/bench_overhead.py --json: the exchange against compute, host reads
+                  (overhead_cuda.md, its table, where the JSON is missing)
   env.json        device and versions (gpu_check.sh)
 
 summary.json keys: device, torch; selection_speedup_vs_topk {1M, 16M, 64M}: median
 torch.topk time over median exact-k (Triton) time, Gaussian, D = 0.001, same process;
 exchange_share_of_compute {vgg_fc4096, resnet20}: the compressed exchange over forward +
-backward + update, from bench_overhead.py's rows of a method that selects exactly k by
-bucket (a method named *exact_k*), else null; host_waits_per_step: synchronising calls in
-one step of the exact-k stages (bench_bucket_select.py, Triton). Further keys give the other
-rows behind these numbers.
+backward + update, from bench_overhead.py's rows of the method that selects exactly k per
+layer of a bucket on the device (``redsync_mc_exact_k``, else the first *exact_k* method);
+host_waits_per_step: that method's host reads in one whole exchange step outside the finite
+check (the hooks' submits, the collectives' start, the decode; the largest over the models),
+or, without overhead.json, the synchronising calls in one step of the exact-k stages
+(bench_bucket_select.py, Triton). ``finite_check_reads_per_step`` and
+``device_syncs_per_step`` (torch's sync debug mode over the same step, finite check
+included) stand beside it. Further keys give the other rows behind these numbers.
 """
 from __future__ import annotations
 
@@ -52,18 +57,35 @@ def selection(results):
 
 
 def overhead(results):
-    """{method: {model: exchange / compute}} from bench_overhead's markdown table."""
+    """{method: {model: row}} from bench_overhead's JSON, or (older runs) its markdown table,
+    where a row holds only the share."""
+    data = load_json(os.path.join(results, "overhead.json"))
+    out = {}
+    if data is not None:
+        for r in data.get("rows", []):
+            out.setdefault(r["method"], {})[r["model"]] = r
+        return out
     try:
         with open(os.path.join(results, "overhead_cuda.md")) as f:
             lines = f.read().splitlines()
     except OSError:
         return {}
-    out = {}
     for line in lines:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 9 and cells[0] in MODELS and re.fullmatch(r"[\d.]+%", cells[8]):
-            out.setdefault(cells[2], {})[cells[0]] = round(float(cells[8][:-1]) / 100, 4)
+            out.setdefault(cells[2], {})[cells[0]] = {"ratio": float(cells[8][:-1]) / 100}
     return out
+
+
+def exact_k_method(over):
+    if "redsync_mc_exact_k" in over:
+        return "redsync_mc_exact_k"
+    return next((m for m in over if "exact_k" in m), None)
+
+
+def most(rows, key):
+    values = [r.get(key) for r in rows if r.get(key) is not None]
+    return max(values) if values else None
 
 
 def summary(results):
@@ -71,25 +93,36 @@ def summary(results):
     sel = selection(results)
     stages = load_json(os.path.join(results, "stages.json")) or {}
     over = overhead(results)
-    exact = next((m for m in over if "exact_k" in m), None)
+    exact = exact_k_method(over)
+    exact_rows = list(over.get(exact, {}).values())
     triton_rows = [r.get("triton", {}) for r in stages.get("rows", [])]
-    waits = [r.get("host_waits") for r in triton_rows if r.get("host_waits") is not None]
+    stage_waits = most(triton_rows, "host_waits")
+    waits = most(exact_rows, "host_reads")
     main = sel.get("exact-k triton", {})
     return {
         "device": env.get("device") or stages.get("machine", {}).get("device"),
         "torch": env.get("torch"),
         "selection_speedup_vs_topk": {s: main.get(s) for s in SIZES},
-        "exchange_share_of_compute": {m: (over[exact].get(m) if exact else None) for m in MODELS},
-        "host_waits_per_step": max(waits) if waits else None,
+        "exchange_share_of_compute": {m: (round(over[exact][m]["ratio"], 4) if exact and m in over[exact] else None)
+                                      for m in MODELS},
+        "host_waits_per_step": waits if waits is not None else stage_waits,
         # what the keys above come from, and the rows beside them
+        "host_waits_scope": ("one whole exchange step of %s outside the finite check: submits, collectives' start, "
+                             "decode (bench_overhead.py, host-read count)" % exact) if waits is not None else
+                            "one step of the exact-k stages (compensate, select with the residual update, decode), "
+                            "scripts/bench_bucket_select.py, Triton backend",
+        "finite_check_reads_per_step": most(exact_rows, "agreement_reads"),
+        "device_syncs_per_step": most(exact_rows, "device_syncs"),
+        "exact_k_stages_host_waits": stage_waits,
         "exchange_share_method": exact,
-        "exchange_share_by_method": over,
+        "exchange_share_by_method": {m: {model: round(r["ratio"], 4) for model, r in rows.items()}
+                                     for m, rows in over.items()},
+        "host_reads_by_method": {m: {model: r.get("host_reads") for model, r in rows.items()}
+                                 for m, rows in over.items()},
         "selection_speedup_by_backend": sel,
         "exact_k_stages_share_of_compute": {
             r["model"]: {b: round(r[b]["share"], 4) for b in ("torch", "triton", "triton-graph")
                          if b in r and r[b]["share"] == r[b]["share"]} for r in stages.get("rows", [])},
-        "host_waits_scope": "one step of the exact-k stages (compensate, select with the residual update, "
-                            "decode), scripts/bench_bucket_select.py, Triton backend",
         "versions": {k: env.get(k) for k in ("triton", "cupy", "driver")},
     }
 
@@ -109,7 +142,10 @@ def markdown(s):
         stages = s["exact_k_stages_share_of_compute"].get(m, {})
         lines.append("| %s | %s | %s |" % (m, "-" if share is None else "%.1f%%" % (100 * share),
                                            ", ".join("%s %.1f%%" % (b, 100 * v) for b, v in stages.items()) or "-"))
-    lines += ["", "Host waits per step (%s): %s." % (s["host_waits_scope"], s["host_waits_per_step"])]
+    lines += ["", "Host waits per step (%s): %s; reads of the finite check: %s; device syncs per step (torch's "
+              "sync debug mode, finite check included): %s." % (
+                  s["host_waits_scope"], s["host_waits_per_step"], s["finite_check_reads_per_step"],
+                  s["device_syncs_per_step"])]
     return "\n".join(lines) + "\n"
 
 

@@ -84,6 +84,8 @@ def test_mpi4py_shares_horovods_world():
             "message": {"quantize": "sign_mean", "sign_rule": "alternate"},
         },
         {"density": 0.01, "selection": {"method": "tbs", "scope": "bucket"}, "message": {"quantize": "sign_mean"}},
+        # exactly k per layer on the device, fixed-size messages: no header allgather
+        {"density": 0.01, "selection": "radix", "message": {"quantize": "sign_mean"}},
         {
             "density": 0.02,
             "selection": {"method": "tbs", "scope": "bucket"},

@@ -195,6 +195,63 @@ def test_no_device_sync_in_a_compressed_step(backend):
     torch.cuda.synchronize()
 
 
+def _exchange_steps(backend, quantize, steps=3):
+    """Three steps of a radix exchange (DGC momentum, a dense layer beside; the last one runs kernel
+    variants compiled before, as the sign alternates): each step's averages,
+    the residuals, and the host reads and (CUDA) device syncs of the last step."""
+    import warnings
+
+    from redsync_hvd.comm import LocalCommunicator
+    from redsync_hvd.compressors.base import Layer
+    from redsync_hvd.core.host_reads import HostReads
+    from redsync_hvd.engine import MomentumSpec, build_exchange
+    sizes = [3000, 1200, 40]
+    layers = [Layer(f"l{i}", (n,), n, i, torch.device(DEV)) for i, n in enumerate(sizes)]
+    spec = {"method": "redsync", "density": 0.01, "message": {"quantize": quantize},
+            "selection": {"method": "radix", "radix_backend": backend}, "policy": {"min_compress_numel": 100}}
+    mom = MomentumSpec(dict.fromkeys((l.name for l in layers), 0.9))
+    ex = build_exchange(spec, layers, LocalCommunicator(2), take_momentum=lambda: mom, agree=False).exchange
+    gen = torch.Generator().manual_seed(5)
+    outs = []
+    for step in range(steps):
+        grads = {l.name: torch.randn(l.numel, generator=gen).half().to(DEV) for l in layers}
+        last = step == steps - 1
+        with HostReads() as reads, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if CUDA and last:
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for l in reversed(layers):
+                    ex.submit(l.name, grads[l.name])
+                outs.append({n: t.clone() for n, t in ex.finish().items()})
+            finally:
+                if CUDA:
+                    torch.cuda.set_sync_debug_mode(0)
+        syncs = sum("synchronizing" in str(w.message) for w in caught)
+    return outs, dict(ex.memory.residual), reads.events, syncs
+
+
+@pytest.mark.parametrize("quantize", ["none", "sign_mean"])
+def test_exchange_with_the_kernels_equals_the_reference(quantize):
+    """The exchange's radix stage on the Triton kernels (compensate with fp16 gradients and DGC
+    momentum, select, the memory update, the decode of the gathered bucket) gives the torch
+    reference's averages and residuals, bit for bit with values (sign_mean: the means to the
+    last float32 bit); the step's only host read is the finite agreement in finish(), and on
+    CUDA it is the step's only device sync."""
+    ref, ref_r, _, _ = _exchange_steps("torch", quantize)
+    got, got_r, reads, syncs = _exchange_steps("triton", quantize)
+    for a, b in zip(ref, got):
+        for n in a:
+            assert same(a[n], b[n]) if quantize == "none" else torch.allclose(a[n], b[n], rtol=1e-6, atol=0), n
+    for n in ref_r:
+        assert same(ref_r[n], got_r[n]) if quantize == "none" else torch.allclose(ref_r[n], got_r[n], rtol=1e-5,
+                                                                                  atol=1e-7), n
+    assert reads == [("__float__", "redsync_hvd.exchange.pipeline:_any_nonfinite")], reads
+    if CUDA:
+        assert syncs == 1, syncs
+
+
 def test_every_kernel_compiles_for_sm90_without_spills():
     """The interpreter accepts code the compiler rejects: compile the widest variant of each
     kernel for an H100/H200 (no GPU needed) in a fresh process, where the kernels are not

@@ -38,8 +38,21 @@ def unpack_gathered(headers: torch.Tensor, payload: torch.Tensor, dtypes: list, 
     headers: int32 [size * len(dtypes)] as allgathered; payload: uint8 concatenation of
     every rank's payload; dtypes: the dtype of each wire tensor (same order on all ranks).
     """
-    counts = headers.view(size, len(dtypes)).tolist()
+    return _cut(payload, headers.view(size, len(dtypes)).tolist(), dtypes)
+
+
+def unpack_fixed(payload: torch.Tensor, counts: list, dtypes: list, size: int) -> list[list]:
+    """The same for messages whose element counts every rank knew before the step (no header
+    was sent): every rank's payload has ``counts``. Reads nothing back from the device."""
+    return _cut(payload, [list(counts)] * size, dtypes)
+
+
+def _cut(payload: torch.Tensor, counts: list, dtypes: list) -> list[list]:
     itemsizes = [torch.empty(0, dtype=d).element_size() for d in dtypes]
+    expect = sum(_padded(n * sz) for rank_counts in counts for n, sz in zip(rank_counts, itemsizes))
+    if expect != payload.numel():
+        raise RuntimeError(f"allgather payload has {payload.numel()} bytes but the message sizes describe {expect}: "
+                           "ranks disagree on the bucket layout (different models or configs?)")
     out, offset = [], 0
     for rank_counts in counts:
         tensors = []
@@ -48,7 +61,4 @@ def unpack_gathered(headers: torch.Tensor, payload: torch.Tensor, dtypes: list, 
             tensors.append(payload[offset:offset + nbytes].view(dt))
             offset += _padded(nbytes)
         out.append(tensors)
-    if offset != payload.numel():
-        raise RuntimeError(f"allgather payload has {payload.numel()} bytes but headers describe {offset}: "
-                           "ranks disagree on the bucket layout (different models or configs?)")
     return out

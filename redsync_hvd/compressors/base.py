@@ -60,6 +60,7 @@ class Message:
     ctx: Any = None                  # what decoding needs that did not travel (shared positions, P)
     extra_bytes: dict = field(default_factory=dict)  # bytes sent by collectives run inside compress
     nonfinite: Any = None            # True, or a device flag: the input held NaN/Inf (nothing was selected)
+    bucket: Optional[list] = None    # compress_bucket: the whole unit's wire tensors, shared by its messages
 
     def nbytes(self) -> dict:
         out: dict = dict(self.extra_bytes)
@@ -106,14 +107,68 @@ class Compressor(ABC):
                        ctx: Any = None) -> None:
         """out += alpha * decode(tensors); out is flat fp32 of layer.numel elements."""
 
+    # -- a bucket at once: the exchange's unit and the transport's packing, per layer by default ----
     def selects_by_bucket(self, layers: list) -> bool:
         """True when ``compress_bucket`` should compress these layers (one bucket) together, once
         the last of them is in."""
         return False
 
-    def compress_bucket(self, xs: list, layers: list, step: int) -> list:
+    def keeps_low_precision(self, layers: list) -> bool:
+        """True when this unit's fp16/bf16 gradients may reach the memory as they are (its
+        compensation reads them and computes in fp32); else the exchange makes them fp32 first."""
+        return False
+
+    def scan_request_bucket(self, layers: list, step: int):
+        """What the memory should compute for the selection while it compensates the unit: one
+        ``scan_request`` per layer by default, or one object for the whole bucket that a memory
+        may fill (``core.radix_select.BucketScan``)."""
+        return [self.scan_request(layer, step) for layer in layers]
+
+    def compress_bucket(self, xs: list, layers: list, step: int, scan=None) -> list:
         """Messages for several layers at once (``selects_by_bucket``); per layer by default."""
-        return [self.compress(x, layer, step) for x, layer in zip(xs, layers)]
+        scans = scan if isinstance(scan, list) else [None] * len(layers)
+        return [self.compress(x, layer, step, s) for x, layer, s in zip(xs, layers, scans)]
+
+    def bucket_tensors(self, layers, messages: list) -> list:
+        """What a bucket of these messages sends: every message's tensors, layer by layer."""
+        return [t for m in messages for t in m.tensors]
+
+    def bucket_dtypes(self, layers) -> list:
+        """The dtypes of ``bucket_tensors``, known before the step."""
+        return [d for layer in layers for d in self.wire_dtypes(layer)]
+
+    def fixed_bucket_counts(self, layers):
+        """The element count of every tensor of ``bucket_tensors`` when it is known before the
+        step and the same on every rank (it may depend on the step's k), else None. Known counts
+        let the transport skip the header allgather: one collective fewer per bucket."""
+        return None
+
+    def split_bucket(self, layers, tensors: list) -> list:
+        """One rank's ``bucket_tensors`` cut back into each layer's wire tensors."""
+        parts, at = [], 0
+        for layer in layers:
+            n = len(self.wire_dtypes(layer))
+            parts.append(tensors[at:at + n])
+            at += n
+        return parts
+
+    def decodes_flat(self, layers) -> bool:
+        """True when ``decompress_bucket`` decodes a bucket in one pass over one flat buffer."""
+        return False
+
+    def decompress_bucket(self, out: dict, per_rank: list, layers, alpha: float = 1.0, *, flat=None,
+                          zero=None) -> None:
+        """out[name] += alpha * decode(that layer's part of every rank's bucket message), ranks in
+        order, for every layer named in ``out`` (fp32 buffers). ``flat``: with ``decodes_flat``, one
+        buffer whose consecutive views the buffers of ``out`` are, layer by layer; ``zero``: a
+        buffer of the same layout set to 0 at every decoded position (DGC's momentum masking),
+        only where the bucket is decoded flat. Per layer by default."""
+        if zero is not None:
+            raise ValueError(f"{type(self).__name__} decodes layer by layer: it cannot mask a flat buffer")
+        for tensors in per_rank:
+            for layer, part in zip(layers, self.split_bucket(layers, tensors)):
+                if layer.name in out:
+                    self.decompress_add(out[layer.name], part, layer, alpha=alpha)
 
     def commit(self) -> None:  # noqa: B027 (stateless compressors keep nothing)
         """Every rank finished the step: keep the state it changed (PowerSGD's warm Q)."""

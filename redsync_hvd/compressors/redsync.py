@@ -10,7 +10,9 @@
 
 ``selection.scope: bucket`` (the default on CUDA) selects for all layers of a bucket at once
 when its last gradient arrives (``core/bucket_select.py``: histogram thresholds, one host wait
-per bucket), with the same messages.
+per bucket), with the same messages. ``selection.method: radix`` selects exactly k per layer of
+a bucket on the device with no host wait at all, and messages of a size known in advance
+(``exact_k.py``).
 
 Indices travel as int32, or as Golomb-Rice coded gaps (``message.index_coding: golomb``, about
 8-12 bits each instead of 32, for a sort and a CPU encode per layer).
@@ -23,6 +25,7 @@ from ..core.bucket_select import select_bucket
 from ..core.golomb import decode_positions, encode_positions
 from ..core.selection import SelectionState, scan_request, select_topk
 from .base import Compressor, Layer, Message
+from .exact_k import ExactK
 
 
 class RedSyncCompressor(Compressor):
@@ -32,6 +35,8 @@ class RedSyncCompressor(Compressor):
     def __init__(self, config, comm=None):
         super().__init__(config, comm)
         self.selection_state: dict[str, SelectionState] = {}   # per layer: the threshold to reuse
+        radix = getattr(getattr(config, "selection", None), "method", None) == "radix"   # (SBC has no selection)
+        self.exact_k = ExactK(config) if radix else None
 
     # -- wire format ----------------------------------------------------------
     def _value_dtype(self):
@@ -53,10 +58,14 @@ class RedSyncCompressor(Compressor):
         return self.selection_state.setdefault(layer.name, SelectionState())
 
     def scan_request(self, layer: Layer, step: int):
+        if self.exact_k is not None:
+            return None
         return scan_request(self._state(layer), layer.k, self._method(layer),
                             threshold_reuse=self.config.selection.threshold_reuse)
 
     def compress(self, x: torch.Tensor, layer: Layer, step: int, scan=None) -> Message:
+        if self.exact_k is not None:   # a bucket of one layer
+            return self.compress_bucket([x], [layer], step)[0]
         s = self.config.selection
         idx = select_topk(x, layer.k, self._method(layer), state=self._state(layer),
                           scan=scan.result if scan is not None else None, threshold_reuse=s.threshold_reuse,
@@ -76,15 +85,27 @@ class RedSyncCompressor(Compressor):
 
     def selects_by_bucket(self, layers: list) -> bool:
         scope = self.config.selection.scope
+        if self.exact_k is not None:
+            return True
         if scope == "auto":
             # CUDA's bincount has no deterministic kernel: deterministic runs select per layer
             return (self.config.selection.method == "tbs" and all(l.device.type == "cuda" for l in layers)
                     and not any(l.selection for l in layers) and not torch.are_deterministic_algorithms_enabled())
         return scope == "bucket"
 
-    def compress_bucket(self, xs: list, layers: list, step: int) -> list:
+    def keeps_low_precision(self, layers: list) -> bool:
+        return self.exact_k is not None   # the compensation kernel reads fp16/bf16 itself
+
+    def scan_request_bucket(self, layers: list, step: int):
+        if self.exact_k is not None:
+            return self.exact_k.request(layers, step)
+        return super().scan_request_bucket(layers, step)
+
+    def compress_bucket(self, xs: list, layers: list, step: int, scan=None) -> list:
+        if self.exact_k is not None:
+            return self._compress_exact_k(xs, layers, step, scan)
         if not self.selects_by_bucket(layers):
-            return super().compress_bucket(xs, layers, step)
+            return super().compress_bucket(xs, layers, step, scan)
         sign_mean = self.config.message.quantize == "sign_mean"
         got = select_bucket(xs, [l.k for l in layers], sign=self._sign(step) if sign_mean else None, mean=sign_mean)
         messages = []
@@ -93,6 +114,39 @@ class RedSyncCompressor(Compressor):
             msg.nonfinite = bad   # sent empty; every rank fails the step in finish()
             messages.append(msg)
         return messages
+
+    def _compress_exact_k(self, xs: list, layers: list, step: int, scan) -> list:
+        """One selection for the bucket; each layer's message is its slice of the bucket's wire
+        tensors (``Message.bucket``, what the transport sends) and its device non-finite flag."""
+        wire, bad = self.exact_k.select(xs, layers, step, scan)
+        return [Message(part, self._kinds(), selected=layer.k, k=layer.k, positions=part[0], nonfinite=bad[i],
+                        bucket=wire)
+                for i, (layer, part) in enumerate(zip(layers, self.exact_k.split(layers, wire)))]
+
+    # -- the bucket's wire: flat with radix, else layer by layer (Compressor's defaults) ----------
+    def bucket_tensors(self, layers, messages: list) -> list:
+        return messages[0].bucket if self.exact_k is not None else super().bucket_tensors(layers, messages)
+
+    def bucket_dtypes(self, layers) -> list:
+        return self.exact_k.dtypes() if self.exact_k is not None else super().bucket_dtypes(layers)
+
+    def fixed_bucket_counts(self, layers):
+        return self.exact_k.counts(layers) if self.exact_k is not None else None
+
+    def split_bucket(self, layers, tensors: list) -> list:
+        if self.exact_k is not None:
+            return self.exact_k.split(layers, tensors)
+        return super().split_bucket(layers, tensors)
+
+    def decodes_flat(self, layers) -> bool:
+        return self.exact_k is not None
+
+    def decompress_bucket(self, out: dict, per_rank: list, layers, alpha: float = 1.0, *, flat=None,
+                          zero=None) -> None:
+        if self.exact_k is not None and flat is not None and len(out) == len(layers):
+            self.exact_k.decode(flat, per_rank, layers, alpha, zero)
+        else:
+            super().decompress_bucket(out, per_rank, layers, alpha, flat=flat, zero=zero)
 
     def _sign(self, step: int) -> str:
         if self.config.message.sign_rule == "alternate":

@@ -24,7 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 _METHODS: dict[str, type["MethodConfig"]] = {}
 
-Selection = Literal["exact", "trimmed", "tbs", "sampled"]
+Selection = Literal["exact", "trimmed", "tbs", "sampled"]          # per layer (core/selection.py)
+SelectionMethod = Literal["exact", "trimmed", "tbs", "sampled", "radix"]   # radix: by bucket only
 
 # flat keys of earlier versions -> where they live now
 MOVED = {
@@ -108,21 +109,28 @@ class PolicyConfig(_Group):
 
 
 class SelectionConfig(_Group):
-    """How RedSync finds about k of the residual's largest magnitudes (see core/selection.py)."""
-    method: Selection = Field("tbs", description="exact (torch.topk) | trimmed (exactly k) | tbs (threshold "
-                                                 "binary search, k to 2k) | sampled (DGC's sampled threshold)")
+    """How RedSync finds about k of the residual's largest magnitudes (see core/selection.py), or
+    exactly k per layer on the device (radix, core/radix_select.py)."""
+    method: SelectionMethod = Field(
+        "tbs", description="exact (torch.topk) | trimmed (exactly k) | tbs (threshold binary search, k to 2k) | "
+                           "sampled (DGC's sampled threshold) | radix (exactly k per layer of a bucket by a radix "
+                           "select on the device: no host wait in a step, message sizes known in advance so the "
+                           "header allgather is skipped; with sign_mean k of the kept sign; Triton kernels on CUDA, "
+                           "torch ops elsewhere; by bucket only, raw index coding only)")
     scope: Literal["auto", "layer", "bucket"] = Field(
         "auto", description="layer: select each layer in its gradient hook (per-layer searches, threshold "
                             "reuse; fastest on CPUs) | bucket: select all compressed layers of a bucket at "
-                            "once when its last gradient arrives, by histogram thresholds, with one host "
-                            "wait per bucket instead of several per layer (GPUs; tbs only, threshold_reuse "
-                            "does not apply) | auto: bucket on CUDA with method tbs and no per-layer "
-                            "selection overrides, else layer")
+                            "once when its last gradient arrives: tbs by histogram thresholds with one host "
+                            "wait per bucket instead of several per layer, radix with none | auto: bucket for "
+                            "radix; for tbs bucket on CUDA with no per-layer selection overrides, else layer")
     tbs_max_probes: int = Field(20, gt=0, description="tbs: probe budget before the exact fallback")
     trimmed_eps: float = Field(0.2, gt=0, lt=1, description="trimmed: step of the threshold ratio")
     sample_fraction: float = Field(0.01, gt=0, le=1, description="sampled: fraction of elements sampled")
     threshold_reuse: int = Field(1, ge=1, description="re-search a layer's threshold every R steps (or when "
                                                       "the count leaves [k/2, 2k]); else only count")
+    radix_backend: Literal["auto", "triton", "torch"] = Field(
+        "auto", description="radix: auto (Triton kernels on CUDA tensors, torch ops elsewhere) | triton | torch "
+                            "(the reference in plain torch ops, any device)")
 
 
 class MessageConfig(_Group):
@@ -305,11 +313,18 @@ class RedSyncConfig(AllgatherConfig):
 
     @model_validator(mode="after")
     def _bucket_scope_is_tbs(self):
-        if self.selection.scope == "bucket" and (self.selection.method != "tbs"
-                                                 or any(o.selection for o in self.policy.layers)):
+        s = self.selection
+        if s.method == "radix":
+            if s.scope == "layer" or any(o.selection for o in self.policy.layers):
+                raise ValueError("selection.method=radix selects exactly k for every layer of a bucket at once: "
+                                 "set selection.scope: bucket (or auto) and drop per-layer selection overrides")
+            if self.message.index_coding == "golomb":
+                raise ValueError("selection.method=radix keeps the step on the device, but Golomb index coding "
+                                 "encodes on the host: set message.index_coding: raw, or another selection.method")
+        elif s.scope == "bucket" and (s.method != "tbs" or any(o.selection for o in self.policy.layers)):
             raise ValueError("selection.scope=bucket selects by histogram thresholds, which is tbs "
-                             "(k to 2k elements per layer): set selection.method: tbs and drop per-layer "
-                             "selection overrides, or use selection.scope: layer")
+                             "(k to 2k elements per layer), or exactly k with radix: set selection.method: tbs or "
+                             "radix and drop per-layer selection overrides, or use selection.scope: layer")
         return self
 
 

@@ -66,6 +66,22 @@ class Selection:
     side: torch.Tensor | None
 
 
+@dataclass
+class BucketScan:
+    """A bucket's selection, asked of the compensation (the exchange's scan request for a
+    bucket, like ``passes.ScanRequest`` for a layer): the compressor sets the layout, the sign
+    rule and the backend; a memory that compensates the bucket in one ``compensate`` call fills
+    ``x`` (the flat r + g), ``hist`` (its first histogram, for ``select``) and ``velocity`` (the
+    step's DGC velocity, to mask where values were sent). Unfilled, the compressor concatenates
+    the layers itself."""
+    seg: Segments
+    sign: str | None = None
+    backend: str = "auto"
+    x: torch.Tensor | None = None
+    hist: torch.Tensor | None = None
+    velocity: torch.Tensor | None = None
+
+
 def sides(sign: str | None) -> tuple[int, tuple[int, ...]]:
     """(rows per layer R, the rows selected from): sign=None ranks |x| in one row; a sign
     splits each layer into a positive row 0 and a negative row 1."""

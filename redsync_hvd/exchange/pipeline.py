@@ -9,9 +9,12 @@ compressor selects by bucket) goes through:
     3. update memory memory.update(x, msg)               x -= decode(msg): the new residual
     4. send          transport.send(msg)                 allreduce, or a bucket's allgather
 
-and ``finish()`` then waits, decodes and averages, has every rank agree that every gradient was
-finite, and only then commits the memories; any failure calls ``abort()``, which rolls them
-back, so a failed step loses nothing.
+through the bucket-level methods (``compensate_bucket``, ``compress_bucket``, ``update_bucket``),
+whose defaults loop over the unit's layers; a compressor that selects a bucket at once on the
+device (RedSync's ``selection.method: radix``) makes each step one call over one flat buffer.
+``finish()`` then waits, decodes and averages, has every rank agree that every gradient was
+finite (the step's one read of a device value on the host), and only then commits the
+memories; any failure calls ``abort()``, which rolls them back, so a failed step loses nothing.
 """
 from __future__ import annotations
 
@@ -143,28 +146,34 @@ class GradientExchange:
             self.transport.send(self.state, comp, l, msg)                         # 4. send
 
     def _run(self, unit: Unit, comp: Compressor, memory, grads: list) -> list:
-        """Steps 1-3 for one unit; returns the messages to send."""
-        scans = [comp.scan_request(l, self.step) if not isinstance(memory, NoMemory) else None for l in unit.layers]
-        xs = [memory.compensate(l.name, g, s) for l, g, s in zip(unit.layers, grads, scans)]   # 1. compensate
-        msgs = self._compress(unit, comp, memory, grads, xs, scans)                          # 2. compress
-        for layer, x, msg in zip(unit.layers, xs, msgs):
+        """Steps 1-3 for one unit (a layer, or a bucket compressed together); returns the
+        messages to send. ``scan``: what the selection wants from the compensation's pass (one
+        request per layer, or one for a bucket), filled by the memory where it can fuse it."""
+        layers = list(unit.layers)
+        scan = None if isinstance(memory, NoMemory) else comp.scan_request_bucket(layers, self.step)
+        xs = memory.compensate_bucket(layers, grads, scan)                          # 1. compensate
+        msgs = self._compress(unit, comp, memory, grads, xs, scan)                  # 2. compress
+        for layer, x, msg in zip(layers, xs, msgs):
             self.transport.own(comp, layer.name, x, msg, self.grads_writable and isinstance(memory, NoMemory))
-            if comp.error_feedback == "aggregate":
-                self.state.aggregate[layer.name] = x     # x -= the average, in finish()
-            else:
-                memory.update(layer, x, msg, comp)                                             # 3. update memory
+        if comp.error_feedback == "aggregate":
+            self.state.aggregate.update((l.name, x) for l, x in zip(layers, xs))   # x -= the average, in finish()
+        else:
+            memory.update_bucket(layers, xs, msgs, comp, scan)                      # 3. update memory
         return msgs
 
-    def _compress(self, unit: Unit, comp: Compressor, memory, grads: list, xs: list, scans: list) -> list:
+    def _compress(self, unit: Unit, comp: Compressor, memory, grads: list, xs: list, scan) -> list:
         if unit.together:
-            msgs = comp.compress_bucket(xs, list(unit.layers), self.step)
+            msgs = comp.compress_bucket(xs, list(unit.layers), self.step, scan)
+            flags = [(l.name, m.nonfinite) for l, m in zip(unit.layers, msgs) if isinstance(m.nonfinite, torch.Tensor)]
+            if flags:   # device flags, one stack for the unit: no host wait now
+                self.state.evidence.append((tuple(n for n, _ in flags),
+                                            torch.where(torch.stack([f for _, f in flags]), math.inf, 0.0)))
             for layer, msg in zip(unit.layers, msgs):
-                if isinstance(msg.nonfinite, torch.Tensor):   # a device flag: no host wait now
-                    self.state.evidence.append((layer.name, torch.where(msg.nonfinite, math.inf, 0.0)))
-                elif msg.nonfinite:
+                if not isinstance(msg.nonfinite, torch.Tensor) and msg.nonfinite:
                     self._mark_bad(layer.name)   # sent empty; every rank fails the step in finish()
             return msgs
-        (layer,), (x,), (scan,) = unit.layers, xs, scans
+        (layer,), (x,) = unit.layers, xs
+        scan = scan[0] if scan is not None else None
         try:
             return [comp.compress(x, layer, self.step, scan)]
         except NonFiniteError:
@@ -174,15 +183,21 @@ class GradientExchange:
             return [comp.compress(xs[0], layer, self.step)]
 
     def _prepare(self, layer: Layer, comp: Compressor, grad: torch.Tensor) -> torch.Tensor:
-        """Flat fp32 gradient (fp16/bf16 accepted), unscaled, locally clipped; finite evidence."""
-        flat = grad.detach().reshape(-1).float()
+        """Flat fp32 gradient (fp16/bf16 accepted), unscaled, locally clipped; finite evidence.
+        A unit whose compressor reads fp16/bf16 itself (``keeps_low_precision``) gets them as
+        they are when there is nothing to scale or clip: no fp32 copy of every gradient."""
+        flat = grad.detach().reshape(-1)
+        keep = (self.grad_scale is None and self.clip is None and flat.dtype in (torch.float16, torch.bfloat16)
+                and layer.compressed and comp.keeps_low_precision(list(self.units[layer.name].layers)))
+        if not keep:
+            flat = flat.float()
         if self.grad_scale is not None:
             flat = flat / self.grad_scale
         # compressors that select from every value check for NaN/Inf in a pass they make anyway;
         # others get one summing pass here, read back once in finish() (a read per layer would
         # stall a GPU once per layer). A NaN may travel meanwhile: every rank then fails the step.
         if self.check_finite and not (layer.compressed and comp.checks_finite):
-            self.state.evidence.append((layer.name, flat.sum()))
+            self.state.evidence.append(((layer.name,), flat.sum()))
         if self.clip is not None:
             # on the device, no host read: a factor of 1.0 leaves the values bit for bit
             flat = flat * (self.clip / flat.norm().clamp(min=1e-30)).clamp(max=1.0)
@@ -219,7 +234,7 @@ class GradientExchange:
             flag = self._start_finite_agreement()
             apply = apply or {}
             out, updates = self.transport.collect(self.state, lambda l: self.parts(l)[0], into or {}, apply)
-            if flag is not None and float(self.comm.wait(flag)[0]) > 0:
+            if flag is not None and self._any_nonfinite(flag):
                 return self._nonfinite(out)   # raises, or (on_nonfinite="skip") rolls back
             self._after_average(out, updates, apply)
         except BaseException:
@@ -231,19 +246,24 @@ class GradientExchange:
         return out
 
     def _start_finite_agreement(self):
-        """Every rank's count of non-finite layers, summed by one tiny allreduce. The evidence
-        (sums, device flags) is read back once, here."""
-        if self.state.evidence:
-            finite = torch.isfinite(torch.stack([v.float() for _, v in self.state.evidence]))
-            if not bool(finite.all()):
-                self.state.bad += [n for (n, _), ok in zip(self.state.evidence, finite.tolist()) if not ok]
+        """Every rank's count of non-finite layers, summed by one tiny allreduce. The count is
+        made where the evidence (sums, device flags) lies, so nothing is read back before it."""
         if not self.check_finite:
             return None
+        count = torch.tensor([float(len(self.state.bad))])
+        if self.state.evidence:
+            values = torch.cat([v.reshape(-1).float() for _, v in self.state.evidence])
+            count = (~torch.isfinite(values)).sum(dtype=torch.float32).reshape(1) + float(len(self.state.bad))
         self.stats.add_bytes({"scalars": 4})
-        return self.comm.allreduce_async(torch.tensor([float(len(self.state.bad))]), name="rsync.finite",
-                                         average=False)
+        return self.comm.allreduce_async(count, name="rsync.finite", average=False)
+
+    def _any_nonfinite(self, flag) -> bool:
+        """The step's one host read: the agreed count of non-finite layers (after the decode)."""
+        return float(self.comm.wait(flag)[0]) > 0
 
     def _nonfinite(self, out: dict) -> dict:
+        for names, v in self.state.evidence:   # which of this rank's layers, for the message
+            self.state.bad += [n for n, ok in zip(names, torch.isfinite(v.reshape(-1).float()).tolist()) if not ok]
         bad = self.state.bad
         if self.on_nonfinite == "skip":
             self.abort()

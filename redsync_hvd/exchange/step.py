@@ -35,7 +35,7 @@ class StepState:
     submitted: set = field(default_factory=set)
     deferred: dict = field(default_factory=dict)    # name -> grad: blocking compressors, run in finish()
     inputs: dict = field(default_factory=dict)      # unit key -> {name: (grad, scan)} until the unit is complete
-    evidence: list = field(default_factory=list)    # (name, device tensor): finite sums, read once in finish()
+    evidence: list = field(default_factory=list)    # (names, device tensor): finite sums or flags, counted in finish()
     bad: list = field(default_factory=list)         # layers this rank knows to be non-finite
     reduce: dict = field(default_factory=dict)      # name -> (handles, message): allreduce in flight
     gather: dict = field(default_factory=dict)      # bucket index -> {name: message}, then the handles

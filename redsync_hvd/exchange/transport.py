@@ -3,13 +3,18 @@
 Dense layers and allreduce methods: one named (in place) allreduce per message tensor; Horovod
 fuses concurrent small ones. Allgather methods: each bucket's messages are packed into one
 fixed-size header and one byte payload (comm/packing.py) and allgathered as soon as the
-bucket's last layer is in, so early buckets overlap the rest of backward.
+bucket's last layer is in, so early buckets overlap the rest of backward. A compressor whose
+bucket message sizes are known in advance (``fixed_bucket_counts``: exactly k per layer) sends
+no header: every rank cuts the payload by the counts it already knows, one collective fewer
+per bucket and no read of a header on the host. The compressor decodes a gathered bucket
+(``decompress_bucket``: layer by layer by default, or, where it ``decodes_flat``, in one pass
+into one flat buffer whose views are the layers' averages).
 """
 from __future__ import annotations
 
 import torch
 
-from ..comm.packing import pack, unpack_gathered
+from ..comm.packing import pack, unpack_fixed, unpack_gathered
 from ..compressors.dense import NoneCompressor
 from .step import Bucket, StepState
 
@@ -52,12 +57,19 @@ class Transport:
         messages = state.gather.setdefault(bucket.index, {})
         messages[layer.name] = msg
         if len(messages) == len(bucket.layers):
-            tensors = [t for l in bucket.layers for t in messages[l.name].tensors]
+            tensors = comp.bucket_tensors(bucket.layers, [messages[l.name] for l in bucket.layers])
             header, payload = pack(tensors, device=bucket.layers[0].device)
-            self.stats.add_bytes({"headers": header.numel() * 4})
-            state.handles[bucket.index] = (
-                self.comm.allgather_async(header, name=f"rsync.bucket{bucket.index}.hdr"),
-                self.comm.allgather_async(payload, name=f"rsync.bucket{bucket.index}.data"))
+            counts = comp.fixed_bucket_counts(bucket.layers)
+            if counts is None:
+                self.stats.add_bytes({"headers": header.numel() * 4})
+                header = self.comm.allgather_async(header, name=f"rsync.bucket{bucket.index}.hdr")
+            elif [t.numel() for t in tensors] != list(counts):
+                raise RuntimeError(f"{type(comp).__name__} declared fixed message sizes {list(counts)} for bucket "
+                                   f"{bucket.index} but sent {[t.numel() for t in tensors]}")
+            else:
+                header = None   # every rank knows the sizes: no header allgather
+            state.handles[bucket.index] = (header, self.comm.allgather_async(payload,
+                                                                             name=f"rsync.bucket{bucket.index}.data"))
 
     def _account(self, layer, msg) -> None:
         group = "sparse" if layer.compressed else "dense"
@@ -80,8 +92,8 @@ class Transport:
         with self.stats.timer("communicate", "allreduce"):
             reduced = {n: ([self.comm.wait(h) for h in hs], msg) for n, (hs, msg) in state.reduce.items()}
         with self.stats.timer("communicate", "allgather"):
-            gathered = [(b, self.comm.wait(state.handles[b.index][0]), self.comm.wait(state.handles[b.index][1]))
-                        for b in self.buckets]
+            gathered = [(b, None if header is None else self.comm.wait(header), self.comm.wait(data))
+                        for b in self.buckets for header, data in (state.handles[b.index],)]
         out: dict = {}
         with self.stats.timer("decompress", "allreduce"):
             for name, (tensors, msg) in reduced.items():
@@ -102,25 +114,35 @@ class Transport:
         return buf
 
     def _decode_bucket(self, comp, bucket: Bucket, header, payload, into, apply, out, updates) -> None:
-        size = self.comm.size
-        dtypes = [d for l in bucket.layers for d in comp.wire_dtypes(l)]
-        per_rank = unpack_gathered(header, payload, dtypes, size)
+        """1. cut every rank's message out of the payload (by its header, or by the sizes known in
+        advance); 2. layers to apply to the weights become updates; 3. the compressor decodes the
+        others into zeroed buffers (the caller's ``into``, or views of one flat buffer)."""
+        size, layers = self.comm.size, bucket.layers
+        dtypes = comp.bucket_dtypes(layers)
+        if header is None:
+            per_rank = unpack_fixed(payload, comp.fixed_bucket_counts(layers), dtypes, size)       # 1.
+        else:
+            per_rank = unpack_gathered(header, payload, dtypes, size)
         # a power-of-two size scales each term exactly (subnormals aside), so adding v/size
         # equals dividing the sum bit for bit, and saves a pass over every output
         exact_scale = size & (size - 1) == 0
         alpha = 1.0 / size if exact_scale else 1.0
-        bufs = {l.name: self._zeroed(l, l.device, into) for l in bucket.layers if l.name not in apply}
-        for tensors in per_rank:
-            pos = 0
-            for layer in bucket.layers:
-                n = len(comp.wire_dtypes(layer))
-                part, pos = tensors[pos:pos + n], pos + n
-                if layer.name in apply:   # applied to the weights after the checks
-                    updates.append((layer, part, -apply[layer.name][1] / size))
-                else:
-                    comp.decompress_add(bufs[layer.name], part, layer, alpha=alpha)
-        for name, buf in bufs.items():
-            out[name] = buf if exact_scale else buf.div_(size)
+        applied = any(l.name in apply for l in layers)
+        if applied:                                                                                 # 2.
+            for tensors in per_rank:
+                for layer, part in zip(layers, comp.split_bucket(layers, tensors)):
+                    if layer.name in apply:   # applied to the weights after the checks
+                        updates.append((layer, part, -apply[layer.name][1] / size))
+        flat = self._flat(bucket) if comp.decodes_flat(layers) and not applied else None
+        if flat is not None:
+            bufs = dict(zip((l.name for l in layers), flat.split([l.numel for l in layers])))
+        else:
+            bufs = {l.name: self._zeroed(l, l.device, into) for l in layers if l.name not in apply}
+        comp.decompress_bucket(bufs, per_rank, layers, alpha=alpha, flat=flat)                      # 3.
+        if not exact_scale:
+            for t in ([flat] if flat is not None else bufs.values()):
+                t.div_(size)
+        out.update(bufs)
 
     # -- buffers ----------------------------------------------------------------------------
     def _owned(self, key: str, t: torch.Tensor) -> torch.Tensor:
@@ -130,6 +152,17 @@ class Transport:
             if self.reuse_buffers:
                 self._buffers[key] = buf
         return buf.copy_(t)
+
+    def _flat(self, bucket: Bucket) -> torch.Tensor:
+        """One zeroed fp32 buffer for a bucket decoded flat (its layers' averages are views)."""
+        n, device = sum(l.numel for l in bucket.layers), bucket.layers[0].device
+        key = ("bucket", bucket.index)   # not a layer name
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() != n or buf.device != torch.device(device):
+            buf = torch.empty(n, dtype=torch.float32, device=device)
+            if self.reuse_buffers:
+                self._buffers[key] = buf
+        return buf.zero_()
 
     def _zeroed(self, layer, device, into: dict) -> torch.Tensor:
         target = into.get(layer.name)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..core.passes import ScanRequest, compensate_scan
-from .residual import ResidualMemory, double_buffer
+from .residual import ResidualMemory, double_buffer, flat_double_buffer
 
 
 class MomentumCorrectionMemory(ResidualMemory):
@@ -53,6 +53,18 @@ class MomentumCorrectionMemory(ResidualMemory):
             torch.add(v, grad + m * u_new if self.nesterov else u_new, out=v_new)
         self._pending[name] = v_new                      # v + step, in v's spare buffer
         return v_new
+
+    def _flat_velocity_ok(self, layers) -> bool:
+        return len({self._m(l.name) for l in layers}) == 1   # the kernel takes one momentum
+
+    def _flat_velocity(self, names: list, sizes: list, device, scan) -> dict:
+        """The bucket's velocities as views of a flat double buffer too; the new one is masked by
+        the update (``scan.velocity``) when masking is on."""
+        u = flat_double_buffer(self.velocity, self._spare_u, self._flats, ("u", tuple(names)), names, sizes, device)
+        self._pending_u.update(zip(names, u.spare_views))
+        self._pending_flats.append(u)
+        scan.velocity = u.spare if self.masking else None
+        return {"velocity": u.cur, "velocity_out": u.spare, "momentum": self._m(names[0]), "nesterov": self.nesterov}
 
     def _velocity_buffers(self, name: str, like: torch.Tensor):
         """(current velocity, the spare buffer that becomes the next one on commit)."""

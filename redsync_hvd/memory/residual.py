@@ -11,11 +11,20 @@ Double buffering costs one extra layer-sized buffer but no allocation per step.
 ``compensate(..., scan=request)`` also makes the first pass of the selection that
 follows while it writes r + g (CPU float32 with the native kernel), so on most steps
 the selection does not read the layer again.
+
+A bucket compressed at once (``compensate_bucket`` / ``update_bucket``) goes layer by layer,
+unless its compressor asks for a ``BucketScan`` (exactly k by radix select, the GPU path):
+then the bucket's residuals (and DGC velocities) are views of one flat double buffer, so
+the compensation is one ``radix_select.compensate`` launch, fused with the selection's first
+histogram, and the update one decode of the bucket's own message with alpha = -1.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ..core import radix_select as rs
 from ..core.passes import ScanRequest, compensate_scan
 
 
@@ -31,6 +40,56 @@ def double_buffer(current: dict, spare: dict, name: str, like: torch.Tensor):
     return cur, new
 
 
+@dataclass
+class FlatPair:
+    """One bucket's per-layer buffers (residuals or velocities) as views of one flat tensor,
+    double-buffered like the per-layer ones: the step writes ``spare``, commit swaps."""
+    cur: torch.Tensor
+    spare: torch.Tensor
+    cur_views: tuple
+    spare_views: tuple
+
+    def swap(self) -> None:
+        self.cur, self.spare = self.spare, self.cur
+        self.cur_views, self.spare_views = self.spare_views, self.cur_views
+
+
+def flat_double_buffer(current: dict, spare: dict, flats: dict, key, names: list, sizes: list,
+                       device) -> FlatPair:
+    """The bucket's ``FlatPair``, with ``current[name]`` and ``spare[name]`` its views.
+
+    1. First use: zeros. 2. A layer whose current buffer is not its view (first use, a
+    restored checkpoint, a resize) has it copied in; zeros where it has none. 3. The spare
+    views become the layers' spare buffers, for ``commit`` to swap in."""
+    pair = flats.get(key)
+    if pair is None or pair.cur.device != torch.device(device):
+        n = sum(sizes)
+        cur, new = (torch.zeros(n, dtype=torch.float32, device=device),
+                    torch.empty(n, dtype=torch.float32, device=device))
+        pair = flats[key] = FlatPair(cur, new, tuple(cur.split(sizes)), tuple(new.split(sizes)))
+    for name, view in zip(names, pair.cur_views):
+        held = current.get(name)
+        if held is not view:
+            if held is not None:
+                view.copy_(held.reshape(-1))
+            else:
+                view.zero_()
+            current[name] = view
+    spare.update(zip(names, pair.spare_views))
+    return pair
+
+
+def flat_grad(buffers: dict, key, grads: list) -> torch.Tensor:
+    """The unit's gradients back to back in one reused buffer, in their own dtype (fp16/bf16
+    stay half: the compensation reads them), fp32 when they differ."""
+    dtype = grads[0].dtype if all(g.dtype == grads[0].dtype for g in grads) else torch.float32
+    n = sum(g.numel() for g in grads)
+    buf = buffers.get(key)
+    if buf is None or buf.dtype != dtype or buf.device != grads[0].device or buf.numel() != n:
+        buf = buffers[key] = torch.empty(n, dtype=dtype, device=grads[0].device)
+    return torch.cat([g.to(dtype) for g in grads], out=buf)
+
+
 class NoMemory:
     """Methods without error feedback: x is the gradient itself and nothing is kept."""
     corrects_momentum = False
@@ -38,7 +97,13 @@ class NoMemory:
     def compensate(self, name: str, grad: torch.Tensor, scan: ScanRequest | None = None) -> torch.Tensor:
         return grad
 
+    def compensate_bucket(self, layers, grads: list, scan=None) -> list:
+        return list(grads)
+
     def update(self, layer, x: torch.Tensor, message, compressor) -> None:
+        pass
+
+    def update_bucket(self, layers, xs: list, messages: list, compressor, scan=None) -> None:
         pass
 
     def update_aggregate(self, name: str, x: torch.Tensor, average: torch.Tensor) -> None:
@@ -67,6 +132,9 @@ class ResidualMemory:
         self.residual: dict[str, torch.Tensor] = {}
         self._spare: dict[str, torch.Tensor] = {}
         self._pending: dict[str, torch.Tensor] = {}
+        self._flats: dict = {}            # (kind, layer names) -> FlatPair: buckets kept flat
+        self._pending_flats: list = []    # their pairs written this step, swapped on commit
+        self._grad_buffers: dict = {}
 
     def compensate(self, name: str, grad: torch.Tensor, scan: ScanRequest | None = None) -> torch.Tensor:
         """Return a buffer holding residual + grad; ``update`` then subtracts the sent part from it.
@@ -77,11 +145,55 @@ class ResidualMemory:
         self._pending[name] = spare
         return spare
 
+    def compensate_bucket(self, layers, grads: list, scan=None) -> list:
+        """x for every layer of a unit (one layer, or a bucket compressed together). ``scan``: one
+        ``ScanRequest`` (or None) per layer, or a ``BucketScan``, which ``_compensate_flat`` fills."""
+        if isinstance(scan, rs.BucketScan) and self._flat_velocity_ok(layers):
+            return self._compensate_flat(layers, grads, scan)
+        scans = scan if isinstance(scan, list) else [None] * len(layers)
+        return [self.compensate(l.name, g, s) for l, g, s in zip(layers, grads, scans)]
+
+    def _compensate_flat(self, layers, grads: list, scan) -> list:
+        """1. the unit's gradients in one flat buffer; 2. its residuals as views of a flat double
+        buffer; 3. one ``rs.compensate``: x = r + g (DGC: the velocity too), fused with the first
+        histogram; 4. ``scan`` filled for the selection, the layers' views pending until commit."""
+        names, sizes = [l.name for l in layers], [l.numel for l in layers]
+        g = flat_grad(self._grad_buffers, tuple(names), grads)                               # 1.
+        r = flat_double_buffer(self.residual, self._spare, self._flats, ("r", tuple(names)), names, sizes,
+                               g.device)                                                     # 2.
+        velocity = self._flat_velocity(names, sizes, g.device, scan)
+        scan.hist = rs.compensate(scan.seg, r.cur, g, r.spare, sign=scan.sign, backend=scan.backend,
+                                  **velocity)                                                # 3.
+        scan.x = r.spare                                                                     # 4.
+        self._pending.update(zip(names, r.spare_views))
+        self._pending_flats.append(r)
+        return list(r.spare_views)
+
+    def _flat_velocity_ok(self, layers) -> bool:
+        """Whether one compensate call can serve these layers (one momentum for all of them)."""
+        return True
+
+    def _flat_velocity(self, names: list, sizes: list, device, scan) -> dict:
+        """The velocity arguments of ``rs.compensate`` (DGC's memory); none here."""
+        return {}
+
     def update(self, layer, x: torch.Tensor, message, compressor) -> None:
         """x (this step's compensated buffer) -= what receivers will decode from ``message``:
         quantisation error stays in the residual."""
         compressor.decompress_add(x, message.tensors, layer, alpha=-1.0, ctx=message.ctx)
         self.mask(layer.name, message.positions)
+
+    def update_bucket(self, layers, xs: list, messages: list, compressor, scan=None) -> None:
+        """``update`` for every layer of a unit; a bucket compensated flat is updated by one decode
+        of its own bucket message with alpha = -1 (the receivers' code, as ``update`` runs it),
+        which also zeroes the step's velocity where values were sent (masking)."""
+        if not (isinstance(scan, rs.BucketScan) and scan.x is not None):
+            for layer, x, msg in zip(layers, xs, messages):
+                self.update(layer, x, msg, compressor)
+            return
+        own = [compressor.bucket_tensors(layers, messages)]
+        compressor.decompress_bucket({l.name: x for l, x in zip(layers, xs)}, own, layers, alpha=-1.0,
+                                     flat=scan.x, zero=scan.velocity)
 
     def update_aggregate(self, name: str, x: torch.Tensor, average: torch.Tensor) -> None:
         """x -= the decoded average of every rank's message (PowerSGD's error feedback)."""
@@ -97,9 +209,13 @@ class ResidualMemory:
         for name, buf in self._pending.items():
             self._spare[name], self.residual[name] = self.residual[name], buf
         self._pending.clear()
+        for pair in self._pending_flats:
+            pair.swap()
+        self._pending_flats.clear()
 
     def rollback(self) -> None:
         self._pending.clear()
+        self._pending_flats.clear()
 
     def state_dict(self) -> dict:
         return {"residual": {k: v.detach().clone() for k, v in self.residual.items()}}
@@ -108,3 +224,5 @@ class ResidualMemory:
         self.residual = {k: v.detach().clone().float() for k, v in state["residual"].items()}
         self._spare.clear()
         self._pending.clear()
+        self._flats.clear()
+        self._pending_flats.clear()

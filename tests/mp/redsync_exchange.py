@@ -1,6 +1,8 @@
 """RedSync over real allgather: every rank gets exactly the average of what each rank's
 message decodes to, ranks select different counts (tbs lands anywhere in [k, 2k], sign
-filtering halves it unevenly), and all ranks end with identical gradients."""
+filtering halves it unevenly), and all ranks end with identical gradients. With
+``selection.method: radix`` every message has exactly k per layer and travels without a
+header allgather."""
 import json
 import sys
 
@@ -26,6 +28,7 @@ def main(options):
                           fusion_bytes=cfg.fusion_bytes)
     # a replica of every rank's compressor state lets each rank predict every message
     replicas = [build_compressor(dict(cfg.model_dump()))[0] for _ in range(size)]
+    radix = cfg.selection.method == "radix"
     mems = [ResidualMemory() for _ in range(size)]
     counts = []
     for step in range(4):
@@ -34,18 +37,21 @@ def main(options):
         for layer in reversed(layers):
             ex.submit(layer.name, grads[rank][layer.name])
         out = ex.finish()
-        # every rank's messages, as that rank's compressor builds them: layer by layer, or
-        # (selection.scope: bucket) the bucket's layers at once
+        # every rank's messages, as that rank's compressor builds them, by the exchange's steps
+        # for a bucket: layer by layer, or (selection.scope: bucket, radix) the layers at once
         sent = {}
         for r in range(size):
             for bucket in ex.transport.buckets:
-                xs = [mems[r].compensate(l.name, grads[r][l.name]) for l in bucket.layers]
-                msgs = replicas[r].compress_bucket(xs, list(bucket.layers), step)
-                assert not any(m.nonfinite for m in msgs)
-                for x, l, msg in zip(xs, bucket.layers, msgs):
-                    mems[r].update(l, x, msg, replicas[r])
+                layers_b = list(bucket.layers)
+                scan = replicas[r].scan_request_bucket(layers_b, step)
+                xs = mems[r].compensate_bucket(layers_b, [grads[r][l.name] for l in layers_b], scan)
+                msgs = replicas[r].compress_bucket(xs, layers_b, step, scan)
+                assert not any(bool(m.nonfinite) for m in msgs)
+                mems[r].update_bucket(layers_b, xs, msgs, replicas[r], scan)
+                for l, msg in zip(layers_b, msgs):
                     sent.setdefault(l.name, []).append(msg)
                     counts.append(msg.selected)
+                    assert radix is False or msg.tensors[0].numel() == msg.selected == l.k
         for layer in layers:
             if not layer.compressed:
                 expect = sum(g[layer.name] for g in grads) / size
@@ -62,9 +68,11 @@ def main(options):
                 assert torch.allclose(ex.memory.residual[layer.name], mems[rank].residual[layer.name])
     everyone = rhvd.allgather_object(out["big"].tolist())
     assert all(o == everyone[0] for o in everyone), "ranks ended with different gradients"
-    assert len(set(counts)) > 1, "expected uneven selection counts"
+    assert radix or len(set(counts)) > 1, "expected uneven selection counts (radix: exactly k, checked above)"
     by_bucket = any(ex.units[l.name].together for b in ex.transport.buckets for l in b.layers)
-    assert by_bucket == (cfg.selection.scope == "bucket")
+    assert by_bucket == (cfg.selection.scope == "bucket" or radix)
+    headers = ex.communication_stats().get("bytes_headers", 0)
+    assert (headers == 0) == radix, f"header bytes {headers}: radix sends none, the others do"
     print(f"rank {rank}: OK redsync exchange {options} counts={sorted(set(counts))[:6]}")
 
 

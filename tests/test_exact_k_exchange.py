@@ -1,0 +1,202 @@
+"""``selection.method: radix`` through the exchange: exactly k per layer, chosen on the device,
+as the four steps of the pipeline over one flat buffer per bucket (compressors/exact_k.py).
+
+On CPU tensors the steps run the torch reference of core/radix_select.py (the Triton kernels
+under the interpreter: tests/test_triton_select.py); a GPU runs the same calls as kernels.
+"""
+import math
+
+import pytest
+import torch
+
+from redsync_hvd.comm import LocalCommunicator
+from redsync_hvd.comm.packing import pack, unpack_fixed
+from redsync_hvd.compressors import build_compressor
+from redsync_hvd.compressors.base import Layer
+from redsync_hvd.core.host_reads import HostReads
+from redsync_hvd.engine import MomentumSpec, build_exchange
+from redsync_hvd.exchange import NonFiniteGradientError
+
+AGREEMENT = ("__float__", "redsync_hvd.exchange.pipeline:_any_nonfinite")
+
+
+class CountingComm(LocalCommunicator):
+    """A one-process communicator that counts the collectives it is asked for."""
+
+    def __init__(self, size):
+        super().__init__(size)
+        self.calls = []
+
+    def allgather_async(self, tensor, name):
+        self.calls.append(name)
+        return super().allgather_async(tensor, name)
+
+
+def make(sizes, selection="radix", quantize="sign_mean", momentum=0.9, world=2, density=0.01, **extra):
+    layers = [Layer(f"l{i}", (n,), n, i) for i, n in enumerate(sizes)]
+    spec = {"method": "redsync", "density": density, "selection": selection, "message": {"quantize": quantize},
+            "dgc": {"momentum_correction": bool(momentum)}, "policy": {"min_compress_numel": 100}, **extra}
+    mom = MomentumSpec(momentum if isinstance(momentum, dict) else dict.fromkeys((l.name for l in layers), momentum))
+    comm = CountingComm(world)
+    ex = build_exchange(spec, layers, comm, take_momentum=lambda: mom, agree=False).exchange
+    return ex, layers, comm
+
+
+def grads_for(layers, step, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(100 + step)
+    return {l.name: torch.randn(l.numel, generator=gen).to(dtype) for l in layers}
+
+
+def run_step(ex, layers, grads):
+    for l in reversed(layers):
+        ex.submit(l.name, grads[l.name])
+    return ex.finish()
+
+
+def sizes_of(n_layers):
+    # big and small layers, and a few under min_compress_numel: those travel dense (allreduce)
+    return [3000 + 157 * i if i % 7 else 40 + i for i in range(n_layers)]
+
+
+@pytest.mark.parametrize("n_layers", [2, 8, 60])
+def test_no_host_read_in_a_compressed_step(n_layers):
+    """Submit of every layer, the collectives' start, the decode and the memory commit read
+    nothing back, from the first step on (layouts and buffers are built inside the count),
+    with DGC momentum and dense layers beside; the one read of a step is the agreed count of
+    non-finite layers in finish(). The per-layer tbs path, counted the same way, reads many
+    times (the count can fail)."""
+    ex, layers, comm = make(sizes_of(n_layers), momentum=0.9)
+    with HostReads() as reads:
+        for step in range(2):
+            run_step(ex, layers, grads_for(layers, step))
+    assert reads.events == [AGREEMENT] * 2, reads.events
+    assert all(ex.units[l.name].together for l in layers if l.compressed)
+    old, old_layers, _ = make(sizes_of(n_layers), selection={"method": "tbs", "scope": "bucket"})
+    with HostReads() as reads:
+        run_step(old, old_layers, grads_for(old_layers, 0))
+    assert "redsync_hvd.core.bucket_select:select_bucket" in reads.where()   # its one wait per bucket
+    assert "redsync_hvd.comm.packing:unpack_gathered" in reads.where()      # the header, on the host
+
+
+def test_one_allgather_per_bucket_and_fixed_sizes():
+    """Message sizes are known before the step: no header allgather (the tbs bucket path sends
+    two collectives per bucket); a compressor whose message differs from what it declared, or
+    a payload of another size, stops with an error that says so."""
+    counts = {}
+    for selection in ("radix", {"method": "tbs", "scope": "bucket"}):
+        ex, layers, comm = make([20000, 9000, 4000], selection=selection, fusion_bytes=60000)
+        run_step(ex, layers, grads_for(layers, 0))
+        counts[str(selection)] = (len(ex.transport.buckets), len(comm.calls),
+                                  ex.communication_stats().get("bytes_headers", 0))
+    assert counts["radix"] == (2, 2, 0)
+    assert counts[str({"method": "tbs", "scope": "bucket"})][:2] == (2, 4)
+    comp, _ = build_compressor({"method": "redsync", "selection": "radix", "density": 0.01})
+    layers = [Layer("a", (1000,), 1000, 0, density=0.01), Layer("b", (300,), 300, 1, density=0.01)]
+    assert comp.fixed_bucket_counts(layers) == [13, 2]
+    _, payload = pack([torch.zeros(13, dtype=torch.int32), torch.zeros(2)], "cpu")
+    with pytest.raises(RuntimeError, match="ranks disagree on the bucket layout"):
+        unpack_fixed(payload, [15, 2], [torch.int32, torch.float32], 1)
+    ex, layers, comm = make([20000, 9000])
+    ex.compressor.fixed_bucket_counts = lambda layers: [1, 1]
+    with pytest.raises(RuntimeError, match="declared fixed message sizes"):
+        run_step(ex, layers, grads_for(layers, 0))
+
+
+@pytest.mark.parametrize("quantize,momentum", [("sign_mean", 0.0), ("none", 0.9), ("fp16", {"l0": 0.9, "l1": 0.5})])
+def test_exactly_k_and_sent_plus_residual_is_what_came_in(quantize, momentum):
+    """Each layer's average has exactly k non-zeros (LocalCommunicator: every rank sends this
+    rank's message); over steps, what was sent plus what is kept equals what came in (the
+    velocity with DGC momentum; different momenta in a bucket take the per-layer compensation);
+    a NaN step changes nothing on any layer and raises, naming the layer."""
+    ex, layers, _ = make([12000, 7000, 3000], quantize=quantize, momentum=momentum, world=2, density=0.02)
+    m = {l.name: momentum.get(l.name, 0.0) if isinstance(momentum, dict) else momentum for l in layers}
+    total = {l.name: torch.zeros(l.numel, dtype=torch.float64) for l in layers}
+    sent = {l.name: torch.zeros(l.numel, dtype=torch.float64) for l in layers}
+    u = {l.name: torch.zeros(l.numel, dtype=torch.float64) for l in layers}
+    for step in range(5):
+        grads = grads_for(layers, step)
+        if step == 2:
+            before = {k: v.clone() for k, v in ex.memory.residual.items()}
+            grads["l1"][7] = math.nan
+            with pytest.raises(NonFiniteGradientError, match=r"\['l1'\]"):
+                run_step(ex, layers, grads)
+            assert all(torch.equal(before[k], ex.memory.residual[k]) for k in before)
+            continue
+        out = run_step(ex, layers, grads)
+        for l in layers:
+            assert int((out[l.name] != 0).sum()) == l.k, (step, l.name)
+            u[l.name] = m[l.name] * u[l.name] + grads[l.name].double()
+            total[l.name] += u[l.name] if m[l.name] else grads[l.name].double()
+            sent[l.name] += out[l.name].double()
+            if m[l.name]:
+                u[l.name][out[l.name] != 0] = 0.0   # masking
+    for l in layers:
+        kept = ex.memory.residual[l.name].double()
+        assert torch.allclose(sent[l.name] + kept, total[l.name], atol=1e-4), l.name
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_gradients_stay_half_until_the_compensation(dtype):
+    """fp16/bf16 gradients reach the compensation as they are (one half-precision flat buffer
+    per bucket, no fp32 copy per layer) and give, bit for bit, what their fp32 values give;
+    residuals and velocities are fp32."""
+    runs = {}
+    for d in (dtype, torch.float32):
+        ex, layers, _ = make([6000, 2500, 50], momentum=0.9)
+        outs = [run_step(ex, layers, {n: g.to(dtype).to(d) for n, g in grads_for(layers, s).items()})
+                for s in range(3)]
+        runs[d] = (outs, ex.memory)
+    (half, mem_h), (full, mem_f) = runs[dtype], runs[torch.float32]
+    for a, b in zip(half, full):
+        assert all(torch.equal(a[n], b[n]) for n in a)
+    assert all(torch.equal(mem_h.residual[n], mem_f.residual[n]) and mem_h.residual[n].dtype == torch.float32
+               for n in mem_f.residual)
+    assert all(mem_h.velocity[n].dtype == torch.float32 for n in mem_h.velocity)
+    assert [b.dtype for b in mem_h._grad_buffers.values()] == [dtype]
+
+
+def test_checkpoint_and_resume_through_the_flat_buffers():
+    """Residuals and velocities live as views of flat buffers; a state_dict taken between steps,
+    loaded into a fresh exchange, continues exactly as the uninterrupted one."""
+    ex, layers, _ = make([5000, 3000, 800], momentum=0.9)
+    for s in range(2):
+        run_step(ex, layers, grads_for(layers, s))
+    state = {k: v for k, v in ex.state_dict().items()}
+    fresh, _, _ = make([5000, 3000, 800], momentum=0.9)
+    fresh.load_state_dict(state)
+    for s in range(2, 4):
+        a, b = run_step(ex, layers, grads_for(layers, s)), run_step(fresh, layers, grads_for(layers, s))
+        assert all(torch.equal(a[n], b[n]) for n in a)
+    assert all(torch.equal(ex.memory.residual[n], fresh.memory.residual[n]) for n in ex.memory.residual)
+
+
+def test_config_refuses_what_radix_cannot_do():
+    with pytest.raises(ValueError, match="selection.scope: bucket"):
+        build_compressor({"method": "redsync", "selection": {"method": "radix", "scope": "layer"}})
+    with pytest.raises(ValueError, match="index_coding: raw"):
+        build_compressor({"method": "redsync", "selection": "radix", "message": {"index_coding": "golomb"}})
+    with pytest.raises(ValueError, match="per-layer selection overrides"):
+        build_compressor({"method": "redsync", "selection": "radix",
+                          "policy": {"layers": [{"pattern": "fc*", "selection": "trimmed"}]}})
+    comp, _ = build_compressor({"method": "redsync", "selection": "radix"})
+    assert comp.selects_by_bucket([Layer("a", (10,), 10, 0)])     # auto: by bucket on any device
+
+
+def test_sparse_update_applies_each_layers_slice_of_the_bucket():
+    """sparse_update decodes a layer's part of every rank's bucket message straight into its
+    weights (per layer: the bucket is not decoded flat then): p -= lr * average."""
+    runs = []
+    for sparse in (False, True):
+        ex, layers, _ = make([5000, 3000], momentum=0.0, sparse_update=sparse)
+        params = {l.name: torch.ones(l.numel) for l in layers}
+        for s in range(2):
+            for l in reversed(layers):
+                ex.submit(l.name, grads_for(layers, s)[l.name])
+            out = ex.finish(apply={n: (p, 0.1) for n, p in params.items()} if sparse else None)
+            for n, p in params.items():
+                if not sparse:
+                    p.sub_(0.1 * out[n])
+        runs.append(params)
+        assert sorted(ex.applied) == (["l0", "l1"] if sparse else [])
+    assert all(torch.allclose(runs[0][n], runs[1][n], atol=1e-7) and bool((runs[1][n] != 1).any())
+               for n in runs[0])
