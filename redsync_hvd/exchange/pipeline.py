@@ -68,6 +68,10 @@ class GradientExchange:
         self.stats = CommStats()
         self.step = 0
         self.applied: list = []
+        # values a caller adds to the finite check's allreduce (summed over ranks), e.g. the
+        # runner's stop flags: carry() -> [float, ...], the sums land in ``carried``
+        self.carry = None
+        self.carried: list | None = None
         policy.setup(layers, comm.size, network)
         buckets = self._buckets(layers, fusion_bytes)
         self.units = self._units(layers, buckets)
@@ -197,8 +201,11 @@ class GradientExchange:
             flag = self._start_finite_agreement()
             apply = apply or {}
             out, updates = self.transport.collect(self.state, lambda l: self.parts(l)[0], into or {}, apply)
-            if flag is not None and float(self.comm.wait(flag)[0]) > 0:
-                return self._nonfinite(out)   # raises, or (on_nonfinite="skip") rolls back
+            if flag is not None:
+                sums = self.comm.wait(flag)
+                self.carried = sums[1:].tolist() if self.carry is not None else None
+                if float(sums[0]) > 0:
+                    return self._nonfinite(out)   # raises, or (on_nonfinite="skip") rolls back
             self._after_average(out, updates, apply)
         except BaseException:
             self.abort()
@@ -208,17 +215,18 @@ class GradientExchange:
         return out
 
     def _start_finite_agreement(self):
-        """Every rank's count of non-finite layers, summed by one tiny allreduce. The evidence
-        (sums, device flags) is read back once, here."""
+        """Every rank's count of non-finite layers, summed by one tiny allreduce, with the
+        values of ``carry`` (every rank must set the same carry). The evidence (sums, device
+        flags) is read back once, here."""
         if self.state.evidence:
             finite = torch.isfinite(torch.stack([v.float() for _, v in self.state.evidence]))
             if not bool(finite.all()):
                 self.state.bad += [n for (n, _), ok in zip(self.state.evidence, finite.tolist()) if not ok]
         if not self.check_finite:
             return None
-        self.stats.add_bytes({"scalars": 4})
-        return self.comm.allreduce_async(torch.tensor([float(len(self.state.bad))]), name="rsync.finite",
-                                         average=False)
+        values = [float(len(self.state.bad))] + ([float(v) for v in self.carry()] if self.carry is not None else [])
+        self.stats.add_bytes({"scalars": 4})   # the carried values are the caller's traffic, not compression's
+        return self.comm.allreduce_async(torch.tensor(values), name="rsync.finite", average=False)
 
     def _nonfinite(self, out: dict) -> dict:
         bad = self.state.bad
@@ -274,6 +282,11 @@ class GradientExchange:
     def layer_decisions(self) -> list:
         """How each layer travels (compressed or dense, density, and why), decided once at start."""
         return list(self.policy.decisions)
+
+    def decision_record(self) -> dict:
+        """The decisions with the figures they were made from (``LayerPolicy.record``): what a
+        run folder's decisions.json and a checkpoint keep, and ``policy.decisions`` pins."""
+        return self.policy.record()
 
     def set_steps_per_epoch(self, steps: int) -> None:
         """Needed by epoch-based schedules such as ``warmup.epochs``."""

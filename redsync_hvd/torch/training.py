@@ -59,6 +59,7 @@ class TorchTrainer:
         self.task, self.train_size = data.task, len(data.train)
         self.model = build_model(cfg.model.name, data.num_classes, data.input_shape, **cfg.model.options)
         base = build_optimizer(cfg, self.model, size)
+        self.lr0 = base.param_groups[0]["lr"]   # scaled for this run's workers
         self.opt = rhvd.DistributedOptimizer(base, named_parameters=self.model.named_parameters(),
                                              compression=cfg.compression.model_dump())
         rhvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
@@ -116,12 +117,25 @@ class TorchTrainer:
                 "scheduler": self.sched.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """The saved state, with the learning rate of this run: a checkpoint of M workers under
+        ``scale_lr_by_workers`` carries lr * M, and this run has N (the same value otherwise)."""
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
+        self.sched.base_lrs = [self.lr0] * len(self.opt.param_groups)
+        for group, factor in zip(self.opt.param_groups, self.sched.lr_lambdas):
+            group["initial_lr"], group["lr"] = self.lr0, self.lr0 * factor(self.sched.last_epoch)
 
     def communication_stats(self) -> dict:
         return self.opt.communication_stats()
 
     def layer_decisions(self) -> list:
         return self.opt.layer_decisions()
+
+    def decision_record(self) -> dict:
+        exchange = self.carrier()
+        return exchange.decision_record() if exchange is not None else {"source": "none", "layers": []}
+
+    def carrier(self):
+        """The GradientExchange whose per-step allreduce can carry the runner's flags (None: none)."""
+        return getattr(self.opt, "exchange", None)
