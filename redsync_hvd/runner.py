@@ -199,7 +199,7 @@ class Run:
                 f"{r.report['dropped_elements']} residual elements dropped")
             print(f"[resume] step {self.step} from {self.cfg.training.resume}{what}", file=sys.stderr, flush=True)
 
-    def save(self, keep: bool = False) -> None:
+    def save(self, reason: str, keep: bool = False) -> None:
         """Latest state per rank (residuals are per worker), atomically (checkpoint.save keeps
         the previous one as .prev); ``keep`` also leaves a per-step copy."""
         blob = {"framework": self.trainer.framework, "step": self.step, "world_size": self.size,
@@ -208,6 +208,7 @@ class Run:
                 **self.trainer.state_dict()}
         checkpoint.save(self.log.dir, self.rank, blob, keep_step=keep)
         self.ctl.saved()
+        self.log.metrics({"step": self.step, "event": "checkpoint", "reason": reason})
 
     def train(self) -> None:
         self.ctl = self._stop_controller()
@@ -226,7 +227,7 @@ class Run:
             if bar is not None:
                 bar.close()
             if self.stopped is None:
-                self.save()
+                self.save("end")
                 if not self.result:   # resumed at the last step
                     self.result = self.trainer.evaluate()
         finally:
@@ -274,7 +275,7 @@ class Run:
         every = self.cfg.training.checkpoint_every
         keep = bool(every and step % every == 0)
         if keep or decision.save:
-            self.save(keep=keep)
+            self.save(decision.reason if decision.save else "checkpoint_every", keep=keep)
         if decision.stop:
             self.stopped = decision.reason
             self.log.metrics({"step": step, "event": "stopped", "reason": decision.reason})

@@ -158,6 +158,51 @@ def test_remap_conserves_the_total_and_scales():
         resize.check_rule("average")
 
 
+def test_stop_controller_decides_from_carried_flags_and_spaces_its_own_polls():
+    """The flags any rank sends, combined by sum (the exchange's finite check) or max: a signal
+    anywhere stops everyone, a due checkpoint saves only. Its own polls (poll_every_s=1) come
+    once per second of the slowest rank's steps: steps of 0.1 s -> polls at steps 1, 2, 12, 22."""
+    from redsync_hvd.preemption import StopController
+    now = [0.0]
+    polled = []
+    ctl = StopController(lambda v: polled.append(list(v)) or v, checkpoint_every_s=10, poll_every_s=1.0,
+                         clock=lambda: now[0])
+    assert ctl.flags() == [0.0, 0.0, 0.0]
+    assert ctl.decide([0.0, 0.0, 2.0]) == (True, False, "checkpoint_every_s")
+    assert ctl.decide([0.0, 1.0, 1.0]) == (True, True, "SIGINT")
+    for step in range(1, 31):
+        now[0] += 0.1
+        ctl.poll(step)
+    assert len(polled) == 4 and [round(p[-1], 6) for p in polled] == [0.0, 0.1, 0.1, 0.1], polled
+    ctl.request_stop(signal.SIGTERM)
+    assert ctl.flags()[:2] == [1.0, 0.0] and ctl.poll(32).stop and ctl.reason == "SIGTERM"
+
+
+def test_pinned_decisions_follow_the_file_and_refuse_another_model(tmp_path):
+    """policy.decisions overrides what the policy would decide (here: the reverse of the size
+    floor), nothing is probed, and the record says where it came from; a record of another
+    model, or no file, is an error that names the problem."""
+    from redsync_hvd.comm.local import LocalCommunicator
+    from redsync_hvd.compressors.base import Layer
+    from redsync_hvd.engine import build_exchange
+
+    def layers(big=4096):
+        return [Layer("fc.weight", (big,), big, 0), Layer("fc.bias", (16,), 16, 1)]
+    record = {"layers": [{"name": "fc.weight", "numel": 4096, "compressed": False, "why": "x"},
+                         {"name": "fc.bias", "numel": 16, "compressed": True, "why": "y"}]}
+    path = tmp_path / "decisions.json"
+    path.write_text(json.dumps(record))
+    spec = {"method": "topk", "density": 0.1, "policy": {"mode": "cost_model", "min_compress_numel": 100,
+                                                         "decisions": str(path)}}
+    ex = build_exchange(spec, layers(), LocalCommunicator(2)).exchange
+    assert [(d["name"], d["compressed"]) for d in ex.layer_decisions()] == [("fc.weight", False), ("fc.bias", True)]
+    assert ex.decision_record()["source"] == f"pinned: {path}" and ex.decision_record()["network"] is None
+    with pytest.raises(ValueError, match=r"another model: .*other sizes \['fc.weight'\]"):
+        build_exchange(spec, layers(big=4000), LocalCommunicator(2))
+    with pytest.raises(ValueError, match="no file"):
+        build_exchange({**spec, "policy": {"decisions": str(tmp_path / "nope.json")}}, layers(), LocalCommunicator(2))
+
+
 # -- preemption ------------------------------------------------------------------------------
 @pytest.mark.parametrize("launcher", ["gloo", "mpirun"])
 def test_sigterm_to_the_launcher_saves_every_rank(tmp_path, launcher):
@@ -210,7 +255,7 @@ def runner_runs(tmp_path_factory):
     """Four launches shared by the tests below. ``ref``: uninterrupted, decisions probed.
     ``run``, with ref's decisions pinned: (1) rank 1 killed with SIGKILL once both ranks
     wrote their step-20 checkpoints; (2) resumed from them, SIGTERM to rank 1 alone once its
-    handler is installed; (3) resumed from the run folder to the end."""
+    handler is installed; (3) resumed from the run folder to the end, saving every 0.3 s too."""
     out = tmp_path_factory.mktemp("runner")
     ref, run = out / "ref", out / "run"
     train(out, CONFIG, *COMMON, "output.name=ref")
@@ -231,7 +276,7 @@ def runner_runs(tmp_path_factory):
     os.kill(pids[1], signal.SIGTERM)
     got["stopped"] = finish(proc, timeout=120, check=False)
     got["stopped_steps"] = [checkpoint.load(run, r)["step"] for r in (0, 1)]
-    got["resumed"] = train(out, CONFIG, *same, f"training.resume={run}")                  # (3)
+    got["resumed"] = train(out, CONFIG, *same, f"training.resume={run}", "training.checkpoint_every_s=0.3")  # (3)
     return ref, run, got
 
 
@@ -241,6 +286,7 @@ def test_killed_worker_then_sigterm_then_resume_ends_bit_identical(runner_runs):
     weights and residuals of both ranks."""
     ref, run, got = runner_runs
     assert got["killed"].returncode != 0 and "done:" not in got["killed"].stdout, got["killed"].stdout[-3000:]
+    assert got["killed_exit_s"] < 30, got["killed_exit_s"]
     stopped = got["stopped"]
     assert stopped.returncode == 75, stopped.stdout[-3000:]
     step = int(re.search(r"stopped at step (\d+) on SIGTERM", stopped.stdout).group(1))
@@ -256,8 +302,15 @@ def test_killed_worker_then_sigterm_then_resume_ends_bit_identical(runner_runs):
         assert any(v.abs().sum() > 0 for v in ra.values())
     s = summary(run)
     assert [(r["step"], r["workers"]) for r in s["resumes"]] == [(20, 2), (step, 2)], s["resumes"]
-    steps = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
+    lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [l["step"] for l in lines if "loss" in l]
     assert steps == sorted(set(steps)) and steps[-1] == 60, steps   # no step logged twice
+    saves = [(l["step"], l["reason"]) for l in lines if l.get("event") == "checkpoint"]
+    assert (step, "SIGTERM") in saves and 40 in dict(saves) and saves[-1] == (60, "end"), saves
+    timed = [s for s, reason in saves if reason == "checkpoint_every_s"]
+    assert timed and all(step < s <= 60 for s in timed), saves
+    # the saves before the last were made at the same step by both ranks (the .prev files)
+    assert len({checkpoint.load(run / f"checkpoint-rank{r}.pt.prev", r)["step"] for r in (0, 1)}) == 1
 
 
 def test_decisions_are_pinned_across_launches_and_reused_on_resume(runner_runs):

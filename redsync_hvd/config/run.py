@@ -71,8 +71,8 @@ class TrainingConfig(_Section):
     seed: int = Field(0, description="seeds model init, data split/shards and shuffling")
     eval_every: int = Field(0, ge=0, description="evaluate every N steps (0: at the end of each epoch)")
     log_every: int = Field(10, gt=0, description="write a metrics.jsonl line every N steps")
-    checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every N steps, kept as "
-                                                       "checkpoint-step<N>-rank<r>.pt (0: none)")
+    checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every N steps, kept as checkpoint-step<N>"
+                                                       "-rank<r>.pt (0: none; the last step is always saved)")
     checkpoint_every_s: float = Field(600.0, ge=0, description="also save every this many seconds of wall time, "
                                                                "at a step all ranks agree on (0: never)")
     resume: Optional[str] = Field(None, description="continue from a run folder (its latest checkpoints), or a "
