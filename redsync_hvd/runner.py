@@ -300,12 +300,15 @@ class Run:
         return summary
 
     def finish_stopped(self) -> int:
-        """After an agreed stop: every rank has saved before any exits; no summary (unfinished)."""
+        """After an agreed stop: every rank has saved before rank 0 says so, and rank 0 has said
+        so before any rank exits (a launcher tears the job down at the first non-zero exit);
+        no summary (unfinished)."""
         self.ctl.barrier()
         self.log.close()
         if self.rank == 0:
             print(f"{self.ctl.message(self.step, self.log.dir)} (exit code {EXIT_STOPPED}: saved, not finished)",
                   file=sys.stderr, flush=True)
+        self.ctl.barrier()
         return EXIT_STOPPED
 
 

@@ -92,7 +92,8 @@ def finish_timed(proc: subprocess.Popen, timeout: float = 180) -> tuple:
 
 
 def _kill_session(sid: int) -> None:
-    """SIGKILL every process whose session id is ``sid`` (the launcher's, from start_new_session)."""
+    """SIGKILL every process of the launcher's session (from start_new_session), and its
+    descendants in sessions of their own (the Gloo launcher starts each worker in one)."""
     for pid in _session_processes(sid):
         try:
             os.kill(pid, signal.SIGKILL)
@@ -101,18 +102,26 @@ def _kill_session(sid: int) -> None:
 
 
 def _session_processes(sid: int) -> list:
-    """Pids of the processes whose session id is ``sid``."""
-    pids = []
+    """Pids of the processes whose session id is ``sid``, or whose ancestor is such a process."""
+    parent, session = {}, {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[3]) == sid:
-                    pids.append(int(entry))
+                fields = f.read().rsplit(")", 1)[1].split()   # after "pid (comm)": state ppid pgrp session
+            parent[int(entry)], session[int(entry)] = int(fields[1]), int(fields[3])
         except (OSError, ValueError, IndexError):
             continue
-    return pids
+    ours = {pid for pid, s in session.items() if s == sid}
+    for pid in parent:
+        chain, p = [], pid
+        while p in parent and p not in ours and p > 1 and len(chain) < 64:
+            chain.append(p)
+            p = parent[p]
+        if p in ours:
+            ours.update(chain)
+    return sorted(ours)
 
 
 def rank_pids(proc: subprocess.Popen, np: int, timeout: float = 120) -> dict:
