@@ -203,6 +203,22 @@ def test_pinned_decisions_follow_the_file_and_refuse_another_model(tmp_path):
         build_exchange({**spec, "policy": {"decisions": str(tmp_path / "nope.json")}}, layers(), LocalCommunicator(2))
 
 
+def test_resume_of_another_experiment_names_the_keys_that_differ(tmp_path):
+    """The checkpoint's experiment fingerprint must be this config's; what a resume may change
+    (epochs, output, ...) does not count, anything else is named (one rank, one process)."""
+    from redsync_hvd.config import load_config
+    from redsync_hvd.runner import resume
+    one_rank = lambda obj, name: [obj]   # noqa: E731 - allgather_object of a world of one
+    cfg = load_config(REPO / CONFIG, [f"output.dir={tmp_path}"])
+    checkpoint.save(tmp_path / "topk", 0, {"step": 5, "world_size": 1, "fingerprint": cfg.experiment_fingerprint(),
+                                           "config": cfg.to_dict()})
+    longer = load_config(REPO / CONFIG, [f"training.resume={tmp_path / 'topk'}", "training.epochs=40"])
+    assert resume(longer, 0, 1, one_rank).agreement.step == 5
+    other = load_config(REPO / CONFIG, [f"training.resume={tmp_path / 'topk'}", "compression.density=0.02"])
+    with pytest.raises(checkpoint.CheckpointError, match=r"another experiment: compression.density: 0.01 -> 0.02"):
+        resume(other, 0, 1, one_rank)
+
+
 # -- preemption ------------------------------------------------------------------------------
 @pytest.mark.parametrize("launcher", ["gloo", "mpirun"])
 def test_sigterm_to_the_launcher_saves_every_rank(tmp_path, launcher):
@@ -229,7 +245,7 @@ def test_sigterm_to_the_launcher_saves_every_rank(tmp_path, launcher):
 def test_stop_controller_over_torch_distributed():
     from launch import run_torch_script
     out = run_torch_script("preempt_torchrun.py", 7, check=False, timeout=90).stdout
-    assert sorted(re.findall(r"rank (\d): stopped at step (\d+) on (\w+)", out)) == \
+    assert sorted(re.findall(r"rank (\d): stopped at step (\d+) on (SIGTERM|SIGINT)", out)) == \
         [("0", "7", "SIGTERM"), ("1", "7", "SIGTERM")], out[-3000:]
 
 
