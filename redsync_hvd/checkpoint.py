@@ -211,6 +211,11 @@ def load(path, rank: int, map_location=None) -> dict:
             f"never leaves a partial file under a checkpoint's name){_alternatives(p, rank)}",
             p, rank, "corrupt") from exc
     missing = [k for k in REQUIRED if not isinstance(blob, dict) or k not in blob]
+    if missing and isinstance(blob, dict) and "step" in blob and "config" in blob:
+        raise CheckpointError(f"rank {rank}: {p} was written by an older redsync_hvd that did not record "
+                              f"{missing}, so resuming from it cannot be checked against the other ranks and this "
+                              "config. Start the run again (torch.load(path, weights_only=True)['model'] still "
+                              "reads its weights)", p, rank, "invalid")
     if missing:
         raise CheckpointError(f"rank {rank}: {p} is not a redsync_hvd checkpoint (it lacks {missing}); point "
                               "training.resume at a run folder or a checkpoint-rank<r>.pt", p, rank, "invalid")
@@ -333,7 +338,8 @@ class Resumed(NamedTuple):
 
 
 def resume(path, rank: int, size: int, allgather_object: Callable, *, on_resize: str = "error",
-           scale: float = 1.0, map_location=None, expect_fingerprint: str | None = None) -> Resumed:
+           scale: float | Callable[[int, int], float] = 1.0, map_location=None,
+           expect_fingerprint: str | None = None) -> Resumed:
     """Load this rank's checkpoint and agree with the others; every rank gets the same outcome.
 
     1. ``try_load`` this rank's file (an error is kept, not raised).
@@ -341,9 +347,10 @@ def resume(path, rank: int, size: int, allgather_object: Callable, *, on_resize:
     3. Same world size: done (no further collective).
     4. Resized (``on_resize`` "sum" or "reset", see :mod:`redsync_hvd.resize`): new rank j takes
        model, optimizer and the rest from old rank ``j % M`` and the residuals of old ranks
-       ``i % N == j`` (merged or dropped). The files of other ranks must be readable here (one
-       host, or a shared file system). A second collective shares errors and dropped counts,
-       so the report holds the totals on every rank.
+       ``i % N == j`` (merged or dropped; summed ones times ``scale``, or ``scale(M, N)``).
+       The files of other ranks must be readable here (one host, or a shared file system). A
+       second collective shares errors and dropped counts, so the report holds the totals on
+       every rank.
     """
     blob, error = try_load(path, rank, map_location)
     agreement = agree(allgather_object, error or meta(blob), rank, on_resize=on_resize, path=path,
@@ -351,6 +358,8 @@ def resume(path, rank: int, size: int, allgather_object: Callable, *, on_resize:
     if not agreement.resized:
         return Resumed(blob, agreement, None)
     report, error = None, None
+    if callable(scale):
+        scale = float(scale(agreement.old_size, agreement.size))
     try:
         blob, report = _resized(path, rank, agreement, on_resize, scale, blob, map_location)
     except Exception as exc:   # noqa: BLE001 - it must reach the other ranks
@@ -390,15 +399,19 @@ def _resized(path, rank: int, agreement: Agreement, rule: str, scale: float, own
     exchange = exchange_state(base)
     if exchange is not None and exchange.get("memory") is not None:
         exchange["memory"] = merged
+    hook = base.get("compression")
+    if isinstance(hook, dict) and "world_size" in hook:   # the DDP hook's state says which world it is for
+        hook["world_size"] = size
     report = {"rule": rule, "old_world_size": old, "new_world_size": size, "scale": scale,
               "from_old_ranks": resize.assignment(old, size, rank), "dropped": dropped}
     return base, report
 
 
 def exchange_state(blob: dict) -> dict | None:
-    """The exchange's ``state_dict()`` inside a blob: ``optimizer.redsync`` (torch), ``redsync``
-    (TensorFlow) or ``exchange``; None for methods without one."""
-    for keys in (("optimizer", "redsync"), ("redsync",), ("exchange",)):
+    """The exchange's ``state_dict()`` inside a blob: ``optimizer.redsync`` (torch under Horovod),
+    ``compression.exchange`` (the DDP hook), ``redsync`` (TensorFlow) or ``exchange``; None for
+    methods without one."""
+    for keys in (("optimizer", "redsync"), ("compression", "exchange"), ("redsync",), ("exchange",)):
         node = blob
         for k in keys:
             node = node.get(k) if isinstance(node, dict) else None

@@ -3,22 +3,28 @@
 Schedulers preempt with SIGTERM, users press Ctrl-C, and either may reach one rank only.
 A rank that stopped alone would leave the others waiting in a collective (or, if each
 saved on its own, checkpoints of different steps). So a signal only sets a flag, and at
-a step boundary all ranks combine their flags with one tiny allreduce (max) of
-``[signal received, wall-clock checkpoint due]``: they all see the same result and save
+a step boundary all ranks combine their flags (``[SIGTERM received, SIGINT received,
+wall-clock checkpoint due]``) in one collective: they all see the same result and save
 (and stop) at the same step.
 
-The runner's part::
+A loop's part::
 
-    ctl = StopController(horovod_max(), checkpoint_every_s=cfg.training.checkpoint_every_s).install()
+    ctl = StopController(horovod_max(), checkpoint_every_s=600, poll_every_s=1.0).install()
     for step ...:
         train_step()
-        p = ctl.poll(step)                 # every rank, every step (one collective every poll_every)
+        p = ctl.poll(step)                 # every rank, every step (a collective now and then)
         if p.save:
             checkpoint.save(run_dir, rank, blob); ctl.saved()
         if p.stop:
             ctl.barrier()                  # every rank has saved before any exits
             print(ctl.message(step, run_dir)); return EXIT_STOPPED
     ctl.uninstall()
+
+A poll is a collective of its own: a Horovod cycle or more, often longer than a small
+model's step (``scripts/bench_poll.py``). The runner (redsync_hvd/runner.py) therefore
+carries ``ctl.flags()`` in the allreduce the gradient exchange makes every step anyway (its
+finite check) and calls ``ctl.decide`` on the sums; ``poll`` with ``poll_every_s`` is the
+fallback for steps without that allreduce.
 
 A second signal of the same kind while the first is pending ends the process at once (the
 default action), so a stuck job can still be interrupted.
@@ -40,31 +46,41 @@ class Poll(NamedTuple):
 
 
 class StopController:
-    """Signal flag + periodic-save clock, agreed across ranks in one allreduce per poll.
+    """Signal flags + periodic-save clock, agreed across ranks in one collective per poll.
 
     ``allreduce_max(values: list[float]) -> list[float]``: the element-wise max over ranks
-    (:func:`horovod_max`, :func:`torch_distributed_max`). ``checkpoint_every_s``: wall-clock
-    period of checkpoints (0 or None: none). ``poll_every``: steps between polls; every rank
-    must call ``poll`` with the same step numbers (it decides from ``step`` alone whether to
-    take part in the collective).
+    (:func:`horovod_max`, :func:`torch_distributed_max`, :func:`allgather_max`).
+    ``checkpoint_every_s``: wall-clock period of checkpoints (0 or None: none).
+    ``poll_every``: steps between polls; every rank must call ``poll`` with the same step
+    numbers (it decides from ``step`` alone whether to take part in the collective).
+    ``poll_every_s``: instead, poll about that often: each poll also agrees on the slowest
+    rank's seconds per step, and the next poll comes that many seconds of steps later (the
+    same step on every rank, since all see the same maximum).
+
+    A caller that already makes a collective every step can carry :meth:`flags` in it
+    (summed or maxed over ranks) and call :meth:`decide` with the result, instead of ``poll``.
     """
 
     def __init__(self, allreduce_max: Callable[[list], Sequence[float]], checkpoint_every_s: float | None = 600.0,
-                 poll_every: int = 1, clock: Callable[[], float] = time.monotonic):
+                 poll_every: int = 1, clock: Callable[[], float] = time.monotonic, poll_every_s: float | None = None):
         if poll_every < 1:
             raise ValueError(f"poll_every={poll_every} must be >= 1")
         self.allreduce_max = allreduce_max
         self.every_s = float(checkpoint_every_s or 0.0)
-        self.poll_every = int(poll_every)
+        self.poll_every, self.poll_every_s = int(poll_every), poll_every_s
         self.clock = clock
+        self.signals: tuple = (signal.SIGTERM, signal.SIGINT)
         self.signum = 0              # the signal received on this rank (0: none)
         self.reason: str | None = None
         self._last_save = clock()
         self._previous: dict = {}
+        self._last_poll: tuple | None = None   # (step, time) of the last own poll
+        self._next_poll = 0
 
     # -- signals ----------------------------------------------------------------------------
     def install(self, signals=(signal.SIGTERM, signal.SIGINT)) -> "StopController":
         """Route ``signals`` to the flag (main thread only, as Python requires)."""
+        self.signals = tuple(signals)
         for s in signals:
             self._previous[s] = signal.signal(s, self._on_signal)
         return self
@@ -92,25 +108,43 @@ class StopController:
         self.signum = int(signum)
 
     # -- per step ---------------------------------------------------------------------------
-    def poll(self, step: int) -> Poll:
-        """What every rank does at this step (the same on all ranks).
-
-        1. Off-poll steps (``step % poll_every``): nothing to do, no collective.
-        2. Allreduce (max) of [signal number received here, wall-clock checkpoint due here].
-        3. A signal anywhere: save and stop. A checkpoint due anywhere: save, and restart
-           the clock on every rank (they all see the same result).
-        """
-        if step % self.poll_every:
-            return Poll(False, False, None)
+    def flags(self) -> list:
+        """This rank's [one 0/1 per installed signal received, wall-clock checkpoint due]: the
+        same length on every rank, to be combined by max or sum."""
         due = bool(self.every_s) and self.clock() - self._last_save >= self.every_s
-        signum, any_due = (int(v) for v in self.allreduce_max([float(self.signum), float(due)]))
-        if signum:
-            self.reason = signal.Signals(signum).name
-            return Poll(True, True, self.reason)
-        if any_due:
+        return [float(self.signum == s) for s in self.signals] + [float(due)]
+
+    def decide(self, combined: Sequence[float]) -> Poll:
+        """What every rank does, from every rank's :meth:`flags` combined (any nonzero counts).
+
+        1. A signal anywhere: save and stop.
+        2. A checkpoint due anywhere: save, and restart the clock on every rank."""
+        for s, value in zip(self.signals, combined):
+            if value > 0:
+                self.reason = signal.Signals(s).name
+                return Poll(True, True, self.reason)
+        if combined[len(self.signals)] > 0:
             self._last_save = self.clock()
             return Poll(True, False, "checkpoint_every_s")
         return Poll(False, False, None)
+
+    def poll(self, step: int) -> Poll:
+        """:meth:`decide` on this step's flags of all ranks, by one collective of its own.
+
+        1. Not a polling step (``step % poll_every``, or before the step ``poll_every_s``
+           planned): nothing to do, no collective.
+        2. Allreduce (max) of this rank's flags and its seconds per step since the last poll.
+        3. Plan the next poll from the slowest rank's step time (``poll_every_s``); decide."""
+        if (step < self._next_poll) if self.poll_every_s else (step % self.poll_every):
+            return Poll(False, False, None)
+        now = self.clock()
+        per_step = (now - self._last_poll[1]) / max(1, step - self._last_poll[0]) if self._last_poll else 0.0
+        combined = list(self.allreduce_max(self.flags() + [per_step]))
+        self._last_poll = (step, now)
+        if self.poll_every_s:
+            slowest = combined[-1]
+            self._next_poll = step + (1 if slowest <= 0 else max(1, min(1000, int(self.poll_every_s / slowest))))
+        return self.decide(combined)
 
     def saved(self) -> None:
         """A checkpoint was written (step-based too): the wall-clock period starts again."""
@@ -123,6 +157,14 @@ class StopController:
     def message(self, step: int, run_dir) -> str:
         return (f"stopped at step {step} on {self.reason or 'request'}: every rank saved its checkpoint in "
                 f"{run_dir}; continue with --set training.resume={run_dir}")
+
+
+def allgather_max(allgather_object: Callable, name: str = "rsync.poll") -> Callable[[list], list]:
+    """``allreduce_max`` from any framework's ``allgather_object(obj, name=)`` (what the runner's
+    adapters provide): every rank gathers every rank's list and takes the maxima."""
+    def allreduce_max(values: list) -> list:
+        return [max(column) for column in zip(*allgather_object(list(values), name=name))]
+    return allreduce_max
 
 
 def horovod_max(hvd=None, name: str = "rsync.poll") -> Callable[[list], list]:

@@ -1,4 +1,5 @@
-"""Run folder: resolved config, metrics.jsonl, summary.json, per-rank checkpoints."""
+"""Run folder: resolved config, metrics.jsonl, summary.json, decisions.json (per-rank
+checkpoints are written by redsync_hvd/checkpoint.py)."""
 from __future__ import annotations
 
 import json
@@ -6,7 +7,6 @@ import math
 import os
 from pathlib import Path
 
-import torch
 import yaml
 
 
@@ -29,10 +29,26 @@ class RunLog:
         self.dir.mkdir(parents=True, exist_ok=True)  # every rank: each writes its own checkpoint here
         self._metrics = None
 
-    def write_config(self, config: dict) -> None:
+    def write_config(self, config: dict, resumed_at: int | None = None) -> None:
+        """config.yaml, and metrics.jsonl opened for appending; a run resumed at step s in
+        its own folder first drops the lines of steps after s (they are trained again)."""
+        if self.rank != 0:
+            return
+        (self.dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        path = self.dir / "metrics.jsonl"
+        if resumed_at is not None and path.exists():
+            kept = [line for line in path.read_text().splitlines(keepends=True) if _step_of(line) <= resumed_at]
+            tmp = path.with_name(".metrics.jsonl.tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, path)
+        self._metrics = open(path, "a", buffering=1)
+
+    def decisions(self, record: dict) -> None:
+        """decisions.json: per-layer decisions and the figures behind them (compression.policy.decisions
+        pins them for another run)."""
         if self.rank == 0:
-            (self.dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-            self._metrics = open(self.dir / "metrics.jsonl", "a", buffering=1)
+            # plain json.dumps: an infinite bandwidth (one worker) must read back as a number
+            (self.dir / "decisions.json").write_text(json.dumps(record, indent=2) + "\n")
 
     def metrics(self, record: dict) -> None:
         if self._metrics is not None:
@@ -42,32 +58,14 @@ class RunLog:
         if self.rank == 0:
             (self.dir / "summary.json").write_text(json.dumps(_clean(record), indent=2) + "\n")
 
-    def checkpoint_path(self, rank: int | None = None) -> Path:
-        return self.dir / f"checkpoint-rank{self.rank if rank is None else rank}.pt"
-
     def close(self) -> None:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
 
 
-def rank_checkpoint(path: str, rank: int) -> str:
-    """``resume`` may name a run folder (its latest checkpoint), a file with ``{rank}`` in it
-    (e.g. ``runs/x/checkpoint-step30-rank{rank}.pt``), or any rank's ``checkpoint-rank<r>.pt``."""
-    p = Path(path.format(rank=rank))
-    if p.is_dir():
-        p = p / f"checkpoint-rank{rank}.pt"
-    elif p.name.startswith("checkpoint-rank"):
-        p = p.with_name(f"checkpoint-rank{rank}.pt")
-    if not p.is_file():
-        raise FileNotFoundError(f"training.resume: no checkpoint for rank {rank} at {p}. Point it at a run folder "
-                                "written by a run with the same number of workers (checkpoint-rank<r>.pt per rank)")
-    return os.fspath(p)
-
-
-def save_checkpoint(path, blob: dict) -> None:
-    torch.save(blob, path)
-
-
-def load_checkpoint(path) -> dict:
-    return torch.load(path, weights_only=False)
+def _step_of(line: str) -> float:
+    try:
+        return float(json.loads(line).get("step", -1))
+    except (ValueError, AttributeError):
+        return math.inf   # a torn last line (the writer was killed): dropped

@@ -18,10 +18,11 @@ import sys
 
 import torch
 
+from .checkpoint import CheckpointError
 from .config import ConfigError, RunConfig, load_config
 from .data import build_datasets
 from .engine import refuse
-from .runner import run
+from .runner import resume, run, trainer_config
 
 # what each launcher leaves in its workers' environment
 _TORCHRUN = ("TORCHELASTIC_RUN_ID",)
@@ -105,7 +106,9 @@ def _adapter(cfg: RunConfig):
 
 
 def launch(cfg: RunConfig, adapter) -> int:
-    """Start the framework, agree on the config, build data and trainer, run the loop."""
+    """Start the framework, agree on the config, build data, resume (agreed by all ranks), build
+    the trainer, run the loop. Exit codes: 0 done, 2 bad config or checkpoint (the same message
+    on every rank), 75 stopped by SIGTERM/SIGINT after every rank saved (resume it)."""
     rank, size = adapter.init(cfg)
     prints = adapter.allgather_object(cfg.fingerprint(), name="rsync.cfg")
     if len(set(prints)) != 1:
@@ -119,12 +122,17 @@ def launch(cfg: RunConfig, adapter) -> int:
     except (FileNotFoundError, ValueError, TypeError) as exc:
         print(f"error (rank {rank}): data: {exc}", file=sys.stderr)
         return 2
+    try:   # one collective; a bad or mismatched checkpoint stops every rank with the same error
+        resumed = resume(cfg, rank, size, adapter.allgather_object)
+    except CheckpointError as exc:
+        print(f"error (rank {rank}): {exc}", file=sys.stderr)
+        return 2
     try:
-        trainer = adapter.trainer(cfg, data, rank, size)
+        trainer = adapter.trainer(trainer_config(cfg, resumed), data, rank, size)
     except (ValueError, TypeError, NotImplementedError) as exc:   # the same on every rank: nobody waits
         print(f"error (rank {rank}): {exc}", file=sys.stderr)
         return 2
-    return run(cfg, trainer, rank, size)
+    return run(cfg, trainer, rank, size, resumed=resumed, allgather_object=adapter.allgather_object)
 
 
 if __name__ == "__main__":

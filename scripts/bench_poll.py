@@ -1,4 +1,4 @@
-"""Cost of StopController.poll: one allreduce (max) of two numbers per call.
+"""Cost of StopController.poll: one allreduce (max) of four numbers per call.
 
     horovodrun -np 2 -H localhost:2 python scripts/bench_poll.py [calls]
     horovodrun --gloo -np 2 -H localhost:2 python scripts/bench_poll.py [calls]

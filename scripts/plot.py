@@ -23,7 +23,10 @@ def read_metrics(folder: Path) -> tuple[list, list]:
     evals, train = [], []
     for line in path.read_text().splitlines():
         rec = json.loads(line)
-        (evals if "test_accuracy" in rec else train).append(rec)
+        if "test_accuracy" in rec:
+            evals.append(rec)
+        elif "loss" in rec:   # not the runner's events (checkpoint, resumed, stopped)
+            train.append(rec)
     return evals, train
 
 

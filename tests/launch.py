@@ -67,21 +67,92 @@ def horovodrun_elastic(args: list, min_np: int, max_np: int, discovery_script, n
     return finish(start(args, env=env, launcher_args=launcher), timeout=timeout, check=check)
 
 
+def finish_timed(proc: subprocess.Popen, timeout: float = 180) -> tuple:
+    """Like :func:`finish` (no exit-code check), but with the arrival time of every output
+    line: (exit code, [(time.time(), line), ...])."""
+    import threading
+    import time
+    lines: list = []
+
+    def read():
+        for line in proc.stdout:
+            lines.append((time.time(), line))
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_session(proc.pid)
+        proc.wait()
+        reader.join(5)
+        raise AssertionError(f"job timed out after {timeout}s (hang?): {' '.join(map(str, proc.args))}\n"
+                             + "".join(l for _, l in lines)[-4000:]) from None
+    reader.join(30)
+    return proc.returncode, lines
+
+
 def _kill_session(sid: int) -> None:
-    """SIGKILL every process whose session id is ``sid`` (the launcher's, from start_new_session)."""
+    """SIGKILL every process of the launcher's session (from start_new_session), and its
+    descendants in sessions of their own (the Gloo launcher starts each worker in one)."""
+    for pid in _session_processes(sid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _session_processes(sid: int) -> list:
+    """Pids of the processes whose session id is ``sid``, or whose ancestor is such a process."""
+    parent, session = {}, {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue   # gone meanwhile
-        if int(fields[3]) == sid:   # after "pid (comm)": state ppid pgrp session ...
+                fields = f.read().rsplit(")", 1)[1].split()   # after "pid (comm)": state ppid pgrp session
+            parent[int(entry)], session[int(entry)] = int(fields[1]), int(fields[3])
+        except (OSError, ValueError, IndexError):
+            continue
+    ours = {pid for pid, s in session.items() if s == sid}
+    for pid in parent:
+        chain, p = [], pid
+        while p in parent and p not in ours and p > 1 and len(chain) < 64:
+            chain.append(p)
+            p = parent[p]
+        if p in ours:
+            ours.update(chain)
+    return sorted(ours)
+
+
+def rank_pids(proc: subprocess.Popen, np: int, timeout: float = 120) -> dict:
+    """{rank: pid} of the workers of a job from :func:`start`, by the rank variable each launcher
+    gives its workers (mpirun: OMPI_COMM_WORLD_RANK, Gloo: HOROVOD_RANK)."""
+    import time
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        found = {}
+        for pid in _session_processes(proc.pid):
             try:
-                os.kill(int(entry), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    program = f.read().split(b"\0")[0]
+            except OSError:
+                continue
+            rank = env.get(b"OMPI_COMM_WORLD_RANK", env.get(b"HOROVOD_RANK"))
+            if rank is not None and b"python" in program:
+                found[int(rank)] = pid
+        if len(found) == np:
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"the job's {np} workers did not appear within {timeout}s")
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` installed (SigCgt in /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(mask >> (signum - 1) & 1)
 
 
 def run_script(name: str, *script_args, np: int = 2, timeout: float = 180, **kw) -> subprocess.CompletedProcess:
@@ -90,12 +161,16 @@ def run_script(name: str, *script_args, np: int = 2, timeout: float = 180, **kw)
                       timeout=timeout, **kw)
 
 
+def train_args(out_dir, config: str, *overrides: str, module: str = "redsync_hvd.train") -> list:
+    return ["python", "-m", module, "--config", str(REPO / config), "--set", f"output.dir={out_dir}",
+            "--set", "training.progress=false", *sum((["--set", o] for o in overrides), [])]
+
+
 def train(out_dir, config: str, *overrides: str, np: int = 2, check: bool = True, timeout: float = 300,
           module: str = "redsync_hvd.train", launcher: str = "horovodrun") -> subprocess.CompletedProcess:
     """``python -m <module> --config <config> --set output.dir=<out_dir> --set k=v ...`` on N workers,
     under ``launcher``: horovodrun, torchrun, or python (one plain process, ``np`` ignored)."""
-    args = ["-m", module, "--config", str(REPO / config), "--set", f"output.dir={out_dir}",
-            "--set", "training.progress=false", *sum((["--set", o] for o in overrides), [])]
+    args = train_args(out_dir, config, *overrides, module=module)[1:]   # without "python"
     if launcher == "torchrun":
         return torchrun(args, nproc=np, check=check, timeout=timeout)
     if launcher == "python":

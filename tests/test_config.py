@@ -63,6 +63,42 @@ def test_missing_file_and_bad_yaml(tmp_path):
         load_config(tmp_path / "bad.yaml")
 
 
+@pytest.mark.parametrize("where", ["file", "set"])
+def test_yaml_syntax_errors_name_the_place(tmp_path, where):
+    if where == "file":
+        (tmp_path / "bad.yaml").write_text("model:\n  name: cnn\ntraining: {epochs: 3\n")
+        with pytest.raises(ConfigError, match=r"bad.yaml is not valid YAML: .* at line 4, column 1 .*line 3"):
+            load_config(tmp_path / "bad.yaml")
+    else:
+        with pytest.raises(ConfigError, match=r"override 'model.name=\[x': its value is not valid YAML .*quote it"):
+            load_config(REPO / "configs/digits/topk.yaml", ["model.name=[x"])
+
+
+def test_cli_config_errors_exit_2_with_one_line_and_no_traceback(tmp_path, capsys):
+    from redsync_hvd.train import main
+    (tmp_path / "tab.yaml").write_text("model:\n\tname: cnn\n")
+    (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00")
+    cases = [(["--config", str(REPO / "configs/digits/topk.yaml"), "--set", "model.name=nope"],
+              "model.name: 'nope' is not one of: mlp, cnn, resnet20, vgg, lstm_lm"),
+             (["--config", str(tmp_path / "tab.yaml")], "found character '\\t' that cannot start any token at line 2"),
+             (["--config", str(tmp_path / "binary.yaml")], "cannot read"),
+             (["--config", str(tmp_path)], "is a folder, not a YAML file")]
+    for argv, words in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err, err
+
+
+def test_experiment_fingerprint_ignores_what_a_resume_may_change():
+    a = load_config(REPO / "configs/digits/topk.yaml")
+    b = load_config(REPO / "configs/digits/topk.yaml", ["training.resume=runs/x", "output.name=y",
+                                                        "training.epochs=40", "training.on_resize=sum",
+                                                        "training.checkpoint_every_s=5"])
+    assert a.fingerprint() != b.fingerprint() and a.experiment_fingerprint() == b.experiment_fingerprint()
+    c = load_config(REPO / "configs/digits/topk.yaml", ["optimizer.lr=0.2"])
+    assert a.experiment_fingerprint() != c.experiment_fingerprint()
+
+
 def test_fingerprint_changes_with_any_knob():
     a = load_config(REPO / "configs/digits/topk.yaml")
     b = load_config(REPO / "configs/digits/topk.yaml", ["compression.density=0.02"])

@@ -225,13 +225,14 @@ def test_tf_resume_continues_identically(tmp_path):
     residuals included."""
     import numpy as np
     import torch
+
+    from redsync_hvd import checkpoint
     common = ["training.steps=60", "training.eval_every=30", "compression.density=0.05"]
     train(tmp_path, "configs/digits/tf-topk.yaml", *common, "training.checkpoint_every=30", "output.name=full")
     train(tmp_path, "configs/digits/tf-topk.yaml", *common, "output.name=resumed",
           f"training.resume={tmp_path}/full/checkpoint-step30-rank{{rank}}.pt")
     for rank in (0, 1):
-        a = torch.load(tmp_path / "full" / f"checkpoint-rank{rank}.pt", weights_only=False)
-        b = torch.load(tmp_path / "resumed" / f"checkpoint-rank{rank}.pt", weights_only=False)
+        a, b = checkpoint.load(tmp_path / "full", rank), checkpoint.load(tmp_path / "resumed", rank)
         assert a["step"] == b["step"] == 60
         for k in a["model"]:
             assert np.allclose(a["model"][k], b["model"][k], atol=1e-6), k

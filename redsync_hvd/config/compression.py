@@ -18,7 +18,7 @@ is refused with the name it moved to.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Literal, Optional
+from typing import Any, Callable, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -106,6 +106,10 @@ class PolicyConfig(_Group):
     latency_s: Optional[float] = Field(None, ge=0, description="cost_model: cost of one collective round "
                                                                "(None: measured at start)")
     bandwidth_gbit: Optional[float] = Field(None, gt=0, description="cost_model: bandwidth (None: measured)")
+    decisions: Optional[Union[str, dict]] = Field(
+        None, description="a decisions.json of a run folder: which layers travel compressed is taken from it "
+                          "(no probing, no cost model), so runs of one config compress the same layers. A resume "
+                          "fills it from the checkpoint")
 
 
 class SelectionConfig(_Group):

@@ -71,8 +71,15 @@ class TrainingConfig(_Section):
     seed: int = Field(0, description="seeds model init, data split/shards and shuffling")
     eval_every: int = Field(0, ge=0, description="evaluate every N steps (0: at the end of each epoch)")
     log_every: int = Field(10, gt=0, description="write a metrics.jsonl line every N steps")
-    checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every N steps (0: only at the end)")
-    resume: Optional[str] = Field(None, description="checkpoint file to resume from")
+    checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every N steps, kept as checkpoint-step<N>"
+                                                       "-rank<r>.pt (0: none; the last step is always saved)")
+    checkpoint_every_s: float = Field(600.0, ge=0, description="also save every this many seconds of wall time, "
+                                                               "at a step all ranks agree on (0: never)")
+    resume: Optional[str] = Field(None, description="continue from a run folder (its latest checkpoints), or a "
+                                                    "checkpoint file with {rank} in its name")
+    on_resize: Literal["error", "sum", "reset"] = Field(
+        "error", description="resuming on another number of workers: error | sum (old rank i's residual goes "
+                             "to new rank i % N) | reset (residuals dropped and counted); docs/reliability.md")
     progress: bool = Field(True, description="tqdm progress bar on rank 0")
     threads: Optional[int] = Field(None, gt=0, description="torch threads per worker (default: cores / local workers)")
     precision: Literal["fp32", "bf16", "fp16"] = Field(
@@ -111,6 +118,30 @@ class RunConfig(_Section):
         blob = json.dumps(self.to_dict(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
+    def experiment(self) -> dict:
+        """The config without what a resume may change (:data:`RESUMABLE`): what a checkpoint's
+        state depends on."""
+        out = self.to_dict()
+        for dotted in RESUMABLE:
+            section, _, key = dotted.partition(".")
+            if key:
+                out.get(section, {}).pop(key, None)
+            else:
+                out.pop(section, None)
+        return out
+
+    def experiment_fingerprint(self) -> str:
+        """Hash of :meth:`experiment`: checkpoints resume only into a run with the same one."""
+        blob = json.dumps(self.experiment(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# What a resumed run may set differently from the run that wrote the checkpoints: where it
+# writes, how often it logs, evaluates and saves, how long it trains, what a resize does.
+RESUMABLE = ("output", "training.resume", "training.on_resize", "training.checkpoint_every",
+             "training.checkpoint_every_s", "training.progress", "training.threads", "training.log_every",
+             "training.eval_every", "training.epochs", "training.steps")
+
 
 # ---------------------------------------------------------------------------
 def _deep_merge(base: dict, override: dict) -> dict:
@@ -134,13 +165,17 @@ def read_yaml(path: Path, seen: tuple = ()) -> dict:
     """A YAML mapping; ``base: other.yaml`` (relative to it) is loaded first and deep-merged under it.
     Also used by the benchmark configs."""
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}. Pass an existing YAML file, e.g. configs/digits/dense.yaml")
+        what = "is a folder, not a YAML file" if path.is_dir() else "not found"
+        raise ConfigError(f"config {what}: {path}. Pass an existing YAML file, e.g. configs/digits/dense.yaml")
     if path.resolve() in seen:
         raise ConfigError(f"config 'base' chain loops back to {path}")
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+        raise ConfigError(f"{path} is not valid YAML: {yaml_problem(exc)}. Fix that line (indent with spaces, "
+                          "close brackets and quotes)") from None
+    except (UnicodeDecodeError, OSError) as exc:
+        raise ConfigError(f"cannot read {path} as a YAML text file: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of sections (model, data, ...), got {type(raw).__name__}")
     base = raw.pop("base", None)
@@ -161,8 +196,22 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"override '{item}': cannot parse value: {exc}") from exc
+        raise ConfigError(f"override '{item}': its value is not valid YAML ({yaml_problem(exc, line=False)}). "
+                          f"Complete it, or quote it to pass a plain string: --set '{key}=\"{text}\"'") from None
     return parts, value
+
+
+def yaml_problem(exc: yaml.YAMLError, line: bool = True) -> str:
+    """One line out of PyYAML's multi-line report: what is wrong and where."""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    mark = getattr(exc, "problem_mark", None)
+    if mark is None:
+        return problem
+    where = f"line {mark.line + 1}, column {mark.column + 1}" if line else f"column {mark.column + 1}"
+    context, start = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and start is not None and line:
+        context += f" that starts at line {start.line + 1}, column {start.column + 1}"
+    return f"{problem} at {where}" + (f" ({context})" if context else "")
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
@@ -195,6 +244,9 @@ def _format_errors(exc: ValidationError, source: str) -> str:
             lines.append(f"  {loc}: unknown key. Check the spelling; valid keys are listed in docs/configuration.md")
         elif err["type"] == "value_error" and loc == "compression":   # parse_compression's own message
             lines.append(f"  {err['ctx']['error']}")
+        elif err["type"] == "literal_error":
+            choices = err["ctx"]["expected"].replace("'", "").replace(" or ", ", ")
+            lines.append(f"  {loc}: {err.get('input')!r} is not one of: {choices}")
         else:
             lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r})")
     return f"invalid configuration in {source}:\n" + "\n".join(lines)

@@ -9,7 +9,8 @@ call :func:`build_exchange`, which
     3. has every rank agree on config and layers (one allgather) before any other collective;
     4. builds the memory: residuals, or DGC momentum correction with the momentum (and weight
        decay) taken out of the wrapped optimizer through the adapter's ``take_momentum``;
-    5. makes the per-layer decisions, probing network and compute where the cost model needs them;
+    5. makes the per-layer decisions, probing network and compute where the cost model needs them,
+       or takes them from ``policy.decisions`` (engine/decisions.py: pinned, nothing probed);
     6. builds the exchange.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..config.compression import (
 from ..exchange import GradientExchange
 from ..memory import MomentumCorrectionMemory, ResidualMemory
 from ..policy import LayerPolicy
+from .decisions import pin
 from .probes import network_for, probe_compute
 
 
@@ -124,9 +126,12 @@ def build_exchange(compression: Any, layers: list, comm, *, framework: str = "to
         momentum = take_momentum()
     memory = build_memory(config, momentum, fuse)
     policy = LayerPolicy(config)                                                    # 5.
-    network = network_for(config, comm)
-    if network is not None:
-        policy.compute = probe_compute(comm, layers[0].device if layers else "cpu")
+    if config.policy.decisions is not None:
+        network, policy.compute = pin(policy, config, comm)
+    else:
+        network = network_for(config, comm)
+        if network is not None:
+            policy.compute = probe_compute(comm, layers[0].device if layers else "cpu")
     clip = config.dgc.clip_norm if isinstance(config, ResidualConfig) else None
     exchange = GradientExchange(layers, compressor, comm, policy, memory, check_finite=config.check_finite,  # 6.
                                 fusion_bytes=config.fusion_bytes, clip_norm=clip, network=network, **options)

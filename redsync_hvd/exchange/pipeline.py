@@ -73,6 +73,10 @@ class GradientExchange:
         self.stats = CommStats()
         self.step = 0
         self.applied: list = []
+        # values a caller adds to the finite check's allreduce (summed over ranks), e.g. the
+        # runner's stop flags: carry() -> [float, ...], the sums land in ``carried``
+        self.carry = None
+        self.carried: list | None = None
         policy.setup(layers, comm.size, network)
         buckets = self._buckets(layers, fusion_bytes)
         self.units = self._units(layers, buckets)
@@ -246,20 +250,26 @@ class GradientExchange:
         return out
 
     def _start_finite_agreement(self):
-        """Every rank's count of non-finite layers, summed by one tiny allreduce. The count is
-        made where the evidence (sums, device flags) lies, so nothing is read back before it."""
+        """Every rank's count of non-finite layers, with the values of ``carry`` (the runner's stop
+        and save flags; every rank must set the same carry), summed by one tiny allreduce. The count
+        is made where the evidence (sums, device flags) lies, so nothing is read back before it."""
         if not self.check_finite:
             return None
         count = torch.tensor([float(len(self.state.bad))])
         if self.state.evidence:
             values = torch.cat([v.reshape(-1).float() for _, v in self.state.evidence])
             count = (~torch.isfinite(values)).sum(dtype=torch.float32).reshape(1) + float(len(self.state.bad))
-        self.stats.add_bytes({"scalars": 4})
+        if self.carry is not None:
+            count = torch.cat([count, torch.tensor([float(v) for v in self.carry()], device=count.device)])
+        self.stats.add_bytes({"scalars": 4})   # the carried values are the caller's traffic, not compression's
         return self.comm.allreduce_async(count, name="rsync.finite", average=False)
 
     def _any_nonfinite(self, flag) -> bool:
-        """The step's one host read: the agreed count of non-finite layers (after the decode)."""
-        return float(self.comm.wait(flag)[0]) > 0
+        """The step's one host read: the agreed count of non-finite layers (after the decode), and
+        the carried values the caller reads in ``carried``."""
+        values = self.comm.wait(flag).tolist()
+        self.carried = values[1:] if self.carry is not None else None
+        return values[0] > 0
 
     def _nonfinite(self, out: dict) -> dict:
         for names, v in self.state.evidence:   # which of this rank's layers, for the message
@@ -319,6 +329,11 @@ class GradientExchange:
     def layer_decisions(self) -> list:
         """How each layer travels (compressed or dense, density, and why), decided once at start."""
         return list(self.policy.decisions)
+
+    def decision_record(self) -> dict:
+        """The decisions with the figures they were made from (``LayerPolicy.record``): what a
+        run folder's decisions.json and a checkpoint keep, and ``policy.decisions`` pins."""
+        return self.policy.record()
 
     def set_steps_per_epoch(self, steps: int) -> None:
         """Needed by epoch-based schedules such as ``warmup.epochs``."""

@@ -9,9 +9,16 @@
 * ``policy.mode: cost_model`` compresses a layer only when the alpha-beta model predicts
   select + allgather + decompress below its share of the fused dense allreduce (the bandwidth
   term: Horovod fuses dense layers, so they share one latency; see costmodel.py).
+* Pinned decisions (``policy.decisions``, or a checkpoint's on resume): which layers are
+  compressed is read from an earlier run's record instead of decided again; densities and
+  selections still follow the config.
+
+:meth:`LayerPolicy.record` is what a run folder's ``decisions.json`` and a checkpoint hold:
+the decisions and the figures they came from, so a later run can pin them.
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 
@@ -25,6 +32,10 @@ class LayerPolicy:
         self.steps_per_epoch: int | None = None
         self.decisions: list[dict] = []
         self.compute = None   # costmodel.ComputeModel; None: the model's default figures
+        self.network = None   # costmodel.Network the cost model planned for (None: static policy)
+        self.pinned: dict | None = None   # {layer name: decision} of an earlier run, see pin()
+        self.source = "config"            # where the decisions came from: config | cost model | pinned ...
+        self.size = 1
 
     def _override(self, name: str):
         for o in self.config.policy.layers:
@@ -32,16 +43,29 @@ class LayerPolicy:
                 return o
         return None
 
+    def pin(self, record: dict, source: str) -> None:
+        """Take which layers are compressed from ``record`` (a :meth:`record` of an earlier run)."""
+        self.pinned = {d["name"]: d for d in record.get("layers", [])}
+        self.source = f"pinned: {source}"
+
     def setup(self, layers: list, size: int = 1, network=None) -> None:
         """Decide once, before the first step, how each layer travels."""
         p = self.config.policy
-        self.decisions = []
+        self.decisions, self.network, self.size = [], network, size
+        if self.pinned is not None:
+            self._check_pinned(layers)
+        elif p.mode == "cost_model" and network is not None:
+            self.source = "cost model"
         for layer in layers:
             o = self._override(layer.name)
             layer.base_density = o.density if o is not None and o.density is not None else self.config.layer_density()
             layer.selection = o.selection if o is not None else None
             layer.compressed, reason = True, "compressed"
-            if o is not None and o.dense:
+            if self.pinned is not None:
+                why = str(self.pinned[layer.name].get("why", ""))
+                layer.compressed = bool(self.pinned[layer.name]["compressed"])
+                reason = why if why.startswith("pinned") else f"pinned ({why})"
+            elif o is not None and o.dense:
                 layer.compressed, reason = False, f"dense by layers[{o.pattern!r}]"
             elif layer.numel < p.min_compress_numel:
                 layer.compressed, reason = False, f"numel {layer.numel} < min_compress_numel"
@@ -49,6 +73,22 @@ class LayerPolicy:
                 layer.compressed, reason = self._pays(layer, size, network)
             self.decisions.append({"name": layer.name, "numel": layer.numel, "compressed": layer.compressed,
                                    "density": layer.base_density if layer.compressed else 1.0, "why": reason})
+
+    def _check_pinned(self, layers: list) -> None:
+        mine = {l.name: l.numel for l in layers}
+        theirs = {n: int(d.get("numel", -1)) for n, d in self.pinned.items()}
+        if mine != theirs:
+            lacking, extra = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
+            sizes = sorted(n for n in set(mine) & set(theirs) if mine[n] != theirs[n])
+            raise ValueError(f"compression.policy.decisions ({self.source[8:]}) is for another model: layers "
+                             f"missing there {lacking[:5]}, layers this model lacks {extra[:5]}, other sizes "
+                             f"{sizes[:5]}. Pin the decisions.json of a run of this model, or remove the setting")
+
+    def record(self) -> dict:
+        """The decisions and what they were made from, as plain data (decisions.json, checkpoints)."""
+        as_dict = lambda obj: None if obj is None else dataclasses.asdict(obj)   # noqa: E731
+        return {"source": self.source, "world_size": self.size, "layers": [dict(d) for d in self.decisions],
+                "network": as_dict(self.network), "compute": as_dict(self.compute)}
 
     def _pays(self, layer, size: int, network) -> tuple[bool, str]:
         pred = predict_layer(layer.numel, layer.base_density, size, network, self.config.wire_format(),

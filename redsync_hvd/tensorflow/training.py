@@ -115,6 +115,13 @@ class TFTrainer:
     def layer_decisions(self) -> list:
         return self.exchange.layer_decisions()
 
+    def decision_record(self) -> dict:
+        return self.exchange.exchange.decision_record()
+
+    def carrier(self):
+        """The GradientExchange whose per-step allreduce can carry the runner's flags."""
+        return self.exchange.exchange
+
 
 def _train_step(model, variables, opt, exchange, pre_decay: float):
     import redsync_hvd.tensorflow as rhvd

@@ -34,8 +34,9 @@ same check in ``sync`` so that the joiner finds partners (without it, both sides
 forever: the joiner in the check, the survivors in the model broadcast).
 
 Refused: SBC's local steps and the decentralized methods (a model per worker, which the
-model broadcast would overwrite), and ``policy: cost_model`` (it probes the network with
-collectives in the constructor, which a joiner cannot match).
+model broadcast would overwrite), and ``policy: cost_model`` unless ``policy.decisions``
+pins its decisions (it probes the network with collectives in the constructor, which a
+joiner cannot match).
 """
 from __future__ import annotations
 
@@ -108,10 +109,11 @@ class ElasticState(TorchState):
         if config is None or config.strategy != "exchange" or config.delayed:
             raise resize.ResizeError("SBC's local steps and decentralized methods keep a model per worker, which "
                                      "Horovod Elastic's model broadcast would overwrite; use them without --min-np")
-        if config.policy.mode == "cost_model":
+        if config.policy.mode == "cost_model" and config.policy.decisions is None:
             raise resize.ResizeError("policy: cost_model probes the network with collectives when the optimizer "
                                      "is built, which a worker joining an elastic job cannot run with the others "
-                                     "(and its decisions depend on the number of workers); use policy: static")
+                                     "(and its decisions depend on the number of workers); use policy: static, or "
+                                     "pin the decisions of an earlier run (policy.decisions: <run>/decisions.json)")
         self._rule, self._scale = on_resize, residual_scale
         self._worker = f"{socket.gethostname()}:{os.getpid()}"
         self._census = None   # {worker id: nonzero counts} at the last commit

@@ -163,8 +163,10 @@ class TorchTrainer:
         self.engine, self.device = adapter.engine, adapter.device
         self.task, self.train_size = data.task, len(data.train)
         self.net = build_model(cfg.model.name, data.num_classes, data.input_shape, **cfg.model.options).to(self.device)
+        base = build_optimizer(cfg, self.net, size)
+        self.lr0 = base.param_groups[0]["lr"]   # scaled for this run's workers
         # model: what the forward runs through (the DDP wrapper); comm: what reports the exchange
-        self.model, self.opt, self.comm = adapter.distribute(cfg, self.net, build_optimizer(cfg, self.net, size))
+        self.model, self.opt, self.comm = adapter.distribute(cfg, self.net, base)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.training.precision == "fp16")
         if self.scaler.is_enabled():
             self.comm.set_grad_scaler(self.scaler)
@@ -232,6 +234,8 @@ class TorchTrainer:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        """The saved state, with the learning rate of this run: a checkpoint of M workers under
+        ``scale_lr_by_workers`` carries lr * M, and this run has N (the same value otherwise)."""
         saved = state.get("engine", "horovod")
         if saved != self.engine:
             raise ValueError(f"training.resume points at an engine: {saved} checkpoint (its residuals and optimizer "
@@ -239,6 +243,9 @@ class TorchTrainer:
         self.net.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
+        self.sched.base_lrs = [self.lr0] * len(self.opt.param_groups)
+        for group, factor in zip(self.opt.param_groups, self.sched.lr_lambdas):
+            group["initial_lr"], group["lr"] = self.lr0, self.lr0 * factor(self.sched.last_epoch)
         if "compression" in state:
             self.comm.load_state_dict(state["compression"])
         if self.scaler.is_enabled() and "scaler" in state:
@@ -249,3 +256,12 @@ class TorchTrainer:
 
     def layer_decisions(self) -> list:
         return self.comm.layer_decisions()
+
+    def decision_record(self) -> dict:
+        exchange = self.carrier()
+        return exchange.decision_record() if exchange is not None else {"source": "none", "layers": []}
+
+    def carrier(self):
+        """The GradientExchange whose per-step allreduce can carry the runner's flags (None: none,
+        e.g. the decentralized optimizer or DDP's dense fast path)."""
+        return getattr(self.comm, "exchange", None)
