@@ -271,7 +271,7 @@ def runner_runs(tmp_path_factory):
     """Four launches shared by the tests below. ``ref``: uninterrupted, decisions probed.
     ``run``, with ref's decisions pinned: (1) rank 1 killed with SIGKILL once both ranks
     wrote their step-20 checkpoints; (2) resumed from them, SIGTERM to rank 1 alone once its
-    handler is installed; (3) resumed from the run folder to the end, saving every 0.3 s too."""
+    handler is installed; (3) resumed from the run folder to the end, saving every 0.05 s too."""
     out = tmp_path_factory.mktemp("runner")
     ref, run = out / "ref", out / "run"
     train(out, CONFIG, *COMMON, "output.name=ref")
@@ -292,7 +292,7 @@ def runner_runs(tmp_path_factory):
     os.kill(pids[1], signal.SIGTERM)
     got["stopped"] = finish(proc, timeout=120, check=False)
     got["stopped_steps"] = [checkpoint.load(run, r)["step"] for r in (0, 1)]
-    got["resumed"] = train(out, CONFIG, *same, f"training.resume={run}", "training.checkpoint_every_s=0.3")  # (3)
+    got["resumed"] = train(out, CONFIG, *same, f"training.resume={run}", "training.checkpoint_every_s=0.05")  # (3)
     return ref, run, got
 
 
