@@ -11,7 +11,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-from _specs import compression_arg
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from redsync_hvd.torch import ddp as rddp
@@ -26,7 +25,7 @@ def run(compression):
     replica = copy.deepcopy(model)
     ddp = DDP(model, bucket_cap_mb=0.005)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    state = rddp.register(ddp, compression_arg(compression))
+    state = rddp.register(ddp, compression)
     torch.manual_seed(100 + rank)   # every rank its own data
     lossf = torch.nn.CrossEntropyLoss()
     sent_in = {n: torch.zeros_like(p) for n, p in model.named_parameters()}

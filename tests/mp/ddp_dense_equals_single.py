@@ -6,7 +6,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-from _specs import compression_arg
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from redsync_hvd.torch import ddp as rddp
@@ -29,7 +28,7 @@ def run(compression):
     # tiny buckets: several per step once DDP rebuilds them after the first iteration
     ddp = DDP(model, bucket_cap_mb=0.002)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
-    state = rddp.register(ddp, compression_arg(compression), optimizer=opt)
+    state = rddp.register(ddp, compression, optimizer=opt)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
     lossf = torch.nn.CrossEntropyLoss()
     for step in range(STEPS):

@@ -7,7 +7,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-from _specs import compression_arg
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from redsync_hvd.torch import ddp as rddp
@@ -20,7 +19,7 @@ def build(spec, init_seed):
     model = torch.nn.Sequential(torch.nn.Linear(30, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     ddp = DDP(model, bucket_cap_mb=0.005)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    return model, ddp, opt, rddp.register(ddp, compression_arg(spec), optimizer=opt)
+    return model, ddp, opt, rddp.register(ddp, spec, optimizer=opt)
 
 
 def train(ddp, opt, batches):
