@@ -56,7 +56,7 @@ class ScheduleConfig(_Section):
 class OptimizerConfig(_Section):
     name: Literal["sgd", "adam"] = Field("sgd", description="sgd | adam (the wrapped optimizer)")
     lr: float = Field(0.1, gt=0, description="learning rate")
-    momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum; with compression.momentum_correction "
+    momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum; with compression.dgc.momentum_correction "
                                                           "it moves into the compression wrapper")
     nesterov: bool = Field(False, description="Nesterov momentum")
     weight_decay: float = Field(0.0, ge=0, description="L2 weight decay")
