@@ -89,9 +89,9 @@ class Run:
         cfg = self.cfg
         self.total = total_steps(cfg, self.steps_per_epoch)
         self.trainer.set_steps_per_epoch(self.steps_per_epoch)
-        if self.rank == 0:
-            print_layer_decisions(self.trainer.layer_decisions())
         self.log = RunLog(cfg.output.dir, cfg.output.name or "run", self.rank)
+        if self.rank == 0:
+            write_layer_decisions(self.trainer.layer_decisions(), self.log.dir / "layers.log")
         self.log.write_config(cfg.to_dict())
         if cfg.training.resume:                                                     # 1.
             blob = load_checkpoint(rank_checkpoint(cfg.training.resume, self.rank))
@@ -178,11 +178,13 @@ def run(cfg: RunConfig, trainer: Trainer, rank: int, size: int) -> int:
     return 0
 
 
-def print_layer_decisions(decisions) -> None:
-    """The per-layer decision (compressed or dense, and why), printed once by rank 0."""
-    for d in decisions:
-        print(f"[layers] {d['name']}: {'compressed' if d['compressed'] else 'dense'} "
-              f"(numel {d['numel']}, density {d['density']:g}; {d['why']})", file=sys.stderr)
+def write_layer_decisions(decisions, path) -> None:
+    """The per-layer decision (compressed or dense, and why), written once by rank 0 to the run
+    folder's layers.log (summary.json has them too), not to the terminal."""
+    with open(path, "w") as f:
+        for d in decisions:
+            print(f"[layers] {d['name']}: {'compressed' if d['compressed'] else 'dense'} "
+                  f"(numel {d['numel']}, density {d['density']:g}; {d['why']})", file=f)
 
 
 def progress_bar(loop: Run):
