@@ -12,7 +12,8 @@ gradient reduction differs, by ``--hook``:
 
   1. ``none``: plain DDP (its own bucketed allreduce of the mean);
   2. ``torch_powersgd``: torch's ``powerSGD_hook`` (``PowerSGDState`` with the given rank
-     and ``start_powerSGD_iter``; error feedback and warm start on, torch's defaults);
+     and ``start_powerSGD_iter``; error feedback and warm start on, torch's defaults), each
+     bucket's reduction waited for inside its hook (see ``powersgd_hook``);
   3. ``ours``: ``redsync_hvd.torch.ddp.register`` with the config's ``compression`` section.
 
 Bytes (1 and 2) are counted per worker as the Horovod runner counts them: what this rank
@@ -78,6 +79,11 @@ def powersgd_hook(counter: ByteCounter, rank: int, start: int, seed: int):
         buf = bucket.buffer()
         before = st.total_numel_after_compression
         fut = torch_psgd.powerSGD_hook(st, bucket)
+        # The hook starts P's and Q's allreduces from future callbacks, on whichever thread
+        # finishes the previous one: with several buckets in flight the two ranks issued them in
+        # different orders (Gloo: "Received data size doesn't match expected size"). Waiting here
+        # keeps bucket order on every rank, at the cost of overlap with backward.
+        fut.wait()
         sent = st.total_numel_after_compression - before
         counter.wire += 4 * (sent if sent else buf.numel())   # 0: a plain-allreduce step
         counter.dense += 4 * buf.numel()
