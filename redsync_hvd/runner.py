@@ -172,9 +172,9 @@ class Run:
         self.trainer.set_steps_per_epoch(self.steps_per_epoch)
         record = getattr(self.trainer, "decision_record", None)
         self.record = record() if record is not None else {"layers": self.trainer.layer_decisions()}
-        if self.rank == 0:
-            print_layer_decisions(self.record["layers"])
         self.log = RunLog(cfg.output.dir, cfg.output.name or "run", self.rank)
+        if self.rank == 0:
+            write_layer_decisions(self.record["layers"], self.log.dir / "layers.log")
         self.log.write_config(cfg.to_dict(), self.resumed.agreement.step if self.resumed else None)
         self.log.decisions(self.record)
         if self.resumed is not None:                                                # 1.
@@ -330,11 +330,13 @@ def run(cfg: RunConfig, trainer: Trainer, rank: int, size: int, *, resumed: chec
     return 0
 
 
-def print_layer_decisions(decisions) -> None:
-    """The per-layer decision (compressed or dense, and why), printed once by rank 0."""
-    for d in decisions:
-        print(f"[layers] {d['name']}: {'compressed' if d['compressed'] else 'dense'} "
-              f"(numel {d['numel']}, density {d['density']:g}; {d['why']})", file=sys.stderr)
+def write_layer_decisions(decisions, path) -> None:
+    """The per-layer decision (compressed or dense, and why), written once by rank 0 to the run
+    folder's layers.log (summary.json has them too), not to the terminal."""
+    with open(path, "w") as f:
+        for d in decisions:
+            print(f"[layers] {d['name']}: {'compressed' if d['compressed'] else 'dense'} "
+                  f"(numel {d['numel']}, density {d['density']:g}; {d['why']})", file=f)
 
 
 def progress_bar(loop: Run):

@@ -1,12 +1,19 @@
 """Accuracy and compression of RedSync variants against dense on the digits CNN (2 workers).
 
     python scripts/digits_sweep.py [--np 2] [--out runs/sweep] [--seeds 0 1 2 3 4] [--only NAME ...]
+        [--set KEY=VALUE ...] [--env KEY=VALUE ...] [--resume]
 
 Each variant is `horovodrun -np N python -m redsync_hvd.train --config <cfg> --set ...`, once per
 seed (`training.seed`; the seed also draws the train/test split, so each seed is a paired
 comparison on its own 360-sample test set). The table at the end gives the per-seed accuracies,
 their mean and the gap of the mean to the dense run with the same number of epochs; it is what
 docs/redsync.md, docs/sbc.md and docs/iwp.md record.
+
+``--set`` adds an override to every run (dense included), ``--env`` an environment variable:
+both change the floating-point rounding without changing the method, the way another machine
+does (``--set training.threads=2``; ``--env ONEDNN_MAX_CPU_ISA=AVX2 --env ATEN_CPU_CAPABILITY=avx2``:
+oneDNN's and ATen's AVX2 kernels instead of AVX-512 ones). ``--resume`` reads runs whose
+summary.json exists instead of running them again.
 """
 from __future__ import annotations
 
@@ -36,7 +43,30 @@ SMALL_LAYERS_2 = (
     'compression.policy.layers=[{pattern: "*.bias", density: 0.5}, {pattern: "features.0.*", density: 0.25}, '
     '{pattern: "classifier.3.*", density: 0.25}]'
 )
+# the peer work of scripts/compare_baselines.py (20 epochs, base.yaml): RedSync against PowerSGD
+# rank 2 (23.1x there), spending the bytes of the density warm-up on the steady state instead
+NOWU = ["compression.warmup.epochs=0"]
+PEER = {
+    "peer: redsync 0.01 sign_mean (redsync.yaml)": (RS, []),
+    "peer: redsync 0.01 sign_mean, no warm-up": (RS, NOWU),
+    "peer: redsync 0.02 sign_mean, no warm-up": (RS, NOWU + ["compression.density=0.02"]),
+    "peer: redsync 0.03 sign_mean golomb, no warm-up": (
+        RS, NOWU + ["compression.density=0.03", "compression.message.index_coding=golomb"]),
+    "peer: redsync 0.01 sign_mean, warm-up 1 epoch": (RS, ["compression.warmup.epochs=1"]),
+    "peer: redsync 0.01 sign_mean, threshold_reuse=1": (RS, ["compression.selection.threshold_reuse=1"]),
+    "peer: redsync 0.01 sign_mean, no warm-up, threshold_reuse=1": (
+        RS, NOWU + ["compression.selection.threshold_reuse=1"]),
+    "peer: redsync 0.005 quantize=none, no warm-up": (
+        RS, NOWU + ["compression.density=0.005", "compression.message.quantize=none"]),
+    "peer: redsync 0.01 quantize=none, no warm-up": (RS, NOWU + ["compression.message.quantize=none"]),
+    "peer: redsync 0.01 quantize=none": (RS, ["compression.message.quantize=none"]),
+    "peer: redsync 0.01 fp16, no warm-up": (RS, NOWU + ["compression.message.quantize=fp16"]),
+    "peer: redsync 0.02 quantize=none golomb, no warm-up": (
+        RS, NOWU + ["compression.density=0.02", "compression.message.quantize=none",
+                    "compression.message.index_coding=golomb"]),
+}
 VARIANTS = {
+    **PEER,
     "dense": ("configs/digits/dense.yaml", []),
     "dense 40 epochs": ("configs/digits/dense.yaml", E40),
     "redsync 0.01 sign_mean 40 epochs": (RS, E40),
@@ -49,6 +79,22 @@ VARIANTS = {
     "redsync 0.001 sign_mean 40 epochs, override, warmup_epochs=8": (
         "configs/digits/redsync-0.001.yaml",
         E40 + ["compression.warmup.epochs=8"],
+    ),
+    "redsync 0.001 sign_mean 40 epochs, override, threshold_reuse=1": (
+        "configs/digits/redsync-0.001.yaml",
+        E40 + ["compression.selection.threshold_reuse=1"],
+    ),
+    "redsync 0.001 quantize=none 40 epochs, override": (
+        "configs/digits/redsync-0.001.yaml",
+        E40 + ["compression.message.quantize=none"],
+    ),
+    "redsync 0.001 quantize=fp16 40 epochs, override": (
+        "configs/digits/redsync-0.001.yaml",
+        E40 + ["compression.message.quantize=fp16"],
+    ),
+    "redsync 0.001 sign_mean 40 epochs, override, every layer compressed, small layers 0.25": (
+        "configs/digits/redsync-0.001.yaml",
+        E40 + ["compression.policy.min_compress_numel=0", SMALL_LAYERS.replace('0.05}', '0.01}')],
     ),
     "redsync 0.001 sign_mean 40 epochs, override, momentum_correction": (
         "configs/digits/redsync-0.001.yaml",
@@ -170,9 +216,13 @@ def main() -> None:
     ap.add_argument("--out", default="runs/sweep")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--resume", action="store_true")
     args = ap.parse_args()
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "OMPI_MCA_mpi_yield_when_idle": "1"}
+           "OMPI_MCA_mpi_yield_when_idle": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
+           **dict(e.split("=", 1) for e in args.env)}
     bindir = Path(sys.executable).parent
     rows = []
     for name, (cfg, sets) in VARIANTS.items():
@@ -184,10 +234,12 @@ def main() -> None:
             cmd = [str(bindir / "horovodrun"), "-np", str(args.np), "-H", f"localhost:{args.np}", sys.executable,
                    "-m", "redsync_hvd.train", "--config", cfg, "--set", f"output.dir={args.out}", "--set",
                    f"output.name={run}", "--set", "training.progress=false", "--set", f"training.seed={seed}"]
-            for o in sets:
+            for o in sets + args.overrides:
                 cmd += ["--set", o]
-            subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
-            s = json.loads((REPO / args.out / run / "summary.json").read_text())
+            summary = REPO / args.out / run / "summary.json"
+            if not (args.resume and summary.is_file()):
+                subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
+            s = json.loads(summary.read_text())
             accs.append(s["final_accuracy"])
             print(f"{name} seed {seed}: accuracy {s['final_accuracy']:.4f} ratio {s['compression_ratio']:.1f}",
                   flush=True)

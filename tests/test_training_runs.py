@@ -119,6 +119,8 @@ def test_run_folder_contents(digits_runs):
     assert all(b["wire_bytes"] >= a["wire_bytes"] for a, b in zip(steps, steps[1:]))
     assert {"step_wire_bytes", "select", "communicate", "decompress", "selected", "k"} <= set(steps[-1])
     assert (folder / "checkpoint-rank0.pt").is_file() and (folder / "checkpoint-rank1.pt").is_file()
+    layers = (folder / "layers.log").read_text().splitlines()   # the decisions: here, not on the terminal
+    assert len(layers) == 8 and "classifier.1.weight: compressed" in layers[4], layers
 
 
 def test_plot_script_writes_pngs(digits_runs, tmp_path):
