@@ -221,16 +221,24 @@ def table(rows: dict, parts: list) -> str:
 
 
 def plot(rows: dict, path: Path) -> None:
+    """Accuracy against bytes; rows at the same point share one label, and labels of points
+    close to each other are stacked instead of drawn over each other."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    points: dict = {}
     for r in rows.values():
-        if r.get("accuracy") is None:
-            continue
-        ax.scatter(r["wire_bytes"] / 1e6, 100 * r["accuracy"], marker="s" if r["engine"] == "ddp" else "o")
-        ax.annotate(r["label"], (r["wire_bytes"] / 1e6, 100 * r["accuracy"]), fontsize=7,
-                    xytext=(4, 3), textcoords="offset points")
+        if r.get("accuracy") is not None:
+            xy = (round(r["wire_bytes"] / 1e6, 3), round(100 * r["accuracy"], 2))
+            points.setdefault(xy, []).append(r)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    placed: list = []
+    for (x, y), rs in sorted(points.items(), key=lambda p: (p[0][1], p[0][0])):
+        ax.scatter(x, y, marker="s" if all(r["engine"] == "ddp" for r in rs) else "o")
+        near = sum(1 for px, py in placed if abs(py - y) < 0.08 and 0.1 < px / x < 10)
+        placed.append((x, y))
+        ax.annotate(" = ".join(r["label"] for r in rs), (x, y), fontsize=7, xytext=(5, 3 + 10 * near),
+                    textcoords="offset points")
     ax.set_xscale("log")
     ax.set_xlabel("bytes sent per worker over the run (MB, log scale)")
     ax.set_ylabel("digits test accuracy, mean of seeds (%)")
