@@ -29,18 +29,13 @@ import argparse
 import os
 import sys
 
-import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Subset, default_collate
+from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from redsync_hvd.config import ConfigError, load_config  # noqa: E402
-from redsync_hvd.data import build_datasets  # noqa: E402
-from redsync_hvd.models import build_model  # noqa: E402
-from redsync_hvd.runner import lr_factor, run  # noqa: E402
-from redsync_hvd.torch.training import build_optimizer, loss_and_correct  # noqa: E402
+from redsync_hvd.torch.training import DDPAdapter  # noqa: E402
+from redsync_hvd.train import launch  # noqa: E402
 
 HOOKS = ("none", "torch_powersgd", "ours")
 
@@ -51,10 +46,25 @@ class ByteCounter:
     def __init__(self):
         self.wire = self.dense = self.steps = 0
 
-    def stats(self) -> dict:
+    def communication_stats(self) -> dict:
         ratio = self.dense / self.wire if self.wire else 1.0
         return {"wire_bytes": self.wire, "dense_bytes": self.dense, "compression_ratio": ratio,
                 "steps": self.steps, "select": 0.0, "communicate": 0.0, "decompress": 0.0}   # not timed apart
+
+    def set_steps_per_epoch(self, steps: int) -> None:
+        pass   # the runner's interface: neither hook has a schedule
+
+    def set_grad_scaler(self, scaler) -> None:
+        pass   # neither hook keeps state that a skipped fp16 step must leave alone
+
+    def layer_decisions(self) -> list:
+        return []
+
+    def state_dict(self) -> dict:
+        return {"wire": self.wire, "dense": self.dense, "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError("scripts/ddp_worker.py does not resume torch's hooks; start the run again")
 
 
 def plain_hook(counter: ByteCounter):
@@ -92,75 +102,24 @@ def powersgd_hook(counter: ByteCounter, rank: int, start: int, seed: int):
     return hook, state
 
 
-class DDPTrainer:
-    """runner.Trainer for a DDP model: the Horovod trainer's step and evaluation, DDP's reduction."""
-    framework = "torch"
+class CountedDDPAdapter(DDPAdapter):
+    """The runner's ``engine: ddp`` start-up and trainer, with DDP's own reduction or torch's
+    PowerSGD hook in place of ours: only ``distribute`` differs."""
 
-    def __init__(self, cfg, data, rank: int, size: int, args):
-        self.cfg, self.data, self.rank, self.size = cfg, data, rank, size
-        self.task, self.train_size = data.task, len(data.train)
-        self.model = build_model(cfg.model.name, data.num_classes, data.input_shape, **cfg.model.options)
-        self.ddp = DDP(self.model)   # broadcasts rank 0's weights, as broadcast_parameters does
-        self.opt = build_optimizer(cfg, self.model, size)
-        self.counter, self.state = ByteCounter(), None
-        if args.hook == "ours":
-            from redsync_hvd.torch import ddp as rddp
-            self.state = rddp.register(self.ddp, cfg.compression.model_dump(), optimizer=self.opt)
-        else:
-            hook, hstate = (plain_hook(self.counter) if args.hook == "none" else
-                            powersgd_hook(self.counter, args.powersgd_rank, args.powersgd_start, args.powersgd_seed))
-            self.ddp.register_comm_hook(hstate, hook)
-        self.sched = None
+    def __init__(self, args):
+        super().__init__()
+        self.args = args
 
-    def set_steps_per_epoch(self, steps: int) -> None:
-        if self.state is not None:
-            self.state.set_steps_per_epoch(steps)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_factor(self.cfg, steps))
-
-    def step(self, indices: torch.Tensor, step: int) -> tuple:
-        ds = self.data.train
-        idx = indices.tolist()
-        x, y = default_collate(ds.__getitems__(idx) if hasattr(ds, "__getitems__") else [ds[i] for i in idx])
-        loss, correct, n = loss_and_correct(self.ddp, x, y, self.task)
-        self.opt.zero_grad()
-        loss.backward()   # the hooks reduce inside backward
-        self.opt.step()
-        self.sched.step()
-        return loss.item(), correct, n
-
-    def lr(self, step: int) -> float:
-        return self.sched.get_last_lr()[0]
-
-    @torch.no_grad()
-    def evaluate(self) -> dict:
-        """Each rank scores its slice of the test set; the sums are allreduced (as the Horovod trainer)."""
-        self.model.eval()
-        test = self.data.test
-        loader = DataLoader(Subset(test, list(range(self.rank, len(test), self.size))),
-                            batch_size=max(256, self.cfg.training.batch_size))
-        tot = torch.zeros(3, dtype=torch.float64)
-        for x, y in loader:
-            loss, correct, n = loss_and_correct(self.model, x, y, self.task)
-            tot += torch.tensor([loss.item() * n, correct, n], dtype=torch.float64)
-        dist.all_reduce(tot)
-        self.model.train()
-        return {"test_loss": tot[0].item() / max(1, tot[2].item()),
-                "test_accuracy": tot[1].item() / max(1, tot[2].item())}
-
-    def state_dict(self) -> dict:
-        out = {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
-        if self.state is not None:
-            out["hook"] = self.state.state_dict()
-        return out
-
-    def load_state_dict(self, state: dict) -> None:
-        raise NotImplementedError("scripts/ddp_worker.py does not resume; start the run again")
-
-    def communication_stats(self) -> dict:
-        return self.state.communication_stats() if self.state is not None else self.counter.stats()
-
-    def layer_decisions(self) -> list:
-        return self.state.layer_decisions() if self.state is not None else []
+    def distribute(self, cfg, model, opt) -> tuple:
+        if self.args.hook == "ours":
+            return super().distribute(cfg, model, opt)
+        ddp = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        counter = ByteCounter()
+        a = self.args
+        hook, state = (plain_hook(counter) if a.hook == "none" else
+                       powersgd_hook(counter, a.powersgd_rank, a.powersgd_start, a.powersgd_seed))
+        ddp.register_comm_hook(state, hook)
+        return ddp, opt, counter
 
 
 def parse_args(argv=None):
@@ -176,25 +135,14 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    """1. config; 2. process group and threads (as the Horovod adapter sets them); 3. seed, data,
-    trainer in the Horovod runner's order; 4. the runner's loop."""
+    """1. config (a bad one: exit code 2, as the runner); 2. the runner's launch with the adapter."""
     args = parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides + ["engine=ddp"])
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    dist.init_process_group("gloo")
-    rank, size = dist.get_rank(), dist.get_world_size()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", size))
-    torch.set_num_threads(cfg.training.threads or max(1, (os.cpu_count() or 1) // local))
-    torch.manual_seed(cfg.training.seed)
-    data = build_datasets(cfg.data.name, path=cfg.data.path, rank=rank, size=size, seed=cfg.training.seed,
-                          **cfg.data.options)
-    trainer = DDPTrainer(cfg, data, rank, size, args)
-    code = run(cfg, trainer, rank, size)
-    dist.destroy_process_group()
-    return code
+    return launch(cfg, CountedDDPAdapter(args))
 
 
 if __name__ == "__main__":
