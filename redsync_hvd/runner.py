@@ -251,7 +251,7 @@ class Run:
 
     def _one_step(self, indices, bar) -> None:
         if self.carrier is not None:
-            self.carrier.carried = None
+            self.carrier.last = None
         loss, correct, n = self.trainer.step(indices, self.step)                   # 3.
         self.step += 1
         cfg, step = self.cfg, self.step
@@ -270,7 +270,8 @@ class Run:
 
     def _checkpoint(self, step: int) -> None:
         """Save when a step-based or wall-clock checkpoint is due or a stop was agreed."""
-        carried = self.carrier.carried if self.carrier is not None else None
+        last = self.carrier.last if self.carrier is not None else None
+        carried = last.carried if last is not None else None
         decision = self.ctl.decide(carried) if carried is not None else self.ctl.poll(step)
         every = self.cfg.training.checkpoint_every
         keep = bool(every and step % every == 0)

@@ -125,7 +125,7 @@ METHODS = {
 }
 
 
-AGREEMENT = "redsync_hvd.exchange.pipeline:_any_nonfinite"   # the one read finish() makes
+AGREEMENT = "redsync_hvd.exchange.pipeline:_read"   # the one read finish() makes
 
 
 def sync(device):
@@ -183,7 +183,7 @@ class Variant:
         for n, p in self.named:
             self.ex.submit(n, p.grad)
         # what DistributedOptimizer.synchronize does: decode into .grad, copy the rest
-        out = self.ex.finish(into={n: p.grad.view(-1) for n, p in self.named})
+        out = self.ex.finish(into={n: p.grad.view(-1) for n, p in self.named}).averages
         for n, p in self.named:
             if out[n].data_ptr() != p.grad.data_ptr():
                 p.grad.copy_(out[n].view(p.shape))

@@ -17,7 +17,7 @@ def run_local(compression, inputs, numel):
     mem = ResidualMemory()
     sent = torch.zeros(numel, dtype=torch.float64)
     for step, g in enumerate(inputs):
-        x = mem.compensate("w", g)
+        x = mem.compensate("w", g).x
         msg = comp.compress(x, layer, step)
         out = torch.zeros(numel)
         comp.decompress_add(out, msg.tensors, layer, ctx=msg.ctx)
@@ -74,9 +74,9 @@ def test_density_out_of_range_is_rejected_in_python_too():
 
 def test_memory_rollback_restores_residual():
     mem = ResidualMemory()
-    x = mem.compensate("w", torch.ones(4))
+    x = mem.compensate("w", torch.ones(4)).x
     mem.commit()
-    x = mem.compensate("w", torch.full((4,), 5.0))
+    x = mem.compensate("w", torch.full((4,), 5.0)).x
     x.zero_()
     mem.rollback()
     assert torch.equal(mem.residual["w"], torch.ones(4))

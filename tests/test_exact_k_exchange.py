@@ -17,7 +17,7 @@ from redsync_hvd.core.host_reads import HostReads
 from redsync_hvd.engine import MomentumSpec, build_exchange
 from redsync_hvd.exchange import NonFiniteGradientError
 
-AGREEMENT = ("tolist", "redsync_hvd.exchange.pipeline:_any_nonfinite")   # finish()'s one read
+AGREEMENT = ("tolist", "redsync_hvd.exchange.pipeline:_read")   # finish()'s one read
 
 
 class CountingComm(LocalCommunicator):
@@ -50,7 +50,7 @@ def grads_for(layers, step, dtype=torch.float32):
 def run_step(ex, layers, grads):
     for l in reversed(layers):
         ex.submit(l.name, grads[l.name])
-    return ex.finish()
+    return ex.finish().averages
 
 
 def sizes_of(n_layers):
@@ -145,14 +145,14 @@ def test_half_gradients_stay_half_until_the_compensation(dtype):
         ex, layers, _ = make([6000, 2500, 50], momentum=0.9)
         outs = [run_step(ex, layers, {n: g.to(dtype).to(d) for n, g in grads_for(layers, s).items()})
                 for s in range(3)]
-        runs[d] = (outs, ex.memory)
-    (half, mem_h), (full, mem_f) = runs[dtype], runs[torch.float32]
+        runs[d] = (outs, ex.memory, ex)
+    (half, mem_h, ex_h), (full, mem_f, _) = runs[dtype], runs[torch.float32]
     for a, b in zip(half, full):
         assert all(torch.equal(a[n], b[n]) for n in a)
     assert all(torch.equal(mem_h.residual[n], mem_f.residual[n]) and mem_h.residual[n].dtype == torch.float32
                for n in mem_f.residual)
     assert all(mem_h.velocity[n].dtype == torch.float32 for n in mem_h.velocity)
-    assert [b.dtype for b in mem_h._grad_buffers.values()] == [dtype]
+    assert [p.grad.dtype for p in ex_h.plans.values()] == [dtype]   # the bucket's gradient buffer
 
 
 def test_checkpoint_and_resume_through_the_flat_buffers():
@@ -192,11 +192,11 @@ def test_sparse_update_applies_each_layers_slice_of_the_bucket():
         for s in range(2):
             for l in reversed(layers):
                 ex.submit(l.name, grads_for(layers, s)[l.name])
-            out = ex.finish(apply={n: (p, 0.1) for n, p in params.items()} if sparse else None)
+            out = ex.finish(apply={n: (p, 0.1) for n, p in params.items()} if sparse else None).averages
             for n, p in params.items():
                 if not sparse:
                     p.sub_(0.1 * out[n])
         runs.append(params)
-        assert sorted(ex.applied) == (["l0", "l1"] if sparse else [])
+        assert sorted(ex.last.applied) == (["l0", "l1"] if sparse else [])
     assert all(torch.allclose(runs[0][n], runs[1][n], atol=1e-7) and bool((runs[1][n] != 1).any())
                for n in runs[0])

@@ -56,7 +56,7 @@ def _memory(ex) -> dict:
 def _step(ex, grads):
     for n, g in grads.items():
         ex.submit(n, g)
-    return {n: t.clone() for n, t in ex.finish().items()}
+    return {n: t.clone() for n, t in ex.finish().averages.items()}
 
 
 @pytest.mark.skipif(not {c["method"] for c in EVERY} <= set(COMPRESSORS), reason="a baseline is not registered")

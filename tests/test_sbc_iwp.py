@@ -48,7 +48,7 @@ def test_sbc_conservation(n, rounds, density, binarize, coding, seed):
     for r in range(rounds):
         delta = torch.randn(n, generator=gen)
         total += delta.double()
-        x = mem.compensate("w", delta)
+        x = mem.compensate("w", delta).x
         msg = comp.compress(x, layer(n, density), r)
         out = torch.zeros(n)
         comp.decompress_add(out, msg.tensors, layer(n, density))

@@ -6,6 +6,7 @@ from typing import Any
 from ..config.compression import CompressionConfig, parse_compression
 from .base import Compressor, Layer, Message
 from .dense import FP16Compressor, NoneCompressor
+from .exact_k import ExactKCompressor
 from .iwp import IWPCompressor
 from .powersgd import PowerSGDCompressor
 from .qsgd import QSGDCompressor
@@ -42,9 +43,11 @@ def build_compressor(compression: Any, comm: Any = None) -> tuple[Compressor, Co
     if cfg.method not in COMPRESSORS:
         raise ValueError(f"compression.method={cfg.method!r} is not a compressor; "
                          f"compressors: {sorted(COMPRESSORS)}")
+    if cfg.method == "redsync" and cfg.selection.method == "radix":
+        return ExactKCompressor(cfg, comm), cfg   # exactly k per layer of a bucket, on the device
     return COMPRESSORS[cfg.method](cfg, comm), cfg
 
 
 __all__ = ["Compressor", "Layer", "Message", "COMPRESSORS", "build_compressor", "NoneCompressor",
-           "FP16Compressor", "TopKCompressor", "RandomKCompressor", "RedSyncCompressor", "IWPCompressor",
-           "SBCCompressor", "PowerSGDCompressor", "SignSGDCompressor", "QSGDCompressor"]
+           "FP16Compressor", "TopKCompressor", "ExactKCompressor", "RandomKCompressor", "RedSyncCompressor",
+           "IWPCompressor", "SBCCompressor", "PowerSGDCompressor", "SignSGDCompressor", "QSGDCompressor"]

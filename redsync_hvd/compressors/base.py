@@ -60,13 +60,23 @@ class Message:
     ctx: Any = None                  # what decoding needs that did not travel (shared positions, P)
     extra_bytes: dict = field(default_factory=dict)  # bytes sent by collectives run inside compress
     nonfinite: Any = None            # True, or a device flag: the input held NaN/Inf (nothing was selected)
-    bucket: Optional[list] = None    # compress_bucket: the whole unit's wire tensors, shared by its messages
 
     def nbytes(self) -> dict:
         out: dict = dict(self.extra_bytes)
         for t, kind in zip(self.tensors, self.kinds):
             out[kind] = out.get(kind, 0) + t.numel() * t.element_size()
         return out
+
+
+@dataclass
+class FlatMessage:
+    """What one rank sends for a whole bucket compressed flat (``Compressor.compresses_flat``):
+    the bucket's wire tensors (sizes known before the step: ``fixed_bucket_counts``), a device
+    flag per layer that its input held NaN/Inf, and whether the compressor already subtracted
+    what it sent from x while it wrote the message (then the memory update has nothing left)."""
+    tensors: list
+    nonfinite: torch.Tensor
+    updated: bool = False
 
 
 class Compressor(ABC):
@@ -90,17 +100,18 @@ class Compressor(ABC):
         """dtypes of the tensors ``compress`` returns for this layer (fixed per layer)."""
         raise NotImplementedError
 
-    def scan_request(self, layer: Layer, step: int):
-        """A ``core.passes.ScanRequest`` for the memory to fill while it computes this layer's
-        x (the first pass of the selection, fused with the compensation), or None. The exchange
-        passes it back to ``compress``."""
+    def first_pass(self, layer: Layer, step: int):
+        """What this layer's selection reads first (a ``core.passes.ScanRequest``), for the memory
+        to make in the pass that computes x, or None. The exchange hands what the memory made
+        (``Compensated.first``) to ``compress``."""
         return None
 
     @abstractmethod
-    def compress(self, x: torch.Tensor, layer: Layer, step: int, scan=None) -> Message:
-        """x: flat fp32 tensor (gradient plus residual). Must neither modify x nor return a view of
-        it (the memory update overwrites x before the message is sent); only dense pass-through
-        compressors without a memory may return x itself."""
+    def compress(self, x: torch.Tensor, layer: Layer, step: int, first=None) -> Message:
+        """x: flat fp32 tensor (gradient plus residual); ``first``: the pass ``first_pass`` asked
+        for, made over x, or None. Must neither modify x nor return a view of it (the memory
+        update overwrites x before the message is sent); only dense pass-through compressors
+        without a memory may return x itself."""
 
     @abstractmethod
     def decompress_add(self, out: torch.Tensor, tensors: list, layer: Layer, alpha: float = 1.0,
@@ -118,16 +129,28 @@ class Compressor(ABC):
         compensation reads them and computes in fp32); else the exchange makes them fp32 first."""
         return False
 
-    def scan_request_bucket(self, layers: list, step: int):
-        """What the memory should compute for the selection while it compensates the unit: one
-        ``scan_request`` per layer by default, or one object for the whole bucket that a memory
-        may fill (``core.radix_select.BucketScan``)."""
-        return [self.scan_request(layer, step) for layer in layers]
-
-    def compress_bucket(self, xs: list, layers: list, step: int, scan=None) -> list:
+    def compress_bucket(self, xs: list, layers: list, step: int, firsts: list | None = None) -> list:
         """Messages for several layers at once (``selects_by_bucket``); per layer by default."""
-        scans = scan if isinstance(scan, list) else [None] * len(layers)
-        return [self.compress(x, layer, step, s) for x, layer, s in zip(xs, layers, scans)]
+        firsts = firsts or [None] * len(layers)
+        return [self.compress(x, layer, step, f) for x, layer, f in zip(xs, layers, firsts)]
+
+    # -- a bucket as one flat buffer (exactly k per layer on the device: exchange/plan.py) -----
+    def compresses_flat(self, layers: list) -> bool:
+        """True when this bucket is compressed as one flat buffer (``compress_flat``), with message
+        sizes known before the step: the exchange then builds a ``BucketPlan`` for it."""
+        return False
+
+    def segments(self, layers: list):
+        """The bucket's layout at this step's k (``core.segments.Segments``), for ``compress_flat``."""
+        raise NotImplementedError
+
+    def first_pass_flat(self, seg, step: int):
+        """What the flat selection reads first (``core.radix_select.BucketRequest``)."""
+        raise NotImplementedError
+
+    def compress_flat(self, c, seg, step: int) -> FlatMessage:
+        """One rank's message for a bucket from its ``core.passes.Compensated`` flat x."""
+        raise NotImplementedError
 
     def bucket_tensors(self, layers, messages: list) -> list:
         """What a bucket of these messages sends: every message's tensors, layer by layer."""
@@ -156,13 +179,13 @@ class Compressor(ABC):
         """True when ``decompress_bucket`` decodes a bucket in one pass over one flat buffer."""
         return False
 
-    def decompress_bucket(self, out: dict, per_rank: list, layers, alpha: float = 1.0, *, flat=None,
+    def decompress_bucket(self, out: dict | None, per_rank: list, layers, alpha: float = 1.0, *, flat=None,
                           zero=None) -> None:
         """out[name] += alpha * decode(that layer's part of every rank's bucket message), ranks in
         order, for every layer named in ``out`` (fp32 buffers). ``flat``: with ``decodes_flat``, one
-        buffer whose consecutive views the buffers of ``out`` are, layer by layer; ``zero``: a
-        buffer of the same layout set to 0 at every decoded position (DGC's momentum masking),
-        only where the bucket is decoded flat. Per layer by default."""
+        buffer laid out by the bucket's ``segments`` (``out`` is then None); ``zero``: a buffer of
+        that layout set to 0 at every decoded position (DGC's momentum masking), only where the
+        bucket is decoded flat. Per layer by default."""
         if zero is not None:
             raise ValueError(f"{type(self).__name__} decodes layer by layer: it cannot mask a flat buffer")
         for tensors in per_rank:

@@ -13,7 +13,7 @@ class NoneCompressor(Compressor):
     def wire_dtypes(self, layer: Layer) -> tuple:
         return (torch.float32,)
 
-    def compress(self, x: torch.Tensor, layer: Layer, step: int, scan=None) -> Message:
+    def compress(self, x: torch.Tensor, layer: Layer, step: int, first=None) -> Message:
         return Message([x], ("values",))   # x itself: dense layers have no memory to update
 
     def decompress_add(self, out, tensors, layer, alpha=1.0, ctx=None):
@@ -26,5 +26,5 @@ class FP16Compressor(NoneCompressor):
     def wire_dtypes(self, layer: Layer) -> tuple:
         return (torch.float16,)
 
-    def compress(self, x: torch.Tensor, layer: Layer, step: int, scan=None) -> Message:
+    def compress(self, x: torch.Tensor, layer: Layer, step: int, first=None) -> Message:
         return Message([x.to(torch.float16)], ("values",))

@@ -1,12 +1,14 @@
-"""RedSync's ``selection.method: radix``: exactly k per layer of a bucket, chosen on the device.
+"""RedSync with ``selection.method: radix``: exactly k per layer of a bucket, chosen on the device.
 
-The bucket is the unit (``Compressor.selects_by_bucket``), and each of the exchange's four
-steps is one call over the bucket's flat buffer (``core/radix_select.py``; Triton kernels on
-CUDA, the same steps in torch ops elsewhere):
+The bucket is the unit, kept as one flat buffer (``compresses_flat``: the exchange builds a
+``BucketPlan`` for it, exchange/plan.py), and each of the exchange's four steps is one call
+over it (``core/radix_select.py``; Triton kernels on CUDA, the same steps in torch ops
+elsewhere):
 
     1. compensate  memory: x = r + g (DGC: velocity too) + histogram 1   rs.compensate
-    2. compress    here:   exactly k positions per layer, values or means  rs.select(hist=...)
-    3. update      memory: x -= decode(own message), velocity masked      rs.decode_add(alpha=-1)
+    2. compress    here:   exactly k positions per layer, values or means  rs.select(hist=...,
+                           and x -= what receivers decode, velocity masked   update=True)
+    3. update      memory: nothing left (done in 2's write)
     4. send        transport: [positions (K,), values (K,) | means (L,)], sizes known in advance
        decode      transport: every rank's message in rank order          rs.decode_add
 
@@ -14,78 +16,108 @@ Nothing is read back to the host, and the message of a bucket has the same size 
 rank and step (K = sum of the layers' k), so the transport needs no header allgather.
 With ``message.quantize: sign_mean`` each layer sends exactly k elements of the kept sign
 (alternating, or SBC's larger side) and their signed mean magnitude; with ``none``/``fp16``
-the k largest |x| and their values.
+the k largest |x| and their values. A layer's part of the message is the codec's message
+(codec.py), so one layer decodes as RedSync's does.
 """
 from __future__ import annotations
 
 import torch
 
 from ..core import radix_select as rs
+from ..core.passes import Compensated
 from ..core.segments import Segments
+from .base import Compressor, FlatMessage, Layer, Message
+from .codec import MessageCodec
 
-_VALUE_DTYPES = {"none": torch.float32, "fp16": torch.float16, "sign_mean": torch.float32}
 
+class ExactKCompressor(Compressor):
+    collective = "allgather"
+    checks_finite = True   # the selection flags NaN/Inf on the device
 
-class ExactK:
-    """The bucket-level parts of RedSync with ``selection.method: radix`` (a RedSyncCompressor
-    delegates to it); ``layers`` are always one bucket's, in the bucket's order."""
-
-    def __init__(self, config):
-        self.mean = config.message.quantize == "sign_mean"
-        self.value_dtype = _VALUE_DTYPES[config.message.quantize]
-        self.sign_rule = config.message.sign_rule
+    def __init__(self, config, comm=None):
+        super().__init__(config, comm)
+        self.codec = MessageCodec(config.message.quantize, "raw", config.message.sign_rule)
         self.backend = config.selection.radix_backend
         self._segments: dict = {}
 
+    def wire_dtypes(self, layer: Layer) -> tuple:
+        return (torch.int32, self.codec.value_dtype)
+
+    # -- the bucket's layout and its four steps ------------------------------------------------
+    def compresses_flat(self, layers: list) -> bool:
+        return True
+
+    def selects_by_bucket(self, layers: list) -> bool:
+        return True
+
+    def keeps_low_precision(self, layers: list) -> bool:
+        return True   # the compensation kernel reads fp16/bf16 itself
+
     def segments(self, layers) -> Segments:
-        """The bucket's layout at this step's k (cached: k changes only with the density warm-up)."""
+        """The bucket's layout at this step's k (cached: k changes only with the density policy)."""
         key = tuple((l.name, l.numel, l.k) for l in layers)
         seg = self._segments.get(key)
         if seg is None:
             seg = self._segments[key] = Segments([l.numel for l in layers], [l.k for l in layers])
         return seg
 
-    def sign(self, step: int):
-        if not self.mean:
-            return None
-        return "larger" if self.sign_rule == "larger" else ("pos" if step % 2 == 0 else "neg")
+    def first_pass_flat(self, seg: Segments, step: int) -> rs.BucketRequest:
+        return rs.BucketRequest(seg, self.codec.sign(step), self.backend)
 
-    def request(self, layers, step: int) -> rs.BucketScan:
-        return rs.BucketScan(self.segments(layers), self.sign(step), self.backend)
+    def compress_flat(self, c, seg: Segments, step: int, update: bool = True) -> FlatMessage:
+        """One ``rs.select`` over the flat x (``core.passes.Compensated``): exactly k per layer, and with
+        ``update`` x -= what receivers decode and the velocity zeroed there, in the same write."""
+        residual = update and c.first is not None   # NoMemory hands the gradient itself
+        sel = rs.select(seg, c.x, sign=self.codec.sign(step), mean=self.codec.mean, hist=c.first,
+                        index_dtype=torch.int32, value_dtype=self.codec.value_dtype, update=residual,
+                        velocity=c.velocity if residual else None, backend=self.backend)
+        return FlatMessage([sel.positions, sel.means if self.codec.mean else sel.values], sel.nonfinite,
+                           updated=residual)
 
-    def select(self, xs: list, layers, step: int, scan) -> tuple:
-        """(wire tensors, per-layer non-finite flags) of one bucket: 1. x: the memory's flat r + g
-        and its histogram, or the layers concatenated; 2. one ``rs.select``."""
-        if isinstance(scan, rs.BucketScan) and scan.x is not None:
-            seg, sign, x, hist = scan.seg, scan.sign, scan.x, scan.hist
-        else:   # no memory (residual: false), or one that kept the layers apart
-            seg, sign, hist = self.segments(layers), self.sign(step), None
-            x = torch.cat([x.reshape(-1) for x in xs]).float()
-        sel = rs.select(seg, x, sign=sign, mean=self.mean, hist=hist, index_dtype=torch.int32,
-                        value_dtype=self.value_dtype, backend=self.backend)
-        return [sel.positions, sel.means if self.mean else sel.values], sel.nonfinite
+    # -- one layer alone (a bucket of one) ---------------------------------------------------
+    def compress(self, x: torch.Tensor, layer: Layer, step: int, first=None) -> Message:
+        seg = self.segments([layer])
+        msg = self.compress_flat(Compensated(x.float()), seg, step, update=False)
+        return Message(msg.tensors, self.codec.kinds, selected=layer.k, k=layer.k, positions=msg.tensors[0],
+                       nonfinite=msg.nonfinite[0])
 
-    def dtypes(self) -> list:
-        return [torch.int32, torch.float32 if self.mean else self.value_dtype]
+    def decompress_add(self, out, tensors, layer, alpha=1.0, ctx=None):
+        self.codec.decode_add(out, tensors, layer, alpha)
 
-    def counts(self, layers) -> list:
+    # -- the bucket's wire -----------------------------------------------------------------------
+    def bucket_tensors(self, layers, messages: list) -> list:
+        """Layer by layer (a bucket compressed per layer: its layers' momenta differ) into the flat
+        bucket's format: [positions (K,), values (K,) or means (L,)]."""
+        return [torch.cat([m.tensors[i] for m in messages]) for i in (0, 1)]
+
+    def bucket_dtypes(self, layers) -> list:
+        return [torch.int32, self.codec.value_dtype]
+
+    def fixed_bucket_counts(self, layers):
         seg = self.segments(layers)
-        return [seg.k_total, len(seg) if self.mean else seg.k_total]
+        return [seg.k_total, len(seg) if self.codec.mean else seg.k_total]
 
-    def split(self, layers, tensors: list) -> list:
+    def split_bucket(self, layers, tensors: list) -> list:
         """[positions, values or means] of a bucket -> each layer's [positions, values or (mean,)]."""
-        seg = self.segments(layers)
+        k = self.segments(layers).kofs
         pos, second = tensors
-        k = seg.kofs
-        return [[pos[k[i]:k[i + 1]], second[i:i + 1] if self.mean else second[k[i]:k[i + 1]]]
-                for i in range(len(seg))]
+        mean = self.codec.mean
+        return [[pos[k[i]:k[i + 1]], second[i:i + 1] if mean else second[k[i]:k[i + 1]]]
+                for i in range(len(layers))]
 
-    def decode(self, flat: torch.Tensor, per_rank: list, layers, alpha: float, zero) -> None:
-        """flat += alpha * every rank's bucket message, in rank order, in one ``rs.decode_add``."""
+    def decodes_flat(self, layers) -> bool:
+        return True
+
+    def decompress_bucket(self, out, per_rank: list, layers, alpha: float = 1.0, *, flat=None,
+                          zero=None) -> None:
+        """flat += alpha * every rank's bucket message, in rank order, in one ``rs.decode_add``
+        (``flat`` laid out by ``segments``); layer by layer into ``out`` without it."""
+        if flat is None:
+            return super().decompress_bucket(out, per_rank, layers, alpha, zero=zero)
         seg = self.segments(layers)
         if len(per_rank) == 1:
             pos, second = per_rank[0][0][None], per_rank[0][1][None]
         else:
             pos, second = (torch.stack([t[i] for t in per_rank]) for i in (0, 1))
-        wire = {"means": second} if self.mean else {"values": second}
+        wire = {"means": second} if self.codec.mean else {"values": second}
         rs.decode_add(seg, flat, pos, alpha=alpha, zero=zero, backend=self.backend, **wire)

@@ -35,7 +35,7 @@ class IWPCompressor(Compressor):
     def leader(self, step: int) -> int:
         return random.Random(self.config.seed * 1_000_003 + step).randrange(self.comm.size)
 
-    def compress(self, x: torch.Tensor, layer: Layer, step: int, scan=None) -> Message:
+    def compress(self, x: torch.Tensor, layer: Layer, step: int, first=None) -> Message:
         k, leader = layer.k, self.leader(step)
         if not self.leaders or self.leaders[-1] != (step, leader):
             self.leaders.append((step, leader))

@@ -109,7 +109,7 @@ class PowerSGDCompressor(Compressor):
             return False
         return (n + m) * self.rank_for(layer) * self.config.min_compression_rate < n * m
 
-    def compress(self, x: torch.Tensor, layer: Layer, step: int, scan=None) -> Message:
+    def compress(self, x: torch.Tensor, layer: Layer, step: int, first=None) -> Message:
         if not self.factorizes(layer, step):
             return Message([x.clone()], ("values",))   # never a view of x (the contract)
         n, m = matrix_shape(layer)

@@ -85,7 +85,7 @@ class QSGDCompressor(Compressor):
     def wire_dtypes(self, layer: Layer) -> tuple:
         return (torch.float32, torch.uint8)
 
-    def compress(self, x: torch.Tensor, layer: Layer, step: int, scan=None) -> Message:
+    def compress(self, x: torch.Tensor, layer: Layer, step: int, first=None) -> Message:
         rank = self.comm.rank if self.comm is not None else 0
         seed = rounding_seed(self.config.seed, rank, step, layer.index)
         generator = torch.Generator(device=x.device).manual_seed(seed)

@@ -4,8 +4,8 @@
     S = mu+ at P  if mu+ >= mu-  else  -mu- at Q       (one sign, one value)
     send (Golomb-coded positions of S, mu)             R = A - S (via decompress_add)
 
-The wire format (and its decoder) is RedSync's sign_mean/none message with Golomb-coded
-indices; only the choice of positions differs. Communication delay (``local_steps``) lives
+The wire format (and its decoder) is the RedSync codec's (codec.py) sign_mean/none message
+with Golomb-coded indices; only the choice of positions differs. Communication delay (``local_steps``) lives
 in the optimizer, which feeds model deltas instead of gradients.
 """
 from __future__ import annotations
@@ -17,13 +17,13 @@ from .redsync import RedSyncCompressor
 
 
 class SBCCompressor(RedSyncCompressor):
-    def scan_request(self, layer: Layer, step: int):
+    def first_pass(self, layer: Layer, step: int):
         return None   # torch.topk on both signs below: nothing to fuse
 
     def selects_by_bucket(self, layers: list) -> bool:
         return False
 
-    def compress(self, x: torch.Tensor, layer: Layer, step: int, scan=None) -> Message:
+    def compress(self, x: torch.Tensor, layer: Layer, step: int, first=None) -> Message:
         k = layer.k
         if self.config.message.binarize:
             pos_vals, pos_idx = torch.topk(x, k, sorted=False)

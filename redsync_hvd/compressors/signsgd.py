@@ -52,7 +52,7 @@ class SignSGDCompressor(Compressor):
     def wire_dtypes(self, layer: Layer) -> tuple:
         return (torch.uint8, torch.float32)
 
-    def compress(self, x: torch.Tensor, layer: Layer, step: int, scan=None) -> Message:
+    def compress(self, x: torch.Tensor, layer: Layer, step: int, first=None) -> Message:
         bits, scale = scaled_sign(x)
         return Message([bitpack.pack(bits, 1), scale], ("values", "scalars"))
 

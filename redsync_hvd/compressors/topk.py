@@ -17,7 +17,7 @@ class TopKCompressor(Compressor):
     def wire_dtypes(self, layer: Layer) -> tuple:
         return (layer.index_dtype, torch.float32)
 
-    def compress(self, x, layer, step, scan=None):
+    def compress(self, x, layer, step, first=None):
         # the baseline is torch.topk itself; RedSync's fast selections live in core.selection
         idx = torch.topk(x.abs(), layer.k, sorted=False).indices
         return Message([idx.to(layer.index_dtype), x.index_select(0, idx)], ("indices", "values"),
@@ -42,7 +42,7 @@ class RandomKCompressor(Compressor):
         gen = torch.Generator().manual_seed(hash((self.config.seed, step, layer.index)) & 0x7FFFFFFF)
         return torch.randperm(layer.numel, generator=gen)[:layer.k].to(layer.device)
 
-    def compress(self, x, layer, step, scan=None):
+    def compress(self, x, layer, step, first=None):
         idx = self._positions(layer, step)
         # the positions decode both this rank's message (for the residual) and the average
         return Message([x.index_select(0, idx)], ("values",), selected=idx.numel(), k=idx.numel(),

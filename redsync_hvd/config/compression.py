@@ -224,10 +224,16 @@ class CompressionConfig(MethodConfig):
     """Knobs every method of the gradient exchange shares."""
     check_finite: bool = Field(
         True, description="stop with a clear error on NaN/Inf gradients (all ranks agree, residuals untouched); "
-                          "costs one reduction per layer and one tiny allreduce per step")
+                          "costs one reduction per bucket (per layer for compressors that do not check "
+                          "themselves), carried in the bucket's own collective, and one read per step")
     fusion_bytes: int = Field(
-        16 << 20, gt=0, description="compressed layers are packed into buckets of at most this many dense bytes; "
-                                    "one bucket = one allgather (fewer collectives, later start)")
+        16 << 20, gt=0, description="layers are packed into buckets of at most this many dense bytes; one bucket "
+                                    "= one allreduce or allgather (fewer collectives, later start)")
+    cuda_graph: Literal["auto", "on", "off"] = Field(
+        "auto", description="buckets with exactly k per layer on CUDA (selection.method: radix): auto replays each "
+                            "bucket's compressed step from a CUDA graph once its layout has run twice (eager where "
+                            "capture is refused, logged) | on: the same, but a refused capture is an error | off: "
+                            "eager (a few launches per bucket and step)")
     policy: PolicyConfig = Field(default_factory=PolicyConfig, description="which layers compress")
 
     @field_validator("policy", mode="before")

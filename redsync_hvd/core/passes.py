@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -42,14 +42,13 @@ def _nonfinite(name: Optional[str], x: torch.Tensor) -> ValueError:
     return NonFiniteError("non-finite gradient values in %s (NaN or Inf): refusing to select" % where)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScanRequest:
     """What the selection that follows wants from the pass that computes x: statistics
     always, and the indices and |x| above ``threshold`` up to ``cap`` (threshold=inf:
-    none, a search step). The memory fills ``result`` when it could fuse the pass."""
+    none, a search step). ``compensate_scan`` returns the :class:`Scan` when it fused it."""
     threshold: float = math.inf
     cap: int = 0
-    result: Optional["Scan"] = None
 
 
 @dataclass
@@ -64,6 +63,17 @@ class Scan:
     sum: float
 
 
+class Compensated(NamedTuple):
+    """What a memory's compensation hands to the compressor (the exchange's step 1 to step 2):
+    x = r + g (DGC: r + u) in this step's buffer, which the memory update then overwrites with
+    the new residual; ``first``: the selection's first pass over x, made while x was written (a
+    :class:`Scan` for a layer, the first histogram for a bucket), or None; ``velocity``: a
+    bucket's step velocity, zeroed where values are sent (DGC's masking), or None."""
+    x: torch.Tensor
+    first: Any = None
+    velocity: Optional[torch.Tensor] = None
+
+
 # Below this many elements a layer's streams stay in cache, so fusing saves no memory
 # traffic, while the call costs more Python than torch.add (resnet20's 59 small tensors)
 _FUSE_MIN_NUMEL = 1 << 16
@@ -73,28 +83,26 @@ _EMPTY = torch.empty(0)
 def compensate_scan(residual: torch.Tensor, grad: torch.Tensor, out: torch.Tensor,
                     request: Optional[ScanRequest], velocity: Optional[torch.Tensor] = None,
                     velocity_out: Optional[torch.Tensor] = None, momentum: float = 0.0,
-                    nesterov: bool = False, fuse: bool = True) -> bool:
+                    nesterov: bool = False, fuse: bool = True) -> Optional[Scan]:
     """out = residual + grad (with ``velocity``: DGC's velocity_out = momentum*velocity + grad,
     out = residual + velocity_out, or + grad + momentum*velocity_out with nesterov), fused
-    with the first selection pass over out into ``request.result``. Returns False, having
-    done nothing, when the native kernel cannot take these tensors or ``fuse`` is off (benchmarks
-    time the unfused pair that way): the caller then computes out with torch ops."""
+    with the first selection pass over out. Returns that pass (a :class:`Scan`), or None,
+    having done nothing, when the native kernel cannot take these tensors or ``fuse`` is off
+    (benchmarks time the unfused pair that way): the caller then computes out with torch ops."""
     if not fuse or residual.numel() < _FUSE_MIN_NUMEL:
-        return False
+        return None
     mod = _native.load()
     tensors = (residual, grad, out) + ((velocity, velocity_out) if velocity is not None else ())
     if mod is None or not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
                               for t in tensors):
-        return False
+        return None
     empty = _EMPTY
     thr = request.threshold if request is not None else math.inf
     cap = request.cap if request is not None else 0
     idx, vals, c, finite, mx, s = mod.compensate_scan(
         residual, grad, out, velocity if velocity is not None else empty,
         velocity_out if velocity_out is not None else empty, float(momentum), bool(nesterov), float(thr), int(cap))
-    if request is not None:
-        request.result = Scan(thr, cap, idx, vals, c, finite, mx, s)
-    return True
+    return Scan(thr, cap, idx, vals, c, finite, mx, s)
 
 
 class _Native:

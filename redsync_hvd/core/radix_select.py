@@ -66,20 +66,14 @@ class Selection:
     side: torch.Tensor | None
 
 
-@dataclass
-class BucketScan:
-    """A bucket's selection, asked of the compensation (the exchange's scan request for a
-    bucket, like ``passes.ScanRequest`` for a layer): the compressor sets the layout, the sign
-    rule and the backend; a memory that compensates the bucket in one ``compensate`` call fills
-    ``x`` (the flat r + g), ``hist`` (its first histogram, for ``select``) and ``velocity`` (the
-    step's DGC velocity, to mask where values were sent). Unfilled, the compressor concatenates
-    the layers itself."""
+@dataclass(frozen=True)
+class BucketRequest:
+    """What a bucket's selection wants from the compensation that writes its x: the layout, the
+    sign rule (which rows the first histogram counts) and the backend. The memory passes it to
+    ``compensate`` and returns the histogram with x (``core.passes.Compensated``)."""
     seg: Segments
     sign: str | None = None
     backend: str = "auto"
-    x: torch.Tensor | None = None
-    hist: torch.Tensor | None = None
-    velocity: torch.Tensor | None = None
 
 
 def sides(sign: str | None) -> tuple[int, tuple[int, ...]]:

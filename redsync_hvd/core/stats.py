@@ -39,6 +39,11 @@ class CommStats:
     def add(self, key: str, value: float) -> None:
         self.step[key] += value
 
+    def add_many(self, values: dict) -> None:
+        """Several ``add``s at once (a planned bucket's figures, the same every step of a layout)."""
+        for key, value in values.items():
+            self.step[key] += value
+
     def add_bytes(self, by_kind: dict, group: str = "all") -> None:
         for kind, n in by_kind.items():
             self.step[f"bytes_{kind}"] += n

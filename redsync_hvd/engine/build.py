@@ -134,5 +134,6 @@ def build_exchange(compression: Any, layers: list, comm, *, framework: str = "to
             policy.compute = probe_compute(comm, layers[0].device if layers else "cpu")
     clip = config.dgc.clip_norm if isinstance(config, ResidualConfig) else None
     exchange = GradientExchange(layers, compressor, comm, policy, memory, check_finite=config.check_finite,  # 6.
-                                fusion_bytes=config.fusion_bytes, clip_norm=clip, network=network, **options)
+                                fusion_bytes=config.fusion_bytes, clip_norm=clip, network=network,
+                                cuda_graph=config.cuda_graph, **options)
     return Built(exchange, config, momentum)

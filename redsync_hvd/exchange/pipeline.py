@@ -4,17 +4,18 @@ Adapters feed it torch tensors from gradient hooks (so early layers overlap the 
 backward) and take averaged torch tensors back. One unit (a layer, or a whole bucket when the
 compressor selects by bucket) goes through:
 
-    1. compensate    x = memory.compensate(g)           r + g   (DGC: u = m*u + g; x = r + u)
-    2. compress      msg = compressor.compress(x)        what goes on the wire, what was sent
-    3. update memory memory.update(x, msg)               x -= decode(msg): the new residual
-    4. send          transport.send(msg)                 allreduce, or a bucket's allgather
+    1. compensate    c = memory.compensate(g, compressor.first_pass(...))   x = r + g (DGC: r + u),
+                                                                           and the selection's first pass
+    2. compress      msg = compressor.compress(c.x, ..., c.first)        what goes on the wire
+    3. update memory memory.update(c.x, msg)                             x -= decode(msg): the new residual
+    4. send          transport.send(msg)                                 the bucket's allreduce or allgather
 
-through the bucket-level methods (``compensate_bucket``, ``compress_bucket``, ``update_bucket``),
-whose defaults loop over the unit's layers; a compressor that selects a bucket at once on the
-device (RedSync's ``selection.method: radix``) makes each step one call over one flat buffer.
-``finish()`` then waits, decodes and averages, has every rank agree that every gradient was
-finite (the step's one read of a device value on the host), and only then commits the
-memories; any failure calls ``abort()``, which rolls them back, so a failed step loses nothing.
+A bucket that the compressor keeps flat (RedSync's ``selection.method: radix``: exactly k per
+layer on the device) runs the same four steps through its :class:`~redsync_hvd.exchange.plan.BucketPlan`:
+one call each over one flat buffer, replayed from a CUDA graph on a GPU. ``finish()`` then waits,
+decodes and averages, reads once whether every rank's inputs were finite (the counts ride in the
+buckets' own collectives) and only then commits the memories; any failure calls ``abort()``,
+which rolls them back, so a failed step loses nothing.
 """
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ from ..core import layout
 from ..core.selection import NonFiniteError
 from ..core.stats import CommStats
 from ..memory import NoMemory
-from .step import Bucket, StepState, Unit
-from .transport import Transport
+from .plan import BucketPlan
+from .step import Bucket, StepResult, StepState, Unit
+from .transport import Transport, nonfinite_count
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -47,13 +49,13 @@ class GradientExchange:
         filled with inf, so a GradScaler skips the step (fp16 training; :meth:`use_grad_scaler`
         sets it).
     clip_norm: DGC's local clipping; each worker's share of the norm is clip_norm * N**-0.5.
-    grads_writable: the caller's gradients may be reduced in place (the torch adapter's .grad).
+    cuda_graph: "auto" | "on" | "off": how planned buckets run on CUDA (exchange/graph.py).
     """
 
     def __init__(self, layers: list, compressor: Compressor, comm, policy, memory=None, *,
                  check_finite: bool = True, on_nonfinite: str = "raise", fusion_bytes: int = 16 << 20,
                  clip_norm: float | None = None, reuse_buffers: bool = True, grads_writable: bool = False,
-                 network=None):
+                 network=None, cuda_graph: str = "auto"):
         if on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"on_nonfinite={on_nonfinite!r} is not 'raise' or 'skip'")
         for layer in layers:
@@ -72,27 +74,38 @@ class GradientExchange:
         self.scaler = None       # where the scale comes from, once per step (use_grad_scaler)
         self.stats = CommStats()
         self.step = 0
-        self.applied: list = []
-        # values a caller adds to the finite check's allreduce (summed over ranks), e.g. the
-        # runner's stop flags: carry() -> [float, ...], the sums land in ``carried``
+        # values a caller adds to the step's agreement (summed over ranks), e.g. the runner's stop
+        # flags: carry() -> [float, ...]; the sums come back in StepResult.carried
         self.carry = None
-        self.carried: list | None = None
+        self.last: StepResult | None = None   # the last finished step's result
         policy.setup(layers, comm.size, network)
-        buckets = self._buckets(layers, fusion_bytes)
-        self.units = self._units(layers, buckets)
-        self.transport = Transport(comm, self.stats, self.layers, buckets, reuse_buffers)
+        self.buckets = self._buckets(layers, fusion_bytes)
+        self.plans = {b.index: BucketPlan(b, compressor, self.memory, cuda_graph) for b in self.buckets
+                      if b.kind == "gather" and compressor.compresses_flat(list(b.layers))
+                      and (isinstance(self.memory, NoMemory) or self.memory.flat_ok(b.layers))}
+        self.units = self._units(layers)
+        self.transport = Transport(comm, self.stats, self.layers, self.buckets, self.plans, reuse_buffers)
         self.state = StepState()
 
     def _buckets(self, layers: list, fusion_bytes: int) -> list:
-        if self.compressor.collective != "allgather":
-            return []
-        parts = layout.buckets([l.numel for l in layers], fusion_bytes, include=lambda i: layers[i].compressed)
-        return [Bucket(i, tuple(layers[j] for j in part)) for i, part in enumerate(parts)]
+        """Fixed buckets (``core/layout.py``, the partition the cost model prices), one compressor and
+        one collective each: compressed allgather layers, compressed allreduce layers, dense layers.
+        Layers of a blocking compressor travel alone."""
+        def travels(i: int, compressed: bool, collective: str) -> bool:
+            comp = self.parts(layers[i])[0]
+            return layers[i].compressed == compressed and not comp.blocking and comp.collective == collective
+        out: list = []
+        for compressed, collective in ((True, "allgather"), (True, "allreduce"), (False, "allreduce")):
+            parts = layout.buckets([l.numel for l in layers], fusion_bytes,
+                                   include=lambda i, c=compressed, k=collective: travels(i, c, k))
+            kind = "gather" if collective == "allgather" else "reduce"
+            out += [Bucket(len(out) + i, tuple(layers[j] for j in part), kind) for i, part in enumerate(parts)]
+        return out
 
-    def _units(self, layers: list, buckets: list) -> dict:
+    def _units(self, layers: list) -> dict:
         units = {l.name: Unit((l,)) for l in layers}
-        for bucket in buckets:
-            if self.compressor.selects_by_bucket(list(bucket.layers)):
+        for bucket in self.buckets:
+            if bucket.kind == "gather" and self.compressor.selects_by_bucket(list(bucket.layers)):
                 units.update(dict.fromkeys((l.name for l in bucket.layers), Unit(bucket.layers, together=True)))
         return units
 
@@ -100,12 +113,20 @@ class GradientExchange:
         """(compressor, memory) of a layer: dense layers skip both (their residual would stay 0)."""
         return (self.compressor, self.memory) if layer.compressed else (self.dense, NoMemory())
 
+    def grad_buffers(self, dtype: torch.dtype, device) -> dict:
+        """{name: flat view} where gradients of planned buckets should land: an adapter that makes
+        them the parameters' ``.grad`` saves the step a copy per layer (DDP's buckets do the same)."""
+        out: dict = {}
+        for plan in self.plans.values():
+            out.update(plan.gradient_buffer(dtype, device))
+        return out
+
     def use_grad_scaler(self, scaler) -> None:
         """Gradients arrive multiplied by ``scaler``'s scale (``torch.amp.GradScaler``, fp16).
 
         1. each step, with its first gradient, the scale is taken as a device tensor
-           (``scaler.scale(1)``: no host read) into ``grad_scale``: ``_prepare`` divides by it,
-           so residuals and the wire hold unscaled values;
+           (``scaler.scale(1)``: no host read) into ``grad_scale``: ``_prepare`` (and each plan)
+           divides by it, so residuals and the wire hold unscaled values;
         2. the averages are multiplied by it again, so the scaler's ``unscale_`` is right;
         3. an overflow (inf/NaN on any rank) rolls the memories back and returns inf-filled
            gradients (``on_nonfinite="skip"``): the scaler skips the step and lowers its scale.
@@ -123,9 +144,13 @@ class GradientExchange:
         if name in self.state.submitted:
             raise RuntimeError(f"gradient of {name!r} submitted twice in one step; call step() or "
                                "synchronize() between backward passes, or raise backward_passes_per_step")
-        if self.scaler is not None and not self.state.submitted:   # the step's first gradient
-            self.grad_scale = self.scaler.scale(torch.ones((), device=grad.device))
+        if not self.state.submitted:   # the step's first gradient
+            if self.scaler is not None:
+                self.grad_scale = self.scaler.scale(torch.ones((), device=grad.device))
+            if self.carry is not None:
+                self.state.carry = [float(v) for v in self.carry()]
         self.state.submitted.add(name)
+        layer.density = self.policy.density(layer, self.step)
         if layer.compressed and self.compressor.blocking:
             # it waits on a collective inside compress: run in the fixed layer order in finish(), as
             # ranks whose backward passes produce gradients in different orders could deadlock here
@@ -134,57 +159,68 @@ class GradientExchange:
         self._stage(layer, grad)
 
     def _stage(self, layer: Layer, grad: torch.Tensor) -> None:
-        """Prepare one gradient; run its unit once the unit's last layer is in."""
+        """Hold one gradient; run its unit once the unit's last layer is in (the hook never waits)."""
         comp, memory = self.parts(layer)
-        layer.density = self.policy.density(layer, self.step)
+        unit = self.units[layer.name]
+        inputs = self.state.inputs.setdefault(unit.key, {})
+        inputs[layer.name] = grad
+        if len(inputs) < len(unit.layers):
+            return
+        del self.state.inputs[unit.key]
+        grads = [inputs[l.name] for l in unit.layers]
+        bucket = self.transport.bucket_of.get(layer.name)
+        plan = self.plans.get(bucket.index) if bucket is not None else None
         with self.stats.timer("select", "sparse" if layer.compressed else "dense"):
-            g = self._prepare(layer, comp, grad)
-            unit = self.units[layer.name]
-            inputs = self.state.inputs.setdefault(unit.key, {})
-            inputs[layer.name] = g
-            if len(inputs) < len(unit.layers):
-                return   # the bucket's other layers are still in backward: the hook never waits
-            del self.state.inputs[unit.key]
-            msgs = self._run(unit, comp, memory, [inputs[l.name] for l in unit.layers])
+            if plan is not None:   # the four steps over the bucket's flat buffer
+                payload = self._run_plan(plan, grads)
+            else:
+                msgs = self._run(unit, comp, memory, [self._prepare(l, comp, g) for l, g in zip(unit.layers, grads)])
+        if plan is not None:
+            self.transport.send_payload(self.state, bucket, payload)                      # 4. send
+            return
         for l, msg in zip(unit.layers, msgs):
-            self.transport.send(self.state, comp, l, msg)                         # 4. send
+            self.transport.send(self.state, comp, l, msg)                                 # 4. send
 
     def _run(self, unit: Unit, comp: Compressor, memory, grads: list) -> list:
-        """Steps 1-3 for one unit (a layer, or a bucket compressed together); returns the
-        messages to send. ``scan``: what the selection wants from the compensation's pass (one
-        request per layer, or one for a bucket), filled by the memory where it can fuse it."""
+        """Steps 1-3 for one unit (a layer, or a bucket compressed together); returns the messages."""
         layers = list(unit.layers)
-        scan = None if isinstance(memory, NoMemory) else comp.scan_request_bucket(layers, self.step)
-        xs = memory.compensate_bucket(layers, grads, scan)                          # 1. compensate
-        msgs = self._compress(unit, comp, memory, grads, xs, scan)                  # 2. compress
-        for layer, x, msg in zip(layers, xs, msgs):
-            self.transport.own(comp, layer.name, x, msg, self.grads_writable and isinstance(memory, NoMemory))
+        cs = [memory.compensate(l.name, g, comp.first_pass(l, self.step)) for l, g in zip(layers, grads)]  # 1.
+        msgs = self._compress(unit, comp, memory, grads, cs)                                   # 2. compress
         if comp.error_feedback == "aggregate":
-            self.state.aggregate.update((l.name, x) for l, x in zip(layers, xs))   # x -= the average, in finish()
+            self.state.aggregate.update((l.name, c.x) for l, c in zip(layers, cs))   # x -= the average, in finish()
         else:
-            memory.update_bucket(layers, xs, msgs, comp, scan)                      # 3. update memory
+            for layer, c, msg in zip(layers, cs, msgs):
+                memory.update(layer, c.x, msg, comp)                                           # 3. update memory
         return msgs
 
-    def _compress(self, unit: Unit, comp: Compressor, memory, grads: list, xs: list, scan) -> list:
+    def _compress(self, unit: Unit, comp: Compressor, memory, grads: list, cs: list) -> list:
         if unit.together:
-            msgs = comp.compress_bucket(xs, list(unit.layers), self.step, scan)
-            flags = [(l.name, m.nonfinite) for l, m in zip(unit.layers, msgs) if isinstance(m.nonfinite, torch.Tensor)]
-            if flags:   # device flags, one stack for the unit: no host wait now
-                self.state.evidence.append((tuple(n for n, _ in flags),
-                                            torch.where(torch.stack([f for _, f in flags]), math.inf, 0.0)))
+            msgs = comp.compress_bucket([c.x for c in cs], list(unit.layers), self.step, [c.first for c in cs])
             for layer, msg in zip(unit.layers, msgs):
-                if not isinstance(msg.nonfinite, torch.Tensor) and msg.nonfinite:
+                if msg.nonfinite is True:
                     self._mark_bad(layer.name)   # sent empty; every rank fails the step in finish()
+                elif isinstance(msg.nonfinite, torch.Tensor):   # a device flag: counted by the bucket
+                    self.state.trace.append(((layer.name,), torch.where(msg.nonfinite, math.inf, 0.0)))
             return msgs
-        (layer,), (x,) = unit.layers, xs
-        scan = scan[0] if scan is not None else None
+        (layer,), (c,) = unit.layers, cs
         try:
-            return [comp.compress(x, layer, self.step, scan)]
+            return [comp.compress(c.x, layer, self.step, c.first)]
         except NonFiniteError:
             # keep the collectives well formed: compress the residual alone; finish() fails the step
             self._mark_bad(layer.name)
-            xs[0] = memory.compensate(layer.name, torch.zeros_like(grads[0]))
-            return [comp.compress(xs[0], layer, self.step)]
+            cs[0] = memory.compensate(layer.name, torch.zeros_like(grads[0]))
+            msg = comp.compress(cs[0].x, layer, self.step)
+            msg.nonfinite = True   # its bucket's collective carries the count
+            return [msg]
+
+    def _run_plan(self, plan: BucketPlan, grads: list) -> torch.Tensor:
+        """A planned bucket's steps 0-4 (plan.py), with this step's scale; its figures per layout."""
+        plan.scale, plan.clip = self.grad_scale, self.clip
+        payload, flags = plan.run(grads, self.step)
+        self.state.trace.append((plan.names, torch.where(flags, math.inf, 0.0)))
+        if plan.account(self.transport.account):   # a new layout: its figures, and its declared sizes
+            plan.check(payload)
+        return payload
 
     def _prepare(self, layer: Layer, comp: Compressor, grad: torch.Tensor) -> torch.Tensor:
         """Flat fp32 gradient (fp16/bf16 accepted), unscaled, locally clipped; finite evidence.
@@ -197,11 +233,10 @@ class GradientExchange:
             flat = flat.float()
         if self.grad_scale is not None:
             flat = flat / self.grad_scale
-        # compressors that select from every value check for NaN/Inf in a pass they make anyway;
-        # others get one summing pass here, read back once in finish() (a read per layer would
-        # stall a GPU once per layer). A NaN may travel meanwhile: every rank then fails the step.
-        if self.check_finite and not (layer.compressed and comp.checks_finite):
-            self.state.evidence.append(((layer.name,), flat.sum()))
+        # a compressed layer whose compressor does not check for NaN/Inf itself gets one summing
+        # pass, carried by its bucket's collective (dense layers: one norm over the whole bucket)
+        if self.check_finite and layer.compressed and not comp.checks_finite:
+            self._evidence(layer.name, flat.sum())
         if self.clip is not None:
             # on the device, no host read: a factor of 1.0 leaves the values bit for bit
             flat = flat * (self.clip / flat.norm().clamp(min=1e-30)).clamp(max=1.0)
@@ -209,87 +244,107 @@ class GradientExchange:
             self.state.momentum_after.append(layer.name)   # momentum correction: applied to the average
         return flat
 
+    def _evidence(self, name: str, value: torch.Tensor) -> None:
+        self.state.trace.append(((name,), value))
+        bucket = self.transport.bucket_of.get(name)
+        if bucket is not None:
+            self.state.evidence.setdefault(bucket.index, []).append(value)
+        else:
+            self.state.loose.append(((name,), value))
+
     def _mark_bad(self, name: str) -> None:
         if not self.check_finite:
             raise NonFiniteError(f"non-finite gradient values in {name} (NaN or Inf): refusing to select")
         self.state.bad.append(name)
+        if self.transport.bucket_of.get(name) is None:
+            self.state.loose.append(((name,), torch.full((1,), math.inf)))
 
     # -- per step ------------------------------------------------------------------------------
     def missing(self) -> list:
         return [n for n in self.order if n not in self.state.submitted]
 
-    def finish(self, into: dict | None = None, apply: dict | None = None) -> dict:
-        """Wait for every collective; return {name: averaged flat gradient}.
+    def finish(self, into: dict | None = None, apply: dict | None = None) -> StepResult:
+        """Wait for every collective; return the step's :class:`StepResult`: {name: averaged flat
+        gradient}, the layers applied to the weights, and the carried sums.
 
-        ``into``: optional {name: flat float32 tensor} to decode sparse layers into (the torch
-        adapter passes the .grad tensors, saving a copy); the result then is that tensor.
+        ``into``: optional {name: flat float32 tensor} to decode into (the torch adapter passes the
+        .grad tensors, saving a copy); the result then is that tensor.
         ``apply``: optional {name: (flat float32 parameter, lr)}: a layer among these that
         travelled sparse by allgather is decoded straight into its parameter as
         p -= lr * average (a plain SGD step), once every check has passed, and is left out
-        of the result (``self.applied`` lists them). No dense gradient is written for it.
+        of the averages (``StepResult.applied`` lists them). No dense gradient is written for it.
         """
         missing = self.missing()
         if missing:
             raise RuntimeError(f"finish() before gradients of {missing[:5]} were submitted")
-        self.applied = []   # a skipped step applies nothing
         try:
             for name in [n for n in self.order if n in self.state.deferred]:
                 self._stage(self.layers[name], self.state.deferred.pop(name))
-            flag = self._start_finite_agreement()
+            loose = self._start_loose_agreement()
             apply = apply or {}
-            out, updates = self.transport.collect(self.state, lambda l: self.parts(l)[0], into or {}, apply)
-            if flag is not None and self._any_nonfinite(flag):
-                return self._nonfinite(out)   # raises, or (on_nonfinite="skip") rolls back
-            self._after_average(out, updates, apply)
+            out, updates, flags, carried = self.transport.collect(self.state, lambda l: self.parts(l)[0],
+                                                                  into or {}, apply)
+            bad, carried = self._read(loose, flags, carried)
+            if bad:
+                return self._nonfinite(out, carried)   # raises, or (on_nonfinite="skip") rolls back
+            applied = self._after_average(out, updates, apply)
         except BaseException:
             self.abort()
             raise
         self.memory.commit()
         self.compressor.commit()
         self._end_step()
-        return out
+        self.last = StepResult(out, applied, carried)
+        return self.last
 
-    def _start_finite_agreement(self):
-        """Every rank's count of non-finite layers, with the values of ``carry`` (the runner's stop
-        and save flags; every rank must set the same carry), summed by one tiny allreduce. The count
-        is made where the evidence (sums, device flags) lies, so nothing is read back before it."""
-        if not self.check_finite:
+    def _start_loose_agreement(self):
+        """The non-finite count of what no bucket carries (blocking compressors' layers), and the
+        carry values where no reduce bucket carried them, summed by one tiny allreduce; None when
+        the buckets carried everything (the usual case: no collective of its own)."""
+        carry = self.state.carry if self.state.carry is not None and self.transport.carrier is None else None
+        if not (self.check_finite and self.state.loose) and carry is None:
             return None
-        count = torch.tensor([float(len(self.state.bad))])
-        if self.state.evidence:
-            values = torch.cat([v.reshape(-1).float() for _, v in self.state.evidence])
-            count = (~torch.isfinite(values)).sum(dtype=torch.float32).reshape(1) + float(len(self.state.bad))
-        if self.carry is not None:
-            count = torch.cat([count, torch.tensor([float(v) for v in self.carry()], device=count.device)])
+        count = nonfinite_count([v for _, v in self.state.loose]) if self.check_finite else torch.zeros(1)
+        values = torch.cat([count.cpu(), torch.tensor(carry or [], dtype=torch.float32)])
         self.stats.add_bytes({"scalars": 4})   # the carried values are the caller's traffic, not compression's
-        return self.comm.allreduce_async(count, name="rsync.finite", average=False)
+        return self.comm.allreduce_async(values, name="rsync.finite", average=False)
 
-    def _any_nonfinite(self, flag) -> bool:
-        """The step's one host read: the agreed count of non-finite layers (after the decode), and
-        the carried values the caller reads in ``carried``."""
-        values = self.comm.wait(flag).tolist()
-        self.carried = values[1:] if self.carry is not None else None
-        return values[0] > 0
+    def _read(self, loose, flags: list, carried) -> tuple[bool, list | None]:
+        """The step's one host read: every bucket's summed or gathered count of non-finite inputs,
+        the loose agreement's, and the carried sums, gathered on one device first. Returns (any
+        non-finite, carried sums or None)."""
+        counts = list(flags) if self.check_finite else []
+        if loose is not None:
+            values = self.comm.wait(loose).reshape(-1)
+            counts.append(values[:1])
+            carried = values[1:] if values.numel() > 1 else carried
+        tensors = counts + ([carried] if carried is not None else [])
+        if not tensors:
+            return False, None
+        device = tensors[0].device
+        values = torch.cat([t.reshape(-1).to(device=device, dtype=torch.float32) for t in tensors]).tolist()
+        n = sum(t.numel() for t in counts)
+        return any(v > 0 for v in values[:n]), (values[n:] if carried is not None else None)
 
-    def _nonfinite(self, out: dict) -> dict:
-        for names, v in self.state.evidence:   # which of this rank's layers, for the message
-            self.state.bad += [n for n, ok in zip(names, torch.isfinite(v.reshape(-1).float()).tolist()) if not ok]
-        bad = self.state.bad
+    def _nonfinite(self, out: dict, carried) -> StepResult:
+        bad = self.state.bad + [n for names, v in self.state.trace + self.state.loose
+                                for n, ok in zip(names, torch.isfinite(v.reshape(-1).float()).tolist()) if not ok]
         if self.on_nonfinite == "skip":
             self.abort()
             for t in out.values():
                 t.fill_(math.inf)
-            return out
+            self.last = StepResult(out, [], carried)
+            return self.last
         raise NonFiniteGradientError(
             f"non-finite gradient (NaN/Inf) at step {self.step}"
-            + (f" in {bad[:5]} on this rank" if bad else " on another rank")
+            + (f" in {bad[:5]} on this rank" if bad else " (on this or another rank)")
             + ". No update was applied and the residuals were left as they were. "
               "Lower the learning rate, clip gradients, or check the input data; "
               "compression.check_finite=false disables this check.")
 
-    def _after_average(self, out: dict, updates: list, apply: dict) -> None:
+    def _after_average(self, out: dict, updates: list, apply: dict) -> list:
         """What needs the average: PowerSGD's residual, DGC momentum of dense layers, and (last:
-        nothing after it may fail, the weights change) sparse updates."""
+        nothing after it may fail, the weights change) sparse updates. Returns the applied layers."""
         for name, x in self.state.aggregate.items():
             self.memory.update_aggregate(name, x, out[name])
         if self.state.momentum_after:
@@ -302,7 +357,7 @@ class GradientExchange:
             with self.stats.timer("decompress", "allgather"):
                 for layer, tensors, alpha in updates:
                     self.compressor.decompress_add(apply[layer.name][0], tensors, layer, alpha=alpha)
-        self.applied = sorted({layer.name for layer, _, _ in updates})
+        return sorted({layer.name for layer, _, _ in updates})
 
     def abort(self) -> None:
         """Drop this step: the memories (and the compressor's state) roll back, the step's figures
@@ -329,6 +384,11 @@ class GradientExchange:
     def layer_decisions(self) -> list:
         """How each layer travels (compressed or dense, density, and why), decided once at start."""
         return list(self.policy.decisions)
+
+    def paths(self) -> list:
+        """How each planned bucket's step runs (eager, or replayed from a CUDA graph), for the logs."""
+        return [f"bucket {i} ({len(p.layers)} layers, {p.frame.n} elements): exact-k plan, {p.path}"
+                for i, p in self.plans.items()]
 
     def decision_record(self) -> dict:
         """The decisions with the figures they were made from (``LayerPolicy.record``): what a

@@ -1,14 +1,21 @@
 """Starting the exchange's collectives, and turning what arrives into averaged gradients.
 
-Dense layers and allreduce methods: one named (in place) allreduce per message tensor; Horovod
-fuses concurrent small ones. Allgather methods: each bucket's messages are packed into one
-fixed-size header and one byte payload (comm/packing.py) and allgathered as soon as the
-bucket's last layer is in, so early buckets overlap the rest of backward. A compressor whose
-bucket message sizes are known in advance (``fixed_bucket_counts``: exactly k per layer) sends
-no header: every rank cuts the payload by the counts it already knows, one collective fewer
-per bucket and no read of a header on the host. The compressor decodes a gathered bucket
-(``decompress_bucket``: layer by layer by default, or, where it ``decodes_flat``, in one pass
-into one flat buffer whose views are the layers' averages).
+Every layer travels in a fixed bucket (step.py), one collective per bucket, started as soon as
+the bucket's last layer is in, so early buckets overlap the rest of backward:
+
+* ``reduce`` buckets: the messages (dense gradients, fp16 values, random-k values) back to back
+  in one flat buffer per dtype, plus two kinds of slots: the bucket's count of non-finite inputs
+  and, in the first reduce bucket, the caller's carry values; one allreduce sums it all.
+* ``gather`` buckets: every layer's message packed into one byte payload (comm/packing.py) with
+  the bucket's count of non-finite inputs last; one allgather, plus a fixed-size header
+  allgather where the message sizes vary per rank. A compressor whose sizes are known in advance
+  (``fixed_bucket_counts``: exactly k per layer) sends no header; a bucket with a plan
+  (``plan.py``) hands over its payload ready made.
+* layers of a ``blocking`` compressor (it runs collectives inside ``compress``) are compressed in
+  ``finish()`` in a fixed order, and their messages are allreduced one by one.
+
+So the step's agreement that every input was finite rides in the collectives the step makes
+anyway: ``collect`` returns the counts (device tensors) and the caller reads them once.
 """
 from __future__ import annotations
 
@@ -16,95 +23,160 @@ import torch
 
 from ..comm.packing import pack, unpack_fixed, unpack_gathered
 from ..compressors.dense import NoneCompressor
+from ..memory.residual import layer_views
 from .step import Bucket, StepState
 
 
+def nonfinite_count(evidence: list, extra: int = 0, device=None) -> torch.Tensor:
+    """(1,) float32 on the device: how many of ``evidence`` (device scalars or vectors: sums,
+    norms, flags with inf where set) are not finite, plus ``extra`` known on the host."""
+    if not evidence:
+        return torch.full((1,), float(extra), device=device)
+    values = torch.cat([e.reshape(-1).float() for e in evidence])
+    return ((~torch.isfinite(values)).sum(dtype=torch.float32) + extra).reshape(1)
+
+
 class Transport:
-    def __init__(self, comm, stats, layers: dict, buckets: list, reuse_buffers: bool = True):
-        self.comm = comm
-        self.layers = layers
-        self.stats = stats
-        self.buckets = buckets
+    def __init__(self, comm, stats, layers: dict, buckets: list, plans: dict, reuse_buffers: bool = True):
+        self.comm, self.stats, self.layers = comm, stats, layers
+        self.buckets, self.plans = buckets, plans
         self.bucket_of = {l.name: b for b in buckets for l in b.layers}
-        # Layer-sized buffers that live across steps. A fresh CPU tensor of tens of MB is
-        # mmapped and page-faulted in on every step (several times the cost of filling a warm
-        # one), so outputs and in-place allreduce buffers are allocated once; finish()'s
-        # tensors are then valid until the next step. Callers that keep them longer (a TF
-        # tensor sharing the memory through DLPack) pass reuse_buffers=False.
+        self.carrier = next((b.index for b in buckets if b.kind == "reduce"), None)
+        # Buffers that live across steps. A fresh CPU tensor of tens of MB is mmapped and
+        # page-faulted in on every step (several times the cost of filling a warm one), so
+        # outputs and fused buffers are allocated once; finish()'s tensors are then valid until
+        # the next step. Callers that keep them longer (a TF tensor sharing the memory through
+        # DLPack) pass reuse_buffers=False.
         self.reuse_buffers = reuse_buffers
         self._buffers: dict = {}
 
     # -- sending ------------------------------------------------------------------------
-    def own(self, comp, name: str, x: torch.Tensor, msg, in_place_ok: bool):
-        """Before the memory update overwrites x: an in-place allreduce gets buffers of ours (no
-        output allocation per step), unless it may reduce the caller's gradient itself."""
-        if comp.collective == "allreduce" and hasattr(self.comm, "allreduce_async_"):
-            msg.tensors = [t if in_place_ok and t is x else self._owned(f"{name}.{i}", t)
-                           for i, t in enumerate(msg.tensors)]
-        elif not in_place_ok and any(_aliases(t, x) for t in msg.tensors):
-            raise RuntimeError(f"{type(comp).__name__}.compress returned a view of its input for {name!r}: the "
-                               "memory update would overwrite the message; return a copy")
-        return msg
-
     def send(self, state: StepState, comp, layer, msg) -> None:
-        self._account(layer, msg)
-        if comp.collective == "allreduce":
-            start = getattr(self.comm, "allreduce_async_", self.comm.allreduce_async)
-            state.reduce[layer.name] = ([start(t, name=f"rsync.{layer.name}.{i}") for i, t in enumerate(msg.tensors)],
-                                        msg)
+        """A layer's message: into its bucket, whose collective starts once the bucket is complete."""
+        self.account(layer, msg)
+        bucket = self.bucket_of.get(layer.name)
+        if bucket is None:   # a blocking compressor's layer: its own allreduce
+            state.reduce[layer.name] = ([self.comm.allreduce_async(t, name=f"rsync.{layer.name}.{i}")
+                                         for i, t in enumerate(msg.tensors)], msg)
             return
-        bucket = self.bucket_of[layer.name]
-        messages = state.gather.setdefault(bucket.index, {})
+        messages = state.messages.setdefault(bucket.index, {})
         messages[layer.name] = msg
         if len(messages) == len(bucket.layers):
-            tensors = comp.bucket_tensors(bucket.layers, [messages[l.name] for l in bucket.layers])
-            header, payload = pack(tensors, device=bucket.layers[0].device)
-            counts = comp.fixed_bucket_counts(bucket.layers)
-            if counts is None:
-                self.stats.add_bytes({"headers": header.numel() * 4})
-                header = self.comm.allgather_async(header, name=f"rsync.bucket{bucket.index}.hdr")
-            elif [t.numel() for t in tensors] != list(counts):
-                raise RuntimeError(f"{type(comp).__name__} declared fixed message sizes {list(counts)} for bucket "
-                                   f"{bucket.index} but sent {[t.numel() for t in tensors]}")
+            msgs = [messages[l.name] for l in bucket.layers]
+            if bucket.kind == "reduce":
+                self._start_reduce(state, bucket, msgs)
             else:
-                header = None   # every rank knows the sizes: no header allgather
-            state.handles[bucket.index] = (header, self.comm.allgather_async(payload,
-                                                                             name=f"rsync.bucket{bucket.index}.data"))
+                self._start_gather(state, comp, bucket, msgs)
 
-    def _account(self, layer, msg) -> None:
+    def send_payload(self, state: StepState, bucket: Bucket, payload: torch.Tensor) -> None:
+        """A planned bucket's ready-made payload (its sizes are known: no header)."""
+        plan = self.plans[bucket.index]
+        self.stats.add_many(plan.accounting)
+        self.stats.layers.update(plan.layer_stats)
+        state.handles[bucket.index] = (None, self.comm.allgather_async(payload, name=bucket.name))
+
+    def _start_gather(self, state: StepState, comp, bucket: Bucket, msgs: list) -> None:
+        """1. the bucket's wire tensors and its non-finite count; 2. a header allgather where the
+        sizes vary per rank; 3. the payload's allgather."""
+        host_bad = sum(1 for m in msgs if m.nonfinite is True)
+        flags = [torch.where(m.nonfinite, torch.inf, 0.0) for m in msgs if isinstance(m.nonfinite, torch.Tensor)]
+        flag = nonfinite_count(flags + state.evidence.pop(bucket.index, []), host_bad, bucket.layers[0].device)
+        tensors = comp.bucket_tensors(bucket.layers, msgs) + [flag.to(torch.int32)]                  # 1.
+        header, payload = pack(tensors, device=bucket.layers[0].device)
+        counts = comp.fixed_bucket_counts(bucket.layers)
+        if counts is None:                                                                           # 2.
+            self.stats.add_bytes({"headers": header.numel() * 4})
+            header = self.comm.allgather_async(header, name=f"{bucket.name}.hdr")
+        elif [t.numel() for t in tensors[:-1]] != list(counts):
+            raise RuntimeError(f"{type(comp).__name__} declared fixed message sizes {list(counts)} for bucket "
+                               f"{bucket.index} but sent {[t.numel() for t in tensors[:-1]]}")
+        else:
+            header = None   # every rank knows the sizes: no header allgather
+        self.stats.add_bytes({"scalars": 4})
+        state.handles[bucket.index] = (header, self.comm.allgather_async(payload, name=bucket.name))   # 3.
+
+    def _start_reduce(self, state: StepState, bucket: Bucket, msgs: list) -> None:
+        """1. the messages into the bucket's flat buffers (one per dtype; tensors already there, the
+        gradients that landed in place, are not copied); 2. the first buffer's slots: this
+        bucket's non-finite count (its layers' evidence and the buffer's own norm), and the
+        carry values; 3. one in-place sum allreduce per buffer."""
+        tensors = [t.reshape(-1) for m in msgs for t in m.tensors]
+        slots = 1 + (len(state.carry) if state.carry is not None and bucket.index == self.carrier else 0)
+        flats = self._fused(bucket, tensors, slots)                                                  # 1.
+        first = flats[0][0]
+        n = first.numel() - slots
+        evidence = state.evidence.pop(bucket.index, []) + [torch.linalg.vector_norm(first[:n], float("inf"))]
+        first[n:n + 1] = nonfinite_count(evidence)                                                   # 2.
+        if slots > 1:
+            first[n + 1:].copy_(torch.tensor(state.carry, dtype=first.dtype))
+        self.stats.add_bytes({"scalars": 4 * slots})
+        started = [self.comm.allreduce_async_(flat, name=f"{bucket.name}.{i}", average=False)
+                   for i, (flat, _) in enumerate(flats)]                                             # 3.
+        state.handles[bucket.index] = (flats, started, msgs)
+
+    def _fused(self, bucket: Bucket, tensors: list, slots: int) -> list:
+        """[(flat buffer, [views of it, in the order of ``tensors``])], one per dtype, the first
+        with ``slots`` more elements; tensors copied in where they are not those views already."""
+        groups: dict = {}
+        for i, t in enumerate(tensors):
+            groups.setdefault(t.dtype, []).append(i)
+        out, copies = [], []
+        for g, (dtype, idx) in enumerate(groups.items()):
+            sizes = [tensors[i].numel() for i in idx]
+            flat = self._buffer(("reduce", bucket.index, g), sum(sizes) + (slots if g == 0 else 0), dtype,
+                                tensors[0].device)
+            views = list(flat[:sum(sizes)].split(sizes))
+            copies += [(v, tensors[i]) for v, i in zip(views, idx) if tensors[i].data_ptr() != v.data_ptr()]
+            out.append((flat, views))
+        if copies:
+            torch._foreach_copy_([v for v, _ in copies], [t for _, t in copies])
+        return out
+
+    def account(self, layer, msg, stats=None) -> None:
+        """A layer's bytes (by kind), its dense bytes and its selected count, into ``stats``."""
+        stats = stats if stats is not None else self.stats
         group = "sparse" if layer.compressed else "dense"
         wire = msg.nbytes()
-        self.stats.add_bytes(wire, group)
-        self.stats.add("dense_bytes", 4 * layer.numel)
+        stats.add_bytes(wire, group)
+        stats.add("dense_bytes", 4 * layer.numel)
         if msg.selected is not None:
             for key, value in (("selected", msg.selected), ("k", msg.k)):
-                self.stats.add(key, value)
-                self.stats.add(f"{key}[{layer.name}]", value)
-        self.stats.layer(layer.name, group, msg.selected, msg.k, sum(wire.values()), 4 * layer.numel)
+                stats.add(key, value)
+                stats.add(f"{key}[{layer.name}]", value)
+        stats.layer(layer.name, group, msg.selected, msg.k, sum(wire.values()), 4 * layer.numel)
 
     # -- receiving ------------------------------------------------------------------------
-    def collect(self, state: StepState, compressor_for, into: dict, apply: dict) -> tuple[dict, list]:
-        """Wait for every collective and decode: ({name: averaged flat gradient}, sparse updates).
+    def collect(self, state: StepState, compressor_for, into: dict, apply: dict) -> tuple[dict, list, list, list]:
+        """Wait for every collective and decode: ({name: averaged flat gradient}, sparse updates,
+        [non-finite counts, device tensors], [carried sums] or None).
 
-        ``into``: {name: flat fp32 tensor} to decode sparse layers into (saves a copy). ``apply``:
-        {name: (flat parameter, lr)}: such allgather layers are not decoded here but returned as
-        (layer, tensors, alpha) updates, applied to the weights once every check has passed."""
+        ``into``: {name: flat fp32 tensor} to decode into (saves a copy). ``apply``: {name: (flat
+        parameter, lr)}: such allgather layers are not decoded here but returned as (layer,
+        tensors, alpha) updates, applied to the weights once every check has passed."""
+        out, updates, flags, carried = {}, [], [], None
         with self.stats.timer("communicate", "allreduce"):
             reduced = {n: ([self.comm.wait(h) for h in hs], msg) for n, (hs, msg) in state.reduce.items()}
+            for b in self.buckets:
+                if b.kind == "reduce":
+                    for h in state.handles[b.index][1]:
+                        self.comm.wait(h)   # in place: the sums are in the bucket's buffers
         with self.stats.timer("communicate", "allgather"):
             gathered = [(b, None if header is None else self.comm.wait(header), self.comm.wait(data))
-                        for b in self.buckets for header, data in (state.handles[b.index],)]
-        out: dict = {}
+                        for b in self.buckets if b.kind == "gather" for header, data in (state.handles[b.index],)]
         with self.stats.timer("decompress", "allreduce"):
             for name, (tensors, msg) in reduced.items():
                 layer = self.layers[name]
                 out[name] = self._decode_reduced(compressor_for(layer), layer, tensors, msg, into)
-        updates: list = []
+            for bucket in self.buckets:
+                if bucket.kind == "reduce":
+                    flats, _, msgs = state.handles[bucket.index]
+                    sums = self._decode_fused(bucket, flats, msgs, compressor_for, into, out, flags)
+                    carried = sums if bucket.index == self.carrier else carried
         with self.stats.timer("decompress", "allgather"):
             for bucket, header, payload in gathered:
-                self._decode_bucket(compressor_for(bucket.layers[0]), bucket, header, payload, into, apply, out,
-                                    updates)
-        return out, updates
+                self._decode_gather(compressor_for(bucket.layers[0]), bucket, header, payload, into, apply, out,
+                                    updates, flags)
+        return out, updates, flags, carried
 
     def _decode_reduced(self, comp, layer, tensors, msg, into) -> torch.Tensor:
         if type(comp) is NoneCompressor and tensors[0].dtype == torch.float32:
@@ -113,16 +185,50 @@ class Transport:
         comp.decompress_add(buf, tensors, layer, ctx=msg.ctx)
         return buf
 
-    def _decode_bucket(self, comp, bucket: Bucket, header, payload, into, apply, out, updates) -> None:
+    def _decode_fused(self, bucket: Bucket, flats: list, msgs: list, compressor_for, into: dict, out: dict,
+                      flags: list):
+        """A reduce bucket's sums: 1. the values part divided by N (the average); 2. its count of
+        non-finite inputs into ``flags``, the carried sums returned; 3. each layer's average: its
+        view itself (fp32 dense), copied into ``into`` where given, or decoded by its compressor."""
+        size = self.comm.size
+        first, _ = flats[0]
+        n = sum(v.numel() for v in flats[0][1])
+        for flat, views in flats:                                                                   # 1.
+            flat[:sum(v.numel() for v in views)].div_(size)
+        flags.append(first[n:n + 1])                                                                # 2.
+        carried = first[n + 1:] if first.numel() > n + 1 else None
+        views = iter([v for _, vs in flats for v in vs])
+        copies = []
+        for layer, msg in zip(bucket.layers, msgs):                                                 # 3.
+            comp = compressor_for(layer)
+            msg_views = [next(views) for _ in msg.tensors]
+            if type(comp) is NoneCompressor and msg_views[0].dtype == torch.float32:
+                target = into.get(layer.name)
+                if target is not None and target.data_ptr() != msg_views[0].data_ptr():
+                    copies.append((target, msg_views[0]))
+                out[layer.name] = target if target is not None else msg_views[0]
+            else:
+                buf = self._zeroed(layer, msg_views[0].device, into)
+                comp.decompress_add(buf, msg_views, layer, ctx=msg.ctx)
+                out[layer.name] = buf
+        if copies:
+            torch._foreach_copy_([t for t, _ in copies], [v for _, v in copies])
+        return carried
+
+    def _decode_gather(self, comp, bucket: Bucket, header, payload, into, apply, out, updates, flags) -> None:
         """1. cut every rank's message out of the payload (by its header, or by the sizes known in
-        advance); 2. layers to apply to the weights become updates; 3. the compressor decodes the
-        others into zeroed buffers (the caller's ``into``, or views of one flat buffer)."""
-        size, layers = self.comm.size, bucket.layers
-        dtypes = comp.bucket_dtypes(layers)
-        if header is None:
-            per_rank = unpack_fixed(payload, comp.fixed_bucket_counts(layers), dtypes, size)       # 1.
+        advance) and take its non-finite count; 2. layers to apply to the weights become updates;
+        3. the compressor decodes the others into zeroed buffers (the caller's ``into``, or views of
+        one flat buffer)."""
+        size, layers, plan = self.comm.size, bucket.layers, self.plans.get(bucket.index)
+        dtypes = comp.bucket_dtypes(layers) + [torch.int32]
+        if header is None:                                                                          # 1.
+            counts = plan.wire_counts() if plan is not None else list(comp.fixed_bucket_counts(layers)) + [1]
+            per_rank = unpack_fixed(payload, counts, dtypes, size)
         else:
             per_rank = unpack_gathered(header, payload, dtypes, size)
+        flags.append(torch.cat([p[-1] for p in per_rank]))
+        per_rank = [p[:-1] for p in per_rank]
         # a power-of-two size scales each term exactly (subnormals aside), so adding v/size
         # equals dividing the sum bit for bit, and saves a pass over every output
         exact_scale = size & (size - 1) == 0
@@ -133,48 +239,35 @@ class Transport:
                 for layer, part in zip(layers, comp.split_bucket(layers, tensors)):
                     if layer.name in apply:   # applied to the weights after the checks
                         updates.append((layer, part, -apply[layer.name][1] / size))
-        flat = self._flat(bucket) if comp.decodes_flat(layers) and not applied else None
+        flat = self._flat(bucket, plan) if comp.decodes_flat(layers) and not applied else None      # 3.
         if flat is not None:
-            bufs = dict(zip((l.name for l in layers), flat.split([l.numel for l in layers])))
+            bufs = dict(zip((l.name for l in layers), layer_views(flat, plan.frame) if plan is not None
+                            else flat.split([l.numel for l in layers])))
+            comp.decompress_bucket(None, per_rank, layers, alpha=alpha, flat=flat)
         else:
             bufs = {l.name: self._zeroed(l, l.device, into) for l in layers if l.name not in apply}
-        comp.decompress_bucket(bufs, per_rank, layers, alpha=alpha, flat=flat)                      # 3.
+            comp.decompress_bucket(bufs, per_rank, layers, alpha=alpha)
         if not exact_scale:
             for t in ([flat] if flat is not None else bufs.values()):
                 t.div_(size)
         out.update(bufs)
 
     # -- buffers ----------------------------------------------------------------------------
-    def _owned(self, key: str, t: torch.Tensor) -> torch.Tensor:
+    def _buffer(self, key, n: int, dtype, device) -> torch.Tensor:
         buf = self._buffers.get(key)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device != t.device:
-            buf = torch.empty_like(t)
+        if buf is None or buf.numel() != n or buf.dtype != dtype or buf.device != torch.device(device):
+            buf = torch.zeros(n, dtype=dtype, device=device)
             if self.reuse_buffers:
                 self._buffers[key] = buf
-        return buf.copy_(t)
+        return buf
 
-    def _flat(self, bucket: Bucket) -> torch.Tensor:
+    def _flat(self, bucket: Bucket, plan) -> torch.Tensor:
         """One zeroed fp32 buffer for a bucket decoded flat (its layers' averages are views)."""
-        n, device = sum(l.numel for l in bucket.layers), bucket.layers[0].device
-        key = ("bucket", bucket.index)   # not a layer name
-        buf = self._buffers.get(key)
-        if buf is None or buf.numel() != n or buf.device != torch.device(device):
-            buf = torch.empty(n, dtype=torch.float32, device=device)
-            if self.reuse_buffers:
-                self._buffers[key] = buf
-        return buf.zero_()
+        n = plan.frame.n if plan is not None else sum(l.numel for l in bucket.layers)
+        return self._buffer(("bucket", bucket.index), n, torch.float32, bucket.layers[0].device).zero_()
 
     def _zeroed(self, layer, device, into: dict) -> torch.Tensor:
         target = into.get(layer.name)
         if target is not None and target.device == torch.device(device):
             return target.zero_()
-        buf = self._buffers.get(layer.name)
-        if buf is None or buf.device != torch.device(device):
-            buf = torch.empty(layer.numel, dtype=torch.float32, device=device)
-            if self.reuse_buffers:
-                self._buffers[layer.name] = buf
-        return buf.zero_()
-
-
-def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        return self._buffer(layer.name, layer.numel, torch.float32, device).zero_()

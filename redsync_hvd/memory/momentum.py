@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.passes import ScanRequest, compensate_scan
+from ..core.passes import Compensated, ScanRequest, compensate_scan
 from .residual import ResidualMemory, double_buffer, flat_double_buffer
 
 
@@ -43,28 +43,28 @@ class MomentumCorrectionMemory(ResidualMemory):
     def _m(self, name: str) -> float:
         return self.momentum.get(name, 0.0) if isinstance(self.momentum, dict) else self.momentum
 
-    def compensate(self, name: str, grad: torch.Tensor, scan: ScanRequest | None = None) -> torch.Tensor:
+    def compensate(self, name: str, grad: torch.Tensor, want: ScanRequest | None = None) -> Compensated:
         m = self._m(name)
         u, u_new = self._velocity_buffers(name, grad)
         v, v_new = self._buffers(name, grad)
         # one pass over g, u and v where the native kernel runs; torch ops make three
-        if not compensate_scan(v, grad, v_new, scan, u, u_new, m, self.nesterov, fuse=self.fuse):
+        scan = compensate_scan(v, grad, v_new, want, u, u_new, m, self.nesterov, fuse=self.fuse)
+        if scan is None:
             torch.add(grad, u, alpha=m, out=u_new)       # u = m*u + g
             torch.add(v, grad + m * u_new if self.nesterov else u_new, out=v_new)
         self._pending[name] = v_new                      # v + step, in v's spare buffer
-        return v_new
+        return Compensated(v_new, scan if want is not None else None)
 
-    def _flat_velocity_ok(self, layers) -> bool:
+    def flat_ok(self, layers) -> bool:
         return len({self._m(l.name) for l in layers}) == 1   # the kernel takes one momentum
 
-    def _flat_velocity(self, names: list, sizes: list, device, scan) -> dict:
-        """The bucket's velocities as views of a flat double buffer too; the new one is masked by
-        the update (``scan.velocity``) when masking is on."""
-        u = flat_double_buffer(self.velocity, self._spare_u, self._flats, ("u", tuple(names)), names, sizes, device)
+    def _flat_velocity(self, names: list, seg, device) -> tuple:
+        """The bucket's velocities as views of a flat double buffer too (one momentum for the
+        bucket: ``flat_ok``); the step's velocity is masked where values are sent."""
+        u = flat_double_buffer(self.velocity, self._spare_u, self._flats, ("u", tuple(names)), names, seg, device)
         self._pending_u.update(zip(names, u.spare_views))
         self._pending_flats.append(u)
-        scan.velocity = u.spare if self.masking else None
-        return {"velocity": u.cur, "velocity_out": u.spare, "momentum": self._m(names[0]), "nesterov": self.nesterov}
+        return u, self._m(names[0]), self.nesterov, self.masking
 
     def _velocity_buffers(self, name: str, like: torch.Tensor):
         """(current velocity, the spare buffer that becomes the next one on commit)."""

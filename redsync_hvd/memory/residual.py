@@ -1,31 +1,28 @@
 """Residual (error-feedback) memory with transactional steps.
 
-Per layer it keeps ``residual`` r. ``compensate`` returns r + g in a spare
-buffer; ``update`` then subtracts what the message carries from that buffer in place.
-``commit`` makes the spare buffer the new residual; ``rollback`` drops it. So a
-step that fails after compression (NaN on some rank, an exception in a
-collective) leaves the residuals exactly as they were: nothing is lost.
+Per layer it keeps ``residual`` r. ``compensate`` returns r + g in a spare buffer (with
+what the selection wants from that pass, see :class:`Compensated`); ``update`` then
+subtracts what the message carries from that buffer in place. ``commit`` makes the spare
+buffer the new residual; ``rollback`` drops it. So a step that fails after compression
+(NaN on some rank, an exception in a collective) leaves the residuals exactly as they
+were: nothing is lost.
 
 Double buffering costs one extra layer-sized buffer but no allocation per step.
 
-``compensate(..., scan=request)`` also makes the first pass of the selection that
-follows while it writes r + g (CPU float32 with the native kernel), so on most steps
-the selection does not read the layer again.
-
-A bucket compressed at once (``compensate_bucket`` / ``update_bucket``) goes layer by layer,
-unless its compressor asks for a ``BucketScan`` (exactly k by radix select, the GPU path):
-then the bucket's residuals (and DGC velocities) are views of one flat double buffer, so
-the compensation is one ``radix_select.compensate`` launch, fused with the selection's first
-histogram, and the update one decode of the bucket's own message with alpha = -1.
+A bucket compressed at once on the device (``compensate_flat`` / ``update_flat``: exactly k
+per layer by radix select, the GPU path) keeps its residuals (and DGC velocities) as views
+of one flat double buffer laid out by the bucket's ``Segments``, so the compensation is one
+``radix_select.compensate`` launch, fused with the selection's first histogram.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from ..core import radix_select as rs
-from ..core.passes import ScanRequest, compensate_scan
+from ..core.passes import Compensated, ScanRequest, compensate_scan
 
 
 def double_buffer(current: dict, spare: dict, name: str, like: torch.Tensor):
@@ -43,7 +40,8 @@ def double_buffer(current: dict, spare: dict, name: str, like: torch.Tensor):
 @dataclass
 class FlatPair:
     """One bucket's per-layer buffers (residuals or velocities) as views of one flat tensor,
-    double-buffered like the per-layer ones: the step writes ``spare``, commit swaps."""
+    double-buffered like the per-layer ones: the step writes ``spare``, commit swaps. Padding
+    between layers (``Segments`` alignment) stays zero in both."""
     cur: torch.Tensor
     spare: torch.Tensor
     cur_views: tuple
@@ -54,20 +52,23 @@ class FlatPair:
         self.cur_views, self.spare_views = self.spare_views, self.cur_views
 
 
-def flat_double_buffer(current: dict, spare: dict, flats: dict, key, names: list, sizes: list,
-                       device) -> FlatPair:
+def layer_views(flat: torch.Tensor, seg) -> tuple:
+    """Each layer's slice of a flat buffer laid out by ``seg`` (``seg.offsets``, ``seg.sizes``)."""
+    return tuple(flat[o:o + n] for o, n in zip(seg.offsets, seg.sizes))
+
+
+def flat_double_buffer(current: dict, spare: dict, flats: dict, key, names: list, seg, device) -> FlatPair:
     """The bucket's ``FlatPair``, with ``current[name]`` and ``spare[name]`` its views.
 
     1. First use: zeros. 2. A layer whose current buffer is not its view (first use, a
     restored checkpoint, a resize) has it copied in; zeros where it has none. 3. The spare
     views become the layers' spare buffers, for ``commit`` to swap in."""
     pair = flats.get(key)
-    if pair is None or pair.cur.device != torch.device(device):
-        n = sum(sizes)
-        cur, new = (torch.zeros(n, dtype=torch.float32, device=device),
-                    torch.empty(n, dtype=torch.float32, device=device))
-        pair = flats[key] = FlatPair(cur, new, tuple(cur.split(sizes)), tuple(new.split(sizes)))
-    for name, view in zip(names, pair.cur_views):
+    if pair is None or pair.cur.device != torch.device(device) or pair.cur.numel() != seg.n:
+        cur = torch.zeros(seg.n, dtype=torch.float32, device=device)                       # 1.
+        new = torch.zeros(seg.n, dtype=torch.float32, device=device)
+        pair = flats[key] = FlatPair(cur, new, layer_views(cur, seg), layer_views(new, seg))
+    for name, view in zip(names, pair.cur_views):                                          # 2.
         held = current.get(name)
         if held is not view:
             if held is not None:
@@ -75,35 +76,38 @@ def flat_double_buffer(current: dict, spare: dict, flats: dict, key, names: list
             else:
                 view.zero_()
             current[name] = view
-    spare.update(zip(names, pair.spare_views))
+    spare.update(zip(names, pair.spare_views))                                              # 3.
     return pair
 
 
-def flat_grad(buffers: dict, key, grads: list) -> torch.Tensor:
-    """The unit's gradients back to back in one reused buffer, in their own dtype (fp16/bf16
-    stay half: the compensation reads them), fp32 when they differ."""
-    dtype = grads[0].dtype if all(g.dtype == grads[0].dtype for g in grads) else torch.float32
-    n = sum(g.numel() for g in grads)
-    buf = buffers.get(key)
-    if buf is None or buf.dtype != dtype or buf.device != grads[0].device or buf.numel() != n:
-        buf = buffers[key] = torch.empty(n, dtype=dtype, device=grads[0].device)
-    return torch.cat([g.to(dtype) for g in grads], out=buf)
+@dataclass
+class FlatStep:
+    """A flat bucket's buffers for one step: the residual pair, and DGC's velocity pair with its
+    momentum, Nesterov flag and masking where the memory keeps one."""
+    residual: FlatPair
+    velocity: Optional[FlatPair] = None
+    momentum: float = 0.0
+    nesterov: bool = False
+    masking: bool = False
 
 
 class NoMemory:
     """Methods without error feedback: x is the gradient itself and nothing is kept."""
     corrects_momentum = False
 
-    def compensate(self, name: str, grad: torch.Tensor, scan: ScanRequest | None = None) -> torch.Tensor:
-        return grad
+    def compensate(self, name: str, grad: torch.Tensor, want: ScanRequest | None = None) -> Compensated:
+        return Compensated(grad)
 
-    def compensate_bucket(self, layers, grads: list, scan=None) -> list:
-        return list(grads)
+    def flat_step(self, names: list, seg, device) -> None:
+        return None
+
+    def compensate_flat(self, fs, seg, grad: torch.Tensor, want) -> Compensated:
+        return Compensated(grad.float())
 
     def update(self, layer, x: torch.Tensor, message, compressor) -> None:
         pass
 
-    def update_bucket(self, layers, xs: list, messages: list, compressor, scan=None) -> None:
+    def update_flat(self, layers, c: Compensated, message, compressor) -> None:
         pass
 
     def update_aggregate(self, name: str, x: torch.Tensor, average: torch.Tensor) -> None:
@@ -134,48 +138,46 @@ class ResidualMemory:
         self._pending: dict[str, torch.Tensor] = {}
         self._flats: dict = {}            # (kind, layer names) -> FlatPair: buckets kept flat
         self._pending_flats: list = []    # their pairs written this step, swapped on commit
-        self._grad_buffers: dict = {}
 
-    def compensate(self, name: str, grad: torch.Tensor, scan: ScanRequest | None = None) -> torch.Tensor:
-        """Return a buffer holding residual + grad; ``update`` then subtracts the sent part from it.
-        ``scan``: filled with the selection's first pass over that buffer where it can be fused."""
+    def compensate(self, name: str, grad: torch.Tensor, want: ScanRequest | None = None) -> Compensated:
+        """x = residual + grad in a spare buffer; ``update`` then subtracts the sent part from it.
+        ``want``: the selection's first pass, made in the same pass where the native kernel can."""
         r, spare = self._buffers(name, grad)
-        if not compensate_scan(r, grad, spare, scan, fuse=self.fuse):
+        scan = compensate_scan(r, grad, spare, want, fuse=self.fuse)
+        if scan is None:
             torch.add(r, grad, out=spare)
         self._pending[name] = spare
-        return spare
+        return Compensated(spare, scan if want is not None else None)
 
-    def compensate_bucket(self, layers, grads: list, scan=None) -> list:
-        """x for every layer of a unit (one layer, or a bucket compressed together). ``scan``: one
-        ``ScanRequest`` (or None) per layer, or a ``BucketScan``, which ``_compensate_flat`` fills."""
-        if isinstance(scan, rs.BucketScan) and self._flat_velocity_ok(layers):
-            return self._compensate_flat(layers, grads, scan)
-        scans = scan if isinstance(scan, list) else [None] * len(layers)
-        return [self.compensate(l.name, g, s) for l, g, s in zip(layers, grads, scans)]
-
-    def _compensate_flat(self, layers, grads: list, scan) -> list:
-        """1. the unit's gradients in one flat buffer; 2. its residuals as views of a flat double
-        buffer; 3. one ``rs.compensate``: x = r + g (DGC: the velocity too), fused with the first
-        histogram; 4. ``scan`` filled for the selection, the layers' views pending until commit."""
-        names, sizes = [l.name for l in layers], [l.numel for l in layers]
-        g = flat_grad(self._grad_buffers, tuple(names), grads)                               # 1.
-        r = flat_double_buffer(self.residual, self._spare, self._flats, ("r", tuple(names)), names, sizes,
-                               g.device)                                                     # 2.
-        velocity = self._flat_velocity(names, sizes, g.device, scan)
-        scan.hist = rs.compensate(scan.seg, r.cur, g, r.spare, sign=scan.sign, backend=scan.backend,
-                                  **velocity)                                                # 3.
-        scan.x = r.spare                                                                     # 4.
-        self._pending.update(zip(names, r.spare_views))
+    def flat_step(self, names: list, seg, device) -> FlatStep:
+        """The buffers a bucket compressed flat reads and writes this step (host bookkeeping only:
+        a step replayed from a CUDA graph makes this call and replays the device work, which
+        ``compensate_flat`` and ``update_flat`` do): 1. its residuals as views of a flat double
+        buffer laid out by ``seg``; 2. DGC's velocities likewise (``MomentumCorrectionMemory``);
+        3. the spare views pending until commit."""
+        r = flat_double_buffer(self.residual, self._spare, self._flats, ("r", tuple(names)), names, seg, device)  # 1.
+        velocity = self._flat_velocity(names, seg, device)                                               # 2.
+        self._pending.update(zip(names, r.spare_views))                                                  # 3.
         self._pending_flats.append(r)
-        return list(r.spare_views)
+        return FlatStep(r, *velocity)
 
-    def _flat_velocity_ok(self, layers) -> bool:
+    def compensate_flat(self, fs: FlatStep, seg, grad: torch.Tensor, want: rs.BucketRequest) -> Compensated:
+        """x = r + g over the bucket (DGC: the velocity too) in one ``rs.compensate``, fused with the
+        selection's first histogram; the step's velocity comes along, to be masked."""
+        u = fs.velocity
+        extra = {} if u is None else {"velocity": u.cur, "velocity_out": u.spare, "momentum": fs.momentum,
+                                      "nesterov": fs.nesterov}
+        hist = rs.compensate(seg, fs.residual.cur, grad, fs.residual.spare, sign=want.sign, backend=want.backend,
+                             **extra)
+        return Compensated(fs.residual.spare, hist, u.spare if u is not None and fs.masking else None)
+
+    def _flat_velocity(self, names: list, seg, device) -> tuple:
+        """(velocity pair, momentum, nesterov, masking) of a bucket kept flat; none here."""
+        return ()
+
+    def flat_ok(self, layers) -> bool:
         """Whether one compensate call can serve these layers (one momentum for all of them)."""
         return True
-
-    def _flat_velocity(self, names: list, sizes: list, device, scan) -> dict:
-        """The velocity arguments of ``rs.compensate`` (DGC's memory); none here."""
-        return {}
 
     def update(self, layer, x: torch.Tensor, message, compressor) -> None:
         """x (this step's compensated buffer) -= what receivers will decode from ``message``:
@@ -183,17 +185,12 @@ class ResidualMemory:
         compressor.decompress_add(x, message.tensors, layer, alpha=-1.0, ctx=message.ctx)
         self.mask(layer.name, message.positions)
 
-    def update_bucket(self, layers, xs: list, messages: list, compressor, scan=None) -> None:
-        """``update`` for every layer of a unit; a bucket compensated flat is updated by one decode
-        of its own bucket message with alpha = -1 (the receivers' code, as ``update`` runs it),
-        which also zeroes the step's velocity where values were sent (masking)."""
-        if not (isinstance(scan, rs.BucketScan) and scan.x is not None):
-            for layer, x, msg in zip(layers, xs, messages):
-                self.update(layer, x, msg, compressor)
-            return
-        own = [compressor.bucket_tensors(layers, messages)]
-        compressor.decompress_bucket({l.name: x for l, x in zip(layers, xs)}, own, layers, alpha=-1.0,
-                                     flat=scan.x, zero=scan.velocity)
+    def update_flat(self, layers, c: Compensated, message, compressor) -> None:
+        """``update`` for a bucket compressed flat: nothing when the compressor subtracted what it
+        sent while it wrote the message (``message.updated``), else one decode of the bucket's own
+        message with alpha = -1, zeroing the step's velocity there (masking)."""
+        if not message.updated:
+            compressor.decompress_bucket(None, [message.tensors], layers, alpha=-1.0, flat=c.x, zero=c.velocity)
 
     def update_aggregate(self, name: str, x: torch.Tensor, average: torch.Tensor) -> None:
         """x -= the decoded average of every rank's message (PowerSGD's error feedback)."""

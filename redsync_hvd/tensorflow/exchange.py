@@ -194,7 +194,7 @@ class TFGradientExchange:
             except BaseException:
                 ex.abort()   # failed before finish(), which aborts by itself
                 raise
-            averaged = ex.finish()      # rolls the memory back itself when it raises
+            averaged = ex.finish().averages      # rolls the memory back itself when it raises
         except BaseException as exc:
             self.last_error = exc
             raise

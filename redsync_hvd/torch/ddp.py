@@ -175,7 +175,7 @@ class DDPCompressionState:
         into = {n: g.view(-1) for names, grads, _, _ in pending for n, g in zip(names, grads)
                 if g.dtype == torch.float32 and g.is_contiguous()}
         try:
-            averaged = self.exchange.finish(into=into)
+            averaged = self.exchange.finish(into=into).averages
         except BaseException as exc:   # the exchange rolled its memory back; every rank raises
             for *_, fut in pending:
                 fut.set_exception(exc)

@@ -118,12 +118,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                      for p in group["params"] if p in self._names
                      and p.dtype == torch.float32 and p.is_contiguous()}
         try:
-            averaged = self._exchange.finish(into=into, apply=apply)
+            result = self._exchange.finish(into=into, apply=apply)
         finally:
             self._passes = dict.fromkeys(self._passes, 0)
-        for name in self._exchange.applied:
+        for name in result.applied:
             self._params[name].grad = None
-        for name, flat in averaged.items():
+        for name, flat in result.averages.items():
             p = self._params[name]
             if p.grad is not None and flat.data_ptr() == p.grad.data_ptr():
                 continue   # already there: decoded or reduced in place
@@ -158,7 +158,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return loss
         for name in ex.order:
             ex.submit(name, self._params[name].detach() - self._snapshot[name])
-        averaged = ex.finish()
+        averaged = ex.finish().averages
         with torch.no_grad():
             for name, flat in averaged.items():
                 p = self._params[name]

@@ -36,7 +36,7 @@ def main(options):
                   for i, (n, m) in enumerate(spec)} for r in range(size)]
         for layer in reversed(layers):
             ex.submit(layer.name, grads[rank][layer.name])
-        out = ex.finish()
+        out = ex.finish().averages
         # every rank's messages, as that rank's compressor builds them, by the exchange's steps
         # for a bucket: layer by layer, or (selection.scope: bucket, radix) the layers at once
         sent = {}

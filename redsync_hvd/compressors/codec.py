@@ -1,0 +1,99 @@
+"""One message format for RedSync (Fang et al., 2019), its exact-k variant and SBC (Sattler et al., 2019).
+
+    message.quantize none | fp16:  [positions, values]   values in the wire's dtype
+    message.quantize sign_mean:    [positions, mean]     one float32: the signed mean of the kept
+                                                        sign's values (its sign rule: ``sign``)
+    message.index_coding golomb:   positions as [Golomb-Rice bytes, (count, b) int32] (core/golomb.py)
+                           raw:    positions as int32 (int64 past 2**31 elements)
+
+A receiver adds ``values`` (or the mean at every position) into its buffer (``decode_add``);
+the sender runs the same code with alpha = -1 on its residual, so what leaves the residual is
+exactly what the receivers reconstruct, rounding included.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..core.golomb import decode_positions, encode_positions
+
+VALUE_DTYPES = {"none": torch.float32, "fp16": torch.float16, "sign_mean": torch.float32}
+
+
+class MessageCodec:
+    """Encode and decode one layer's (positions, values) message; see the module docstring."""
+
+    def __init__(self, quantize: str, index_coding: str = "raw", sign_rule: str = "alternate"):
+        if quantize not in VALUE_DTYPES:
+            raise ValueError(f"message.quantize={quantize!r} is not one of {sorted(VALUE_DTYPES)}")
+        self.quantize, self.golomb, self.sign_rule = quantize, index_coding == "golomb", sign_rule
+        self.mean = quantize == "sign_mean"
+        self.value_dtype = VALUE_DTYPES[quantize]
+
+    def sign(self, step: int) -> str | None:
+        """The sign a sign_mean message keeps at ``step``: alternating ("pos" on even steps), or
+        "larger" (SBC's rule: the side whose mean magnitude is larger); None without sign_mean."""
+        if not self.mean:
+            return None
+        if self.sign_rule == "alternate":
+            return "pos" if step % 2 == 0 else "neg"
+        return "larger"
+
+    def wire_dtypes(self, layer) -> tuple:
+        return ((torch.uint8, torch.int32) if self.golomb else (layer.index_dtype,)) + (self.value_dtype,)
+
+    @property
+    def kinds(self) -> tuple:
+        """What each wire tensor is, for byte accounting."""
+        index = ("indices", "headers") if self.golomb else ("indices",)
+        return index + ("scalars" if self.mean else "values",)
+
+    def to_wire(self, values: torch.Tensor) -> torch.Tensor:
+        """Values as they travel (the residual keeps what this rounding loses)."""
+        return values.to(self.value_dtype)
+
+    def encode(self, positions: torch.Tensor, value: torch.Tensor, layer) -> list:
+        """[positions (int32 or Golomb-coded), value]; ``value``: the values in the wire's dtype,
+        or the one mean (1,) with sign_mean."""
+        if not self.golomb:
+            return [positions.to(layer.index_dtype), value]
+        order = torch.argsort(positions)
+        positions = positions[order]
+        if value.numel() > 1:
+            value = value[order]
+        payload, b = encode_positions(positions.cpu(), layer.numel)
+        meta = torch.tensor([positions.numel(), b], dtype=torch.int32)
+        return [payload.to(positions.device), meta.to(positions.device), value]
+
+    def positions(self, tensors: list, layer) -> torch.Tensor:
+        """The int64 positions of an encoded message."""
+        if not self.golomb:
+            return tensors[0].to(torch.int64)
+        count, b = (int(v) for v in tensors[1].tolist())
+        return decode_positions(tensors[0].cpu(), count, b).to(tensors[0].device)
+
+    def decode_add(self, out: torch.Tensor, tensors: list, layer, alpha: float = 1.0) -> None:
+        """out += alpha * the message, out flat float32 of the layer's size."""
+        idx = self.positions(tensors, layer).to(out.device)
+        if not idx.numel():
+            return
+        value = tensors[-1].to(device=out.device, dtype=out.dtype)
+        if self.mean:
+            value = value.expand(idx.numel())
+        out.index_add_(0, idx, value, alpha=alpha)
+
+    def sign_mean(self, positions: torch.Tensor, values: torch.Tensor, step: int):
+        """(positions kept, their mean as (1,) float32) of one sign, by ``sign(step)``."""
+        pos = values > 0
+        side = self.sign(step)
+        if side == "pos":
+            keep = pos
+        elif side == "neg":
+            keep = values < 0
+        else:  # larger: the side whose mean magnitude is larger (SBC)
+            n_pos, n_neg = int(pos.sum()), int((values < 0).sum())
+            mu_pos = values[pos].sum() / max(n_pos, 1)
+            mu_neg = -values[values < 0].sum() / max(n_neg, 1)
+            keep = pos if bool(mu_pos >= mu_neg) else values < 0
+        positions, kept = positions[keep], values[keep]
+        mean = kept.mean().reshape(1) if kept.numel() else torch.zeros(1, device=values.device)
+        return positions, mean.float()
