@@ -17,14 +17,15 @@ e <- M - approx;  the optimizer applies approx (with momentum).
 
 Here, per layer (M = x viewed as (shape[0], -1), as torch's ``powerSGD_hook`` does):
 
-  1. ``compress``: layers that are vectors or too small for rank r to save bytes
-     ((n + m) r * min_compression_rate >= n m), and every step before ``start_iter``,
-     are sent whole (allreduce mean). Otherwise:
+  1. ``compress_bucket`` (a bucket's layers at once, in ``finish()``): layers that are vectors
+     or too small for rank r to save bytes ((n + m) r * min_compression_rate >= n m), and every
+     step before ``start_iter``, are sent whole (allreduce mean). Otherwise:
        Q  = the warm-start Q (the previous step's averaged Q), or a N(0, 1) draw from a
             seed every worker shares; orthogonalised;
-       P  = M Q;  P = ALL-REDUCE-SUM(P) through ``self.comm`` (so ``blocking = True``);
+       P  = M Q;  every layer's P in one ALL-REDUCE-SUM through ``self.comm`` (``blocking``);
        P^ = orthogonalise(P);  Q = M^T P^;
-     the message is Q (allreduce mean); ``ctx`` holds P^, which the decoder needs.
+     the message is Q (the exchange allreduces the bucket's messages together, as torch's hook
+     does its Qs); ``ctx`` holds P^, which the decoder needs.
   2. ``decompress_add``: out += alpha * P^ Q_avg^T; Q_avg becomes the next warm start.
   3. the exchange keeps e = M - P^ Q_avg^T (``error_feedback = "aggregate"``): the error of
      the aggregated approximation, as both the paper's code and torch's hook keep it.
@@ -110,17 +111,27 @@ class PowerSGDCompressor(Compressor):
         return (n + m) * self.rank_for(layer) * self.config.min_compression_rate < n * m
 
     def compress(self, x: torch.Tensor, layer: Layer, step: int, first=None) -> Message:
-        if not self.factorizes(layer, step):
-            return Message([x.clone()], ("values",))   # never a view of x (the contract)
-        n, m = matrix_shape(layer)
-        matrix = x.view(n, m)
-        p = matrix @ self._start_q(layer, step, m, x.device)
-        p = self.comm.wait(self.comm.allreduce_async(p, name=f"rsync.powersgd.{layer.name}.p", average=False))
-        orthogonalize(p, self.config.orthogonalization, self.config.orthogonalization_epsilon)
-        msg = Message([matrix.t() @ p], ("values",))
-        msg.extra_bytes = {"values": p.numel() * p.element_size()}
-        msg.ctx = p
-        return msg
+        return self.compress_bucket([x], [layer], step)[0]
+
+    def compress_bucket(self, xs: list, layers: list, step: int, firsts: list | None = None) -> list:
+        """A bucket's messages, its P allreduce batched as torch's hook batches it: 1. P_i = M_i Q_i
+        for every factorised layer, back to back in one buffer, summed by one allreduce; 2. per
+        layer P^ = orthogonalise(P), the message Q = M^T P^ (the exchange allreduces the bucket's
+        Qs together), ``ctx`` P^; layers sent whole get a copy of x (never a view: the contract)."""
+        factor = [i for i, layer in enumerate(layers) if self.factorizes(layer, step)]
+        msgs = [None if i in factor else Message([x.clone()], ("values",)) for i, x in enumerate(xs)]
+        if not factor:
+            return msgs
+        mats = [xs[i].view(*matrix_shape(layers[i])) for i in factor]
+        ps = [m @ self._start_q(layers[i], step, m.shape[1], m.device) for i, m in zip(factor, mats)]      # 1.
+        flat = torch.cat([p.reshape(-1) for p in ps])
+        flat = self.comm.wait(self.comm.allreduce_async(flat, name=f"rsync.powersgd.{layers[factor[0]].name}.p",
+                                                        average=False))
+        for i, m, p in zip(factor, mats, flat.split([p.numel() for p in ps])):                            # 2.
+            p = p.view(m.shape[0], -1)
+            orthogonalize(p, self.config.orthogonalization, self.config.orthogonalization_epsilon)
+            msgs[i] = Message([m.t() @ p], ("values",), ctx=p, extra_bytes={"values": p.numel() * p.element_size()})
+        return msgs
 
     def decompress_add(self, out: torch.Tensor, tensors: list, layer: Layer, alpha: float = 1.0,
                        ctx=None) -> None:

@@ -89,11 +89,9 @@ class GradientExchange:
 
     def _buckets(self, layers: list, fusion_bytes: int) -> list:
         """Fixed buckets (``core/layout.py``, the partition the cost model prices), one compressor and
-        one collective each: compressed allgather layers, compressed allreduce layers, dense layers.
-        Layers of a blocking compressor travel alone."""
+        one collective each: compressed allgather layers, compressed allreduce layers, dense layers."""
         def travels(i: int, compressed: bool, collective: str) -> bool:
-            comp = self.parts(layers[i])[0]
-            return layers[i].compressed == compressed and not comp.blocking and comp.collective == collective
+            return layers[i].compressed == compressed and self.parts(layers[i])[0].collective == collective
         out: list = []
         for compressed, collective in ((True, "allgather"), (True, "allreduce"), (False, "allreduce")):
             parts = layout.buckets([l.numel for l in layers], fusion_bytes,
@@ -103,9 +101,14 @@ class GradientExchange:
         return out
 
     def _units(self, layers: list) -> dict:
+        """A layer each, or a whole bucket: one the compressor selects at once (GPU paths), or the
+        layers of a blocking compressor (compressed in finish(), its own collectives batched)."""
         units = {l.name: Unit((l,)) for l in layers}
         for bucket in self.buckets:
-            if bucket.kind == "gather" and self.compressor.selects_by_bucket(list(bucket.layers)):
+            layers_ = list(bucket.layers)
+            if not layers_[0].compressed:
+                continue
+            if (bucket.kind == "gather" and self.compressor.selects_by_bucket(layers_)) or self.compressor.blocking:
                 units.update(dict.fromkeys((l.name for l in bucket.layers), Unit(bucket.layers, together=True)))
         return units
 
@@ -114,11 +117,17 @@ class GradientExchange:
         return (self.compressor, self.memory) if layer.compressed else (self.dense, NoMemory())
 
     def grad_buffers(self, dtype: torch.dtype, device) -> dict:
-        """{name: flat view} where gradients of planned buckets should land: an adapter that makes
-        them the parameters' ``.grad`` saves the step a copy per layer (DDP's buckets do the same)."""
+        """{name: flat view} where gradients should land: the planned buckets' gradient buffers and,
+        for fp32, the dense reduce buckets' fused buffers. An adapter that makes these views the
+        parameters' ``.grad`` saves the step a copy per layer (DDP's buckets do the same); a
+        gradient elsewhere is copied in."""
         out: dict = {}
         for plan in self.plans.values():
             out.update(plan.gradient_buffer(dtype, device))
+        if dtype == torch.float32 and self.transport.reuse_buffers:
+            for b in self.buckets:
+                if b.kind == "reduce" and not any(l.compressed for l in b.layers):
+                    out.update(self.transport.dense_views(b, device))
         return out
 
     def use_grad_scaler(self, scaler) -> None:
@@ -246,18 +255,12 @@ class GradientExchange:
 
     def _evidence(self, name: str, value: torch.Tensor) -> None:
         self.state.trace.append(((name,), value))
-        bucket = self.transport.bucket_of.get(name)
-        if bucket is not None:
-            self.state.evidence.setdefault(bucket.index, []).append(value)
-        else:
-            self.state.loose.append(((name,), value))
+        self.state.evidence.setdefault(self.transport.bucket_of[name].index, []).append(value)
 
     def _mark_bad(self, name: str) -> None:
         if not self.check_finite:
             raise NonFiniteError(f"non-finite gradient values in {name} (NaN or Inf): refusing to select")
         self.state.bad.append(name)
-        if self.transport.bucket_of.get(name) is None:
-            self.state.loose.append(((name,), torch.full((1,), math.inf)))
 
     # -- per step ------------------------------------------------------------------------------
     def missing(self) -> list:
@@ -280,11 +283,11 @@ class GradientExchange:
         try:
             for name in [n for n in self.order if n in self.state.deferred]:
                 self._stage(self.layers[name], self.state.deferred.pop(name))
-            loose = self._start_loose_agreement()
+            carry = self._start_carry()
             apply = apply or {}
             out, updates, flags, carried = self.transport.collect(self.state, lambda l: self.parts(l)[0],
                                                                   into or {}, apply)
-            bad, carried = self._read(loose, flags, carried)
+            bad, carried = self._read(carry, flags, carried)
             if bad:
                 return self._nonfinite(out, carried)   # raises, or (on_nonfinite="skip") rolls back
             applied = self._after_average(out, updates, apply)
@@ -297,37 +300,34 @@ class GradientExchange:
         self.last = StepResult(out, applied, carried)
         return self.last
 
-    def _start_loose_agreement(self):
-        """The non-finite count of what no bucket carries (blocking compressors' layers), and the
-        carry values where no reduce bucket carried them, summed by one tiny allreduce; None when
-        the buckets carried everything (the usual case: no collective of its own)."""
-        carry = self.state.carry if self.state.carry is not None and self.transport.carrier is None else None
-        if not (self.check_finite and self.state.loose) and carry is None:
+    def _start_carry(self):
+        """Where no reduce bucket carries the caller's carry values (every layer travels by
+        allgather), one tiny allreduce of them; None otherwise (the usual case)."""
+        if self.state.carry is None or self.transport.carrier is not None:
             return None
-        count = nonfinite_count([v for _, v in self.state.loose]) if self.check_finite else torch.zeros(1)
-        values = torch.cat([count.cpu(), torch.tensor(carry or [], dtype=torch.float32)])
         self.stats.add_bytes({"scalars": 4})   # the carried values are the caller's traffic, not compression's
-        return self.comm.allreduce_async(values, name="rsync.finite", average=False)
+        return self.comm.allreduce_async(torch.tensor(self.state.carry, dtype=torch.float32), name="rsync.carry",
+                                         average=False)
 
-    def _read(self, loose, flags: list, carried) -> tuple[bool, list | None]:
-        """The step's one host read: every bucket's summed or gathered count of non-finite inputs,
-        the loose agreement's, and the carried sums, gathered on one device first. Returns (any
-        non-finite, carried sums or None)."""
+    def _read(self, carry, flags: list, carried) -> tuple[bool, list | None]:
+        """The step's one host read: every bucket's summed or gathered count of non-finite inputs
+        and the carried sums, gathered on one device first. Returns (any non-finite, carried sums
+        or None)."""
         counts = list(flags) if self.check_finite else []
-        if loose is not None:
-            values = self.comm.wait(loose).reshape(-1)
-            counts.append(values[:1])
-            carried = values[1:] if values.numel() > 1 else carried
+        if carry is not None:
+            carried = self.comm.wait(carry)
+        if self.state.carry is None:
+            carried = None
         tensors = counts + ([carried] if carried is not None else [])
         if not tensors:
             return False, None
         device = tensors[0].device
         values = torch.cat([t.reshape(-1).to(device=device, dtype=torch.float32) for t in tensors]).tolist()
         n = sum(t.numel() for t in counts)
-        return any(v > 0 for v in values[:n]), (values[n:] if carried is not None else None)
+        return any(v > 0 for v in values[:n]), (values[n:n + len(self.state.carry)] if carried is not None else None)
 
     def _nonfinite(self, out: dict, carried) -> StepResult:
-        bad = self.state.bad + [n for names, v in self.state.trace + self.state.loose
+        bad = self.state.bad + [n for names, v in self.state.trace
                                 for n, ok in zip(names, torch.isfinite(v.reshape(-1).float()).tolist()) if not ok]
         if self.on_nonfinite == "skip":
             self.abort()

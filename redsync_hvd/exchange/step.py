@@ -61,10 +61,8 @@ class StepState:
     submitted: set = field(default_factory=set)
     deferred: dict = field(default_factory=dict)    # name -> grad: blocking compressors, run in finish()
     inputs: dict = field(default_factory=dict)      # unit key -> {name: grad} until the unit is complete
-    loose: list = field(default_factory=list)       # (names, device tensor): evidence no bucket carries
     trace: list = field(default_factory=list)       # (names, device tensor): all evidence, to name bad layers
     bad: list = field(default_factory=list)         # layers this rank knows to be non-finite
-    reduce: dict = field(default_factory=dict)      # name -> (handles, message): a blocking layer's allreduce
     messages: dict = field(default_factory=dict)    # bucket index -> {name: message} until the bucket is complete
     evidence: dict = field(default_factory=dict)    # bucket index -> [device tensors]: its layers' finite evidence
     handles: dict = field(default_factory=dict)     # bucket index -> what the transport started for it

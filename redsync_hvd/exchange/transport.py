@@ -12,7 +12,7 @@ the bucket's last layer is in, so early buckets overlap the rest of backward:
   (``fixed_bucket_counts``: exactly k per layer) sends no header; a bucket with a plan
   (``plan.py``) hands over its payload ready made.
 * layers of a ``blocking`` compressor (it runs collectives inside ``compress``) are compressed in
-  ``finish()`` in a fixed order, and their messages are allreduced one by one.
+  ``finish()``, a bucket at once in a fixed order, and travel in reduce buckets too.
 
 So the step's agreement that every input was finite rides in the collectives the step makes
 anyway: ``collect`` returns the counts (device tensors) and the caller reads them once.
@@ -25,6 +25,8 @@ from ..comm.packing import pack, unpack_fixed, unpack_gathered
 from ..compressors.dense import NoneCompressor
 from ..memory.residual import layer_views
 from .step import Bucket, StepState
+
+CARRY_SLOTS = 8   # the carrier bucket's room for the caller's carry values (the runner sends 3)
 
 
 def nonfinite_count(evidence: list, extra: int = 0, device=None) -> torch.Tensor:
@@ -54,11 +56,7 @@ class Transport:
     def send(self, state: StepState, comp, layer, msg) -> None:
         """A layer's message: into its bucket, whose collective starts once the bucket is complete."""
         self.account(layer, msg)
-        bucket = self.bucket_of.get(layer.name)
-        if bucket is None:   # a blocking compressor's layer: its own allreduce
-            state.reduce[layer.name] = ([self.comm.allreduce_async(t, name=f"rsync.{layer.name}.{i}")
-                                         for i, t in enumerate(msg.tensors)], msg)
-            return
+        bucket = self.bucket_of[layer.name]
         messages = state.messages.setdefault(bucket.index, {})
         messages[layer.name] = msg
         if len(messages) == len(bucket.layers):
@@ -101,18 +99,31 @@ class Transport:
         bucket's non-finite count (its layers' evidence and the buffer's own norm), and the
         carry values; 3. one in-place sum allreduce per buffer."""
         tensors = [t.reshape(-1) for m in msgs for t in m.tensors]
-        slots = 1 + (len(state.carry) if state.carry is not None and bucket.index == self.carrier else 0)
+        slots = self._slots(bucket)
         flats = self._fused(bucket, tensors, slots)                                                  # 1.
         first = flats[0][0]
         n = first.numel() - slots
         evidence = state.evidence.pop(bucket.index, []) + [torch.linalg.vector_norm(first[:n], float("inf"))]
         first[n:n + 1] = nonfinite_count(evidence)                                                   # 2.
         if slots > 1:
-            first[n + 1:].copy_(torch.tensor(state.carry, dtype=first.dtype))
+            carry = state.carry or []
+            first[n + 1:].copy_(torch.tensor(carry + [0.0] * (slots - 1 - len(carry)), dtype=first.dtype))
         self.stats.add_bytes({"scalars": 4 * slots})
         started = [self.comm.allreduce_async_(flat, name=f"{bucket.name}.{i}", average=False)
                    for i, (flat, _) in enumerate(flats)]                                             # 3.
         state.handles[bucket.index] = (flats, started, msgs)
+
+    def _slots(self, bucket: Bucket) -> int:
+        """Elements after a reduce bucket's values: its non-finite count, and in the carrier bucket
+        room for the carry values (always there, so its buffer never changes size)."""
+        return 1 + (CARRY_SLOTS if bucket.index == self.carrier else 0)
+
+    def dense_views(self, bucket: Bucket, device) -> dict:
+        """{name: the layer's view of the bucket's fused fp32 buffer} for a reduce bucket of dense
+        layers (their message is the gradient itself): where their gradients should land."""
+        sizes = [l.numel for l in bucket.layers]
+        flat = self._buffer(("reduce", bucket.index, 0), sum(sizes) + self._slots(bucket), torch.float32, device)
+        return dict(zip((l.name for l in bucket.layers), flat[:sum(sizes)].split(sizes)))
 
     def _fused(self, bucket: Bucket, tensors: list, slots: int) -> list:
         """[(flat buffer, [views of it, in the order of ``tensors``])], one per dtype, the first
@@ -155,7 +166,6 @@ class Transport:
         tensors, alpha) updates, applied to the weights once every check has passed."""
         out, updates, flags, carried = {}, [], [], None
         with self.stats.timer("communicate", "allreduce"):
-            reduced = {n: ([self.comm.wait(h) for h in hs], msg) for n, (hs, msg) in state.reduce.items()}
             for b in self.buckets:
                 if b.kind == "reduce":
                     for h in state.handles[b.index][1]:
@@ -164,9 +174,6 @@ class Transport:
             gathered = [(b, None if header is None else self.comm.wait(header), self.comm.wait(data))
                         for b in self.buckets if b.kind == "gather" for header, data in (state.handles[b.index],)]
         with self.stats.timer("decompress", "allreduce"):
-            for name, (tensors, msg) in reduced.items():
-                layer = self.layers[name]
-                out[name] = self._decode_reduced(compressor_for(layer), layer, tensors, msg, into)
             for bucket in self.buckets:
                 if bucket.kind == "reduce":
                     flats, _, msgs = state.handles[bucket.index]
@@ -177,13 +184,6 @@ class Transport:
                 self._decode_gather(compressor_for(bucket.layers[0]), bucket, header, payload, into, apply, out,
                                     updates, flags)
         return out, updates, flags, carried
-
-    def _decode_reduced(self, comp, layer, tensors, msg, into) -> torch.Tensor:
-        if type(comp) is NoneCompressor and tensors[0].dtype == torch.float32:
-            return tensors[0].reshape(-1)   # already the average: no copy
-        buf = self._zeroed(layer, tensors[0].device, into)
-        comp.decompress_add(buf, tensors, layer, ctx=msg.ctx)
-        return buf
 
     def _decode_fused(self, bucket: Bucket, flats: list, msgs: list, compressor_for, into: dict, out: dict,
                       flags: list):

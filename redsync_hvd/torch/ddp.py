@@ -180,11 +180,11 @@ class DDPCompressionState:
             for *_, fut in pending:
                 fut.set_exception(exc)
             return
-        for names, grads, buffer, fut in pending:
-            for name, grad in zip(names, grads):
-                flat = averaged[name]
-                if flat.data_ptr() != grad.data_ptr():
-                    grad.copy_(flat.view(grad.shape))
+        copies = [(grad, averaged[name]) for names, grads, _, _ in pending for name, grad in zip(names, grads)
+                  if averaged[name].data_ptr() != grad.data_ptr()]
+        if copies:   # one call for every layer not decoded in place (bf16 buckets, planned ones)
+            torch._foreach_copy_([g for g, _ in copies], [a.view(g.shape) for g, a in copies])
+        for *_, buffer, fut in pending:
             fut.set_result(buffer)
 
     def set_grad_scaler(self, scaler) -> None:

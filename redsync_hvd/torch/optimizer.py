@@ -46,6 +46,36 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._snapshot, self._local = None, 0
         self._hooks = [] if self._local_steps else \
             [p.register_post_accumulate_grad_hook(self._make_hook(n)) for n, p in named]
+        self._landing = {} if self._local_steps else self._grad_views(named)
+        self._attach()
+
+    def _grad_views(self, named) -> dict:
+        """{param: its view of an exchange bucket's flat buffer}, for fp32 contiguous parameters:
+        backward then writes each gradient where the exchange reads it (no copy per layer)."""
+        params = [p for _, p in named if p.dtype == torch.float32 and p.is_contiguous()]
+        if not params:
+            return {}
+        views = self._exchange.grad_buffers(torch.float32, params[0].device)
+        return {p: views[n].view(p.shape) for n, p in named if n in views and p in set(params)}
+
+    def _attach(self) -> None:
+        """The bucket views become the parameters' ``.grad`` (zeroed with their buffers in
+        ``zero_grad``); a parameter whose ``.grad`` is set elsewhere has it copied in instead."""
+        for p, view in self._landing.items():
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+
+    def zero_grad(self, set_to_none: bool = True):
+        """As the wrapped optimizer's, except for gradients that live in the exchange's bucket
+        buffers: those are zeroed in place and stay there (``set_to_none`` would make backward
+        allocate new ones, to be copied in every step), as DDP's ``gradient_as_bucket_view`` does."""
+        super(self.__class__, self).zero_grad(set_to_none)
+        flats = {v.untyped_storage().data_ptr(): v._base for v in self._landing.values() if v._base is not None}
+        for flat in flats.values():
+            flat.zero_()   # a fill per bucket, not per layer
+        self._attach()
 
     def _make_hook(self, name):
         def hook(p):
@@ -57,8 +87,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _grad(self, name, p):
         g = p.grad if p.grad is not None else torch.zeros_like(p)
         wd = self._weight_decay.get(name, 0.0)
-        # with momentum correction, weight decay joins the gradient before it enters the velocity
-        return g.add(p.detach(), alpha=wd) if wd else g
+        if not wd:
+            return g
+        # with momentum correction, weight decay joins the gradient before it enters the velocity;
+        # in place in a bucket's buffer (what it holds is replaced by the average anyway)
+        view = self._landing.get(p)
+        return g.add_(p.detach(), alpha=wd) if view is not None and g.data_ptr() == view.data_ptr() \
+            else g.add(p.detach(), alpha=wd)
 
     @property
     def exchange(self):

@@ -11,7 +11,7 @@ import torch
 import redsync_hvd.torch as rhvd
 from redsync_hvd.comm import HorovodCommunicator
 from redsync_hvd.compressors import build_compressor
-from redsync_hvd.compressors.base import Layer
+from redsync_hvd.compressors.base import Layer, Message
 from redsync_hvd.exchange import GradientExchange
 from redsync_hvd.memory import ResidualMemory
 from redsync_hvd.policy import LayerPolicy
@@ -42,12 +42,11 @@ def main(options):
         sent = {}
         for r in range(size):
             for bucket in ex.transport.buckets:
+                if bucket.kind != "gather":
+                    continue
                 layers_b = list(bucket.layers)
-                scan = replicas[r].scan_request_bucket(layers_b, step)
-                xs = mems[r].compensate_bucket(layers_b, [grads[r][l.name] for l in layers_b], scan)
-                msgs = replicas[r].compress_bucket(xs, layers_b, step, scan)
+                msgs = messages_of(replicas[r], mems[r], layers_b, grads[r], step)
                 assert not any(bool(m.nonfinite) for m in msgs)
-                mems[r].update_bucket(layers_b, xs, msgs, replicas[r], scan)
                 for l, msg in zip(layers_b, msgs):
                     sent.setdefault(l.name, []).append(msg)
                     counts.append(msg.selected)
@@ -74,6 +73,27 @@ def main(options):
     headers = ex.communication_stats().get("bytes_headers", 0)
     assert (headers == 0) == radix, f"header bytes {headers}: radix sends none, the others do"
     print(f"rank {rank}: OK redsync exchange {options} counts={sorted(set(counts))[:6]}")
+
+
+def messages_of(comp, mem, layers, grads, step) -> list:
+    """One rank's messages for a bucket, by the exchange's four steps: over the bucket's flat
+    buffer where the compressor keeps it flat (radix), else layer by layer."""
+    if comp.compresses_flat(layers):
+        seg = comp.segments(layers)
+        g = torch.zeros(seg.n)
+        for layer, offset in zip(layers, seg.offsets):
+            g[offset:offset + layer.numel] = grads[layer.name]
+        fs = mem.flat_step([l.name for l in layers], seg, g.device)
+        c = mem.compensate_flat(fs, seg, g, comp.first_pass_flat(seg, step))
+        msg = comp.compress_flat(c, seg, step)
+        mem.update_flat(layers, c, msg, comp)
+        return [Message(part, (), selected=layer.k, k=layer.k, nonfinite=bool(msg.nonfinite[i]))
+                for i, (layer, part) in enumerate(zip(layers, comp.split_bucket(layers, msg.tensors)))]
+    cs = [mem.compensate(l.name, grads[l.name], comp.first_pass(l, step)) for l in layers]
+    msgs = comp.compress_bucket([c.x for c in cs], layers, step, [c.first for c in cs])
+    for layer, c, msg in zip(layers, cs, msgs):
+        mem.update(layer, c.x, msg, comp)
+    return msgs
 
 
 if __name__ == "__main__":
