@@ -18,7 +18,6 @@ from __future__ import annotations
 import sys
 from collections import Counter
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # metadata-only ops and allocations: host work, but no kernel on a GPU

@@ -31,7 +31,7 @@ from ..core.stats import CommStats
 from ..memory import NoMemory
 from .plan import BucketPlan
 from .step import Bucket, StepResult, StepState, Unit
-from .transport import Transport, nonfinite_count
+from .transport import Transport
 
 
 class NonFiniteGradientError(FloatingPointError):
