@@ -1,9 +1,10 @@
 #!/usr/bin/env python
-"""DDP step time: plain DDP against redsync_hvd's hook registered as ``none``, on the same work.
+"""DDP step time: plain DDP against redsync_hvd's hooks, and torch's PowerSGD hook against ours, on the same work.
 
     torchrun --standalone --nproc_per_node 2 scripts/bench_ddp_hook.py            # Gloo on CPU
     torchrun --standalone --nproc_per_node 2 scripts/bench_ddp_hook.py --models cnn --rounds 15 \
         --out docs/results/ddp_hook.md
+    torchrun --standalone --nproc_per_node 2 scripts/bench_ddp_hook.py --variants compressed --models cnn
 
 For each model, DDP copies (same weights, same synthetic batches, same SGD) train in rounds
 of ``--steps`` steps, one copy after the other in an order that rotates every round, so load
@@ -28,6 +29,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,12 +45,27 @@ MODELS = {
 }
 
 
-# what DDP's reduction runs: its own (None), or our hook with these settings
-VARIANTS = {
-    "plain DDP": None,
-    "hook none": {"method": "none"},                                               # the default
-    "hook none, check_finite: true": {"method": "none", "check_finite": True},     # a summing pass more
+# what DDP's reduction runs: its own (None), torch's PowerSGD hook ("torch powerSGD_hook"), or
+# our hook with these settings; --variants picks a set, each timed against plain DDP
+REDSYNC = {"method": "redsync", "density": 0.01, "selection": {"method": "tbs", "threshold_reuse": 5},
+           "message": {"quantize": "sign_mean"}, "dgc": {"momentum_correction": False},
+           "policy": {"min_compress_numel": 1024}}   # configs/digits/redsync.yaml after its warm-up
+VARIANT_SETS = {
+    "hook": {
+        "plain DDP": None,
+        "hook none": {"method": "none"},                                               # the default
+        "hook none, check_finite: true": {"method": "none", "check_finite": True},     # a summing pass more
+    },
+    "compressed": {
+        "plain DDP": None,
+        "torch powerSGD_hook": "torch_powersgd",       # rank 2, start_powerSGD_iter 2
+        "hook powersgd": {"method": "powersgd", "rank": 2, "start_iter": 2},   # configs/digits/powersgd.yaml
+        "hook redsync": REDSYNC,
+    },
 }
+# the ratios each set is judged by: (variant, against)
+JUDGED = {"hook": [("hook none", "plain DDP")],
+          "compressed": [("hook powersgd", "torch powerSGD_hook"), ("hook redsync", "plain DDP")]}
 
 
 def variant(spec: dict, device, compression):
@@ -56,7 +73,10 @@ def variant(spec: dict, device, compression):
     torch.manual_seed(0)
     model = build_model(spec["model"], spec["classes"], spec["input_shape"], **spec["options"]).to(device)
     ddp = DDP(model)
-    if compression is not None:
+    if compression == "torch_powersgd":
+        state = torch_psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, torch_psgd.powerSGD_hook)
+    elif compression is not None:
         rddp.register(ddp, compression)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     x = torch.randn(spec["batch"], *spec["input_shape"], device=device)
@@ -84,29 +104,31 @@ def timed(step, steps: int, warmup: int, device) -> tuple:
     return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
 
 
-def summary(times: list, plain: list) -> tuple:
-    """(median ms, quartiles of the paired ratios to plain DDP)."""
-    ratios = sorted(t / p for t, p in zip(times, plain))
+def summary(times: list, base: list) -> tuple:
+    """(median ms, quartiles of the paired ratios to ``base``'s times in the same rounds)."""
+    ratios = sorted(t / p for t, p in zip(times, base))
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     return statistics.median(times) * 1e3, quartiles
 
 
-def bench(name: str, args, device) -> list:
-    """[(variant, clock, median ms, ratio quartiles)]; the variants' order rotates every round."""
+def bench(name: str, args, device) -> dict:
+    """{variant: [(wall, CPU) seconds per step, one per round]}; the order rotates every round."""
     spec = MODELS[name]
-    steps = {label: variant(spec, device, compression) for label, compression in VARIANTS.items()}
+    steps = {label: variant(spec, device, compression) for label, compression in VARIANT_SETS[args.variants].items()}
     labels = list(steps)
     times: dict = {label: [] for label in labels}
     for r in range(args.rounds):
         for label in labels[r % len(labels):] + labels[:r % len(labels)]:
             times[label].append(timed(steps[label], args.steps, args.warmup, device))
-    return [(label, clock_name, *summary([t[clock] for t in times[label]], [t[clock] for t in times["plain DDP"]]))
-            for clock, clock_name in ((0, "wall"), (1, "CPU")) for label in labels]
+    return times
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--variants", default="hook", choices=list(VARIANT_SETS),
+                        help="hook: our hook as none against plain DDP; compressed: torch's PowerSGD hook "
+                             "against ours, and our RedSync hook against plain DDP")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
@@ -142,15 +164,23 @@ def machine(device) -> str:
 
 
 def table(rows: list, args, device) -> list:
+    """Every variant's median step time and ratio to plain DDP, then the ratios the set is judged by."""
     lines = [f"machine: {machine(device)}; torch {torch.__version__}, {dist.get_backend()} on {device.type}, "
              f"{dist.get_world_size()} ranks, {args.rounds} rounds x {args.steps} steps (after {args.warmup})",
              "",
              "| model | clock | variant | ms/step | / plain DDP (median, IQR over rounds) |",
              "|-------|-------|---------|---------|----------------------------------------|"]
-    for name, results in rows:
-        for label, clock, ms, (q1, q2, q3) in results:
-            lines.append(f"| {name} | {clock} | {label} | {ms:.2f} | {q2:.3f} ({q1:.3f}-{q3:.3f}) |")
-    return lines
+    judged = []
+    for name, times in rows:
+        for clock, clock_name in ((0, "wall"), (1, "CPU")):
+            column = {label: [t[clock] for t in ts] for label, ts in times.items()}
+            for label, ts in column.items():
+                ms, (q1, q2, q3) = summary(ts, column["plain DDP"])
+                lines.append(f"| {name} | {clock_name} | {label} | {ms:.2f} | {q2:.3f} ({q1:.3f}-{q3:.3f}) |")
+            for label, against in JUDGED[args.variants]:
+                _, (q1, q2, q3) = summary(column[label], column[against])
+                judged.append(f"| {name} | {clock_name} | {label} / {against} | {q2:.3f} ({q1:.3f}-{q3:.3f}) |")
+    return lines + ["", "| model | clock | ratio | median (IQR over rounds) |", "|---|---|---|---|"] + judged
 
 
 if __name__ == "__main__":

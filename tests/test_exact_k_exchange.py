@@ -27,9 +27,9 @@ class CountingComm(LocalCommunicator):
         super().__init__(size)
         self.calls = []
 
-    def allgather_async(self, tensor, name):
+    def allgather_async(self, tensor, name, sizes=None):
         self.calls.append(name)
-        return super().allgather_async(tensor, name)
+        return super().allgather_async(tensor, name, sizes)
 
 
 def make(sizes, selection="radix", quantize="sign_mean", momentum=0.9, world=2, density=0.01, **extra):
@@ -200,3 +200,43 @@ def test_sparse_update_applies_each_layers_slice_of_the_bucket():
         assert sorted(ex.last.applied) == (["l0", "l1"] if sparse else [])
     assert all(torch.allclose(runs[0][n], runs[1][n], atol=1e-7) and bool((runs[1][n] != 1).any())
                for n in runs[0])
+
+
+def test_the_plan_says_which_path_runs():
+    """On the CPU a planned bucket runs eagerly, and says so; cuda_graph accepts auto | on | off only."""
+    ex, layers, _ = make([5000, 3000])
+    run_step(ex, layers, grads_for(layers, 0))
+    assert ex.paths() == ["bucket 0 (2 layers, 8000 elements): exact-k plan, eager"]
+    with pytest.raises(ValueError, match="cuda_graph"):
+        make([5000], cuda_graph="sometimes")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("quantize", ["sign_mean", "none"])
+def test_cuda_graph_replays_the_eager_step_bit_for_bit(quantize):
+    """The same gradients through cuda_graph: on and off, DGC momentum, a density warm-up whose
+    stages change every layer's k (a new layout, captured anew) and a NaN step (rolled back, so
+    the buffers' assignment differs from the step count's parity): every average and residual
+    equal bit for bit, and the graphs were replayed."""
+    results = []
+    for mode in ("off", "on"):
+        layers = [Layer(f"l{i}", (n,), n, i, torch.device("cuda")) for i, n in enumerate([40000, 9000, 3000])]
+        spec = {"method": "redsync", "density": 0.01, "selection": "radix", "message": {"quantize": quantize},
+                "dgc": {"momentum_correction": True}, "policy": {"min_compress_numel": 100}, "cuda_graph": mode,
+                "warmup": {"steps": 6, "stages": 2, "start_density": 0.1}}
+        mom = MomentumSpec(dict.fromkeys((l.name for l in layers), 0.9))
+        ex = build_exchange(spec, layers, LocalCommunicator(2), take_momentum=lambda: mom, agree=False).exchange
+        outs = []
+        for step in range(12):
+            grads = {n: g.cuda() for n, g in grads_for(layers, step).items()}
+            if step == 7:
+                grads["l1"][5] = math.nan
+                with pytest.raises(NonFiniteGradientError):
+                    run_step(ex, layers, grads)
+                continue
+            outs.append({n: t.clone() for n, t in run_step(ex, layers, grads).items()})
+        results.append((outs, {n: r.clone() for n, r in ex.memory.residual.items()}, ex))
+    (eager, r_eager, _), (graph, r_graph, ex) = results
+    assert all(torch.equal(a[n], b[n]) for a, b in zip(eager, graph) for n in a)
+    assert all(torch.equal(r_eager[n], r_graph[n]) for n in r_eager)
+    assert all(p.graphs.replays > 0 for p in ex.plans.values()), ex.paths()

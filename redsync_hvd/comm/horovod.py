@@ -26,7 +26,8 @@ class HorovodCommunicator:
         op = self.hvd.Average if average else self.hvd.Sum
         return self.hvd.allreduce_async(tensor, name=name, op=op)
 
-    def allgather_async(self, tensor: torch.Tensor, name: str):
+    def allgather_async(self, tensor: torch.Tensor, name: str, sizes: list | None = None):
+        """``sizes`` (every rank's first dimension) is not needed: Horovod exchanges them itself."""
         return self.hvd.allgather_async(tensor, name=name)
 
     def broadcast_async(self, tensor: torch.Tensor, root: int, name: str):

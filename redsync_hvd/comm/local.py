@@ -31,7 +31,7 @@ class LocalCommunicator:
     def allreduce_async_(self, tensor: torch.Tensor, name: str, average: bool = True):
         return tensor if average else tensor.mul_(self._size)
 
-    def allgather_async(self, tensor: torch.Tensor, name: str):
+    def allgather_async(self, tensor: torch.Tensor, name: str, sizes: list | None = None):
         return torch.cat([tensor] * self._size)
 
     def broadcast_async(self, tensor: torch.Tensor, root: int, name: str):

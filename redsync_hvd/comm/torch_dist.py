@@ -82,14 +82,22 @@ class TorchDistCommunicator:
         reduce = self._finish_reduce(self.device, average)
         return _Pending(work, buf, lambda out: tensor.copy_(reduce(out)))
 
-    def allgather_async(self, tensor: torch.Tensor, name: str):
+    # the first dimensions of an allgather must be known before its data collective starts
+    needs_sizes = True
+
+    def allgather_async(self, tensor: torch.Tensor, name: str, sizes: list | None = None):
         """Concatenate every rank's tensor along the first dimension, whose length may differ
-        per rank (zero included), as Horovod's allgather does."""
+        per rank (zero included), as Horovod's allgather does. ``sizes``: every rank's first
+        dimension where the caller knows them (a fixed-size header, or sizes a header gave):
+        then no collective of sizes comes first."""
         if tensor.dim() == 0:
             raise ValueError(f"allgather {name!r}: a 0-d tensor has no first dimension to concatenate "
                              "along; reshape it to (1,)")
         local = tensor.detach().to(self.device).contiguous()
-        sizes = self._first_dims(local.shape[0])
+        if sizes is not None and sizes[self._rank] != local.shape[0]:
+            raise RuntimeError(f"allgather {name!r}: this rank's tensor has {local.shape[0]} rows but the sizes "
+                               f"given say {sizes[self._rank]}: ranks disagree on the message layout")
+        sizes = list(sizes) if sizes is not None else self._first_dims(local.shape[0])
         longest = max(sizes)
         if local.shape[0] < longest:
             padded = local.new_zeros((longest,) + tuple(local.shape[1:]))

@@ -78,6 +78,7 @@ class GradientExchange:
         # flags: carry() -> [float, ...]; the sums come back in StepResult.carried
         self.carry = None
         self.last: StepResult | None = None   # the last finished step's result
+        self.landing: dict = {}               # {name: flat view} handed out by grad_buffers()
         policy.setup(layers, comm.size, network)
         self.buckets = self._buckets(layers, fusion_bytes)
         self.plans = {b.index: BucketPlan(b, compressor, self.memory, cuda_graph) for b in self.buckets
@@ -108,8 +109,13 @@ class GradientExchange:
             layers_ = list(bucket.layers)
             if not layers_[0].compressed:
                 continue
-            if (bucket.kind == "gather" and self.compressor.selects_by_bucket(layers_)) or self.compressor.blocking:
-                units.update(dict.fromkeys((l.name for l in bucket.layers), Unit(bucket.layers, together=True)))
+            if self.compressor.blocking:   # in registration order, as finish() runs them (PowerSGD's Q draws)
+                unit = Unit(tuple(sorted(layers_, key=lambda l: l.index)), together=True)
+            elif bucket.kind == "gather" and self.compressor.selects_by_bucket(layers_):
+                unit = Unit(bucket.layers, together=True)
+            else:
+                continue
+            units.update(dict.fromkeys((l.name for l in bucket.layers), unit))
         return units
 
     def parts(self, layer: Layer) -> tuple:
@@ -128,6 +134,7 @@ class GradientExchange:
             for b in self.buckets:
                 if b.kind == "reduce" and not any(l.compressed for l in b.layers):
                     out.update(self.transport.dense_views(b, device))
+        self.landing = out
         return out
 
     def use_grad_scaler(self, scaler) -> None:
@@ -235,7 +242,9 @@ class GradientExchange:
         """Flat fp32 gradient (fp16/bf16 accepted), unscaled, locally clipped; finite evidence.
         A unit whose compressor reads fp16/bf16 itself (``keeps_low_precision``) gets them as
         they are when there is nothing to scale or clip: no fp32 copy of every gradient."""
-        flat = grad.detach().reshape(-1)
+        flat = self.landing.get(layer.name)
+        if flat is None or flat.data_ptr() != grad.data_ptr() or flat.dtype != grad.dtype:
+            flat = grad.detach().reshape(-1)   # (a gradient that landed in its bucket has its flat view ready)
         keep = (self.grad_scale is None and self.clip is None and flat.dtype in (torch.float16, torch.bfloat16)
                 and layer.compressed and comp.keeps_low_precision(list(self.units[layer.name].layers)))
         if not keep:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm.packing import pack, unpack_fixed, unpack_gathered
+from ..comm.packing import pack, payload_bytes, unpack_fixed, unpack_gathered
 from ..compressors.dense import NoneCompressor
 from ..memory.residual import layer_views
 from .step import Bucket, StepState
@@ -71,34 +71,42 @@ class Transport:
         plan = self.plans[bucket.index]
         self.stats.add_many(plan.accounting)
         self.stats.layers.update(plan.layer_stats)
-        state.handles[bucket.index] = (None, self.comm.allgather_async(payload, name=bucket.name))
+        state.handles[bucket.index] = (None, self.comm.allgather_async(payload, name=bucket.name,
+                                                                       sizes=[payload.numel()] * self.comm.size))
 
     def _start_gather(self, state: StepState, comp, bucket: Bucket, msgs: list) -> None:
         """1. the bucket's wire tensors and its non-finite count; 2. a header allgather where the
-        sizes vary per rank; 3. the payload's allgather."""
+        sizes vary per rank (a transport that needs every rank's size before the data, as
+        torch.distributed does, reads it now); 3. the payload's allgather."""
         host_bad = sum(1 for m in msgs if m.nonfinite is True)
         flags = [torch.where(m.nonfinite, torch.inf, 0.0) for m in msgs if isinstance(m.nonfinite, torch.Tensor)]
         flag = nonfinite_count(flags + state.evidence.pop(bucket.index, []), host_bad, bucket.layers[0].device)
         tensors = comp.bucket_tensors(bucket.layers, msgs) + [flag.to(torch.int32)]                  # 1.
         header, payload = pack(tensors, device=bucket.layers[0].device)
-        counts = comp.fixed_bucket_counts(bucket.layers)
+        counts, sizes = comp.fixed_bucket_counts(bucket.layers), None
         if counts is None:                                                                           # 2.
             self.stats.add_bytes({"headers": header.numel() * 4})
-            header = self.comm.allgather_async(header, name=f"{bucket.name}.hdr")
+            header = self.comm.allgather_async(header, name=f"{bucket.name}.hdr",
+                                               sizes=[header.numel()] * self.comm.size)
+            if getattr(self.comm, "needs_sizes", False):
+                header = self.comm.wait(header)
+                dtypes = comp.bucket_dtypes(bucket.layers) + [torch.int32]
+                sizes = [payload_bytes(c, dtypes) for c in header.view(self.comm.size, -1).tolist()]
         elif [t.numel() for t in tensors[:-1]] != list(counts):
             raise RuntimeError(f"{type(comp).__name__} declared fixed message sizes {list(counts)} for bucket "
                                f"{bucket.index} but sent {[t.numel() for t in tensors[:-1]]}")
         else:
             header = None   # every rank knows the sizes: no header allgather
+            sizes = [payload.numel()] * self.comm.size
         self.stats.add_bytes({"scalars": 4})
-        state.handles[bucket.index] = (header, self.comm.allgather_async(payload, name=bucket.name))   # 3.
+        state.handles[bucket.index] = (header, self.comm.allgather_async(payload, name=bucket.name, sizes=sizes))   # 3.
 
     def _start_reduce(self, state: StepState, bucket: Bucket, msgs: list) -> None:
         """1. the messages into the bucket's flat buffers (one per dtype; tensors already there, the
         gradients that landed in place, are not copied); 2. the first buffer's slots: this
         bucket's non-finite count (its layers' evidence and the buffer's own norm), and the
         carry values; 3. one in-place sum allreduce per buffer."""
-        tensors = [t.reshape(-1) for m in msgs for t in m.tensors]
+        tensors = [t if t.dim() == 1 else t.reshape(-1) for m in msgs for t in m.tensors]
         slots = self._slots(bucket)
         flats = self._fused(bucket, tensors, slots)                                                  # 1.
         first = flats[0][0]
@@ -108,7 +116,7 @@ class Transport:
         if slots > 1:
             carry = state.carry or []
             first[n + 1:].copy_(torch.tensor(carry + [0.0] * (slots - 1 - len(carry)), dtype=first.dtype))
-        self.stats.add_bytes({"scalars": 4 * slots})
+        self.stats.add_bytes({"scalars": 4})   # the count; carried values are the caller's traffic
         started = [self.comm.allreduce_async_(flat, name=f"{bucket.name}.{i}", average=False)
                    for i, (flat, _) in enumerate(flats)]                                             # 3.
         state.handles[bucket.index] = (flats, started, msgs)
@@ -171,7 +179,8 @@ class Transport:
                     for h in state.handles[b.index][1]:
                         self.comm.wait(h)   # in place: the sums are in the bucket's buffers
         with self.stats.timer("communicate", "allgather"):
-            gathered = [(b, None if header is None else self.comm.wait(header), self.comm.wait(data))
+            gathered = [(b, header if header is None or isinstance(header, torch.Tensor) else self.comm.wait(header),
+                         self.comm.wait(data))
                         for b in self.buckets if b.kind == "gather" for header, data in (state.handles[b.index],)]
         with self.stats.timer("decompress", "allreduce"):
             for bucket in self.buckets:
