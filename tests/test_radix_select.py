@@ -221,8 +221,15 @@ def test_layout_and_bad_input():
     seg = Segments([10, 0, 5000, 3], [1, 0, 50, 3], tile=1024)
     tab = seg.tables("cpu")
     assert seg.offsets == (0, 10, 10, 5010, 5013) and seg.kofs == (0, 1, 1, 51, 54) and seg.k_total == 54
-    assert tab.tile_seg.tolist() == [0, 2, 2, 2, 2, 2, 3] and tab.seg_tile.tolist() == [0, 1, 1, 6, 7]
-    assert tab.tile_hi.tolist() == [10, 1034, 2058, 3082, 4106, 5010, 5013]
+    # every layer has a tile, an empty one for a layer of 0 elements
+    assert tab.tile_seg.tolist() == [0, 1, 2, 2, 2, 2, 2, 3] and tab.seg_tile.tolist() == [0, 1, 2, 7, 8]
+    assert tab.tile_hi.tolist() == [10, 10, 1034, 2058, 3082, 4106, 5010, 5013]
+    aligned = Segments([10, 0, 5000, 3], [1, 0, 50, 3], tile=1024, align=16)
+    assert aligned.offsets == (0, 16, 16, 5024, 5040) and aligned.n == 5040 and aligned.padded
+    tab = aligned.tables("cpu")
+    assert tab.tile_lo.tolist() == [0, 16, 16, 1040, 2064, 3088, 4112, 5024]     # starts: multiples of 16
+    assert tab.tile_hi.tolist() == [10, 16, 1040, 2064, 3088, 4112, 5016, 5027]  # ends: the real elements'
+    assert [v.numel() for v in aligned.views(torch.zeros(aligned.n))] == [10, 0, 5000, 3]
     assert auto_tile(1 << 20) == 8192 and auto_tile(1 << 24) == 32768 and auto_tile(1 << 26) == 65536
     x = torch.zeros(seg.n)
     with pytest.raises(ValueError, match="layer 1 has size 4 and k 5"):
