@@ -7,7 +7,8 @@
 
 Triton's interpreter (the CPU tests) accepts code the compiler rejects, so this compiles
 each variant the launchers can ask for and prints its registers, spills and shared memory
-(from the cubin, with the cuobjdump Triton ships). Exit status: 0 all compiled without
+(from the cubin, with the cuobjdump Triton ships) and how many 128-bit loads its PTX makes
+(pointers 16-byte aligned, as for torch tensors). Exit status: 0 all compiled without
 spills, 1 a variant failed or spills, 2 nothing could be compiled here (no CUDA backend).
 """
 from __future__ import annotations
@@ -123,8 +124,10 @@ def main() -> int:
     found = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump"))
     bad = 0
     for name, kernel, sig, consts, opts in variants(args.quick):
-        src = ASTSource(fn=getattr(triton_kernels, kernel, None) or getattr(triton_select, kernel), constexprs=consts,
-                        signature={**sig, **{k: "constexpr" for k in consts}})
+        fn = getattr(triton_kernels, kernel, None) or getattr(triton_select, kernel)
+        # pointers 16-byte aligned, as the launcher's specialisation tells the compiler for torch tensors
+        aligned = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v.startswith("*")}
+        src = ASTSource(fn=fn, constexprs=consts, signature={**sig, **{k: "constexpr" for k in consts}}, attrs=aligned)
         try:
             compiled = triton.compile(src, target=target, options=opts)
         except Exception as e:   # noqa: BLE001 - report every variant, then fail
@@ -137,7 +140,8 @@ def main() -> int:
         res = resources(compiled.asm["cubin"], found[0] if found else None)
         spilled = re.search(r"spilled (\d+)", res)
         bad += bool(spilled and int(spilled.group(1)))
-        print("ok   %-60s %s" % (name, res))
+        wide = len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.", compiled.asm["ptx"]))
+        print("ok   %-60s %s, 128-bit loads %d" % (name, res, wide))
     print("%d variant(s) failed or spill" % bad if bad else "all variants compiled for sm_%d" % args.arch)
     return 1 if bad else 0
 

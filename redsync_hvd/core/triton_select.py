@@ -109,7 +109,7 @@ def select(seg: Segments, x: torch.Tensor, R: int, active, k_row: torch.Tensor, 
            velocity: torch.Tensor | None):
     """The launches of one bucket's selection; returns what ``radix_select.select`` unpacks.
     1. histogram 1: the given one, or ``pass1``; 2. the outputs; 3. filter, refine, count, write."""
-    L, K, dev = len(seg), seg.k_total, x.device
+    K, dev = seg.k_total, x.device
     ws = workspace(seg, R, dev)
     own = hist is None or hist.data_ptr() == ws.hist1.data_ptr()
     if hist is None:                                                                   # 1.
@@ -118,34 +118,57 @@ def select(seg: Segments, x: torch.Tensor, R: int, active, k_row: torch.Tensor, 
         ws.hist1.zero_()
     ws.pending = False
     s0, s1 = active[0], active[-1]
-    out = dict(pos=torch.empty(max(K, 1), dtype=index_dtype, device=dev),             # 2.
-               vals=torch.empty(max(K, 1), dtype=value_dtype, device=dev),
-               means=torch.empty(L, dtype=torch.float32, device=dev), side=torch.empty(L, dtype=torch.int8, device=dev),
-               kth=torch.empty(L, dtype=torch.int32, device=dev), bad=torch.empty(L, dtype=torch.bool, device=dev))
+    out = outputs(seg, dev, index_dtype, value_dtype)                                  # 2.
     _launch(seg, ws, x, hist, k_row, out, own=own, s0=s0, s1=s1, mean=mean, update=update, velocity=velocity) # 3.
     mags = mean or s1 != s0
     return out["pos"][:K], out["vals"][:K], out["means"] if mags else None, out["bad"], out["kth"], out["side"]
 
 
-def _launch(seg, ws, x, hist, k_row, out, *, own, s0, s1, mean, update, velocity) -> None:
+def outputs(seg: Segments, dev, index_dtype: torch.dtype, value_dtype: torch.dtype) -> dict:
+    """A selection's output tensors, new each call (the caller keeps them while the next step runs)."""
+    L, K = len(seg), max(seg.k_total, 1)
+
+    def new(n, dtype):
+        return torch.empty(n, dtype=dtype, device=dev)
+    return dict(pos=new(K, index_dtype), vals=new(K, value_dtype), means=new(L, torch.float32),
+                side=new(L, torch.int8), kth=new(L, torch.int32), bad=new(L, torch.bool))
+
+
+def _launch(seg, ws, x, hist, k_row, out, **kw) -> None:
     """The four launches after histogram 1 (the stages in the module docstring)."""
+    for _, launch in stages(seg, ws, x, hist, k_row, out, **kw):
+        launch()
+
+
+def stages(seg, ws, x, hist, k_row, out, *, own, s0, s1, mean, update, velocity) -> list:
+    """(name, launch) of the four stages after histogram 1, in order (``scripts/bench_passes.py``
+    times them one by one)."""
     tab, R = seg.tables(x.device), hist.shape[0] // len(seg)
     grid, aligned, block = (ws.tiles,), seg.align % VECTOR == 0, _block(seg, _SMALL, x)
     tiles = (tab.tile_seg, tab.tile_lo, tab.tile_hi)
     cands = (ws.cand_bits, ws.cand_pos, ws.cand_lo, ws.cand_n)
-    _filter[grid](x, hist, ws.hist2, k_row, ws.prefix, ws.need, ws.zeros, ws.arrivals, out["bad"], *cands, *tiles,
-                  tab.seg_tile, NONFINITE=NONFINITE_BIN, CLEAR1=own, S0=s0, S1=s1, R=R, ALIGNED=aligned,
-                  BLOCK=_block(seg, 2048, x), num_warps=_WARPS)
-    _refine[grid](x, ws.hist3, k_row, ws.prefix, ws.need, ws.zeros, ws.arrivals, ws.sums, out["means"], out["side"],
-                  out["kth"], *cands, *tiles, tab.seg_tile, S0=s0, S1=s1, R=R, MAGS=mean or s1 != s0,
-                  ALIGNED=aligned, BLOCK=block, num_warps=_WARPS)
-    _count[grid](x, ws.prefix, ws.need, out["side"], ws.arrivals, ws.cnt, ws.base, *cands, *tiles, tab.seg_tile, R=R,
-                 ALIGNED=aligned, BLOCK=block, num_warps=_WARPS)
-    _write[grid](x, velocity if velocity is not None else x, ws.prefix, ws.need, ws.base, out["side"], out["means"],
-                 tab.offsets, tab.kofs, out["pos"], out["vals"], *cands, *tiles, R=R, MEAN=mean, UPDATE=update,
-                 VELOCITY=velocity is not None, BF16=out["vals"].dtype == torch.bfloat16, ALIGNED=aligned,
-                 BLOCK=block, num_warps=_WARPS, enable_fp_fusion=False)
+    u = velocity if velocity is not None else x
+    return [
+        ("_filter", lambda: _filter[grid](
+            x, hist, ws.hist2, k_row, ws.prefix, ws.need, ws.zeros, ws.arrivals, out["bad"], *cands, *tiles,
+            tab.seg_tile, NONFINITE=NONFINITE_BIN, CLEAR1=own, S0=s0, S1=s1, R=R, ALIGNED=aligned,
+            BLOCK=_block(seg, 2048, x), num_warps=_WARPS)),
+        ("_refine", lambda: _refine[grid](
+            x, ws.hist3, k_row, ws.prefix, ws.need, ws.zeros, ws.arrivals, ws.sums, out["means"], out["side"],
+            out["kth"], *cands, *tiles, tab.seg_tile, S0=s0, S1=s1, R=R, MAGS=mean or s1 != s0, ALIGNED=aligned,
+            BLOCK=block, num_warps=_WARPS)),
+        ("_count", lambda: _count[grid](
+            x, ws.prefix, ws.need, out["side"], ws.arrivals, ws.cnt, ws.base, *cands, *tiles, tab.seg_tile, R=R,
+            ALIGNED=aligned, BLOCK=block, num_warps=_WARPS)),
+        ("_write", lambda: _write[grid](
+            x, u, ws.prefix, ws.need, ws.base, out["side"], out["means"], tab.offsets, tab.kofs, out["pos"],
+            out["vals"], *cands, *tiles, R=R, MEAN=mean, UPDATE=update, VELOCITY=velocity is not None,
+            BF16=out["vals"].dtype == torch.bfloat16, ALIGNED=aligned, BLOCK=block, num_warps=_WARPS,
+            enable_fp_fusion=False)),
+    ]
 
+
+# ---- the decode --------------------------------------------------------------------------
 
 @triton.jit
 def _decode(out_ptr, zero_ptr, pos_ptr, val_ptr, mean_ptr, offsets, kofs, tile_seg, tile_lo, tile_hi,
@@ -184,9 +207,6 @@ def _decode(out_ptr, zero_ptr, pos_ptr, val_ptr, mean_ptr, offsets, kofs, tile_s
                 tl.store(zero_ptr + p, tl.zeros_like(o), mask=m)
         tl.debug_barrier()
 
-
-
-# ---- the decode --------------------------------------------------------------------------
 
 def decode_add(seg: Segments, out: torch.Tensor, positions: torch.Tensor, values: torch.Tensor | None,
                means: torch.Tensor | None, alpha: float, zero: torch.Tensor | None) -> None:
