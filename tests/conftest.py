@@ -36,6 +36,10 @@ def _patch_library_modules_once() -> None:
     interpreter._patch_lang = once
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: minutes long (make test-fast leaves these out)")
+
+
 def pytest_runtest_setup(item):
     """Once the test modules are imported: tests/test_triton_select.py sets TRITON_INTERPRET
     at its import on a machine without CUDA."""
