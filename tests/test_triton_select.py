@@ -110,6 +110,24 @@ def test_fused_residual_update_and_velocity_masking(sign, mean, value_dtype, ind
     assert torch.allclose(xb, x, rtol=0, atol=1e-6), "what was sent plus what is kept is x"
 
 
+@pytest.mark.parametrize("sign,mean,value_dtype", [("neg", True, torch.float32), (None, False, torch.float16)])
+def test_the_update_in_the_write_pass_is_the_decode_of_the_own_message(sign, mean, value_dtype):
+    """select(update=True, velocity=u) leaves x and u bit for bit as select, then the decode of
+    the own message with alpha = -1 and the velocity masked (the exchange's memory update), do:
+    the memory update can ride on the write pass (five launches instead of six)."""
+    sizes = [3000, 5, 1200]
+    seg = Segments(sizes, [30, 5, 12], tile=1024, align=16)
+    gen = torch.Generator().manual_seed(12)
+    x, u = (padded(seg, torch.randn(sum(sizes), generator=gen).to(DEV)) for _ in range(2))
+    xa, ua, xb, ub = x.clone(), u.clone(), x.clone(), u.clone()
+    a = rs.select(seg, xa, sign=sign, mean=mean, value_dtype=value_dtype, backend="triton")
+    wire = {"means": a.means} if mean else {"values": a.values}
+    rs.decode_add(seg, xa, a.positions, alpha=-1.0, zero=ua, backend="triton", **wire)
+    b = rs.select(seg, xb, sign=sign, mean=mean, value_dtype=value_dtype, update=True, velocity=ub, backend="triton")
+    assert_same(a, b)
+    assert same(xa, xb) and same(ua, ub)
+
+
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("momentum,nesterov", [(0.0, False), (0.9, False), (0.9, True)])
 def test_compensation_fused_with_the_first_histogram(grad_dtype, momentum, nesterov):
