@@ -116,7 +116,7 @@ def test_the_update_in_the_write_pass_is_the_decode_of_the_own_message(sign, mea
     the own message with alpha = -1 and the velocity masked (the exchange's memory update), do:
     the memory update can ride on the write pass (five launches instead of six)."""
     sizes = [3000, 5, 1200]
-    seg = Segments(sizes, [30, 5, 12], tile=1024, align=16)
+    seg = Segments(sizes, [30, 5, 12], tile=2048, align=16)
     gen = torch.Generator().manual_seed(12)
     x, u = (padded(seg, torch.randn(sum(sizes), generator=gen).to(DEV)) for _ in range(2))
     xa, ua, xb, ub = x.clone(), u.clone(), x.clone(), u.clone()
@@ -151,14 +151,6 @@ def test_compensation_fused_with_the_first_histogram(grad_dtype, momentum, neste
     assert_same(sa, sb)
 
 
-def test_sent_plus_residual_is_what_came_in_on_the_kernels():
-    """Conservation through two steps of compensate -> select(update) -> own decode on the
-    kernels (tests/test_radix_select.py runs it on the reference for every combination)."""
-    from test_radix_select import conservation_run
-    conservation_run("triton", DEV, sign="larger", mean=True, value_dtype=torch.float32, grad_dtype=torch.float16,
-                     momentum=0.9, steps=2)
-
-
 def test_sixty_layers_nonfinite_and_tiny_layers():
     gen = torch.Generator().manual_seed(60)
     sizes = [int(s) for s in torch.randint(1, 200, (60,), generator=gen)]
@@ -181,7 +173,7 @@ def workspace_is_clean(seg, R):
     return all(int(t.abs().sum()) == 0 for t in (ws.hist1, ws.hist2, ws.hist3, ws.arrivals))
 
 
-@pytest.mark.parametrize("sign,mean", [(None, False), ("larger", True), ("neg", False)])
+@pytest.mark.parametrize("sign,mean", [(None, False), ("larger", True)])
 def test_tiles_whose_candidates_overflow_their_buffer_are_read_again(sign, mean):
     """A layer of equal values (every element in the chosen bin) and one of zeros with k above
     its non-zeros overflow their tiles' candidate buffers; the stages read those tiles again,

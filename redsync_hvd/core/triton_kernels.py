@@ -124,7 +124,7 @@ def _elements(x_ptr, cand_bits, cand_pos, c0, nc, lo, hi, spill, j, BLOCK: tl.co
     else:
         m = i < nc
         load = i < (nc + 15) // 16 * 16       # the buffer is 16-aligned: whole vectors
-        bits = tl.load(cand_bits + c0 + i, mask=load, other=0)
+        bits = tl.where(m, tl.load(cand_bits + c0 + i, mask=load, other=0), 0)   # past nc: stale slots
         local = tl.load(cand_pos + c0 + i, mask=load, other=0)
     return bits, local, m
 
