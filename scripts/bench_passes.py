@@ -14,7 +14,8 @@ Rows (device time per call, median of do_bench; "TB/s" = bytes the pass must mov
 - the exact-k kernels of core/triton_kernels.py on one layer of n elements, k = n/1000:
   ``_pass1`` alone (the histogram), with the compensation (r + g, DGC momentum: five
   streams), at several block sizes and warp counts; then ``_filter``, ``_refine``, ``_count``,
-  ``_write`` one by one, repeated on the state the select before them left; the whole
+  ``_write`` one by one, each repeated on the state the stages before it left (the refine,
+  repeated, narrows its own result: the count and write are timed on a fresh one); the whole
   select, eager and replayed from a CUDA graph.
 """
 from __future__ import annotations
@@ -117,7 +118,12 @@ def stage_rows(x, timer):
         launch()
     cands = int(ws.cand_n.sum())
     moved = {"_filter": 4 * n + 8 * cands, "_refine": 8 * cands, "_count": 8 * cands, "_write": 8 * cands}
-    rows = [(f"{name} (candidates: {cands / n:.1%} of x)", timer(launch), moved[name]) for name, launch in stages]
+    rows, launches = [], dict(stages)
+    for name, launch in stages:
+        if name == "_count":   # a repeated refine narrows T further: the filter and refine again give it back,
+            for again in ("_filter", "_refine", "_count"):   # so the count and write stay within their slots
+                launches[again]()
+        rows.append((f"{name} (candidates: {cands / n:.1%} of x)", timer(launch), moved[name]))
     ws.pending = False
     ws.hist1.zero_()
     rows.append(("exact-k select, eager (all launches)", timer(lambda: rs.select(seg, x, backend="triton")), 4 * n))
