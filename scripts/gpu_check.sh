@@ -19,25 +19,25 @@
 # installed into /tmp/site before anything else. The first step lists every Python package the
 # others need that does not import.
 #
-# Steps (limits in seconds, 360 in all; typical times on an H100 are about half):
+# Steps (limits in seconds, 360 in all; the previous version's eight steps took 140 s on an H100):
 #   deps       the Python packages the steps need: which do not import              10
 #   env        nvidia-smi and versions                                              10
 #   compile    scripts/compile_kernels.py --quick: does this Triton compile them,
 #              with how many registers, any spills, 128-bit loads                   30
 #   tests      the exact-k tests on CUDA (compiled kernels against the reference,
-#              five launches, the exchange's radix stage, its device syncs)         70
-#   tests_old  the existing CUDA tests (selection, CuPy kernels, bucket path)      25
+#              five launches, the exchange's radix stage, its device syncs)         90
+#   tests_old  the existing CUDA tests (selection, CuPy kernels, bucket path)      20
 #   selection  bench_selection.py: exact-k (torch ops, Triton, CUDA graph) first, then
 #              the CuPy tbs/trimmed rows (where CuPy builds its kernels) against
 #              torch.topk, 1M/16M/64M, D=0.001/0.01                                 45
 #   passes     bench_passes.py: what a pass and each exact-k stage costs at 16M
-#              (triton.testing.do_bench)                                          35
+#              (triton.testing.do_bench)                                          30
 #   stages     bench_bucket_select.py: the exact-k stages against model compute      25
 #   overhead   bench_overhead.py: the exchange against compute at batch 16 and 128,
 #              its host reads per step (the exact-k methods first, dense, the
 #              per-layer and tbs bucket paths; eager and, where configured, graph)  55
 #   profile    profile_exchange.py: device time and kernel launches per exchange
-#              step (torch.profiler), batch 16 and 128; the 16M select against topk  40
+#              step (torch.profiler), batch 16 and 128; the 16M select against topk  35
 #   summary    scripts/gpu_summary.py (also after every step)                       10
 # (--cpu scales every limit by 3: a shared CPU runs the same steps)
 set -u
@@ -133,8 +133,8 @@ PY
 EXACT="redsync_mc_exact_k,redsync_mc_exact_k_graph,redsync_mc_exact_k_torch"   # the exact-k rows first
 if [ "$CPU" = 1 ]; then   # the same steps on tiny inputs: each command, its flags and the summary's parsing
   step compile 30 env -u TRITON_INTERPRET "$PY" scripts/compile_kernels.py --quick --arch 90
-  step tests 70 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_triton_select.py -k "exchange or five"
-  step tests_old 25 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_bucket_select.py -k cuda
+  step tests 90 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_triton_select.py -k "exchange or five"
+  step tests_old 20 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_bucket_select.py -k cuda
   SEL=(--device cpu --sizes 64K --densities 0.001 --methods "" --exact-k torch,triton --repeats 2)
   PASSES=(--device cpu)
   STAGES=(--device cpu --models resnet20 --backends torch --steps 1 --warmup 0)
@@ -144,9 +144,9 @@ if [ "$CPU" = 1 ]; then   # the same steps on tiny inputs: each command, its fla
 else
   ARCH=$("$PY" -c 'import torch; a, b = torch.cuda.get_device_capability(); print(a * 10 + b)' 2>/dev/null)
   step compile 30 "$PY" scripts/compile_kernels.py --quick --arch "${ARCH:-90}"
-  step tests 70 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_triton_select.py tests/test_radix_select.py \
+  step tests 90 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_triton_select.py tests/test_radix_select.py \
     -k "not compiles_for_sm90"   # the compile step above does that
-  step tests_old 25 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_selection.py tests/test_compressors.py \
+  step tests_old 20 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_selection.py tests/test_compressors.py \
     tests/test_bucket_select.py -k cuda
   # the CuPy kernels (select_topk's "cuda" backend) only where CuPy imports AND builds and runs them
   if "$PY" -c "
@@ -172,7 +172,7 @@ fi
 step selection 45 "$PY" scripts/bench_selection.py --dists gauss "${SEL[@]}" --out "$RESULTS/selection.json"
 sed -n '/^Machine:/,$p' "$RESULTS/selection.log" > "$RESULTS/selection.md"
 
-step passes 35 "$PY" scripts/bench_passes.py "${PASSES[@]}" --out "$RESULTS/passes.json"
+step passes 30 "$PY" scripts/bench_passes.py "${PASSES[@]}" --out "$RESULTS/passes.json"
 sed -n '/^Device:/,$p' "$RESULTS/passes.log" > "$RESULTS/passes.md"
 
 step stages 25 "$PY" scripts/bench_bucket_select.py "${STAGES[@]}" --out "$RESULTS/stages.json"
@@ -181,7 +181,7 @@ sed -n '/^Device:/,$p' "$RESULTS/stages.log" > "$RESULTS/stages.md"
 step overhead 55 "$PY" scripts/bench_overhead.py "${OVER[@]}" --out "$RESULTS/overhead_cuda.md" \
   --json "$RESULTS/overhead.json"
 
-step profile 40 "$PY" scripts/profile_exchange.py "${PROFILE[@]}" --out "$RESULTS/profile.json"
+step profile 35 "$PY" scripts/profile_exchange.py "${PROFILE[@]}" --out "$RESULTS/profile.json"
 cp "$RESULTS/profile.log" "$RESULTS/profile.txt" 2>/dev/null
 
 step summary 10 "$PY" scripts/gpu_summary.py "$RESULTS"
