@@ -63,7 +63,7 @@ class Stages:
     """One step of the bucket's exact-k stages on static buffers (so a CUDA graph can replay it)."""
 
     def __init__(self, sizes, density, world, device, backend):
-        self.seg = Segments(sizes, [max(1, math.ceil(density * n)) for n in sizes])
+        self.seg = Segments(sizes, [max(1, math.ceil(density * n)) for n in sizes], align=16)
         n, self.world, self.backend = self.seg.n, world, backend
         gen = torch.Generator().manual_seed(0)
         self.r, self.u, self.g = (torch.randn(n, generator=gen).to(device) for _ in range(3))

@@ -14,6 +14,8 @@ median method_ms, and the number selected over k (exact/trimmed: 1.0; tbs/sample
 as a bucket, no host wait): "torch" (its reference in plain torch ops), "triton" (the
 kernels), "triton-graph" (the kernels replayed from a CUDA graph: no launch overhead).
 Each such row also checks that its k-th key equals the smallest of torch.topk's values.
+The exact-k rows run first; every row is guarded (a failure loses that row only) and the
+results are written after each size and density.
 Timings on a loaded machine are noise: the load average is recorded with the results,
 and --wait-idle S waits for an idle CPU before each case.
 """
@@ -106,7 +108,7 @@ def graphed(fn):
 
 def exact_k_row(x, k, backend, base, args):
     """Time radix_select.select on x as a one-layer bucket; check its k-th key against topk."""
-    seg = Segments([x.numel()], [k])
+    seg = Segments([x.numel()], [k], align=16 if x.numel() % 16 == 0 else 1)   # 16: 128-bit loads
     be = "torch" if backend == "torch" else "triton"
     fn = lambda: radix_select.select(seg, x, backend=be)  # noqa: E731
     try:
@@ -121,6 +123,21 @@ def exact_k_row(x, k, backend, base, args):
     return dict(method=name, ms=ms, best_ms=best, speedup=base / ms, count_over_k=1.0)
 
 
+def method_row(x, k, m, base, args) -> dict:
+    """Time select_topk's method m on x; a failure loses this row only."""
+    opts = {} if m == "exact" else {"backend": args.backend}
+    try:
+        ms, best = timeit(lambda: select_topk(x, k, m, **opts), args.repeats, args.device)
+        cnt = select_topk(x, k, m, **opts).numel()
+    except Exception as e:  # report and go on: the other rows still count
+        print("  %s failed: %s: %s" % (m, type(e).__name__, e), file=sys.stderr)
+        return dict(method="%s (FAILED)" % m, ms=float("nan"), best_ms=float("nan"), speedup=float("nan"),
+                    count_over_k=float("nan"))
+    print("  %6.1fM d=%-6g %-10s %9.2f ms (best %8.2f)  x%6.1f  count/k=%.3f"
+          % (x.numel() / 2 ** 20, k / x.numel(), m, ms, best, base / ms, cnt / k), file=sys.stderr)
+    return dict(method=m, ms=ms, best_ms=best, speedup=base / ms, count_over_k=cnt / k)
+
+
 def run(args, info) -> dict:
     rows = []
     for n in [parse_size(s) for s in args.sizes.split(",")]:
@@ -133,20 +150,15 @@ def run(args, info) -> dict:
                 base, base_best = timeit(lambda: torch.topk(x.abs(), k), args.repeats, args.device)
                 rows.append(dict(n=n, dist=dist, density=density, k=k, method="torch.topk",
                                  ms=base, best_ms=base_best, speedup=1.0, count_over_k=1.0))
-                for m in [m for m in args.methods.split(",") if m]:
-                    opts = {} if m == "exact" else {"backend": args.backend}
-                    ms, best = timeit(lambda: select_topk(x, k, m, **opts), args.repeats, args.device)
-                    cnt = select_topk(x, k, m, **opts).numel()
-                    rows.append(dict(n=n, dist=dist, density=density, k=k, method=m, ms=ms,
-                                     best_ms=best, speedup=base / ms, count_over_k=cnt / k))
-                    print("  %6.1fM %-5s d=%-6g %-10s %9.2f ms (best %8.2f)  x%6.1f  count/k=%.3f"
-                          % (n / 2 ** 20, dist, density, m, ms, best, base / ms, cnt / k), file=sys.stderr)
-                for b in [b for b in args.exact_k.split(",") if b]:
+                for b in [b for b in args.exact_k.split(",") if b]:     # the exact-k rows first
                     r = dict(n=n, dist=dist, density=density, k=k, **exact_k_row(x, k, b, base, args))
                     rows.append(r)
                     print("  %6.1fM %-5s d=%-6g %-10s %9.2f ms (best %8.2f)  x%6.1f"
                           % (n / 2 ** 20, dist, density, r["method"], r["ms"], r["best_ms"], r["speedup"]),
                           file=sys.stderr)
+                for m in [m for m in args.methods.split(",") if m]:
+                    rows.append(dict(n=n, dist=dist, density=density, k=k, **method_row(x, k, m, base, args)))
+                save(rows, info, args)   # what is done survives a time limit
             x = None   # the next size allocates anew: free this one first
         save(rows, info, args)   # what is done survives a time limit
     return rows

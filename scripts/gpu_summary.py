@@ -6,21 +6,27 @@
 Reads, where present (a missing or failed step leaves its keys null):
   selection.json  scripts/bench_selection.py --out: exact-k rows against torch.topk
   stages.json     scripts/bench_bucket_select.py --out: the exact-k stages against compute
-  overhead.json   scripts/bench_overhead.py --json: the exchange against compute, host reads
-                  (overhead_cuda.md, its table, where the JSON is missing)
+  overhead.json   scripts/bench_overhead.py --json: the exchange against compute, host reads,
+                  at batch 16 and 128 (overhead_cuda.md, its table, where the JSON is missing)
+  profile.json    scripts/profile_exchange.py --out: device time and kernel launches per step
   env.json        device and versions (gpu_check.sh)
 
 summary.json keys: device, torch; selection_speedup_vs_topk {1M, 16M, 64M}: median
-torch.topk time over median exact-k (Triton) time, Gaussian, D = 0.001, same process;
-exchange_share_of_compute {vgg_fc4096, resnet20}: the compressed exchange over forward +
-backward + update, from bench_overhead.py's rows of the method that selects exactly k per
-layer of a bucket on the device (``redsync_mc_exact_k``, else the first *exact_k* method);
-host_waits_per_step: that method's host reads in one whole exchange step outside the finite
-check (the hooks' submits, the collectives' start, the decode; the largest over the models),
-or, without overhead.json, the synchronising calls in one step of the exact-k stages
+torch.topk time over median exact-k (Triton) time, Gaussian, D = 0.001, same process, eager
+(also under selection_speedup_vs_topk_eager), beside selection_speedup_vs_topk_graph, the
+same launches replayed from a CUDA graph; exchange_share_of_compute {vgg_fc4096, resnet20}:
+the compressed exchange over forward + backward + update at the model's batch (16), and
+exchange_share_of_compute_b128 at batch 128, from bench_overhead.py's rows of the method that
+selects exactly k per layer of a bucket on the device (``redsync_mc_exact_k``, else the first
+*exact_k* method); exchange_device_ms and launches_per_step {vgg_fc4096, resnet20}: that
+method's device time and kernel launches per exchange step at batch 16 (profile_exchange.py,
+torch.profiler); host_waits_per_step: its host reads in one whole exchange step outside the
+finite check (the hooks' submits, the collectives' start, the decode; the largest over the
+models), or, without overhead.json, the synchronising calls in one step of the exact-k stages
 (bench_bucket_select.py, Triton). ``finite_check_reads_per_step`` and
 ``device_syncs_per_step`` (torch's sync debug mode over the same step, finite check
-included) stand beside it. Further keys give the other rows behind these numbers.
+included) stand beside it. Further keys give the other rows behind these numbers (the graph
+variant's, ``redsync_mc_exact_k_graph``, where the configuration has it).
 """
 from __future__ import annotations
 
@@ -56,25 +62,36 @@ def selection(results):
     return out
 
 
-def overhead(results):
-    """{method: {model: row}} from bench_overhead's JSON, or (older runs) its markdown table,
-    where a row holds only the share."""
+def overhead(results, batch=16):
+    """{method: {model: row}} at one batch size from bench_overhead's JSON (rows without a batch:
+    the model's own, 16), or (older runs) its markdown table, where a row holds only the share."""
     data = load_json(os.path.join(results, "overhead.json"))
     out = {}
     if data is not None:
         for r in data.get("rows", []):
-            out.setdefault(r["method"], {})[r["model"]] = r
+            if r.get("batch", 16) == batch:
+                out.setdefault(r["method"], {})[r["model"]] = r
         return out
     try:
         with open(os.path.join(results, "overhead_cuda.md")) as f:
             lines = f.read().splitlines()
     except OSError:
         return {}
-    for line in lines:
+    for line in lines if batch == 16 else []:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 9 and cells[0] in MODELS and re.fullmatch(r"[\d.]+%", cells[8]):
             out.setdefault(cells[2], {})[cells[0]] = {"ratio": float(cells[8][:-1]) / 100}
     return out
+
+
+def profiled(results, method):
+    """{model: row} of profile_exchange.py's rows for one method at batch 16."""
+    data = load_json(os.path.join(results, "profile.json")) or {}
+    return {r["model"]: r for r in data.get("exchange", []) if r.get("method") == method and r.get("batch") == 16}
+
+
+def shares(over, method):
+    return {m: (round(over[method][m]["ratio"], 4) if method and m in over.get(method, {}) else None) for m in MODELS}
 
 
 def exact_k_method(over):
@@ -92,19 +109,24 @@ def summary(results):
     env = load_json(os.path.join(results, "env.json")) or {}
     sel = selection(results)
     stages = load_json(os.path.join(results, "stages.json")) or {}
-    over = overhead(results)
-    exact = exact_k_method(over)
+    over, over128 = overhead(results), overhead(results, 128)
+    exact = exact_k_method(over) or exact_k_method(over128)
     exact_rows = list(over.get(exact, {}).values())
     triton_rows = [r.get("triton", {}) for r in stages.get("rows", [])]
     stage_waits = most(triton_rows, "host_waits")
     waits = most(exact_rows, "host_reads")
-    main = sel.get("exact-k triton", {})
+    eager, graph = sel.get("exact-k triton", {}), sel.get("exact-k triton-graph", {})
+    prof = profiled(results, exact or "redsync_mc_exact_k")
     return {
         "device": env.get("device") or stages.get("machine", {}).get("device"),
         "torch": env.get("torch"),
-        "selection_speedup_vs_topk": {s: main.get(s) for s in SIZES},
-        "exchange_share_of_compute": {m: (round(over[exact][m]["ratio"], 4) if exact and m in over[exact] else None)
-                                      for m in MODELS},
+        "selection_speedup_vs_topk": {s: eager.get(s) for s in SIZES},
+        "selection_speedup_vs_topk_eager": {s: eager.get(s) for s in SIZES},
+        "selection_speedup_vs_topk_graph": {s: graph.get(s) for s in SIZES},
+        "exchange_share_of_compute": shares(over, exact),
+        "exchange_share_of_compute_b128": shares(over128, exact),
+        "exchange_device_ms": {m: _round(prof.get(m, {}).get("device_ms"), 4) for m in MODELS},
+        "launches_per_step": {m: _round(prof.get(m, {}).get("launches"), 1) for m in MODELS},
         "host_waits_per_step": waits if waits is not None else stage_waits,
         # what the keys above come from, and the rows beside them
         "host_waits_scope": ("one whole exchange step of %s outside the finite check: submits, collectives' start, "
@@ -117,6 +139,10 @@ def summary(results):
         "exchange_share_method": exact,
         "exchange_share_by_method": {m: {model: round(r["ratio"], 4) for model, r in rows.items()}
                                      for m, rows in over.items()},
+        "exchange_share_by_method_b128": {m: {model: round(r["ratio"], 4) for model, r in rows.items()}
+                                          for m, rows in over128.items()},
+        "exchange_device_ms_graph": {m: _round(r.get("device_ms"), 4)
+                                     for m, r in profiled(results, "redsync_mc_exact_k_graph").items()},
         "host_reads_by_method": {m: {model: r.get("host_reads") for model, r in rows.items()}
                                  for m, rows in over.items()},
         "selection_speedup_by_backend": sel,
@@ -127,6 +153,14 @@ def summary(results):
     }
 
 
+def _fmt(pattern, v, scale=1):
+    return "-" if v is None else pattern % (v * scale)
+
+
+def _round(v, digits):
+    return None if v is None or v != v else round(v, digits)
+
+
 def markdown(s):
     lines = ["Device: %s; torch %s; %s." % (s["device"], s["torch"],
                                              ", ".join("%s %s" % kv for kv in s["versions"].items())), "",
@@ -134,14 +168,16 @@ def markdown(s):
     for backend, row in sorted(s["selection_speedup_by_backend"].items()):
         lines.append("| speedup vs torch.topk, D=0.001: %s | %s |" % (
             backend, " | ".join("-" if row.get(k) is None else "%.2fx" % row[k] for k in SIZES)))
-    lines += ["", "| model | exchange / compute (%s) | exact-k stages / compute |" % (s["exchange_share_method"] or
-                                                                                    "no exact-k method yet"),
-              "|---|---:|---|"]
+    lines += ["", "| model | exchange / compute, batch 16 (%s) | batch 128 | device ms / step | launches / step "
+              "| exact-k stages / compute |" % (s["exchange_share_method"] or "no exact-k method yet"),
+              "|---|---:|---:|---:|---:|---|"]
     for m in MODELS:
-        share = s["exchange_share_of_compute"][m]
+        share, share128 = s["exchange_share_of_compute"][m], s["exchange_share_of_compute_b128"][m]
         stages = s["exact_k_stages_share_of_compute"].get(m, {})
-        lines.append("| %s | %s | %s |" % (m, "-" if share is None else "%.1f%%" % (100 * share),
-                                           ", ".join("%s %.1f%%" % (b, 100 * v) for b, v in stages.items()) or "-"))
+        dev, launches = s["exchange_device_ms"][m], s["launches_per_step"][m]
+        lines.append("| %s | %s | %s | %s | %s | %s |" % (
+            m, _fmt("%.1f%%", share, 100), _fmt("%.1f%%", share128, 100), _fmt("%.3f", dev), _fmt("%.0f", launches),
+            ", ".join("%s %.1f%%" % (b, 100 * v) for b, v in stages.items()) or "-"))
     lines += ["", "Host waits per step (%s): %s; reads of the finite check: %s; device syncs per step (torch's "
               "sync debug mode, finite check included): %s." % (
                   s["host_waits_scope"], s["host_waits_per_step"], s["finite_check_reads_per_step"],
@@ -157,7 +193,9 @@ def main():
         json.dump(s, f, indent=1)
     with open(os.path.join(sys.argv[1], "summary.md"), "w") as f:
         f.write(markdown(s))
-    print(json.dumps({k: s[k] for k in ("device", "torch", "selection_speedup_vs_topk", "exchange_share_of_compute",
+    print(json.dumps({k: s[k] for k in ("device", "torch", "selection_speedup_vs_topk_eager",
+                                        "selection_speedup_vs_topk_graph", "exchange_share_of_compute",
+                                        "exchange_share_of_compute_b128", "exchange_device_ms", "launches_per_step",
                                         "host_waits_per_step")}, indent=1))
 
 

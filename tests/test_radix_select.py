@@ -36,7 +36,7 @@ def sort_reference(x, seg, sign):
     """Per layer: a stable sort of the keys, the first k, ascending; SBC's side by its mean key."""
     out = []
     for i, k in enumerate(seg.ks):
-        v = x[seg.offsets[i]:seg.offsets[i + 1]].cpu()
+        v = x[seg.offsets[i]:seg.offsets[i] + seg.sizes[i]].cpu()
         key = v.abs().double()
         pos, neg = torch.where(v.view(torch.int32) < 0, 0.0, key), torch.where(v.view(torch.int32) < 0, key, 0.0)
 
@@ -70,20 +70,29 @@ def assert_exact(sel, x, seg, sign):
 layers = st.lists(st.integers(0, 2500), min_size=1, max_size=6)
 
 
+def padded(seg, x, fill=0.0):
+    """The layers of the flat x in seg's layout, its padding set to ``fill``."""
+    out = torch.full((seg.n,), fill, device=x.device)
+    for view, layer in zip(seg.views(out), torch.split(x, list(seg.sizes))):
+        view.copy_(layer)
+    return out
+
+
 @settings(max_examples=60, deadline=None)
 @given(sizes=layers, fracs=st.lists(st.floats(0, 1), min_size=6, max_size=6), seed=st.integers(0, 10 ** 6),
        kind=st.sampled_from(["gauss", "heavy", "ties", "zeros"]), sign=st.sampled_from(rs.SIGNS),
-       tile=st.sampled_from([16, 256, 0]))
-def test_exactly_the_k_largest_keys_ties_by_position(sizes, fracs, seed, kind, sign, tile):
+       tile=st.sampled_from([16, 256, 0]), align=st.sampled_from([1, 16]))
+def test_exactly_the_k_largest_keys_ties_by_position(sizes, fracs, seed, kind, sign, tile, align):
+    """Padding (NaN here, with align=16) is never read as data."""
     ks = [round(f * n) for f, n in zip(fracs, sizes)]
-    seg = Segments(sizes, ks, tile=tile)
-    x = bucket(sizes, seed, kind)
+    seg = Segments(sizes, ks, tile=tile, align=align)
+    x = padded(seg, bucket(sizes, seed, kind), float("nan"))
     sel = rs.select(seg, x, sign=sign, mean=sign is not None, backend="torch")
     assert sel.positions.shape == (sum(ks),) and sel.positions.dtype == torch.int32
     assert_exact(sel, x, seg, sign)
     assert not sel.nonfinite.any()
     for i, k in enumerate(ks):
-        v = x[seg.offsets[i]:seg.offsets[i + 1]]
+        v = x[seg.offsets[i]:seg.offsets[i] + seg.sizes[i]]
         got = sel.positions[seg.kofs[i]:seg.kofs[i + 1]].long()
         key = v.abs() if sign is None else torch.where((v < 0) == bool(sel.side[i]), v.abs(), 0.0)
         if k:   # kth: the k-th largest key of the kept side
@@ -110,15 +119,16 @@ def test_many_layers_tiny_ones_and_k_near_n(device, n_layers):
 
 def conservation_run(backend, device, *, sign, mean, value_dtype, grad_dtype, momentum, steps=3):
     """Several steps of compensate -> select(update) -> decode of the own message: what was
-    sent plus what is kept equals everything that came in (DGC: the velocities)."""
+    sent plus what is kept equals everything that came in (DGC: the velocities); layers
+    aligned to 16 elements."""
     sizes, ks = [3000, 17, 800, 1], [30, 17, 8, 1]
-    seg = Segments(sizes, ks, tile=256)
+    seg = Segments(sizes, ks, tile=256, align=16)
     n, gen = seg.n, torch.Generator().manual_seed(7)
     r, u = torch.zeros(n, device=device), torch.zeros(n, device=device)
     total = torch.zeros(n, dtype=torch.float64, device=device)
     sent = torch.zeros(n, dtype=torch.float64, device=device)
     for _ in range(steps):
-        g = torch.randn(n, generator=gen).to(device, grad_dtype)
+        g = padded(seg, torch.randn(sum(sizes), generator=gen)).to(device, grad_dtype)   # the padding holds 0
         x, u_new = torch.empty(n, device=device), torch.empty(n, device=device)
         hist = rs.compensate(seg, r, g, x, velocity=u if momentum else None, velocity_out=u_new if momentum else None,
                              momentum=momentum, sign=sign, backend=backend)
@@ -221,8 +231,15 @@ def test_layout_and_bad_input():
     seg = Segments([10, 0, 5000, 3], [1, 0, 50, 3], tile=1024)
     tab = seg.tables("cpu")
     assert seg.offsets == (0, 10, 10, 5010, 5013) and seg.kofs == (0, 1, 1, 51, 54) and seg.k_total == 54
-    assert tab.tile_seg.tolist() == [0, 2, 2, 2, 2, 2, 3] and tab.seg_tile.tolist() == [0, 1, 1, 6, 7]
-    assert tab.tile_hi.tolist() == [10, 1034, 2058, 3082, 4106, 5010, 5013]
+    # every layer has a tile, an empty one for a layer of 0 elements
+    assert tab.tile_seg.tolist() == [0, 1, 2, 2, 2, 2, 2, 3] and tab.seg_tile.tolist() == [0, 1, 2, 7, 8]
+    assert tab.tile_hi.tolist() == [10, 10, 1034, 2058, 3082, 4106, 5010, 5013]
+    aligned = Segments([10, 0, 5000, 3], [1, 0, 50, 3], tile=1024, align=16)
+    assert aligned.offsets == (0, 16, 16, 5024, 5040) and aligned.n == 5040 and aligned.padded
+    tab = aligned.tables("cpu")
+    assert tab.tile_lo.tolist() == [0, 16, 16, 1040, 2064, 3088, 4112, 5024]     # starts: multiples of 16
+    assert tab.tile_hi.tolist() == [10, 16, 1040, 2064, 3088, 4112, 5016, 5027]  # ends: the real elements'
+    assert [v.numel() for v in aligned.views(torch.zeros(aligned.n))] == [10, 0, 5000, 3]
     assert auto_tile(1 << 20) == 8192 and auto_tile(1 << 24) == 32768 and auto_tile(1 << 26) == 65536
     x = torch.zeros(seg.n)
     with pytest.raises(ValueError, match="layer 1 has size 4 and k 5"):

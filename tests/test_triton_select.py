@@ -43,6 +43,14 @@ def bucket(sizes, seed, kind):
     return x.to(DEV)
 
 
+def padded(seg, x, fill=0.0):
+    """The layers of the flat x in seg's layout (its padding set to ``fill``)."""
+    out = torch.full((seg.n,), fill, device=x.device)
+    for view, layer in zip(seg.views(out), torch.split(x, list(seg.sizes))):
+        view.copy_(layer)
+    return out
+
+
 def same(a, b):
     """Equal bit for bit (NaN included), or both None."""
     if a is None or b is None:
@@ -73,12 +81,12 @@ def assert_same(a, b, mean_rtol=1e-6):
 @given(sizes=st.lists(st.integers(0, 2500), min_size=1, max_size=3),
        fracs=st.lists(st.sampled_from([0.0, 0.001, 0.01, 0.3, 0.99, 1.0]), min_size=3, max_size=3),
        seed=st.integers(0, 10 ** 6), kind=st.sampled_from(["gauss", "ties", "heavy"]),
-       sign=st.sampled_from(rs.SIGNS), tile=st.sampled_from([512, 1024]))
-@example(sizes=[2500, 3, 1800], fracs=[0.01, 1.0, 0.3], seed=1, kind="ties", sign="larger", tile=512)
-@example(sizes=[2400, 1], fracs=[0.99, 1.0], seed=2, kind="heavy", sign="neg", tile=512)
-def test_triton_equals_the_reference(sizes, fracs, seed, kind, sign, tile):
-    seg = Segments(sizes, [round(f * n) for f, n in zip(fracs, sizes)], tile=tile)
-    x = bucket(sizes, seed, kind)
+       sign=st.sampled_from(rs.SIGNS), tile=st.sampled_from([512, 1024]), align=st.sampled_from([1, 16]))
+@example(sizes=[2500, 3, 1800], fracs=[0.01, 1.0, 0.3], seed=1, kind="ties", sign="larger", tile=512, align=16)
+@example(sizes=[2400, 1], fracs=[0.99, 1.0], seed=2, kind="heavy", sign="neg", tile=512, align=1)
+def test_triton_equals_the_reference(sizes, fracs, seed, kind, sign, tile, align):
+    seg = Segments(sizes, [round(f * n) for f, n in zip(fracs, sizes)], tile=tile, align=align)
+    x = padded(seg, bucket(sizes, seed, kind))
     a, b, (xa, xb), _ = both(seg, x, sign=sign, mean=sign not in (None, "larger"), update=True)
     assert_same(a, b)
     assert same(xa, xb), "the residual update"
@@ -100,6 +108,24 @@ def test_fused_residual_update_and_velocity_masking(sign, mean, value_dtype, ind
     assert b.positions.dtype == index_dtype and (mean or b.values.dtype == value_dtype)
     rs.decode_add(seg, xb, b.positions, b.values, means=b.means, backend="triton")
     assert torch.allclose(xb, x, rtol=0, atol=1e-6), "what was sent plus what is kept is x"
+
+
+@pytest.mark.parametrize("sign,mean,value_dtype", [("neg", True, torch.float32), (None, False, torch.float16)])
+def test_the_update_in_the_write_pass_is_the_decode_of_the_own_message(sign, mean, value_dtype):
+    """select(update=True, velocity=u) leaves x and u bit for bit as select, then the decode of
+    the own message with alpha = -1 and the velocity masked (the exchange's memory update), do:
+    the memory update can ride on the write pass (five launches instead of six)."""
+    sizes = [3000, 5, 1200]
+    seg = Segments(sizes, [30, 5, 12], tile=2048, align=16)
+    gen = torch.Generator().manual_seed(12)
+    x, u = (padded(seg, torch.randn(sum(sizes), generator=gen).to(DEV)) for _ in range(2))
+    xa, ua, xb, ub = x.clone(), u.clone(), x.clone(), u.clone()
+    a = rs.select(seg, xa, sign=sign, mean=mean, value_dtype=value_dtype, backend="triton")
+    wire = {"means": a.means} if mean else {"values": a.values}
+    rs.decode_add(seg, xa, a.positions, alpha=-1.0, zero=ua, backend="triton", **wire)
+    b = rs.select(seg, xb, sign=sign, mean=mean, value_dtype=value_dtype, update=True, velocity=ub, backend="triton")
+    assert_same(a, b)
+    assert same(xa, xb) and same(ua, ub)
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -139,6 +165,122 @@ def test_sixty_layers_nonfinite_and_tiny_layers():
         a, b, _, _ = both(seg, x, sign=sign, mean=mean)
         assert_same(a, b)
         assert b.nonfinite.nonzero().flatten().tolist() == [3, 40]
+
+
+def workspace_is_clean(seg, R):
+    """The histograms and arrival counters a call uses are zero again after it."""
+    ws = triton_select.workspace(seg, R, DEV)
+    return all(int(t.abs().sum()) == 0 for t in (ws.hist1, ws.hist2, ws.hist3, ws.arrivals))
+
+
+@pytest.mark.parametrize("sign,mean", [(None, False), ("larger", True)])
+def test_tiles_whose_candidates_overflow_their_buffer_are_read_again(sign, mean):
+    """A layer of equal values (every element in the chosen bin) and one of zeros with k above
+    its non-zeros overflow their tiles' candidate buffers; the stages read those tiles again,
+    beside tiles that kept their candidates, and the result is the reference's."""
+    sizes = [3000, 2048, 1500, 40]
+    seg = Segments(sizes, [30, 5, 200, 40], tile=512, align=16)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(sum(sizes), generator=gen)
+    x[3000:5048] = -0.5                                             # ties: all in one bin
+    x[5048:6548] = torch.where(torch.rand(1500, generator=gen) < 0.9, 0.0, x[5048:6548])   # T = 0
+    x, u = padded(seg, x.to(DEV)), padded(seg, torch.randn(sum(sizes), generator=gen).to(DEV))
+    R = 1 if sign is None else 2
+    a, b, (xa, xb), (ua, ub) = both(seg, x, sign=sign, mean=mean, update=True, velocity=u)
+    assert_same(a, b)
+    assert same(xa, xb) and same(ua, ub)
+    ws = triton_select.workspace(seg, R, DEV)
+    caps = (ws.cand_lo[1:] - ws.cand_lo[:-1]).cpu()
+    spilled = ws.cand_n.cpu() > caps
+    assert spilled.any() and (~spilled).any(), (ws.cand_n, caps)
+    assert workspace_is_clean(seg, R)
+
+
+def test_padding_is_never_selected_and_stays_zero():
+    """With align=16 the gaps between layers are never read as data: NaN there raises no flag
+    and changes nothing; the compensation writes zeros there."""
+    sizes = [1000, 3, 777, 1]
+    seg = Segments(sizes, [10, 3, 7, 1], tile=256, align=16)
+    gen = torch.Generator().manual_seed(9)
+    r, g, u = (torch.randn(sum(sizes), generator=gen).to(DEV) for _ in range(3))
+    pad = torch.ones(seg.n, dtype=torch.bool, device=DEV)
+    for view in seg.views(pad):
+        view.fill_(False)
+    outs = {}
+    for backend in ("torch", "triton"):
+        x, u_new = torch.full((seg.n,), float("nan"), device=DEV), torch.full((seg.n,), float("nan"), device=DEV)
+        hist = rs.compensate(seg, padded(seg, r, float("nan")), padded(seg, g, float("nan")), x,
+                             velocity=padded(seg, u, float("nan")), velocity_out=u_new, momentum=0.9, sign="pos",
+                             backend=backend)
+        assert (x[pad] == 0).all() and (u_new[pad] == 0).all(), backend
+        sel = rs.select(seg, x, sign="pos", mean=True, hist=hist, update=True, velocity=u_new, backend=backend)
+        assert not sel.nonfinite.any()
+        outs[backend] = (sel, x, u_new)
+    (a, xa, ua), (b, xb, ub) = outs["torch"], outs["triton"]
+    assert_same(a, b)
+    assert same(xa, xb) and same(ua, ub) and (xb[pad] == 0).all()
+    x = padded(seg, r, float("nan"))             # a select alone reads no padding either
+    a, b, _, _ = both(seg, x, sign=None)
+    assert_same(a, b) and not b.nonfinite.any()
+
+
+def test_a_histogram_nobody_consumed_is_not_added_to():
+    """compensate's histogram is the layout's workspace, which select leaves zeroed; a second
+    compensate before any select starts from zero again, and a select given another histogram
+    uses that one."""
+    sizes = [3000, 500]
+    seg = Segments(sizes, [30, 5], tile=1024, align=16)
+    gen = torch.Generator().manual_seed(4)
+    r, g = (torch.randn(seg.n, generator=gen).to(DEV) for _ in range(2))
+    x_ref = torch.empty_like(r)
+    h_ref = rs.compensate(seg, r, g, x_ref, backend="torch")
+    want = rs.select(seg, x_ref.clone(), hist=h_ref, backend="torch")
+    x = torch.empty_like(r)
+    rs.compensate(seg, g, r, x, backend="triton")               # never consumed
+    hist = rs.compensate(seg, r, g, x, backend="triton")
+    assert torch.equal(hist, h_ref)
+    assert_same(want, rs.select(seg, x.clone(), hist=hist, backend="triton"))
+    assert workspace_is_clean(seg, 1)
+    rs.compensate(seg, g, r, x.clone(), backend="triton")       # never consumed again
+    assert_same(want, rs.select(seg, x, hist=h_ref, backend="triton"))
+    assert workspace_is_clean(seg, 1)
+
+
+def model_bucket(model, options, scale):
+    """A bucket shaped like a model's compressed layers (those of at least 4096 elements, in
+    order, k = ceil(0.001 n)), each layer's size divided by ``scale`` (launches do not depend on
+    sizes; the interpreter's time does)."""
+    import math
+
+    from redsync_hvd.models import build_model
+    with torch.device("meta"):           # the shapes only
+        net = build_model(model, 10, (3, 32, 32), **options)
+    sizes = [max(1, p.numel() // scale) for p in net.parameters() if p.numel() >= 4096]
+    return Segments(sizes, [math.ceil(0.001 * n) for n in sizes], align=16)
+
+
+@pytest.mark.parametrize("model,options,scale", [("resnet20", {}, 16),
+                                                 ("vgg", {"fc_width": 4096, "width": 0.25}, 4096)])
+def test_five_launches_per_bucket_whatever_its_layers(model, options, scale):
+    """compensate (DGC momentum) + select with sign_mean, the residual update and the velocity
+    masking, as a step of the exchange runs them: five Triton launches and no other kernel
+    (no fill, no copy, no cast), counted with core/launches.py once the layout's tables and
+    workspace exist (built once per layout)."""
+    from redsync_hvd.core.launches import Launches
+    seg = model_bucket(model, options, scale)
+    gen = torch.Generator().manual_seed(0)
+    r, u, g = (torch.randn(seg.n, generator=gen).to(DEV) for _ in range(3))
+    x, u_new = torch.zeros_like(r), torch.zeros_like(r)
+    seg.tables(DEV), rs.k_rows(seg, DEV, "pos"), triton_select.workspace(seg, 2, DEV)
+    with Launches() as launches:
+        hist = rs.compensate(seg, r, g, x, velocity=u, velocity_out=u_new, momentum=0.9, sign="pos", backend="triton")
+        sel = rs.select(seg, x, sign="pos", mean=True, hist=hist, update=True, velocity=u_new, backend="triton")
+    assert launches.triton == ["_pass1", "_filter", "_refine", "_count", "_write"], launches.triton
+    assert launches.aten == [], launches.aten
+    with Launches() as launches:        # the count can fail: it sees other kernels
+        rs.decode_add(seg, x, sel.positions, means=sel.means, backend="triton")
+        x.zero_()
+    assert launches.triton == ["_decode"] and launches.aten == ["aten::zero_"], (launches.triton, launches.aten)
 
 
 def test_decode_of_gathered_messages_is_the_reference_in_rank_order():
@@ -255,7 +397,8 @@ def test_exchange_with_the_kernels_equals_the_reference(quantize):
 def test_every_kernel_compiles_for_sm90_without_spills():
     """The interpreter accepts code the compiler rejects: compile the widest variant of each
     kernel for an H100/H200 (no GPU needed) in a fresh process, where the kernels are not
-    decorated for the interpreter."""
+    decorated for the interpreter. With layers aligned to 16 elements the streaming passes
+    load 128 bits at a time."""
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -265,3 +408,5 @@ def test_every_kernel_compiles_for_sm90_without_spills():
     if got.returncode == 2:
         pytest.skip(got.stdout.strip())
     assert got.returncode == 0, got.stdout + got.stderr[-2000:]
+    wide = {line.split()[1]: int(line.rsplit(" ", 1)[1]) for line in got.stdout.splitlines() if "128-bit" in line}
+    assert wide["_pass1"] >= 4 and wide["_filter"] >= 4, got.stdout

@@ -150,8 +150,12 @@ def compensate(seg: Segments, residual: torch.Tensor, grad: torch.Tensor, out: t
     else:   # the kernels' order of operations, unfused (torch.add's alpha may use an FMA)
         torch.add(g, velocity * momentum, out=velocity_out)
         torch.add(residual, g + velocity_out * momentum if nesterov else velocity_out, out=out)
-    key, neg = _keys(out)
-    return _histogram(0, key, neg, seg.seg_of(out.device), R, None, len(seg))
+    if seg.padded:   # the kernels write zeros between layers
+        for t in (out, velocity_out):
+            if t is not None:
+                t.index_fill_(0, _padding(seg, out.device), 0.0)
+    key, neg = _keys(_real(seg, out))
+    return _histogram(0, key, neg, seg.compact().seg_of(out.device), R, None, len(seg))
 
 
 def select(seg: Segments, x: torch.Tensor, *, sign: str | None = None, mean: bool = False,
@@ -243,6 +247,20 @@ def update_residual(seg: Segments, x: torch.Tensor, sel: Selection, *, sent: tor
 
 # ---- the torch reference: the kernels' steps in plain torch ops (any device) ----------------
 
+def _real(seg: Segments, flat: torch.Tensor) -> torch.Tensor:
+    """The layers' elements of a flat buffer, back to back (the buffer itself without padding)."""
+    return flat.index_select(0, seg.real(flat.device)) if seg.padded else flat
+
+
+def _padding(seg: Segments, device) -> torch.Tensor:
+    """The flat indices of the padding between layers."""
+    def build():
+        ends = [o + s for o, s in zip(seg.offsets, seg.sizes)]
+        pad = [i for end, start in zip(ends, seg.offsets[1:]) for i in range(end, start)]
+        return to_device(torch.tensor(pad, dtype=torch.int64), device)
+    return seg.derived("padding", device, build)
+
+
 def _keys(x: torch.Tensor):
     bits = x.view(torch.int32)
     return bits & ABS, (bits < 0).long()
@@ -284,7 +302,8 @@ def _ref_select(seg, x, R, active, k_row, hist, index_dtype, value_dtype, mean, 
     choose / refine: T, need per row; 3. per selected row the sum of its keys above T, the
     mean magnitude over its k, the side (SBC: the larger); 4. compaction of the kept row;
     5. with update: x -= what was sent there."""
-    L, K, dev = len(seg), seg.k_total, x.device
+    L, K, dev, layout, flat = len(seg), seg.k_total, x.device, seg, x
+    x, seg = _real(seg, x), seg.compact()      # padding is never selected: leave it out
     tab, seg_of = seg.tables(dev), seg.seg_of(dev)
     key, neg = _keys(x)
     h = _histogram(0, key, neg, seg_of, R, None, L) if hist is None else hist
@@ -319,7 +338,7 @@ def _ref_select(seg, x, R, active, k_row, hist, index_dtype, value_dtype, mean, 
     pos = pos[:K]
     if update:   # what receivers decode: the mean, or the values as they travel
         sent = {"means": means} if mean else {"values": vals}
-        decode_add(seg, x, pos, alpha=-1.0, zero=velocity, backend="torch", **sent)
+        decode_add(layout, flat, pos, alpha=-1.0, zero=velocity, backend="torch", **sent)
     return pos, vals, means, bad, t_row.to(torch.int32), side.to(torch.int8)
 
 

@@ -1,13 +1,24 @@
 """The layout of a bucket: several layers back to back in one flat buffer, each with its own k.
 
     seg = Segments(sizes=[4096, 10, 250000], ks=[41, 1, 250])
-    seg.offsets   # (0, 4096, 4106, 254106): layer i is flat[offsets[i]:offsets[i+1]]
+    seg.offsets   # (0, 4096, 4106, 254106): layer i is flat[offsets[i]:offsets[i] + sizes[i]]
     seg.kofs      # (0, 41, 42, 292): layer i's k selected positions are out[kofs[i]:kofs[i+1]]
+
+    seg = Segments([4096, 10, 250000], [41, 1, 250], align=16)
+    seg.offsets   # (0, 4096, 4112, 254112): every layer starts at a multiple of 16 elements
+    seg.n         # 254112: the flat buffer's length, padding included (a multiple of 16)
+
+With ``align=16`` a layer's start is a multiple of 16 elements (64 bytes of float32), so the
+kernels load and store 128 bits at a time; the elements between a layer's end and the next
+start are padding: no kernel reads them as data, none is ever selected, and the compensation
+writes zeros there, so a flat buffer allocated zeroed keeps zeros in its padding.
 
 Everything a kernel needs about the layout is built once per device (``tables``) and cached,
 so a step copies nothing to the device and reads nothing back. The kernels walk the buffer
 in *tiles*: runs of at most ``tile`` elements that never cross a layer boundary, so each
-program knows its layer from one load and a layer's tiles are consecutive.
+program knows its layer from one load and a layer's tiles are consecutive. Every layer has
+at least one tile (an empty one for a layer of 0 elements), so per-layer work can be left
+to the last of a layer's programs.
 """
 from __future__ import annotations
 
@@ -22,6 +33,7 @@ _MAX_LAYER = 2 ** 31 - 1      # positions and counts are int32 inside the kernel
 SHIFTS = (23, 11, 0)
 BINS = (256, 4096, 2048)
 NONFINITE_BIN = 0x7F800000 >> 23   # level-1 bin 255 (exponent all ones) holds NaN and Inf
+VECTOR = 16                        # elements of the alignment that lets the kernels vectorise
 
 
 def auto_tile(n: int) -> int:
@@ -35,7 +47,7 @@ def auto_tile(n: int) -> int:
 @dataclass(frozen=True)
 class Tables:
     """Device tensors describing a ``Segments`` layout (built once per device)."""
-    offsets: torch.Tensor    # (L+1,) int64: layer starts in the flat buffer
+    offsets: torch.Tensor    # (L+1,) int64: layer starts in the flat buffer, then n
     kofs: torch.Tensor       # (L+1,) int64: layer starts in the selected positions
     ks: torch.Tensor         # (L,) int32
     tile_seg: torch.Tensor   # (T,) int32: the layer of each tile
@@ -46,13 +58,14 @@ class Tables:
 
 
 class Segments:
-    """Layer i occupies ``flat[offsets[i]:offsets[i+1]]`` and sends exactly ``ks[i]`` of it.
+    """Layer i occupies ``flat[offsets[i]:offsets[i] + sizes[i]]`` and sends exactly ``ks[i]`` of it.
 
     sizes: elements per layer (0 allowed); ks: 0 <= ks[i] <= sizes[i]. ``tile``: elements per
-    kernel program, a power of two >= 16 (default: ``auto_tile(n)``).
+    kernel program, a power of two >= 16 (default: ``auto_tile(n)``). ``align``: each layer
+    starts at a multiple of this many elements (1: back to back; 16: the kernels' vector width).
     """
 
-    def __init__(self, sizes: Sequence[int], ks: Sequence[int], *, tile: int = 0):
+    def __init__(self, sizes: Sequence[int], ks: Sequence[int], *, tile: int = 0, align: int = 1):
         sizes, ks = tuple(int(s) for s in sizes), tuple(int(k) for k in ks)
         if not sizes or len(sizes) != len(ks):
             raise ValueError("Segments: give one k per layer and at least one layer "
@@ -65,19 +78,26 @@ class Segments:
         tile = int(tile) or auto_tile(sum(sizes))
         if tile < 16 or tile & (tile - 1):
             raise ValueError(f"Segments: tile={tile} must be a power of two >= 16")
-        self.sizes, self.ks, self.tile = sizes, ks, tile
-        self.offsets = _cumsum(sizes)
+        if align < 1 or align & (align - 1) or align > 16:
+            raise ValueError(f"Segments: align={align} must be 1, 2, 4, 8 or 16 elements")
+        self.sizes, self.ks, self.tile, self.align = sizes, ks, tile, int(align)
+        self.offsets = _aligned_starts(sizes, self.align)
         self.kofs = _cumsum(ks)
         self.n, self.k_total = self.offsets[-1], self.kofs[-1]
+        self.padded = self.n != sum(sizes)
         self.max_k = max(ks)
         self._tables: dict[str, Tables] = {}
-        self._derived: dict[tuple, torch.Tensor] = {}
+        self._derived: dict[tuple, object] = {}
 
     def __len__(self) -> int:
         return len(self.sizes)
 
     def __repr__(self) -> str:
-        return f"Segments({len(self)} layers, n={self.n}, K={self.k_total}, tile={self.tile})"
+        return f"Segments({len(self)} layers, n={self.n}, K={self.k_total}, tile={self.tile}, align={self.align})"
+
+    def views(self, flat: torch.Tensor) -> list:
+        """Layer i's elements of a flat buffer of this layout, as views (no copy)."""
+        return [flat[o:o + s] for o, s in zip(self.offsets, self.sizes)]
 
     def tables(self, device) -> Tables:
         """The layout's device tensors, built on the first call per device, then cached."""
@@ -86,32 +106,52 @@ class Segments:
             self._tables[key] = self._build(torch.device(device))
         return self._tables[key]
 
-    def derived(self, name: str, device, build: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """A tensor derived from the layout, built by ``build()`` on the first call per
-        (name, device) and cached: per-mode k tables, the reference's per-element layer."""
+    def derived(self, name: str, device, build: Callable[[], object]):
+        """Something derived from the layout, built by ``build()`` on the first call per
+        (name, device) and cached: per-mode k tables, the reference's per-element layer, the
+        kernels' workspace."""
         key = (name, str(torch.device(device)))
         if key not in self._derived:
             self._derived[key] = build()
         return self._derived[key]
 
+    def compact(self) -> "Segments":
+        """The same layers and ks back to back (no padding): the torch reference's layout."""
+        if not self.padded:
+            return self
+        return self.derived("compact", "cpu", lambda: Segments(self.sizes, self.ks, tile=self.tile))
+
+    def real(self, device) -> torch.Tensor:
+        """(sum(sizes),) int64: the flat index of every element that is not padding, in order."""
+        def build():
+            idx = torch.cat([torch.arange(o, o + s, dtype=torch.int64) for o, s in zip(self.offsets, self.sizes)])
+            return to_device(idx, device)
+        return self.derived("real", device, build)
+
     def seg_of(self, device) -> torch.Tensor:
-        """(n,) int64: the layer of each element (the torch reference's table; the kernels
-        find the layer once per tile and never build it)."""
+        """(sum(sizes),) int64: the layer of each element of the compact layout (the torch
+        reference's table; the kernels find the layer once per tile and never build it)."""
         def build():
             layers = torch.arange(len(self), dtype=torch.int64)
             sizes = torch.tensor(self.sizes, dtype=torch.int64)
             # output_size: known here, so repeat_interleave reads nothing back
-            return to_device(torch.repeat_interleave(layers, sizes, output_size=self.n), device)
+            return to_device(torch.repeat_interleave(layers, sizes, output_size=sum(self.sizes)), device)
         return self.derived("seg_of", device, build)
 
-    def _build(self, device: torch.device) -> Tables:
+    def tile_bounds(self) -> tuple[list, list, list, list]:
+        """(tile_seg, tile_lo, tile_hi, seg_tile) as host lists: each layer's real elements cut
+        into runs of ``tile`` from its start; one empty tile for a layer of 0 elements."""
         tile_seg, tile_lo, tile_hi, seg_tile = [], [], [], [0]
-        for i, n in enumerate(self.sizes):
-            starts = range(self.offsets[i], self.offsets[i] + n, self.tile)
+        for i, (start, n) in enumerate(zip(self.offsets, self.sizes)):
+            starts = range(start, start + n, self.tile) if n else range(start, start + 1)
             tile_seg += [i] * len(starts)
             tile_lo += list(starts)
-            tile_hi += [min(s + self.tile, self.offsets[i] + n) for s in starts]
+            tile_hi += [min(s + self.tile, start + n) for s in starts]
             seg_tile.append(len(tile_seg))
+        return tile_seg, tile_lo, tile_hi, seg_tile
+
+    def _build(self, device: torch.device) -> Tables:
+        tile_seg, tile_lo, tile_hi, seg_tile = self.tile_bounds()
         layers = torch.arange(len(self), dtype=torch.int64)
         ks = torch.tensor(self.ks, dtype=torch.int64)
 
@@ -137,4 +177,12 @@ def _cumsum(values: Sequence[int]) -> tuple[int, ...]:
     out = [0]
     for v in values:
         out.append(out[-1] + v)
+    return tuple(out)
+
+
+def _aligned_starts(sizes: Sequence[int], align: int) -> tuple[int, ...]:
+    """Each layer's start rounded up to a multiple of ``align``, then the padded total."""
+    out = [0]
+    for s in sizes:
+        out.append(-(-(out[-1] + s) // align) * align)
     return tuple(out)
