@@ -98,6 +98,7 @@ METHODS = {
         "selection": {"method": "radix"},
         "message": {"quantize": "sign_mean"},
         "dgc": {"momentum_correction": True},
+        "cuda_graph": "off",
     },
     "redsync_mc_exact_k_torch": {
         "method": "redsync",
@@ -106,10 +107,8 @@ METHODS = {
         "message": {"quantize": "sign_mean"},
         "dgc": {"momentum_correction": True},
     },
-    # HOOK (eager against graph): redsync_mc_exact_k with each bucket's steps replayed from one CUDA
-    # graph, through the configuration key `compression.cuda_graph: auto | on | off` of the bucket
-    # plan (exchange/plan.py, exchange/graph.py). Until that key exists the configuration refuses
-    # it and this variant reports "cannot run" and gives no row; the other rows are unaffected.
+    # eager against graph: redsync_mc_exact_k with each bucket's steps replayed from one CUDA graph
+    # (compression.cuda_graph, exchange/graph.py); redsync_mc_exact_k itself runs with cuda_graph: off
     "redsync_mc_exact_k_graph": {
         "method": "redsync",
         "density": 0.001,

@@ -2,8 +2,8 @@
 
 On a GPU every kernel launch costs the host a few microseconds, so a step's launches bound its
 time from below whatever the kernels take (the H100 profile of a step with ~100 launches spent
-most of its time launching). ``core/op_count.py`` counts the aten ops a step dispatches and the
-Triton kernels it launches; here, on the CPU with the kernels in Triton's interpreter, a whole
+most of its time launching). ``core/launches.py`` counts the aten ops a step dispatches that launch a kernel
+and the Triton kernels it launches; here, on the CPU with the kernels in Triton's interpreter, a whole
 exchange step (every submit, the collectives' start, the decode, the finite agreement) of
 RedSync with exactly k per layer (``selection.method: radix``) and DGC momentum correction:
 
@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 
 from redsync_hvd.comm import LocalCommunicator  # noqa: E402
 from redsync_hvd.compressors.base import Layer  # noqa: E402
-from redsync_hvd.core.op_count import OpCount  # noqa: E402
+from redsync_hvd.core.launches import Launches  # noqa: E402
 from redsync_hvd.engine import MomentumSpec, build_exchange  # noqa: E402
 from redsync_hvd.models import build_model  # noqa: E402
 from redsync_hvd.torch.params import layers_of  # noqa: E402
@@ -32,7 +32,7 @@ pytest.importorskip("triton", reason="the kernels need triton: pip install -e .[
 DEV = "cuda" if CUDA else "cpu"
 # device launches of one whole step, and Triton launches per planned bucket (compensate, select,
 # decode); what the exchange adds beside the kernels is a fixed number of small ops per bucket
-BUDGET = {"step": 48, "triton_per_plan": 10}
+BUDGET = {"step": 36, "triton_per_plan": 6}
 
 
 def exchange(layers, fusion_bytes=16 << 20):
@@ -43,12 +43,12 @@ def exchange(layers, fusion_bytes=16 << 20):
     return build_exchange(spec, layers, LocalCommunicator(2), take_momentum=lambda: mom, agree=False).exchange
 
 
-def counted_step(ex, layers, warmup=1) -> OpCount:
+def counted_step(ex, layers, warmup=1) -> Launches:
     """The ops of one step, after ``warmup`` steps (layouts, tables and buffers are built by then)."""
     gen = torch.Generator().manual_seed(0)
     for step in range(warmup + 1):
         grads = {l.name: torch.randn(l.numel, generator=gen).to(DEV) for l in layers}
-        with OpCount() as ops:
+        with Launches() as ops:
             for layer in reversed(layers):
                 ex.submit(layer.name, grads[layer.name])
             ex.finish()
@@ -66,8 +66,8 @@ def test_no_device_work_per_layer():
     """Twice the layers in the same buckets: the same launches, aten ops and Triton kernels."""
     few, many = net(4, 64), net(8, 64)
     counts = [counted_step(exchange(layers), layers) for layers in (few, many)]
-    assert counts[0].kernels() == counts[1].kernels(), (counts[0].aten, counts[1].aten)
-    assert counts[0].launches == counts[1].launches
+    assert sorted(counts[0].aten) == sorted(counts[1].aten)
+    assert counts[0].triton == counts[1].triton
 
 
 @pytest.mark.parametrize("model,options", [("resnet20", {}), ("vgg", {"fc_width": 256, "width": 0.25})])
@@ -80,5 +80,5 @@ def test_a_step_stays_within_its_launch_budget(model, options):
     ex = exchange(layers)
     ops = counted_step(ex, layers)
     assert ex.plans, "the compressed layers run as a planned bucket"
-    assert ops.kernels() <= BUDGET["step"], (ops.kernels(), ops.aten, ops.launches)
-    assert sum(ops.launches.values()) <= BUDGET["triton_per_plan"] * len(ex.plans), ops.launches
+    assert ops.total <= BUDGET["step"], (ops.total, ops.aten, ops.triton)
+    assert len(ops.triton) <= BUDGET["triton_per_plan"] * len(ex.plans), ops.triton

@@ -25,7 +25,7 @@ import torch
 
 from ..core import radix_select as rs
 from ..core.passes import Compensated
-from ..core.segments import Segments
+from ..core.segments import VECTOR, Segments
 from .base import Compressor, FlatMessage, Layer, Message
 from .codec import MessageCodec
 
@@ -53,12 +53,13 @@ class ExactKCompressor(Compressor):
     def keeps_low_precision(self, layers: list) -> bool:
         return True   # the compensation kernel reads fp16/bf16 itself
 
-    def segments(self, layers) -> Segments:
-        """The bucket's layout at this step's k (cached: k changes only with the density policy)."""
-        key = tuple((l.name, l.numel, l.k) for l in layers)
+    def segments(self, layers, align: int = VECTOR) -> Segments:
+        """The bucket's layout at this step's k (cached: k changes only with the density policy), each
+        layer starting at a multiple of 16 elements so the kernels load 128 bits at a time."""
+        key = (align,) + tuple((l.name, l.numel, l.k) for l in layers)
         seg = self._segments.get(key)
         if seg is None:
-            seg = self._segments[key] = Segments([l.numel for l in layers], [l.k for l in layers])
+            seg = self._segments[key] = Segments([l.numel for l in layers], [l.k for l in layers], align=align)
         return seg
 
     def first_pass_flat(self, seg: Segments, step: int) -> rs.BucketRequest:
@@ -76,7 +77,7 @@ class ExactKCompressor(Compressor):
 
     # -- one layer alone (a bucket of one) ---------------------------------------------------
     def compress(self, x: torch.Tensor, layer: Layer, step: int, first=None) -> Message:
-        seg = self.segments([layer])
+        seg = self.segments([layer], align=1)   # x is the layer alone: no padding
         msg = self.compress_flat(Compensated(x.float()), seg, step, update=False)
         return Message(msg.tensors, self.codec.kinds, selected=layer.k, k=layer.k, positions=msg.tensors[0],
                        nonfinite=msg.nonfinite[0])

@@ -216,7 +216,7 @@ class GradientExchange:
                 if msg.nonfinite is True:
                     self._mark_bad(layer.name)   # sent empty; every rank fails the step in finish()
                 elif isinstance(msg.nonfinite, torch.Tensor):   # a device flag: counted by the bucket
-                    self.state.trace.append(((layer.name,), torch.where(msg.nonfinite, math.inf, 0.0)))
+                    self.state.trace.append(((layer.name,), msg.nonfinite.reshape(1)))
             return msgs
         (layer,), (c,) = unit.layers, cs
         try:
@@ -233,7 +233,7 @@ class GradientExchange:
         """A planned bucket's steps 0-4 (plan.py), with this step's scale; its figures per layout."""
         plan.scale, plan.clip = self.grad_scale, self.clip
         payload, flags = plan.run(grads, self.step)
-        self.state.trace.append((plan.names, torch.where(flags, math.inf, 0.0)))
+        self.state.trace.append((plan.names, flags))   # read only to name the layers of a failed step
         if plan.account(self.transport.account):   # a new layout: its figures, and its declared sizes
             plan.check(payload)
         return payload
@@ -336,8 +336,9 @@ class GradientExchange:
         return any(v > 0 for v in values[:n]), (values[n:n + len(self.state.carry)] if carried is not None else None)
 
     def _nonfinite(self, out: dict, carried) -> StepResult:
-        bad = self.state.bad + [n for names, v in self.state.trace
-                                for n, ok in zip(names, torch.isfinite(v.reshape(-1).float()).tolist()) if not ok]
+        def flagged(v):   # a flag (bool: set where bad), or evidence (a sum or norm: not finite where bad)
+            return v.reshape(-1) if v.dtype == torch.bool else ~torch.isfinite(v.reshape(-1).float())
+        bad = self.state.bad + [n for names, v in self.state.trace for n, b in zip(names, flagged(v).tolist()) if b]
         if self.on_nonfinite == "skip":
             self.abort()
             for t in out.values():
@@ -396,7 +397,7 @@ class GradientExchange:
 
     def paths(self) -> list:
         """How each planned bucket's step runs (eager, or replayed from a CUDA graph), for the logs."""
-        return [f"bucket {i} ({len(p.layers)} layers, {p.frame.n} elements): exact-k plan, {p.path}"
+        return [f"bucket {i} ({len(p.layers)} layers, {sum(p.frame.sizes)} elements): exact-k plan, {p.path}"
                 for i, p in self.plans.items()]
 
     def decision_record(self) -> dict:

@@ -27,7 +27,7 @@ import torch
 
 from ..comm.packing import pack
 from ..compressors.base import Message
-from ..core.segments import Segments
+from ..core.segments import VECTOR, Segments
 from ..core.stats import CommStats
 from .graph import CapturedSteps
 
@@ -43,7 +43,7 @@ class BucketPlan:
         self.names = [l.name for l in self.layers]
         self.comp, self.memory = compressor, memory
         # the buffer layout: where each layer lives in the flat buffers, whatever its k
-        self.frame = Segments([l.numel for l in self.layers], [0] * len(self.layers))
+        self.frame = Segments([l.numel for l in self.layers], [0] * len(self.layers), align=VECTOR)
         self.grad: torch.Tensor | None = None
         self.views: dict = {}
         self.graphs = CapturedSteps(graphs)

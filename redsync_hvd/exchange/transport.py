@@ -248,10 +248,12 @@ class Transport:
                 for layer, part in zip(layers, comp.split_bucket(layers, tensors)):
                     if layer.name in apply:   # applied to the weights after the checks
                         updates.append((layer, part, -apply[layer.name][1] / size))
-        flat = self._flat(bucket, plan) if comp.decodes_flat(layers) and not applied else None      # 3.
+        frame = None
+        if comp.decodes_flat(layers) and not applied:                                               # 3.
+            frame = plan.frame if plan is not None else comp.segments(list(layers))
+        flat = self._flat(bucket, frame) if frame is not None else None
         if flat is not None:
-            bufs = dict(zip((l.name for l in layers), layer_views(flat, plan.frame) if plan is not None
-                            else flat.split([l.numel for l in layers])))
+            bufs = dict(zip((l.name for l in layers), layer_views(flat, frame)))
             comp.decompress_bucket(None, per_rank, layers, alpha=alpha, flat=flat)
         else:
             bufs = {l.name: self._zeroed(l, l.device, into) for l in layers if l.name not in apply}
@@ -270,10 +272,10 @@ class Transport:
                 self._buffers[key] = buf
         return buf
 
-    def _flat(self, bucket: Bucket, plan) -> torch.Tensor:
-        """One zeroed fp32 buffer for a bucket decoded flat (its layers' averages are views)."""
-        n = plan.frame.n if plan is not None else sum(l.numel for l in bucket.layers)
-        return self._buffer(("bucket", bucket.index), n, torch.float32, bucket.layers[0].device).zero_()
+    def _flat(self, bucket: Bucket, frame) -> torch.Tensor:
+        """One zeroed fp32 buffer for a bucket decoded flat, laid out by ``frame`` (its layers'
+        averages are views)."""
+        return self._buffer(("bucket", bucket.index), frame.n, torch.float32, bucket.layers[0].device).zero_()
 
     def _zeroed(self, layer, device, into: dict) -> torch.Tensor:
         target = into.get(layer.name)
