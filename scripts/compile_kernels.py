@@ -71,8 +71,9 @@ def variants(quick: bool):
             out.append((f"_write R={R} mean={mean} update={update} velocity={vel} values={vdt}", "_write",
                         dict(x_ptr="*fp32", u_ptr="*fp32", T_ptr="*i32", need_ptr="*i32", base_ptr="*i32",
                              side_ptr="*i8", mean_ptr="*fp32", offsets="*i64", kofs="*i64", pos_ptr="*i32",
-                             val_ptr="*" + vdt, **TILE),
-                        dict(R=R, MEAN=mean, UPDATE=update, VELOCITY=vel, BF16=vdt == "bf16", BLOCK=2048),
+                             val_ptr="*" + vdt, **TILE, limit="fp32"),
+                        dict(R=R, MEAN=mean, UPDATE=update, VELOCITY=vel, BF16=vdt == "bf16", CLAMP=vdt != "fp32",
+                             BLOCK=2048),
                         dict(num_warps=8, enable_fp_fusion=False)))
     for values, zero in ((True, True),) if quick else ((True, True), (True, False), (False, False)):
         out.append((f"_decode values={values} zero={zero}", "_decode",

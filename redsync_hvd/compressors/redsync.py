@@ -24,6 +24,7 @@ import torch
 from ..core.bucket_select import select_bucket
 from ..core.golomb import decode_positions, encode_positions
 from ..core.selection import SelectionState, scan_request, select_topk
+from ..core.wire import to_wire, wide_mean
 from .base import Compressor, Layer, Message
 from .exact_k import ExactK
 
@@ -76,7 +77,7 @@ class RedSyncCompressor(Compressor):
         if self.config.message.quantize == "sign_mean":
             idx, value = self._sign_mean(idx, vals, step)
         else:
-            value = vals.to(self._value_dtype())
+            value = to_wire(vals, self._value_dtype())
         return self._message(idx, value, layer, selected)
 
     def _message(self, idx: torch.Tensor, value: torch.Tensor, layer: Layer, selected: int) -> Message:
@@ -110,7 +111,7 @@ class RedSyncCompressor(Compressor):
         got = select_bucket(xs, [l.k for l in layers], sign=self._sign(step) if sign_mean else None, mean=sign_mean)
         messages = []
         for layer, idx, value, selected, bad in zip(layers, got.indices, got.values, got.selected, got.nonfinite):
-            msg = self._message(idx, value if sign_mean else value.to(self._value_dtype()), layer, selected)
+            msg = self._message(idx, value if sign_mean else to_wire(value, self._value_dtype()), layer, selected)
             msg.nonfinite = bad   # sent empty; every rank fails the step in finish()
             messages.append(msg)
         return messages
@@ -165,7 +166,7 @@ class RedSyncCompressor(Compressor):
             mu_neg = -vals[vals < 0].sum() / max(n_neg, 1)
             keep = pos if bool(mu_pos >= mu_neg) else vals < 0
         idx, kept = idx[keep], vals[keep]
-        mean = kept.mean().reshape(1) if kept.numel() else torch.zeros(1, device=vals.device)
+        mean = wide_mean(kept).reshape(1) if kept.numel() else torch.zeros(1, device=vals.device)
         return idx, mean.float()
 
     def _encode_indices(self, idx: torch.Tensor, value: torch.Tensor, layer: Layer) -> list:

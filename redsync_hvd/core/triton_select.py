@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from redsync_hvd.core.segments import BINS, NONFINITE_BIN, SHIFTS, Segments
+from redsync_hvd.core.wire import wire_limit
 
 _WARPS = 8
 _SMALL = 1024         # block of the per-layer scan over tiles
@@ -234,13 +235,14 @@ def _scan(cnt_ptr, sum_ptr, T_ptr, need_ptr, kofs, seg_tile, base_ptr, mean_ptr,
 
 @triton.jit
 def _write(x_ptr, u_ptr, T_ptr, need_ptr, base_ptr, side_ptr, mean_ptr, offsets, kofs, pos_ptr, val_ptr,
-           tile_seg, tile_lo, tile_hi, R: tl.constexpr, MEAN: tl.constexpr, UPDATE: tl.constexpr,
-           VELOCITY: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr):
+           tile_seg, tile_lo, tile_hi, limit, R: tl.constexpr, MEAN: tl.constexpr, UPDATE: tl.constexpr,
+           VELOCITY: tl.constexpr, BF16: tl.constexpr, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
     """Per tile, the kept row of its layer: 1. take the keys above T and those equal to T whose
     rank among equals (position order, counted from the tile's base) is below need; 2. write
-    their layer-local positions, and values in the wire's dtype, at consecutive slots from
-    the tile's first slot; 3. with UPDATE, x -= what receivers decode (the value as sent, or
-    the layer's mean); with VELOCITY, u = 0 there."""
+    their layer-local positions, and values in the wire's dtype (CLAMP: first clamped to
+    +-limit, the wire type's finite range, as ``core/wire.py:to_wire`` does), at consecutive
+    slots from the tile's first slot; 3. with UPDATE, x -= what receivers decode (the value as
+    sent, or the layer's mean); with VELOCITY, u = 0 there."""
     t = tl.program_id(0)
     seg, lo, hi = tl.load(tile_seg + t), tl.load(tile_lo + t), tl.load(tile_hi + t)
     side = tl.load(side_ptr + seg).to(tl.int32)
@@ -266,12 +268,16 @@ def _write(x_ptr, u_ptr, T_ptr, need_ptr, base_ptr, side_ptr, mean_ptr, offsets,
         if MEAN:
             sent = mean
         else:
+            xw = x
+            if CLAMP:   # a finite value stays finite on the wire; NaN compares false and stays NaN
+                xw = tl.where(x > limit, limit, tl.where(x < -limit, -limit, x))
             if BF16:   # round to nearest even by hand: the interpreter's cast truncates
-                up = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-                up = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, up)   # NaN: torch's quiet NaN
+                wbits = xw.to(tl.int32, bitcast=True)
+                up = (wbits + 0x7FFF + ((wbits >> 16) & 1)) & -65536
+                up = tl.where((wbits & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, up)   # NaN: torch's quiet NaN
                 wire = up.to(tl.float32, bitcast=True).to(tl.bfloat16)
             else:
-                wire = x.to(val_ptr.dtype.element_ty)
+                wire = xw.to(val_ptr.dtype.element_ty)
             tl.store(val_ptr + at, wire, mask=take)
             sent = wire.to(tl.float32)
         if UPDATE:
@@ -377,9 +383,9 @@ def select(seg: Segments, x: torch.Tensor, R: int, active, k_row: torch.Tensor, 
                                    S0=s0, S1=s1, R=R, MAGS=mags, ROWS=rows, BLOCK=_SMALL, num_warps=4)
     if T:
         _write[tiles](x, velocity if velocity is not None else x, prefix, need, base, side, means, tab.offsets,
-                      tab.kofs, pos, vals, tab.tile_seg, tab.tile_lo, tab.tile_hi, R=R, MEAN=mean,
-                      UPDATE=update, VELOCITY=velocity is not None, BF16=value_dtype == torch.bfloat16,
-                      BLOCK=block, num_warps=_WARPS,
+                      tab.kofs, pos, vals, tab.tile_seg, tab.tile_lo, tab.tile_hi, wire_limit(value_dtype), R=R,
+                      MEAN=mean, UPDATE=update, VELOCITY=velocity is not None, BF16=value_dtype == torch.bfloat16,
+                      CLAMP=value_dtype != torch.float32, BLOCK=block, num_warps=_WARPS,
                       enable_fp_fusion=False)
     return pos, vals, means if mags else None, bad.bool(), kth, side
 

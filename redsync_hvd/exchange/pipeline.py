@@ -27,6 +27,7 @@ from ..compressors.dense import NoneCompressor
 from ..core import layout
 from ..core.selection import NonFiniteError
 from ..core.stats import CommStats
+from ..core.wire import finite_evidence
 from ..memory import NoMemory
 from .step import Bucket, StepState, Unit
 from .transport import Transport
@@ -198,10 +199,11 @@ class GradientExchange:
         if self.grad_scale is not None:
             flat = flat / self.grad_scale
         # compressors that select from every value check for NaN/Inf in a pass they make anyway;
-        # others get one summing pass here, read back once in finish() (a read per layer would
-        # stall a GPU once per layer). A NaN may travel meanwhile: every rank then fails the step.
+        # others get one max-magnitude pass here (a sum would overflow on huge finite values), read
+        # back once in finish() (a read per layer would stall a GPU once per layer). A NaN may travel
+        # meanwhile: every rank then fails the step.
         if self.check_finite and not (layer.compressed and comp.checks_finite):
-            self.state.evidence.append(((layer.name,), flat.sum()))
+            self.state.evidence.append(((layer.name,), finite_evidence(flat)))
         if self.clip is not None:
             # on the device, no host read: a factor of 1.0 leaves the values bit for bit
             flat = flat * (self.clip / flat.norm().clamp(min=1e-30)).clamp(max=1.0)
