@@ -222,12 +222,12 @@ def test_resume_of_another_experiment_names_the_keys_that_differ(tmp_path):
 # -- preemption ------------------------------------------------------------------------------
 @pytest.mark.parametrize("launcher", ["gloo", "mpirun"])
 def test_sigterm_to_the_launcher_saves_every_rank(tmp_path, launcher):
-    """What a scheduler sends to the job. Gloo launcher: SIGTERM to horovodrun's pid, forwarded
-    at once (5 s before SIGKILL). mpirun: horovodrun has exec'd /bin/sh -c mpirun, which a
-    signal to that pid alone would kill, orphaning mpirun; so the process group is signalled,
-    and mpirun passes SIGTERM on after odls_base_sigkill_timeout seconds (set to 3 here; the
-    default 1 s is also the grace before SIGKILL)."""
-    extra = ["--gloo"] if launcher == "gloo" else ["--mpi-args=--mca odls_base_sigkill_timeout 3"]
+    """What a scheduler sends to the job, with the launcher's defaults. Gloo launcher: SIGTERM to
+    horovodrun's pid, forwarded at once (5 s before SIGKILL). mpirun: horovodrun has exec'd
+    /bin/sh -c mpirun, which a signal to that pid alone would kill, orphaning mpirun; so the
+    process group is signalled. mpirun would pass SIGTERM on only after 1 s, 1 s before its
+    SIGKILL: each rank's relay (launchers.start_relay) passes it on at once."""
+    extra = ["--gloo"] if launcher == "gloo" else []
     proc = start(["python", MP / "preempt_toy.py", tmp_path, 400, "--step-sleep", 0.1],
                  launcher_args=["-np", 2, "-H", "localhost:2", *extra])
     logs = [tmp_path / f"rank{r}.log" for r in (0, 1)]
