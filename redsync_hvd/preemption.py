@@ -261,8 +261,8 @@ def say(text: str, stream=None) -> None:
 def exit_now(code: int) -> NoReturn:
     """Flush Python's output and end the process at once with ``code``. A stopped run has saved
     on every rank and passed its last collective; the interpreter's and the frameworks' shut-down
-    (Horovod's, a Gloo process group's) took 0.5 to 7 s on the loaded test machine, longer than
-    the 1 s mpirun leaves between its SIGTERM and its SIGKILL."""
+    (Horovod's, a Gloo process group's) can take seconds on a loaded machine, longer than the
+    1 s mpirun leaves between its SIGTERM and its SIGKILL."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -58,8 +58,8 @@ class RunLog:
         if self.rank == 0:
             (self.dir / "summary.json").write_text(json.dumps(_clean(record), indent=2) + "\n")
 
-    def stops(self) -> list:
-        """The stops on SIGTERM/SIGINT recorded in metrics.jsonl (rank 0; others: [])."""
+    def events(self, kind: str) -> list:
+        """The ``{"event": kind}`` records in metrics.jsonl, oldest first (rank 0; others: [])."""
         path = self.dir / "metrics.jsonl"
         if self.rank != 0 or not path.exists():
             return []
@@ -71,9 +71,13 @@ class RunLog:
                 record = json.loads(line)
             except ValueError:
                 continue   # a torn last line (the writer was killed)
-            if record.get("event") == "stopped":
+            if record.get("event") == kind:
                 out.append(record)
         return out
+
+    def stops(self) -> list:
+        """The stops on SIGTERM/SIGINT recorded in metrics.jsonl (rank 0; others: [])."""
+        return self.events("stopped")
 
     def close(self) -> None:
         if self._metrics is not None:

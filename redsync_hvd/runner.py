@@ -17,7 +17,6 @@ indices, an evaluation, its state, and its communication figures. The loop is wr
 from __future__ import annotations
 
 import io
-import math
 import os
 import sys
 import time
@@ -31,6 +30,7 @@ from .config import RunConfig, validate
 from .config.run import RESUMABLE
 from .preemption import EXIT_STOPPED, QuietStream, StopController, allgather_max, say
 from .runlog import RunLog, build_summary, write_layer_decisions
+from .schedule import eval_due, total_steps
 
 # seconds between the loop's own stop polls on steps whose exchange did not carry the flags
 POLL_EVERY_S = 1.0
@@ -59,36 +59,6 @@ class Trainer(Protocol):
     # optional: decision_record() -> dict (decisions and the figures behind them; else
     # {"layers": layer_decisions()}), carrier() -> the GradientExchange whose per-step allreduce
     # carries the stop flags, or None (else the loop polls on its own)
-
-
-def total_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
-    if cfg.training.steps:
-        return cfg.training.steps
-    return max(1, int(round(cfg.training.epochs * steps_per_epoch)))
-
-
-def lr_factor(cfg: RunConfig, steps_per_epoch: int):
-    """step -> factor of the base learning rate: linear warm-up, then step or cosine decay."""
-    sched = cfg.optimizer.schedule
-    total = total_steps(cfg, steps_per_epoch)
-
-    def factor(step: int) -> float:
-        epoch = step / max(1, steps_per_epoch)
-        f = 1.0
-        if sched.warmup_epochs and epoch < sched.warmup_epochs:
-            f *= (step + 1) / (sched.warmup_epochs * steps_per_epoch)
-        if sched.type == "step":
-            f *= sched.gamma ** sum(epoch >= m for m in sched.milestones)
-        elif sched.type == "cosine":
-            f *= 0.5 * (1 + math.cos(math.pi * min(1.0, step / max(1, total))))
-        return f
-    return factor
-
-
-def eval_due(cfg: RunConfig, step: int, steps_per_epoch: int, total: int) -> bool:
-    """Every ``training.eval_every`` steps, else at each epoch's end; always at the last step."""
-    every = cfg.training.eval_every
-    return bool((every and step % every == 0) or (not every and step % steps_per_epoch == 0) or step == total)
 
 
 # -- resume -----------------------------------------------------------------------------------
@@ -203,8 +173,8 @@ class Run:
             set_global_rng(r.blob.get("rng"))
         entry = {"step": self.step, "from": str(self.cfg.training.resume), "workers": self.size,
                  "old_workers": r.agreement.old_size, "resize": r.report, "saved_on": r.blob.get("reason"),
-                 "fallback": r.fallback}
-        self.resumes = list(r.blob.get("resumes") or []) + [entry]
+                 "fallback": r.fallback, "at": time.time()}
+        self.resumes = resume_history(r.blob.get("resumes") or [], self.log.events("resumed")) + [entry]
         self.log.metrics({"step": self.step, "event": "resumed", **entry})
         if self.rank == 0:
             say(f"[resume] step {self.step} from {self.cfg.training.resume}{resume_details(r, self.size)}")
@@ -377,6 +347,19 @@ def run(cfg: RunConfig, trainer: Trainer, rank: int, size: int, *, resumed: chec
         return loop.finish_stopped()
     loop.finish()
     return 0
+
+
+def resume_history(saved: list, logged: list) -> list:
+    """Every earlier resume, oldest first: those the checkpoint carries, and those only this run
+    folder's metrics.jsonl remembers (a launch killed before any rank saved again, whose run was
+    then resumed from the same step), each once (by its time)."""
+    seen, out = set(), []
+    for entry in [*saved, *({k: v for k, v in e.items() if k != "event"} for e in logged)]:
+        key = entry.get("at") or (entry.get("step"), entry.get("from"))
+        if key not in seen:
+            seen.add(key)
+            out.append(entry)
+    return sorted(out, key=lambda e: e.get("at") or 0.0)
 
 
 def resume_details(r: checkpoint.Resumed, size: int) -> str:

@@ -1,7 +1,7 @@
 """Where the time goes when a running job is interrupted: from the signal to every rank's checkpoint.
 
     python scripts/stop_timeline.py [--launcher mpirun|gloo|torchrun] [--signal SIGINT|SIGTERM]
-        [--after 3] [--relay on|off] [--config configs/digits/redsync.yaml] [--set KEY=VALUE ...]
+        [--after 3] [--relay on|off] [--mpi-args "..."] [--config configs/digits/redsync.yaml] [--set KEY=VALUE ...]
 
 Starts a 2-worker run (the digits CNN for 500 epochs by default) the way a terminal starts a job,
 in a process group of its own, under ``horovodrun`` (mpirun, the default launch),
@@ -37,6 +37,7 @@ def parse(argv=None):
     ap.add_argument("--signal", choices=["SIGINT", "SIGTERM"], default="SIGINT")
     ap.add_argument("--after", type=float, default=3.0, help="seconds of training before the signal")
     ap.add_argument("--relay", choices=["on", "off"], default="on")
+    ap.add_argument("--mpi-args", default=None, help="horovodrun's --mpi-args, e.g. \"--mca odls_base_sigkill_timeout 30\"")
     ap.add_argument("--config", default="configs/digits/redsync.yaml")
     ap.add_argument("--set", dest="overrides", action="append", default=["training.epochs=500"])
     ap.add_argument("--out", default=None, help="run folder root (default: a temporary folder)")
@@ -49,7 +50,8 @@ def command(args, out: str) -> list:
     if args.launcher == "torchrun":
         return [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", *train, "--set", "engine=ddp"]
     gloo = ["--gloo"] if args.launcher == "gloo" else []
-    return [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", *gloo, sys.executable, *train]
+    mpi = [f"--mpi-args={args.mpi_args}"] if args.mpi_args else []
+    return [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", *gloo, *mpi, sys.executable, *train]
 
 
 # -- the job's processes, from /proc ---------------------------------------------------------------
@@ -149,6 +151,7 @@ def stop_events(run: Path, t0: float) -> list:
 def main(argv=None) -> int:
     args = parse(argv)
     out = args.out or tempfile.mkdtemp(prefix="stop-timeline-")
+    Path(out).mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
            "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "TF_CPP_MIN_LOG_LEVEL": "2",
            **({"REDSYNC_RELAY": "0"} if args.relay == "off" else {})}
@@ -161,7 +164,8 @@ def main(argv=None) -> int:
         os.killpg(proc.pid, getattr(signal, args.signal))
         ends = watch_ends(proc, t0)
     run = Path(out) / Path(args.config).stem
-    print(f"{' '.join(cmd[:6])} ... ({args.launcher}, relay {args.relay}): {args.signal} to its process group "
+    relay = f", relay {args.relay}" if args.launcher == "mpirun" else ""
+    print(f"{' '.join(cmd[:6])} ... ({args.launcher}{relay}): {args.signal} to its process group "
           f"at t = 0 (machine: {cpu_name()}, load {os.getloadavg()[0]:.1f})")
     for t, what in sorted(stop_events(run, t0) + ends):
         print(f"  {t:+8.3f} s  {what}")
