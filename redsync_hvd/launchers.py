@@ -43,11 +43,12 @@ MORE_TIME = {
 
 
 def kind(environ=os.environ) -> str | None:
-    """"mpirun" (horovodrun's default, or mpirun itself), "gloo" (horovodrun --gloo), "torchrun",
-    or None (a plain process), from the variables each launcher gives its workers."""
+    """"mpirun" (horovodrun's default, or Open MPI's mpirun itself), "gloo" (horovodrun --gloo),
+    "torchrun", or None (a plain process, or a launcher not listed here, e.g. Slurm's srun), from
+    the variables each launcher gives its workers before they start."""
     if "TORCHELASTIC_RUN_ID" in environ:
         return "torchrun"
-    if "OMPI_COMM_WORLD_SIZE" in environ or "PMIX_RANK" in environ:
+    if "OMPI_COMM_WORLD_SIZE" in environ:
         return "mpirun"
     if "HOROVOD_RANK" in environ:
         return "gloo"
