@@ -37,7 +37,8 @@ def parse(argv=None):
     ap.add_argument("--signal", choices=["SIGINT", "SIGTERM"], default="SIGINT")
     ap.add_argument("--after", type=float, default=3.0, help="seconds of training before the signal")
     ap.add_argument("--relay", choices=["on", "off"], default="on")
-    ap.add_argument("--mpi-args", default=None, help="horovodrun's --mpi-args, e.g. \"--mca odls_base_sigkill_timeout 30\"")
+    ap.add_argument("--mpi-args", default=None,
+                    help="horovodrun's --mpi-args, e.g. \"--mca odls_base_sigkill_timeout 30\"")
     ap.add_argument("--config", default="configs/digits/redsync.yaml")
     ap.add_argument("--set", dest="overrides", action="append", default=["training.epochs=500"])
     ap.add_argument("--out", default=None, help="run folder root (default: a temporary folder)")

@@ -85,7 +85,8 @@ def run(folder: Path, scenario: str, rank: int, size: int) -> None:
         return
     done = check_resize(scenario, r, rank, size) if scenario.startswith("resize") else f"step {r.agreement.step}"
     if r.fallback is not None:
-        done += f" from {r.fallback['files']} (latest saves of steps {r.fallback['latest']}), blob step {r.blob['step']}"
+        done += (f" from {r.fallback['files']} (latest saves of steps {r.fallback['latest']}), "
+                 f"blob step {r.blob['step']}")
     print(f"rank {rank} {scenario}: OK {done}", flush=True)
 
 
