@@ -2,7 +2,7 @@
 uninterrupted, bit for bit.
 
     python scripts/interrupt_runs.py [--launcher mpirun|gloo|torchrun] [--configs dense powersgd redsync sbc]
-        [--signals SIGINT SIGTERM SIGKILL] [--set KEY=VALUE ...] [--seed 0]
+        [--signals SIGINT SIGTERM SIGKILL] [--set KEY=VALUE ...] [--seed 0] [--compare-at STEP]
 
 For each config of ``configs/digits`` (by default ``make demo``'s four, 20 epochs): one run
 straight to the end, and one that is started, sent each signal in turn to its launcher's
@@ -11,7 +11,9 @@ process group after a random 1 to 6 s of training (as Ctrl-C, ``kill -TERM -<pgi
 training.resume=<run>``) until it ends. Each interruption prints the steps of the checkpoints
 it left (one step on every rank, or the newest step every rank holds); the last line per
 config says whether weights, residuals and byte counters of every rank are those of the
-uninterrupted run.
+uninterrupted run. ``--compare-at S`` compares the step-S copies instead of the last step
+(both runs save every S steps and are stopped once they have): a long run, e.g. the
+500-epoch digits run, need not be trained to its end twice.
 """
 from __future__ import annotations
 
@@ -39,12 +41,14 @@ def parse(argv=None):
     ap.add_argument("--signals", nargs="+", default=["SIGINT", "SIGTERM", "SIGKILL"])
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--seed", type=int, default=0, help="of the random moments")
+    ap.add_argument("--compare-at", type=int, default=None, help="compare the step copies of this step")
     ap.add_argument("--out", default=None)
     return ap.parse_args(argv)
 
 
 def launch(args, config: str, out: Path, name: str, *extra: str) -> subprocess.Popen:
-    sets = [f"output.dir={out}", f"output.name={name}", "training.progress=false", *args.overrides, *extra]
+    every = [f"training.checkpoint_every={args.compare_at}"] if args.compare_at else []
+    sets = [f"output.dir={out}", f"output.name={name}", "training.progress=false", *every, *args.overrides, *extra]
     train = ["-m", "redsync_hvd.train", "--config", f"configs/digits/{config}.yaml",
              *sum((["--set", s] for s in sets), [])]
     if args.launcher == "torchrun":
@@ -72,6 +76,21 @@ def end_of(proc: subprocess.Popen, job: set | None = None, timeout: float = 900)
     return proc.returncode
 
 
+def to_the_end(args, proc: subprocess.Popen, run: Path) -> int:
+    """The launch trained to its end (0), or with ``--compare-at``: until both ranks saved that
+    step's copy, then stopped with SIGTERM."""
+    if not args.compare_at:
+        return end_of(proc)
+    copies = [checkpoint.step_path(run, r, args.compare_at) for r in (0, 1)]
+    while proc.poll() is None and not all(c.exists() for c in copies):
+        time.sleep(0.2)
+    if proc.poll() is None:
+        job = set(processes(proc.pid))
+        os.killpg(proc.pid, signal.SIGTERM)
+        end_of(proc, job)
+    return 0 if all(c.exists() for c in copies) else 1
+
+
 def _zombie(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -96,16 +115,18 @@ def interrupted(args, config: str, out: Path, rng: random.Random) -> list:
         code = end_of(proc, job)
         steps = [checkpoint.load(run, r)["step"] for r in (0, 1)]
         lines.append((name, steps, code))
-    final = launch(args, config, out, "run", f"training.resume={run}")
-    if end_of(final) != 0:
+    if to_the_end(args, launch(args, config, out, "run", f"training.resume={run}"), run) != 0:
         raise SystemExit(f"{config}: the final resume failed; see {out / 'run.log'}")
     return lines
 
 
-def same(ref: Path, run: Path) -> str:
-    """'bit-identical' or what differs, over both ranks' final checkpoints."""
+def same(ref: Path, run: Path, step: int | None) -> str:
+    """'bit-identical' or what differs, over both ranks' final checkpoints (or step copies)."""
     for rank in (0, 1):
-        a, b = checkpoint.load(ref, rank), checkpoint.load(run, rank)
+        if step is None:
+            a, b = checkpoint.load(ref, rank), checkpoint.load(run, rank)
+        else:
+            a, b = (checkpoint.load(checkpoint.step_path(f, rank, step), rank) for f in (ref, run))
         if a["step"] != b["step"] or any(not torch.equal(a["model"][k], b["model"][k]) for k in a["model"]):
             return f"weights of rank {rank} differ"
         ea, eb = checkpoint.exchange_state(a), checkpoint.exchange_state(b)
@@ -129,12 +150,13 @@ def main(argv=None) -> int:
     for config in args.configs:
         out = root / config
         out.mkdir(parents=True, exist_ok=True)
-        if end_of(launch(args, config, out, "ref")) != 0:
+        if to_the_end(args, launch(args, config, out, "ref"), out / "ref") != 0:
             raise SystemExit(f"{config}: the uninterrupted run failed; see {out / 'ref.log'}")
         for name, steps, code in interrupted(args, config, out, rng):
             print(f"  {config:9s} {name:8s} exit {code:4d}  checkpoints of steps {steps}"
                   f"{' (one step)' if len(set(steps)) == 1 else ''}")
-        print(f"  {config:9s} resumed to the end: {same(out / 'ref', out / 'run')}")
+        where = f"step {args.compare_at}" if args.compare_at else "the end"
+        print(f"  {config:9s} resumed, at {where}: {same(out / 'ref', out / 'run', args.compare_at)}")
     return 0
 
 
