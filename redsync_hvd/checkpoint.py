@@ -15,7 +15,9 @@ The runner's calls:
 ``resume`` = ``try_load`` + ``agree`` (one collective) [+ a resize step, one more].
 Every failure becomes a :class:`CheckpointError` raised on *every* rank with the same text:
 a rank that could not read its file still takes part in the collective and sends its error,
-so no rank waits for one that gave up.
+so no rank waits for one that gave up. Latest saves of different steps (a job killed between
+two ranks' saves) fall back, in one more collective, to the newest step every rank holds as
+its latest file or its ``.prev``.
 """
 from __future__ import annotations
 
@@ -39,11 +41,13 @@ EXTRA_SAFE_GLOBALS: tuple = ()
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; ``kind``: missing | corrupt | unsafe | invalid | mismatch."""
+    """A checkpoint that cannot be used; ``kind``: missing | corrupt | unsafe | invalid | mismatch.
+    ``steps_only``: a mismatch of steps alone (same world size and fingerprint everywhere)."""
 
-    def __init__(self, message: str, path=None, rank: int | None = None, kind: str = "invalid"):
+    def __init__(self, message: str, path=None, rank: int | None = None, kind: str = "invalid",
+                 steps_only: bool = False):
         super().__init__(message)
-        self.path, self.rank, self.kind = path, rank, kind
+        self.path, self.rank, self.kind, self.steps_only = path, rank, kind, steps_only
 
 
 # -- names ----------------------------------------------------------------------------------
@@ -327,7 +331,8 @@ def _check_same(loaded: list, everyone: list, path, rank: int) -> None:
         "no step present on every rank was found; resume every rank from files of one step (<file>.prev " \
         "holds each rank's save before the latest)"
     raise CheckpointError("cannot resume: the ranks' checkpoints are not from the same save (a crash between "
-                          f"two ranks' saves does this): {'; '.join(problems)}. {hint}", path, rank, "mismatch")
+                          f"two ranks' saves does this): {'; '.join(problems)}. {hint}", path, rank, "mismatch",
+                          steps_only=len(problems) == 1 and problems[0].startswith("step differs"))
 
 
 # -- resume ---------------------------------------------------------------------------------
@@ -335,6 +340,7 @@ class Resumed(NamedTuple):
     blob: dict
     agreement: Agreement
     report: dict | None   # what a resize did (rule, sizes, dropped elements): for the log and summary.json
+    fallback: dict | None = None   # latest saves of different steps: {"latest": steps per rank, "files": used}
 
 
 def resume(path, rank: int, size: int, allgather_object: Callable, *, on_resize: str = "error",
@@ -353,10 +359,16 @@ def resume(path, rank: int, size: int, allgather_object: Callable, *, on_resize:
        every rank.
     """
     blob, error = try_load(path, rank, map_location)
-    agreement = agree(allgather_object, error or meta(blob), rank, on_resize=on_resize, path=path,
-                      expect_fingerprint=expect_fingerprint)
+    fallback = None
+    try:
+        agreement = agree(allgather_object, error or meta(blob), rank, on_resize=on_resize, path=path,
+                          expect_fingerprint=expect_fingerprint)
+    except CheckpointError as exc:   # the same on every rank: all of them fall back, or none
+        if not exc.steps_only or not _names_latest(path):
+            raise
+        blob, agreement, fallback = fall_back_to_prev(path, rank, allgather_object, blob, exc, map_location)
     if not agreement.resized:
-        return Resumed(blob, agreement, None)
+        return Resumed(blob, agreement, None, fallback)
     report, error = None, None
     if callable(scale):
         scale = float(scale(agreement.old_size, agreement.size))
@@ -371,6 +383,41 @@ def resume(path, rank: int, size: int, allgather_object: Callable, *, on_resize:
     dropped = {k: sum(e["dropped"][k] for e in everyone) for k in resize.MEMORY_KEYS}
     report.update(dropped=dropped, dropped_elements=sum(dropped.values()))
     return Resumed(blob, agreement, report)
+
+
+def _names_latest(path) -> bool:
+    """Whether ``path`` names the latest saves (a run folder or ``checkpoint-rank<r>.pt``): only
+    then may a resume fall back to the ``.prev`` files; a named step copy or ``.prev`` is kept."""
+    p = Path(str(path))
+    return p.is_dir() or re.fullmatch(r"checkpoint-rank(\d+|\{rank\})\.pt", p.name) is not None
+
+
+def fall_back_to_prev(path, rank: int, allgather_object: Callable, blob: dict, error: CheckpointError,
+                      map_location=None) -> tuple:
+    """Latest saves of different steps (every rank raised ``error``): (blob, agreement, fallback).
+
+    1. Each rank reads the step of its ``.prev`` (the save before its latest).
+    2. One allgather of (latest step, .prev step, world size, fingerprint).
+    3. The newest step that every rank holds in one of its two files, with one world size and
+       fingerprint, is resumed: each rank takes the file that holds it. None: ``error``."""
+    prev_path = resolve(path, rank).with_name(f"checkpoint-rank{rank}.pt.prev")
+    prev, _ = try_load(prev_path, rank, map_location)                                              # 1.
+    mine = {"latest": meta(blob) if blob is not None else None, "prev": meta(prev) if prev is not None else None}
+    everyone = list(allgather_object(mine))                                                         # 2.
+    if any(e["latest"] is None for e in everyone):   # a rank without a latest file: no fallback anywhere
+        raise error
+    same = {(e["latest"]["world_size"], e["latest"]["fingerprint"]) for e in everyone}
+    held = [{m["step"] for m in (e["latest"], e["prev"]) if m is not None and
+             (m["world_size"], m["fingerprint"]) in same} for e in everyone]
+    common = set.intersection(*held) if len(same) == 1 else set()
+    if not common:
+        raise error
+    step = max(common)                                                                              # 3.
+    files = ["latest" if e["latest"]["step"] == step else ".prev" for e in everyone]
+    chosen = blob if files[rank] == "latest" else prev
+    first = everyone[0]["latest"]
+    agreement = Agreement(step, int(first["world_size"]), len(everyone), str(first["fingerprint"]))
+    return chosen, agreement, {"latest": [e["latest"]["step"] for e in everyone], "files": files}
 
 
 def _resized(path, rank: int, agreement: Agreement, rule: str, scale: float, own: dict | None, map_location):

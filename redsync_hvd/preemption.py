@@ -27,13 +27,25 @@ finite check) and calls ``ctl.decide`` on the sums; ``poll`` with ``poll_every_s
 fallback for steps without that allreduce.
 
 A second signal of the same kind while the first is pending ends the process at once (the
-default action), so a stuck job can still be interrupted.
+default action), so a stuck job can still be interrupted; under a launcher
+(``force_on_repeat=False``) it is ignored instead: launchers follow their own signal with
+another (mpirun's SIGTERM after the relayed Ctrl-C, redsync_hvd/launchers.py) and end a
+stuck job themselves with SIGKILL.
+
+Surviving the launcher while stopping: :meth:`StopController.watch_parent` stops as on SIGTERM
+when the launcher (the parent process) is gone; :class:`QuietStream` keeps a closed stdout
+or stderr from ending the process with BrokenPipeError before it has saved; :func:`exit_now`
+ends a stopped process without the seconds of interpreter and framework shut-down that a
+launcher's SIGKILL may cut short.
 """
 from __future__ import annotations
 
+import os
 import signal
+import sys
+import threading
 import time
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, NoReturn, Sequence
 
 # EX_TEMPFAIL (sysexits.h): "temporary failure, retry later": the run saved and can be resumed
 EXIT_STOPPED = 75
@@ -62,16 +74,20 @@ class StopController:
     """
 
     def __init__(self, allreduce_max: Callable[[list], Sequence[float]], checkpoint_every_s: float | None = 600.0,
-                 poll_every: int = 1, clock: Callable[[], float] = time.monotonic, poll_every_s: float | None = None):
+                 poll_every: int = 1, clock: Callable[[], float] = time.monotonic, poll_every_s: float | None = None,
+                 force_on_repeat: bool = True):
         if poll_every < 1:
             raise ValueError(f"poll_every={poll_every} must be >= 1")
         self.allreduce_max = allreduce_max
         self.every_s = float(checkpoint_every_s or 0.0)
         self.poll_every, self.poll_every_s = int(poll_every), poll_every_s
         self.clock = clock
+        self.force_on_repeat = force_on_repeat
         self.signals: tuple = (signal.SIGTERM, signal.SIGINT)
         self.signum = 0              # the signal received on this rank (0: none)
+        self.heard_at: float | None = None   # time.time() when it came
         self.reason: str | None = None
+        self._watching = threading.Event()
         self._last_save = clock()
         self._previous: dict = {}
         self._last_poll: tuple | None = None   # (step, time) of the last own poll
@@ -89,6 +105,22 @@ class StopController:
         for s, previous in self._previous.items():
             signal.signal(s, previous)
         self._previous.clear()
+        self._watching.clear()
+
+    def watch_parent(self, interval: float = 1.0) -> "StopController":
+        """Stop as on SIGTERM once this process's parent (its launcher) is gone: its output pipes
+        are then closed and nothing will signal it any more. A thread looks every ``interval`` s."""
+        parent = os.getppid()
+        self._watching.set()
+
+        def watch():
+            while self._watching.is_set():
+                if os.getppid() != parent:
+                    self.request_stop(signal.SIGTERM)
+                    return
+                time.sleep(interval)
+        threading.Thread(target=watch, name="rsync-parent-watch", daemon=True).start()
+        return self
 
     def __enter__(self) -> "StopController":
         return self.install()
@@ -97,15 +129,16 @@ class StopController:
         self.uninstall()
 
     def _on_signal(self, signum, frame) -> None:
-        if self.signum == signum:   # the second one: do what it would have done without us
+        if self.signum == signum and self.force_on_repeat:   # the second one: what it would do without us
             signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
             signal.raise_signal(signum)
             return
-        self.signum = signum
+        self.request_stop(signum)
 
     def request_stop(self, signum: int = signal.SIGTERM) -> None:
-        """Ask for a stop as a signal would (e.g. from a watchdog thread)."""
-        self.signum = int(signum)
+        """Ask for a stop as a signal would (e.g. from a watchdog thread); the first request counts."""
+        if not self.signum:
+            self.signum, self.heard_at = int(signum), time.time()
 
     # -- per step ---------------------------------------------------------------------------
     def flags(self) -> list:
@@ -189,3 +222,50 @@ def torch_distributed_max(group=None, device="cpu") -> Callable[[list], list]:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return t.tolist()
     return allreduce_max
+
+
+class QuietStream:
+    """A text stream that stops writing, silently, once its reader is gone (BrokenPipeError or
+    another OSError): a launcher that closes a rank's stdout while it stops must not end it
+    before it has saved. Wrap ``sys.stderr`` for a progress bar, or use :func:`say`."""
+
+    def __init__(self, stream):
+        self.stream, self.broken = stream, False
+
+    def write(self, text: str) -> int:
+        if not self.broken:
+            try:
+                self.stream.write(text)
+            except (OSError, ValueError):
+                self.broken = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.broken:
+            try:
+                self.stream.flush()
+            except (OSError, ValueError):
+                self.broken = True
+
+    def isatty(self) -> bool:
+        return not self.broken and bool(getattr(self.stream, "isatty", lambda: False)())
+
+
+def say(text: str, stream=None) -> None:
+    """``text`` on stderr (flushed), or nowhere if stderr is closed."""
+    out = QuietStream(stream or sys.stderr)
+    out.write(text + "\n")
+    out.flush()
+
+
+def exit_now(code: int) -> NoReturn:
+    """Flush Python's output and end the process at once with ``code``. A stopped run has saved
+    on every rank and passed its last collective; the interpreter's and the frameworks' shut-down
+    (Horovod's, a Gloo process group's) can take seconds on a loaded machine, longer than the
+    1 s mpirun leaves between its SIGTERM and its SIGKILL."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -1,4 +1,4 @@
-"""Run folder: resolved config, metrics.jsonl, summary.json, decisions.json (per-rank
+"""Run folder: resolved config, metrics.jsonl, summary.json, decisions.json, layers.log (per-rank
 checkpoints are written by redsync_hvd/checkpoint.py)."""
 from __future__ import annotations
 
@@ -58,6 +58,27 @@ class RunLog:
         if self.rank == 0:
             (self.dir / "summary.json").write_text(json.dumps(_clean(record), indent=2) + "\n")
 
+    def events(self, kind: str) -> list:
+        """The ``{"event": kind}`` records in metrics.jsonl, oldest first (rank 0; others: [])."""
+        path = self.dir / "metrics.jsonl"
+        if self.rank != 0 or not path.exists():
+            return []
+        if self._metrics is not None:
+            self._metrics.flush()
+        out = []
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue   # a torn last line (the writer was killed)
+            if record.get("event") == kind:
+                out.append(record)
+        return out
+
+    def stops(self) -> list:
+        """The stops on SIGTERM/SIGINT recorded in metrics.jsonl (rank 0; others: [])."""
+        return self.events("stopped")
+
     def close(self) -> None:
         if self._metrics is not None:
             self._metrics.close()
@@ -69,3 +90,34 @@ def _step_of(line: str) -> float:
         return float(json.loads(line).get("step", -1))
     except (ValueError, AttributeError):
         return math.inf   # a torn last line (the writer was killed): dropped
+
+
+def write_layer_decisions(decisions, path) -> None:
+    """The per-layer decision (compressed or dense, and why), written once by rank 0 to the run
+    folder's layers.log (summary.json has them too), not to the terminal."""
+    with open(path, "w") as f:
+        for d in decisions:
+            print(f"[layers] {d['name']}: {'compressed' if d['compressed'] else 'dense'} "
+                  f"(numel {d['numel']}, density {d['density']:g}; {d['why']})", file=f)
+
+
+def build_summary(loop) -> dict:
+    """summary.json: final test figures, bytes, time per phase, per-layer figures and decisions."""
+    stats = loop.trainer.communication_stats()
+    stats.pop("last_step", None)
+    layers = stats.pop("layers", {})
+    phases = {p: stats.pop(p) for p in ("select", "communicate", "decompress")}
+    result = loop.result
+    extra = {"final_perplexity": math.exp(min(result["test_loss"], 50))} if loop.trainer.task == "lm" and result \
+        else {}
+    return {
+        "final_accuracy": result.get("test_accuracy"), "final_loss": result.get("test_loss"), **extra,
+        "wire_bytes": stats["wire_bytes"], "dense_bytes": stats["dense_bytes"],
+        "compression_ratio": stats["compression_ratio"], "steps": loop.step, "workers": loop.size,
+        "wall_time_s": loop.wall,
+        "time_breakdown": {**phases, "eval": loop.t_eval,
+                           "compute": max(0.0, loop.wall - loop.t_eval - sum(phases.values()))},
+        "compression": loop.cfg.compression.model_dump(mode="json"), "comm_detail": stats,
+        "layers": layers, "layer_decisions": loop.trainer.layer_decisions(),
+        "decisions_source": loop.record.get("source"), "resumes": loop.resumes, "stops": loop.log.stops(),
+    }

@@ -11,11 +11,13 @@ indices, an evaluation, its state, and its communication figures. The loop is wr
     4. evaluation every eval_every steps (else each epoch's end) and at the last step
     5. checkpoints (redsync_hvd/checkpoint.py: atomic, one file per rank) every checkpoint_every
        steps, every checkpoint_every_s seconds and at the end; on SIGTERM/SIGINT every rank
-       saves at one agreed step and the run stops (redsync_hvd/preemption.py); summary.json
+       saves at one agreed step and the run stops (redsync_hvd/preemption.py; what each
+       launcher leaves a rank to do it in: redsync_hvd/launchers.py); summary.json
 """
 from __future__ import annotations
 
-import math
+import io
+import os
 import sys
 import time
 from typing import Callable, Protocol
@@ -23,14 +25,17 @@ from typing import Callable, Protocol
 import torch
 from torch.utils.data import DataLoader
 
-from . import checkpoint, resize
+from . import checkpoint, launchers, resize
 from .config import RunConfig, validate
 from .config.run import RESUMABLE
-from .preemption import EXIT_STOPPED, StopController, allgather_max
-from .runlog import RunLog
+from .preemption import EXIT_STOPPED, QuietStream, StopController, allgather_max, say
+from .runlog import RunLog, build_summary, write_layer_decisions
+from .schedule import eval_due, total_steps
 
 # seconds between the loop's own stop polls on steps whose exchange did not carry the flags
 POLL_EVERY_S = 1.0
+# steps timed after the first (warm-up) to compare a stop's duration with the launcher's window
+WINDOW_STEPS = 5
 
 
 class Trainer(Protocol):
@@ -54,36 +59,6 @@ class Trainer(Protocol):
     # optional: decision_record() -> dict (decisions and the figures behind them; else
     # {"layers": layer_decisions()}), carrier() -> the GradientExchange whose per-step allreduce
     # carries the stop flags, or None (else the loop polls on its own)
-
-
-def total_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
-    if cfg.training.steps:
-        return cfg.training.steps
-    return max(1, int(round(cfg.training.epochs * steps_per_epoch)))
-
-
-def lr_factor(cfg: RunConfig, steps_per_epoch: int):
-    """step -> factor of the base learning rate: linear warm-up, then step or cosine decay."""
-    sched = cfg.optimizer.schedule
-    total = total_steps(cfg, steps_per_epoch)
-
-    def factor(step: int) -> float:
-        epoch = step / max(1, steps_per_epoch)
-        f = 1.0
-        if sched.warmup_epochs and epoch < sched.warmup_epochs:
-            f *= (step + 1) / (sched.warmup_epochs * steps_per_epoch)
-        if sched.type == "step":
-            f *= sched.gamma ** sum(epoch >= m for m in sched.milestones)
-        elif sched.type == "cosine":
-            f *= 0.5 * (1 + math.cos(math.pi * min(1.0, step / max(1, total))))
-        return f
-    return factor
-
-
-def eval_due(cfg: RunConfig, step: int, steps_per_epoch: int, total: int) -> bool:
-    """Every ``training.eval_every`` steps, else at each epoch's end; always at the last step."""
-    every = cfg.training.eval_every
-    return bool((every and step % every == 0) or (not every and step % steps_per_epoch == 0) or step == total)
 
 
 # -- resume -----------------------------------------------------------------------------------
@@ -155,7 +130,8 @@ class Run:
     """The loop's state: where it is, what it has measured, and its run folder."""
 
     def __init__(self, cfg: RunConfig, trainer: Trainer, rank: int, size: int,
-                 resumed: checkpoint.Resumed | None = None, allgather_object: Callable | None = None):
+                 resumed: checkpoint.Resumed | None = None, allgather_object: Callable | None = None,
+                 relayed: bool = False):
         self.cfg, self.trainer, self.rank, self.size = cfg, trainer, rank, size
         self.resumed, self.allgather_object = resumed, allgather_object
         self.gen = torch.Generator().manual_seed(cfg.training.seed * 1000 + rank)
@@ -165,6 +141,9 @@ class Run:
         self.step, self.t_eval, self.result = 0, 0.0, {}
         self.epoch_rng = self.gen.get_state()
         self.log, self.record, self.resumes, self.stopped = None, {}, [], None
+        self.last_save: dict = {}   # this rank's latest save: file, seconds, when it was done
+        self.relayed = relayed      # launchers.start_relay passes the launcher's signal on to this rank
+        self.bar, self._timing = None, None
 
     def start(self) -> None:
         cfg = self.cfg
@@ -181,38 +160,44 @@ class Run:
             self._restore(self.resumed)
 
     def _restore(self, r: checkpoint.Resumed) -> None:
-        """The agreed checkpoint's state. After a resize the old epoch order cannot be replayed
-        (the shards changed): a new order is drawn from (seed, rank, step)."""
+        """The agreed checkpoint's state, and the random streams (the epoch's shuffling, torch's
+        global generators: dropout, augmentation) where they were. After a resize the old epoch
+        order cannot be replayed (the shards changed): new ones are drawn from (seed, rank, step)."""
         self.trainer.load_state_dict(r.blob)
         self.step = r.agreement.step
         if r.agreement.resized:
             self.gen.manual_seed(self.cfg.training.seed * 1000 + self.rank + 7919 * self.step)
+            torch.manual_seed(self.cfg.training.seed * 1000 + self.rank + 7919 * self.step)
         else:
             self.gen.set_state(r.blob["generator"])
+            set_global_rng(r.blob.get("rng"))
         entry = {"step": self.step, "from": str(self.cfg.training.resume), "workers": self.size,
-                 "old_workers": r.agreement.old_size, "resize": r.report}
-        self.resumes = list(r.blob.get("resumes") or []) + [entry]
+                 "old_workers": r.agreement.old_size, "resize": r.report, "saved_on": r.blob.get("reason"),
+                 "fallback": r.fallback, "at": time.time()}
+        self.resumes = resume_history(r.blob.get("resumes") or [], self.log.events("resumed")) + [entry]
         self.log.metrics({"step": self.step, "event": "resumed", **entry})
         if self.rank == 0:
-            what = "" if r.report is None else (
-                f"; {r.agreement.old_size} -> {self.size} workers, on_resize={r.report['rule']}: "
-                f"{r.report['dropped_elements']} residual elements dropped")
-            print(f"[resume] step {self.step} from {self.cfg.training.resume}{what}", file=sys.stderr, flush=True)
+            say(f"[resume] step {self.step} from {self.cfg.training.resume}{resume_details(r, self.size)}")
+
+    def blob(self, reason: str) -> dict:
+        return {"framework": self.trainer.framework, "step": self.step, "world_size": self.size,
+                "fingerprint": self.cfg.experiment_fingerprint(), "generator": self.epoch_rng,
+                "config": self.cfg.to_dict(), "decisions": self.record, "resumes": self.resumes,
+                "reason": reason, "rng": global_rng(), **self.trainer.state_dict()}
 
     def save(self, reason: str, keep: bool = False) -> None:
         """Latest state per rank (residuals are per worker), atomically (checkpoint.save keeps
         the previous one as .prev); ``keep`` also leaves a per-step copy."""
-        blob = {"framework": self.trainer.framework, "step": self.step, "world_size": self.size,
-                "fingerprint": self.cfg.experiment_fingerprint(), "generator": self.epoch_rng,
-                "config": self.cfg.to_dict(), "decisions": self.record, "resumes": self.resumes,
-                **self.trainer.state_dict()}
-        checkpoint.save(self.log.dir, self.rank, blob, keep_step=keep)
+        t0 = time.perf_counter()
+        path = checkpoint.save(self.log.dir, self.rank, self.blob(reason), keep_step=keep)
+        self.last_save = {"file": str(path), "save_s": time.perf_counter() - t0, "saved_at": time.time()}
         self.ctl.saved()
-        self.log.metrics({"step": self.step, "event": "checkpoint", "reason": reason})
+        self.log.metrics({"step": self.step, "event": "checkpoint", "reason": reason,
+                          "save_s": self.last_save["save_s"]})
 
     def train(self) -> None:
         self.ctl = self._stop_controller()
-        bar = progress_bar(self)
+        self.bar = progress_bar(self)
         t_start = time.perf_counter()
         try:
             while self.step < self.total and self.stopped is None:
@@ -221,11 +206,11 @@ class Run:
                 for i, indices in enumerate(self.loader):
                     if i < skip:
                         continue   # resumed mid-epoch: these batches were seen
-                    self._one_step(indices, bar)
+                    self._one_step(indices)
                     if self.step >= self.total or self.stopped is not None:
                         break
-            if bar is not None:
-                bar.close()
+            if self.bar is not None:
+                self.bar.close()
             if self.stopped is None:
                 self.save("end")
                 if not self.result:   # resumed at the last step
@@ -243,21 +228,29 @@ class Run:
         self.carrier = carrier if self.allgather_object is not None else None
         if self.allgather_object is None:   # nothing to agree through: no signal handling, no timed saves
             return StopController(lambda values: values, checkpoint_every_s=0, poll_every=1 << 62)
+        launched = launchers.kind(os.environ) is not None
         ctl = StopController(allgather_max(self.allgather_object), poll_every_s=POLL_EVERY_S,
-                             checkpoint_every_s=self.cfg.training.checkpoint_every_s).install()
+                             checkpoint_every_s=self.cfg.training.checkpoint_every_s,
+                             force_on_repeat=not launched).install()
+        if launched:
+            ctl.watch_parent()
         if self.carrier is not None:
             self.carrier.carry = ctl.flags
         return ctl
 
-    def _one_step(self, indices, bar) -> None:
+    def _one_step(self, indices) -> None:
         if self.carrier is not None:
             self.carrier.last = None
         loss, correct, n = self.trainer.step(indices, self.step)                   # 3.
         self.step += 1
         cfg, step = self.cfg, self.step
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}")
+        self._time_steps()
+        if self.bar is not None and self.ctl.signum:   # stopping: write nothing the launcher may not read
+            self.bar.close()
+            self.bar = None
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.3f}")
         if step % cfg.training.log_every == 0 or step == self.total:
             self._log_train(loss, correct / n)
         if eval_due(cfg, step, self.steps_per_epoch, self.total):                 # 4.
@@ -275,11 +268,27 @@ class Run:
         decision = self.ctl.decide(carried) if carried is not None else self.ctl.poll(step)
         every = self.cfg.training.checkpoint_every
         keep = bool(every and step % every == 0)
+        if decision.stop:
+            self.stopped, self.agreed_at = decision.reason, time.time()
         if keep or decision.save:
             self.save(decision.reason if decision.save else "checkpoint_every", keep=keep)
-        if decision.stop:
-            self.stopped = decision.reason
-            self.log.metrics({"step": step, "event": "stopped", "reason": decision.reason})
+
+    def _time_steps(self) -> None:
+        """After the first step, time WINDOW_STEPS more; then rank 0 says in one line if a stop
+        (about two steps and a save) may not fit in what the launcher leaves it
+        (launchers.window_note), once per launch."""
+        now = time.perf_counter()
+        if self._timing is None:
+            self._timing = (self.step, now)
+            return
+        first, t0 = self._timing
+        if self.step - first != WINDOW_STEPS or self.rank != 0:
+            return
+        t1 = time.perf_counter()
+        torch.save(self.blob("probe"), io.BytesIO())   # a save's serialisation; the write comes on top
+        note = launchers.window_note(os.environ, (now - t0) / WINDOW_STEPS, time.perf_counter() - t1, self.relayed)
+        if note:
+            say(note)
 
     def _log_train(self, loss: float, train_accuracy: float) -> None:
         stats = self.trainer.communication_stats()
@@ -301,24 +310,34 @@ class Run:
         return summary
 
     def finish_stopped(self) -> int:
-        """After an agreed stop: every rank has saved before rank 0 says so, and rank 0 has said
-        so before any rank exits (a launcher tears the job down at the first non-zero exit);
-        no summary (unfinished)."""
-        self.ctl.barrier()
+        """After an agreed stop:
+
+        1. one allgather of every rank's save (file, seconds, when it heard the signal): every
+           rank has saved before rank 0 says so;
+        2. rank 0 records the stop in metrics.jsonl (summary.json's ``stops`` lists them) and
+           prints the resume hint (to a closed stderr: nowhere, quietly);
+        3. a barrier: rank 0 has said so before any rank exits (a launcher tears the job down
+           at the first non-zero exit). No summary (unfinished)."""
+        mine = {**self.last_save, "heard_at": self.ctl.heard_at, "agreed_at": getattr(self, "agreed_at", None)}
+        ranks = self.allgather_object(mine, name="rsync.stopped")                           # 1.
+        self.log.metrics({"step": self.step, "event": "stopped", "reason": self.stopped,    # 2.
+                          "files": [r.get("file") for r in ranks], "save_s": [r.get("save_s") for r in ranks],
+                          "heard_at": [r["heard_at"] for r in ranks], "agreed_at": [r["agreed_at"] for r in ranks],
+                          "saved_at": [r.get("saved_at") for r in ranks]})
         self.log.close()
         if self.rank == 0:
-            print(f"{self.ctl.message(self.step, self.log.dir)} (exit code {EXIT_STOPPED}: saved, not finished)",
-                  file=sys.stderr, flush=True)
-        self.ctl.barrier()
+            say(f"{self.ctl.message(self.step, self.log.dir)} (exit code {EXIT_STOPPED}: saved, not finished)")
+        self.ctl.barrier()                                                                  # 3.
         return EXIT_STOPPED
 
 
 def run(cfg: RunConfig, trainer: Trainer, rank: int, size: int, *, resumed: checkpoint.Resumed | None = None,
-        allgather_object: Callable | None = None) -> int:
+        allgather_object: Callable | None = None, relayed: bool = False) -> int:
     """Train to the end (0); EXIT_STOPPED after a SIGTERM/SIGINT stop that saved every rank;
     2 (after a clear message) when the shard is smaller than one batch. ``allgather_object``
-    (the adapter's) carries the stop polls on steps whose exchange has no allreduce to share."""
-    loop = Run(cfg, trainer, rank, size, resumed, allgather_object)
+    (the adapter's) carries the stop polls on steps whose exchange has no allreduce to share;
+    ``relayed``: a relay passes the launcher's signals on to this rank (launchers.start_relay)."""
+    loop = Run(cfg, trainer, rank, size, resumed, allgather_object, relayed)
     if loop.steps_per_epoch == 0:
         print(f"error: training.batch_size={cfg.training.batch_size} exceeds this rank's shard "
               f"({trainer.train_size} samples); lower it", file=sys.stderr)
@@ -331,39 +350,50 @@ def run(cfg: RunConfig, trainer: Trainer, rank: int, size: int, *, resumed: chec
     return 0
 
 
-def write_layer_decisions(decisions, path) -> None:
-    """The per-layer decision (compressed or dense, and why), written once by rank 0 to the run
-    folder's layers.log (summary.json has them too), not to the terminal."""
-    with open(path, "w") as f:
-        for d in decisions:
-            print(f"[layers] {d['name']}: {'compressed' if d['compressed'] else 'dense'} "
-                  f"(numel {d['numel']}, density {d['density']:g}; {d['why']})", file=f)
+def resume_history(saved: list, logged: list) -> list:
+    """Every earlier resume, oldest first: those the checkpoint carries, and those only this run
+    folder's metrics.jsonl remembers (a launch killed before any rank saved again, whose run was
+    then resumed from the same step), each once (by its time)."""
+    seen, out = set(), []
+    for entry in [*saved, *({k: v for k, v in e.items() if k != "event"} for e in logged)]:
+        key = entry.get("at") or (entry.get("step"), entry.get("from"))
+        if key not in seen:
+            seen.add(key)
+            out.append(entry)
+    return sorted(out, key=lambda e: e.get("at") or 0.0)
+
+
+def resume_details(r: checkpoint.Resumed, size: int) -> str:
+    """What the [resume] line adds: a resize and what it dropped, a fallback to .prev files."""
+    what = "" if r.report is None else (
+        f"; {r.agreement.old_size} -> {size} workers, on_resize={r.report['rule']}: "
+        f"{r.report['dropped_elements']} residual elements dropped")
+    if r.fallback is not None:
+        what += (f"; the latest saves were of steps {r.fallback['latest']} (a save cut short), so ranks "
+                 f"{[i for i, f in enumerate(r.fallback['files']) if f != 'latest']} resume from .prev")
+    return what
+
+
+def global_rng() -> dict:
+    """torch's global generators (CPU, and every CUDA device's): dropout and data augmentation
+    draw from them, so a resume that did not restore them would train on other draws."""
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_global_rng(state: dict | None) -> None:
+    if not state:
+        return   # a checkpoint of an older version: torch.manual_seed(training.seed) stands
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def progress_bar(loop: Run):
     if loop.rank != 0 or not loop.cfg.training.progress:
         return None
     from tqdm import tqdm
-    return tqdm(total=loop.total, initial=loop.step, desc=loop.cfg.output.name, unit="step", file=sys.stderr)
-
-
-def build_summary(loop: Run) -> dict:
-    """summary.json: final test figures, bytes, time per phase, per-layer figures and decisions."""
-    stats = loop.trainer.communication_stats()
-    stats.pop("last_step", None)
-    layers = stats.pop("layers", {})
-    phases = {p: stats.pop(p) for p in ("select", "communicate", "decompress")}
-    result = loop.result
-    extra = {"final_perplexity": math.exp(min(result["test_loss"], 50))} if loop.trainer.task == "lm" and result \
-        else {}
-    return {
-        "final_accuracy": result.get("test_accuracy"), "final_loss": result.get("test_loss"), **extra,
-        "wire_bytes": stats["wire_bytes"], "dense_bytes": stats["dense_bytes"],
-        "compression_ratio": stats["compression_ratio"], "steps": loop.step, "workers": loop.size,
-        "wall_time_s": loop.wall,
-        "time_breakdown": {**phases, "eval": loop.t_eval,
-                           "compute": max(0.0, loop.wall - loop.t_eval - sum(phases.values()))},
-        "compression": loop.cfg.compression.model_dump(mode="json"), "comm_detail": stats,
-        "layers": layers, "layer_decisions": loop.trainer.layer_decisions(),
-        "decisions_source": loop.record.get("source"), "resumes": loop.resumes,
-    }
+    return tqdm(total=loop.total, initial=loop.step, desc=loop.cfg.output.name, unit="step",
+                file=QuietStream(sys.stderr))

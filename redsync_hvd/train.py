@@ -18,10 +18,12 @@ import sys
 
 import torch
 
+from . import launchers
 from .checkpoint import CheckpointError
 from .config import ConfigError, RunConfig, load_config
 from .data import build_datasets
 from .engine import refuse
+from .preemption import EXIT_STOPPED, exit_now
 from .runner import resume, run, trainer_config
 
 # what each launcher leaves in its workers' environment
@@ -59,7 +61,10 @@ def main(argv=None, framework: str | None = None) -> int:
     except ImportError as exc:   # a torch-only install: redsync_hvd.tensorflow's message names the fix
         print(f"error: framework: {cfg.framework}: {exc}", file=sys.stderr)
         return 2
-    return launch(cfg, adapter)
+    # before the framework starts (no threads, no MPI yet): Ctrl-C and SIGTERM to mpirun's process
+    # group reach this rank at once, not 1 s later from mpirun, 1 s before its SIGKILL
+    relay = launchers.start_relay(os.environ)
+    return launch(cfg, adapter, relayed=relay is not None)
 
 
 def launcher(environ) -> str | None:
@@ -105,7 +110,7 @@ def _adapter(cfg: RunConfig):
     return DDPAdapter() if cfg.engine == "ddp" else HorovodAdapter()
 
 
-def launch(cfg: RunConfig, adapter) -> int:
+def launch(cfg: RunConfig, adapter, relayed: bool = False) -> int:
     """Start the framework, agree on the config, build data, resume (agreed by all ranks), build
     the trainer, run the loop. Exit codes: 0 done, 2 bad config or checkpoint (the same message
     on every rank), 75 stopped by SIGTERM/SIGINT after every rank saved (resume it)."""
@@ -132,8 +137,17 @@ def launch(cfg: RunConfig, adapter) -> int:
     except (ValueError, TypeError, NotImplementedError) as exc:   # the same on every rank: nobody waits
         print(f"error (rank {rank}): {exc}", file=sys.stderr)
         return 2
-    return run(cfg, trainer, rank, size, resumed=resumed, allgather_object=adapter.allgather_object)
+    return run(cfg, trainer, rank, size, resumed=resumed, allgather_object=adapter.allgather_object,
+               relayed=relayed)
+
+
+def exit_with(code: int):
+    """A stopped run (every rank saved and passed the last collective) ends at once, before its
+    launcher's SIGKILL (preemption.exit_now); other codes end as usual."""
+    if code == EXIT_STOPPED:
+        exit_now(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -67,8 +67,10 @@ def _writes(out, R, quick):
     for mean, update, vel, vdt in writes:
         out.append((f"_write R={R} mean={mean} update={update} velocity={vel} values={vdt}", "_write",
                     dict(x_ptr="*fp32", u_ptr="*fp32", **ROWS, base_ptr="*i32", side_ptr="*i8", mean_ptr="*fp32",
-                         offsets="*i64", kofs="*i64", pos_ptr="*i32", val_ptr="*" + vdt, **CANDS, **TILE),
-                    dict(R=R, MEAN=mean, UPDATE=update, VELOCITY=vel, BF16=vdt == "bf16", ALIGNED=True, BLOCK=1024),
+                         offsets="*i64", kofs="*i64", pos_ptr="*i32", val_ptr="*" + vdt, **CANDS, **TILE,
+                         limit="fp32"),
+                    dict(R=R, MEAN=mean, UPDATE=update, VELOCITY=vel, BF16=vdt == "bf16", CLAMP=vdt != "fp32",
+                         ALIGNED=True, BLOCK=1024),
                     dict(num_warps=8, enable_fp_fusion=False)))
 
 

@@ -125,8 +125,9 @@ def _session_processes(sid: int) -> list:
 
 
 def rank_pids(proc: subprocess.Popen, np: int, timeout: float = 120) -> dict:
-    """{rank: pid} of the workers of a job from :func:`start`, by the rank variable each launcher
-    gives its workers (mpirun: OMPI_COMM_WORLD_RANK, Gloo: HOROVOD_RANK)."""
+    """{rank: pid} of the workers of a job from :func:`start` or :func:`start_torchrun`, by the rank
+    variable each launcher gives its workers (mpirun: OMPI_COMM_WORLD_RANK, Gloo: HOROVOD_RANK,
+    torchrun: RANK next to TORCHELASTIC_RUN_ID)."""
     import time
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
@@ -140,6 +141,8 @@ def rank_pids(proc: subprocess.Popen, np: int, timeout: float = 120) -> dict:
             except OSError:
                 continue
             rank = env.get(b"OMPI_COMM_WORLD_RANK", env.get(b"HOROVOD_RANK"))
+            if rank is None and b"TORCHELASTIC_RUN_ID" in env:
+                rank = env.get(b"RANK")
             if rank is not None and b"python" in program:
                 found[int(rank)] = pid
         if len(found) == np:
@@ -192,15 +195,32 @@ def torchrun(args: list, nproc: int = 2, timeout: float = 120, env: dict | None 
     return _run(cmd + [str(a) for a in args], "torchrun", timeout, env, check)
 
 
+def start_torchrun(args: list, nproc: int = 2, env: dict | None = None) -> subprocess.Popen:
+    """Start ``torchrun --standalone --nproc_per_node N <args>`` in a session of its own without
+    waiting (as :func:`start` does for horovodrun); collect it with :func:`finish`."""
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(nproc), *map(str, args)]
+    return subprocess.Popen(cmd, cwd=REPO, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL every process of a job from :func:`start` or :func:`start_torchrun` at once (ranks
+    in groups or sessions of their own included): a node that fails, the OOM killer."""
+    _kill_session(proc.pid)
+
+
 def plain(args: list, timeout: float = 120, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
     """Run ``python <args>`` as one process, no launcher, with the same timeout and session kill."""
     return _run([sys.executable] + [str(a) for a in args], "python", timeout, env, check)
 
 
+def _env(env: dict | None) -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO), "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+
+
 def _run(cmd: list, what: str, timeout: float, env: dict | None, check: bool) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
-                "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)

@@ -81,7 +81,7 @@ def test_save_refuses_what_a_safe_load_could_not_read(tmp_path):
 
 
 # -- resume under horovodrun ------------------------------------------------------------------
-SCENARIOS = ["ok", "missing", "resize", "resize_sum", "resize_reset"]
+SCENARIOS = ["ok", "missing", "resize", "resize_sum", "resize_reset", "prev", "prev_none"]
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +132,15 @@ def test_resize_sum_conserves_and_reset_counts(resumed):
                                            "OK sum of old ranks [1, 3], totals conserved"]
     counts = {int(re.search(r"dropped (\d+)", l).group(1)) for l in lines["resize_reset"]}
     assert len(lines["resize_reset"]) == 2 and len(counts) == 1 and counts.pop() > 0
+
+
+def test_latest_saves_of_different_steps_fall_back_to_prev(resumed):
+    """Rank 0 saved steps 20 and 26, rank 1 only 20 (killed mid-save): both resume step 20, rank 0
+    from its .prev; with rank 0 at 32 (its .prev 26) no step is held by every rank: every rank
+    stops with the same error."""
+    folder, lines = resumed
+    assert lines["prev"] == ["OK step 20 from ['.prev', 'latest'] (latest saves of steps [26, 20]), blob step 20"] * 2
+    _same_error_on_both(lines["prev_none"], "step differs: step 32 on rank 0, step 20 on rank 1")
 
 
 def test_remap_conserves_the_total_and_scales():
@@ -222,12 +231,12 @@ def test_resume_of_another_experiment_names_the_keys_that_differ(tmp_path):
 # -- preemption ------------------------------------------------------------------------------
 @pytest.mark.parametrize("launcher", ["gloo", "mpirun"])
 def test_sigterm_to_the_launcher_saves_every_rank(tmp_path, launcher):
-    """What a scheduler sends to the job. Gloo launcher: SIGTERM to horovodrun's pid, forwarded
-    at once (5 s before SIGKILL). mpirun: horovodrun has exec'd /bin/sh -c mpirun, which a
-    signal to that pid alone would kill, orphaning mpirun; so the process group is signalled,
-    and mpirun passes SIGTERM on after odls_base_sigkill_timeout seconds (set to 3 here; the
-    default 1 s is also the grace before SIGKILL)."""
-    extra = ["--gloo"] if launcher == "gloo" else ["--mpi-args=--mca odls_base_sigkill_timeout 3"]
+    """What a scheduler sends to the job, with the launcher's defaults. Gloo launcher: SIGTERM to
+    horovodrun's pid, forwarded at once (5 s before SIGKILL). mpirun: horovodrun has exec'd
+    /bin/sh -c mpirun, which a signal to that pid alone would kill, orphaning mpirun; so the
+    process group is signalled. mpirun would pass SIGTERM on only after 1 s, 1 s before its
+    SIGKILL: each rank's relay (launchers.start_relay) passes it on at once."""
+    extra = ["--gloo"] if launcher == "gloo" else []
     proc = start(["python", MP / "preempt_toy.py", tmp_path, 400, "--step-sleep", 0.1],
                  launcher_args=["-np", 2, "-H", "localhost:2", *extra])
     logs = [tmp_path / f"rank{r}.log" for r in (0, 1)]

@@ -128,6 +128,25 @@ def test_the_update_in_the_write_pass_is_the_decode_of_the_own_message(sign, mea
     assert same(xa, xb) and same(ua, ub)
 
 
+@pytest.mark.parametrize("value_dtype", [torch.float16, torch.bfloat16])
+def test_values_beyond_the_wire_type_travel_clamped_and_the_residual_keeps_the_rest(value_dtype):
+    """A kept value beyond the wire type's largest finite number is written as that number
+    (as ``core/wire.py:to_wire`` does), not inf, and x keeps the difference: equal to the
+    reference bit for bit, every value and every residual finite."""
+    sizes = [3000, 40]
+    seg = Segments(sizes, [30, 4], tile=2048, align=16)
+    x = padded(seg, torch.randn(sum(sizes), generator=torch.Generator().manual_seed(5)).to(DEV))
+    x[7], x[3010] = 1e5, -3.4e38    # beyond fp16's 65504; beyond bf16's 3.39e38
+    a, b, (xa, xb), _ = both(seg, x, update=True, value_dtype=value_dtype, index_dtype=torch.int32)
+    assert_same(a, b)
+    assert same(xa, xb)
+    assert torch.isfinite(b.values).all() and torch.isfinite(xb).all()
+    top = torch.finfo(value_dtype).max
+    assert float(b.values.float().abs().max()) == top
+    sent = float(b.values[int((b.positions[:30] == 7).nonzero())])
+    assert float(xb[7]) == 1e5 - sent and sent == min(float(torch.tensor(1e5).to(value_dtype)), top)
+
+
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("momentum,nesterov", [(0.0, False), (0.9, False), (0.9, True)])
 def test_compensation_fused_with_the_first_histogram(grad_dtype, momentum, nesterov):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..core.golomb import decode_positions, encode_positions
+from ..core.wire import to_wire, wide_mean
 
 VALUE_DTYPES = {"none": torch.float32, "fp16": torch.float16, "sign_mean": torch.float32}
 
@@ -48,8 +49,9 @@ class MessageCodec:
         return index + ("scalars" if self.mean else "values",)
 
     def to_wire(self, values: torch.Tensor) -> torch.Tensor:
-        """Values as they travel (the residual keeps what this rounding loses)."""
-        return values.to(self.value_dtype)
+        """Values as they travel, clamped to the wire type's finite range (``core/wire.py``); the
+        residual keeps what this rounding and clamping lose."""
+        return to_wire(values, self.value_dtype)
 
     def encode(self, positions: torch.Tensor, value: torch.Tensor, layer) -> list:
         """[positions (int32 or Golomb-coded), value]; ``value``: the values in the wire's dtype,
@@ -95,5 +97,5 @@ class MessageCodec:
             mu_neg = -values[values < 0].sum() / max(n_neg, 1)
             keep = pos if bool(mu_pos >= mu_neg) else values < 0
         positions, kept = positions[keep], values[keep]
-        mean = kept.mean().reshape(1) if kept.numel() else torch.zeros(1, device=values.device)
+        mean = wide_mean(kept).reshape(1) if kept.numel() else torch.zeros(1, device=values.device)
         return positions, mean.float()

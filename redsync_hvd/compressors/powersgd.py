@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from ..config.baselines import PowerSGDConfig
+from ..core.wire import wide_norm
 from .base import Compressor, Layer, Message
 
 
@@ -65,7 +66,7 @@ def orthogonalize(matrix: torch.Tensor, method: str = "auto", eps: float = 0.0) 
         return matrix.copy_(q)
     for i in range(rank):
         col = matrix[:, i:i + 1]
-        norm = torch.linalg.vector_norm(col, dim=0, keepdim=True)
+        norm = wide_norm(col, dim=0, keepdim=True)   # fp32's sum of squares overflows past 1.8e19
         if eps:
             col /= norm + eps
         else:   # a zero column stays zero instead of becoming NaN

@@ -32,6 +32,7 @@ import torch
 
 from ..config.baselines import QSGDConfig
 from ..core import bitpack
+from ..core.wire import wide_norm
 from .base import Compressor, Layer, Message
 
 
@@ -59,7 +60,7 @@ def _buckets(x: torch.Tensor, bucket_size: int) -> torch.Tensor:
 def quantize(x: torch.Tensor, s: int, bucket_size: int, generator: torch.Generator) -> tuple:
     """Step 1 for a flat fp32 x: (norm per bucket, signed levels in [-s, s] per element)."""
     v = _buckets(x, bucket_size)
-    norms = torch.linalg.vector_norm(v, dim=1)
+    norms = wide_norm(v, dim=1)   # finite for finite v: fp32's sum of squares overflows past 1.8e19
     safe = torch.where(norms > 0, norms, torch.ones_like(norms))   # an all-zero bucket stays zero
     a = v.abs().mul_(s / safe.unsqueeze(1))
     u = torch.rand(a.shape, generator=generator, device=a.device, dtype=a.dtype)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.wire import wide_mean
 from .base import Layer, Message
 from .redsync import RedSyncCompressor
 
@@ -28,7 +29,7 @@ class SBCCompressor(RedSyncCompressor):
         if self.config.message.binarize:
             pos_vals, pos_idx = torch.topk(x, k, sorted=False)
             neg_vals, neg_idx = torch.topk(-x, k, sorted=False)
-            mu_pos, mu_neg = pos_vals.mean(), neg_vals.mean()
+            mu_pos, mu_neg = wide_mean(pos_vals), wide_mean(neg_vals)
             if bool(mu_pos >= mu_neg):
                 idx, value = pos_idx, mu_pos.reshape(1)
             else:

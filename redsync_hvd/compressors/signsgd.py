@@ -33,12 +33,13 @@ import torch
 
 from ..config.baselines import SignSGDConfig
 from ..core import bitpack
+from ..core.wire import wide_mean
 from .base import Compressor, Layer, Message
 
 
 def scaled_sign(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(bits as uint8 0/1 with 1 for p >= 0, scale = ||p||_1 / d as a 1-element fp32 tensor)."""
-    scale = p.abs().mean(dtype=torch.float32).reshape(1)
+    scale = wide_mean(p.abs()).reshape(1)   # finite for finite p, though an fp32 sum may overflow
     return (p >= 0).to(torch.uint8), scale
 
 

@@ -27,6 +27,8 @@ from typing import List, Optional
 
 import torch
 
+from .wire import widen
+
 _BINS = 4096
 _SHIFT1, _SHIFT2 = 19, 7       # 12 bits each of a non-negative float32's 31
 _NONFINITE_BIN = 0x7F800000 >> _SHIFT1
@@ -69,6 +71,12 @@ def _positions(mask: torch.Tensor, count: int) -> torch.Tensor:
         return torch.nonzero(mask).reshape(-1)[:count]
 
 
+def _mean(vals: torch.Tensor, count: int) -> torch.Tensor:
+    """(1,) fp32 mean of the kept values; float64 where the fp32 sum overflowed (huge finite values)."""
+    n = max(count, 1)
+    return widen(vals.sum() / n, vals.sum(dtype=torch.float64) / n).reshape(1)
+
+
 def select_bucket(xs: List[torch.Tensor], ks: List[int], *, sign: Optional[str] = None,
                   mean: bool = False) -> BucketSelection:
     """About the k largest |x| of each flat float32 tensor in ``xs``, all at once.
@@ -108,7 +116,7 @@ def select_bucket(xs: List[torch.Tensor], ks: List[int], *, sign: Optional[str] 
         idx = _positions(keep, count)
         vals = x.index_select(0, idx)
         indices.append(idx)
-        values.append((vals.sum() / max(count, 1)).reshape(1) if mean else vals)
+        values.append(_mean(vals, count) if mean else vals)
         selected.append(min(n_sel, 2 * k))
         nonfinite.append(bool(bad))
     return BucketSelection(indices, values, selected, nonfinite)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from redsync_hvd.core.segments import BINS, NONFINITE_BIN, SHIFTS, Segments, to_device
+from redsync_hvd.core.wire import to_wire
 
 ABS = 0x7FFFFFFF
 SIGNS = (None, "pos", "neg", "larger")
@@ -334,7 +335,7 @@ def _ref_select(seg, x, R, active, k_row, hist, index_dtype, value_dtype, mean, 
     dst = torch.where(take, tab.kofs.index_select(0, seg_of) + _seg_exclusive_cumsum(take, start), K)
     pos = torch.empty(K + 1, dtype=index_dtype, device=dev)
     pos.scatter_(0, dst, (torch.arange(seg.n, device=dev) - start).to(index_dtype))   # others: spare slot
-    vals = torch.empty(K + 1, dtype=torch.float32, device=dev).scatter_(0, dst, x)[:K].to(value_dtype)
+    vals = to_wire(torch.empty(K + 1, dtype=torch.float32, device=dev).scatter_(0, dst, x)[:K], value_dtype)
     pos = pos[:K]
     if update:   # what receivers decode: the mean, or the values as they travel
         sent = {"means": means} if mean else {"values": vals}

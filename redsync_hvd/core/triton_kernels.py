@@ -387,9 +387,13 @@ def _count(x_ptr, prefix_ptr, need_ptr, side_ptr, arrivals, cnt_ptr, base_ptr, c
 
 
 @_device
-def _wire(x, bits, val_ptr, at, take, BF16: tl.constexpr):
+def _wire(x, bits, val_ptr, at, take, limit, BF16: tl.constexpr, CLAMP: tl.constexpr):
     """Store x's values at slots ``at`` in the wire's dtype; returns them as float32 (what
-    receivers decode)."""
+    receivers decode). CLAMP: first clamped to +-limit, the wire type's finite range, as
+    ``core/wire.py:to_wire`` does, so a finite value stays finite (NaN compares false and stays)."""
+    if CLAMP:
+        x = tl.where(x > limit, limit, tl.where(x < -limit, -limit, x))
+        bits = x.to(tl.int32, bitcast=True)
     if BF16:   # round to nearest even by hand: the interpreter's cast truncates
         up = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
         up = tl.where((bits & ABS) > 0x7F800000, 0x7FC00000, up)   # NaN: torch's quiet NaN
@@ -402,12 +406,13 @@ def _wire(x, bits, val_ptr, at, take, BF16: tl.constexpr):
 
 @triton.jit
 def _write(x_ptr, u_ptr, prefix_ptr, need_ptr, base_ptr, side_ptr, mean_ptr, offsets, kofs, pos_ptr, val_ptr,
-           cand_bits, cand_pos, cand_lo, cand_n, tile_seg, tile_lo, tile_hi, R: tl.constexpr, MEAN: tl.constexpr,
-           UPDATE: tl.constexpr, VELOCITY: tl.constexpr, BF16: tl.constexpr, ALIGNED: tl.constexpr,
-           BLOCK: tl.constexpr):
+           cand_bits, cand_pos, cand_lo, cand_n, tile_seg, tile_lo, tile_hi, limit, R: tl.constexpr,
+           MEAN: tl.constexpr, UPDATE: tl.constexpr, VELOCITY: tl.constexpr, BF16: tl.constexpr,
+           CLAMP: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """Over the tile's candidates, for its layer's kept row: 1. take the keys above T and those
     equal to T whose rank among equals (position order, counted from the tile's base) is below
-    need; 2. write their layer-local positions, and values in the wire's dtype, at consecutive
+    need; 2. write their layer-local positions, and values in the wire's dtype (clamped to its
+    finite range), at consecutive
     slots from the tile's first slot; 3. with UPDATE, x -= what receivers decode (the value as
     sent, or the layer's mean), in the same pass; with VELOCITY, u = 0 there."""
     t = tl.program_id(0)
@@ -428,7 +433,7 @@ def _write(x_ptr, u_ptr, prefix_ptr, need_ptr, base_ptr, side_ptr, mean_ptr, off
         at = slot + tl.cumsum(ti, 0) - ti
         tl.store(pos_ptr + at, (first + local).to(pos_ptr.dtype.element_ty), mask=take)       # 2.
         x = bits.to(tl.float32, bitcast=True)
-        sent = mean if MEAN else _wire(x, bits, val_ptr, at, take, BF16)
+        sent = mean if MEAN else _wire(x, bits, val_ptr, at, take, limit, BF16, CLAMP)
         if UPDATE:                                                                            # 3.
             tl.store(x_ptr + lo + local, x - sent, mask=take)
         if VELOCITY:

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from redsync_hvd.core.segments import BINS, NONFINITE_BIN, VECTOR, Segments, to_device
 from redsync_hvd.core.triton_kernels import _count, _filter, _pass1, _refine, _write
+from redsync_hvd.core.wire import wire_limit
 
 _WARPS = 8
 _SMALL = 1024           # block of the decode's and the candidate stages' loops
@@ -162,8 +163,9 @@ def stages(seg, ws, x, hist, k_row, out, *, own, s0, s1, mean, update, velocity)
             ALIGNED=aligned, BLOCK=block, num_warps=_WARPS)),
         ("_write", lambda: _write[grid](
             x, u, ws.prefix, ws.need, ws.base, out["side"], out["means"], tab.offsets, tab.kofs, out["pos"],
-            out["vals"], *cands, *tiles, R=R, MEAN=mean, UPDATE=update, VELOCITY=velocity is not None,
-            BF16=out["vals"].dtype == torch.bfloat16, ALIGNED=aligned, BLOCK=block, num_warps=_WARPS,
+            out["vals"], *cands, *tiles, wire_limit(out["vals"].dtype), R=R, MEAN=mean, UPDATE=update,
+            VELOCITY=velocity is not None, BF16=out["vals"].dtype == torch.bfloat16,
+            CLAMP=out["vals"].dtype != torch.float32, ALIGNED=aligned, BLOCK=block, num_warps=_WARPS,
             enable_fp_fusion=False)),
     ]
 

@@ -28,6 +28,7 @@ from ..compressors.dense import NoneCompressor
 from ..core import layout
 from ..core.selection import NonFiniteError
 from ..core.stats import CommStats
+from ..core.wire import finite_evidence
 from ..memory import NoMemory
 from .plan import BucketPlan
 from .step import Bucket, StepResult, StepState, Unit
@@ -251,10 +252,11 @@ class GradientExchange:
             flat = flat.float()
         if self.grad_scale is not None:
             flat = flat / self.grad_scale
-        # a compressed layer whose compressor does not check for NaN/Inf itself gets one summing
-        # pass, carried by its bucket's collective (dense layers: one norm over the whole bucket)
+        # a compressed layer whose compressor does not check for NaN/Inf itself gets one pass for
+        # its largest magnitude (a sum would overflow on huge finite values), carried by its
+        # bucket's collective (dense layers: one norm over the whole bucket)
         if self.check_finite and layer.compressed and not comp.checks_finite:
-            self._evidence(layer.name, flat.sum())
+            self._evidence(layer.name, finite_evidence(flat))
         if self.clip is not None:
             # on the device, no host read: a factor of 1.0 leaves the values bit for bit
             flat = flat * (self.clip / flat.norm().clamp(min=1e-30)).clamp(max=1.0)

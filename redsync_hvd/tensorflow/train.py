@@ -2,8 +2,7 @@
 runner (``python -m redsync_hvd.train``), refusing configs of another framework."""
 from __future__ import annotations
 
-import sys
-
+from ..train import exit_with
 from ..train import main as _main
 
 
@@ -12,4 +11,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -18,7 +18,7 @@ import torch
 
 from ..config import RunConfig
 from ..config.compression import ResidualConfig
-from ..runner import lr_factor
+from ..schedule import lr_factor
 from .models import build_keras_model
 
 

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Subset, default_collate
 
 from ..config import RunConfig
 from ..models import build_model
-from ..runner import lr_factor
+from ..schedule import lr_factor
 from . import ddp as rddp
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

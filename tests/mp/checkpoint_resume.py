@@ -1,4 +1,5 @@
-"""Resume from per-rank checkpoints under real Horovod: agreement, a missing file, world-size changes.
+"""Resume from per-rank checkpoints under real Horovod: agreement, a missing file, world-size changes,
+latest saves of different steps (a job killed between two ranks' saves).
 
     checkpoint_resume.py <folder> <scenario>...     (each scenario in <folder>/<scenario>)
 
@@ -44,6 +45,10 @@ def prepare(folder: Path, scenario: str, rank: int, size: int) -> dict:
         for old in range(rank, OLD_SIZE, size):   # the old 4-rank run's files, shared out
             checkpoint.save(folder, old, blob(30, OLD_SIZE, old))
         return {"on_resize": scenario.split("_")[1]} if "_" in scenario else {}
+    if scenario.startswith("prev"):   # rank 1's save of step 26 (and 32) was cut short; rank 0's were not
+        for step in (20, 26, 32)[:1 if rank else (2 if scenario == "prev" else 3)]:
+            checkpoint.save(folder, rank, blob(step, size, rank))
+        return {}
     checkpoint.save(folder, rank, blob(20, size, rank), keep_step=True)
     if rank == 1 and scenario == "missing":
         os.unlink(checkpoint.latest_path(folder, rank))
@@ -79,6 +84,9 @@ def run(folder: Path, scenario: str, rank: int, size: int) -> None:
         print(f"rank {rank} {scenario}: ERROR ({time.time() - t0:.1f}s) {exc}", flush=True)
         return
     done = check_resize(scenario, r, rank, size) if scenario.startswith("resize") else f"step {r.agreement.step}"
+    if r.fallback is not None:
+        done += (f" from {r.fallback['files']} (latest saves of steps {r.fallback['latest']}), "
+                 f"blob step {r.blob['step']}")
     print(f"rank {rank} {scenario}: OK {done}", flush=True)
 
 

@@ -12,6 +12,7 @@ in redsync_hvd/compressors/powersgd.py). ``direct`` mode plays the exchange's pa
 x = g + e; compress (P allreduced inside); allreduce-mean Q; decode; e = x - decode.
 """
 import copy
+import gc
 import sys
 
 import torch
@@ -101,7 +102,15 @@ def main(mode):
     worst = max((p - q).abs().max().item() for p, q in zip(theirs.parameters(), ours.parameters()))
     assert moved > 1e-2, f"training hardly moved the weights ({moved}): the comparison would be empty"
     assert worst < 1e-5, f"{mode}: our PowerSGD differs from torch's powerSGD_hook by {worst}"
-    print(f"rank {rank}: OK powersgd {mode} matches torch (max difference {worst:.2e}, weights moved {moved:.2f})")
+    print(f"rank {rank}: OK powersgd {mode} matches torch (max difference {worst:.2e}, weights moved {moved:.2f})",
+          flush=True)
+    # End the group cleanly: every rank is done with it; nothing holds it any more (the DDP
+    # wrappers and their hook states keep it and its Gloo threads alive); destroyed while the
+    # interpreter runs, not by destructors at exit, which aborted the process now and then
+    # ("terminate called without an active exception") after both ranks had printed OK.
+    dist.barrier()
+    del theirs, ours
+    gc.collect()
     dist.destroy_process_group()
 
 

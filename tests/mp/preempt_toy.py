@@ -20,8 +20,8 @@ import time
 import torch
 
 import redsync_hvd.torch as rhvd
-from redsync_hvd import checkpoint
-from redsync_hvd.preemption import EXIT_STOPPED, StopController, horovod_max
+from redsync_hvd import checkpoint, launchers
+from redsync_hvd.preemption import EXIT_STOPPED, StopController, exit_now, horovod_max
 
 
 def parse():
@@ -59,6 +59,7 @@ def say(args, rank: int, text: str) -> None:
 
 def main() -> int:
     args = parse()
+    launchers.start_relay()   # before Horovod starts: mpirun's process group's signals reach this rank at once
     rhvd.init()
     rank, size = rhvd.rank(), rhvd.size()
     torch.manual_seed(0)
@@ -74,7 +75,8 @@ def main() -> int:
         opt.load_state_dict(r.blob["optimizer"])
         step = r.agreement.step
         say(args, rank, f"resumed at step {step}")
-    ctl = StopController(horovod_max(), checkpoint_every_s=args.every_s).install()
+    ctl = StopController(horovod_max(), checkpoint_every_s=args.every_s,
+                         force_on_repeat=launchers.kind() is None).install()
     say(args, rank, f"training from step {step}")
     while step < args.steps:
         x, y = batch(rank, step)
@@ -103,4 +105,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == EXIT_STOPPED:
+        exit_now(code)   # saved everywhere: end before the launcher's SIGKILL
+    sys.exit(code)

@@ -1,0 +1,164 @@
+"""Interrupt a run through its process group, resume it each time, and compare it with the same run
+uninterrupted, bit for bit.
+
+    python scripts/interrupt_runs.py [--launcher mpirun|gloo|torchrun] [--configs dense powersgd redsync sbc]
+        [--signals SIGINT SIGTERM SIGKILL] [--set KEY=VALUE ...] [--seed 0] [--compare-at STEP]
+
+For each config of ``configs/digits`` (by default ``make demo``'s four, 20 epochs): one run
+straight to the end, and one that is started, sent each signal in turn to its launcher's
+process group after a random 1 to 6 s of training (as Ctrl-C, ``kill -TERM -<pgid>`` and
+``kill -KILL -<pgid>`` do), and resumed from its run folder each time (``--set
+training.resume=<run>``) until it ends. Each interruption prints the steps of the checkpoints
+it left (one step on every rank, or the newest step every rank holds); the last line per
+config says whether weights, residuals and byte counters of every rank are those of the
+uninterrupted run. ``--compare-at S`` compares the step-S copies instead of the last step
+(both runs save every S steps and are stopped once they have): a long run, e.g. the
+500-epoch digits run, need not be trained to its end twice.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from stop_timeline import BIN, REPO, processes, wait_for_training
+
+sys.path.insert(0, str(REPO))
+from redsync_hvd import checkpoint  # noqa: E402 (the repository, not an installed copy)
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--launcher", choices=["mpirun", "gloo", "torchrun"], default="mpirun")
+    ap.add_argument("--configs", nargs="+", default=["dense", "powersgd", "redsync", "sbc"])
+    ap.add_argument("--signals", nargs="+", default=["SIGINT", "SIGTERM", "SIGKILL"])
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--seed", type=int, default=0, help="of the random moments")
+    ap.add_argument("--compare-at", type=int, default=None, help="compare the step copies of this step")
+    ap.add_argument("--out", default=None)
+    return ap.parse_args(argv)
+
+
+def launch(args, config: str, out: Path, name: str, *extra: str) -> subprocess.Popen:
+    every = [f"training.checkpoint_every={args.compare_at}"] if args.compare_at else []
+    sets = [f"output.dir={out}", f"output.name={name}", "training.progress=false", *every, *args.overrides, *extra]
+    train = ["-m", "redsync_hvd.train", "--config", f"configs/digits/{config}.yaml",
+             *sum((["--set", s] for s in sets), [])]
+    if args.launcher == "torchrun":
+        cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", *train, "--set", "engine=ddp"]
+    else:
+        gloo = ["--gloo"] if args.launcher == "gloo" else []
+        cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", *gloo, sys.executable, *train]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    log = open(out / f"{name}.log", "a")
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def end_of(proc: subprocess.Popen, job: set | None = None, timeout: float = 900) -> int:
+    """Wait for the launcher and every process of ``job`` (pids taken before a signal: ranks that
+    outlive a killed launcher are no longer its descendants)."""
+    deadline = time.time() + timeout
+
+    def alive() -> bool:
+        return proc.poll() is None or any(os.path.exists(f"/proc/{pid}") and not _zombie(pid) for pid in job or ())
+    while time.time() < deadline and alive():
+        time.sleep(0.05)
+    if alive():
+        raise SystemExit(f"the job did not end within {timeout} s")
+    return proc.returncode
+
+
+def to_the_end(args, proc: subprocess.Popen, run: Path) -> int:
+    """The launch trained to its end (0), or with ``--compare-at``: until both ranks saved that
+    step's copy, then stopped with SIGTERM."""
+    if not args.compare_at:
+        return end_of(proc)
+    copies = [checkpoint.step_path(run, r, args.compare_at) for r in (0, 1)]
+    while proc.poll() is None and not all(c.exists() for c in copies):
+        time.sleep(0.2)
+    if proc.poll() is None:
+        job = set(processes(proc.pid))
+        os.killpg(proc.pid, signal.SIGTERM)
+        end_of(proc, job)
+    return 0 if all(c.exists() for c in copies) else 1
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def interrupted(args, config: str, out: Path, rng: random.Random) -> list:
+    """The run, interrupted by every signal in turn and resumed; [(signal, steps of the checkpoints)]."""
+    run, lines = out / "run", []
+    for name in args.signals:
+        resume = (f"training.resume={run}",) if (run / "checkpoint-rank0.pt").exists() else ()
+        proc = launch(args, config, out, "run", *resume)
+        wait_for_training(proc)
+        time.sleep(rng.uniform(1.0, 6.0))
+        if proc.poll() is not None:
+            raise SystemExit(f"{config}: the run ended before the {name}; give it more steps "
+                             "(--set training.epochs=...)")
+        job = set(processes(proc.pid))
+        os.killpg(proc.pid, getattr(signal, name))
+        code = end_of(proc, job)
+        steps = [checkpoint.load(run, r)["step"] for r in (0, 1)]
+        lines.append((name, steps, code))
+    if to_the_end(args, launch(args, config, out, "run", f"training.resume={run}"), run) != 0:
+        raise SystemExit(f"{config}: the final resume failed; see {out / 'run.log'}")
+    return lines
+
+
+def same(ref: Path, run: Path, step: int | None) -> str:
+    """'bit-identical' or what differs, over both ranks' final checkpoints (or step copies)."""
+    for rank in (0, 1):
+        if step is None:
+            a, b = checkpoint.load(ref, rank), checkpoint.load(run, rank)
+        else:
+            a, b = (checkpoint.load(checkpoint.step_path(f, rank, step), rank) for f in (ref, run))
+        if a["step"] != b["step"] or any(not torch.equal(a["model"][k], b["model"][k]) for k in a["model"]):
+            return f"weights of rank {rank} differ"
+        ea, eb = checkpoint.exchange_state(a), checkpoint.exchange_state(b)
+        if ea is None:
+            continue
+        ra, rb = (e.get("memory", {}).get("residual", {}) for e in (ea, eb))
+        if ra.keys() != rb.keys() or any(not torch.equal(ra[k], rb[k]) for k in ra):
+            return f"residuals of rank {rank} differ"
+        counters = [{k: v for k, v in e["stats"]["total"].items() if not k.startswith("time_")} for e in (ea, eb)]
+        if counters[0] != counters[1]:
+            return f"byte counters of rank {rank} differ"
+    return "bit-identical (weights, residuals, byte counters of both ranks)"
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    root = Path(args.out or tempfile.mkdtemp(prefix="interrupt-runs-"))
+    rng = random.Random(args.seed)
+    print(f"{args.launcher}, signals to the launcher's process group: {' '.join(args.signals)}; "
+          f"seed {args.seed}; {root}")
+    for config in args.configs:
+        out = root / config
+        out.mkdir(parents=True, exist_ok=True)
+        if to_the_end(args, launch(args, config, out, "ref"), out / "ref") != 0:
+            raise SystemExit(f"{config}: the uninterrupted run failed; see {out / 'ref.log'}")
+        for name, steps, code in interrupted(args, config, out, rng):
+            print(f"  {config:9s} {name:8s} exit {code:4d}  checkpoints of steps {steps}"
+                  f"{' (one step)' if len(set(steps)) == 1 else ''}")
+        where = f"step {args.compare_at}" if args.compare_at else "the end"
+        print(f"  {config:9s} resumed, at {where}: {same(out / 'ref', out / 'run', args.compare_at)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
