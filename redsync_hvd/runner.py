@@ -155,9 +155,10 @@ class Run:
     """The loop's state: where it is, what it has measured, and its run folder."""
 
     def __init__(self, cfg: RunConfig, trainer: Trainer, rank: int, size: int,
-                 resumed: checkpoint.Resumed | None = None, allgather_object: Callable | None = None):
+                 resumed: checkpoint.Resumed | None = None, allgather_object: Callable | None = None,
+                 data: dict | None = None):
         self.cfg, self.trainer, self.rank, self.size = cfg, trainer, rank, size
-        self.resumed, self.allgather_object = resumed, allgather_object
+        self.resumed, self.allgather_object, self.data = resumed, allgather_object, data
         self.gen = torch.Generator().manual_seed(cfg.training.seed * 1000 + rank)
         self.loader = DataLoader(range(trainer.train_size), batch_size=cfg.training.batch_size, shuffle=True,
                                  drop_last=True, generator=self.gen)
@@ -229,7 +230,7 @@ class Run:
             if self.stopped is None:
                 self.save("end")
                 if not self.result:   # resumed at the last step
-                    self.result = self.trainer.evaluate()
+                    self.result = test_figures(self.trainer)
         finally:
             self.ctl.uninstall()
             if self.carrier is not None:
@@ -262,7 +263,7 @@ class Run:
             self._log_train(loss, correct / n)
         if eval_due(cfg, step, self.steps_per_epoch, self.total):                 # 4.
             t0 = time.perf_counter()
-            self.result = self.trainer.evaluate()
+            self.result = test_figures(self.trainer)
             self.t_eval += time.perf_counter() - t0
             self.log.metrics({"step": step, "epoch": step / self.steps_per_epoch, **self.result,
                               "wire_bytes": self.trainer.communication_stats()["wire_bytes"]})
@@ -295,7 +296,8 @@ class Run:
         self.log.close()
         if self.rank == 0:
             suffix = "" if self.trainer.framework == "torch" else f" (framework {self.trainer.framework})"
-            print(f"done: {self.log.dir} accuracy={summary['final_accuracy']:.4f} wire_bytes={summary['wire_bytes']} "
+            ppl = f" perplexity={summary['final_perplexity']:.2f}" if "final_perplexity" in summary else ""
+            print(f"done: {self.log.dir} accuracy={summary['final_accuracy']:.4f}{ppl} wire_bytes={summary['wire_bytes']} "
                   f"ratio={summary['compression_ratio']:.1f}{suffix}")
         return summary
 
@@ -313,11 +315,12 @@ class Run:
 
 
 def run(cfg: RunConfig, trainer: Trainer, rank: int, size: int, *, resumed: checkpoint.Resumed | None = None,
-        allgather_object: Callable | None = None) -> int:
+        allgather_object: Callable | None = None, data: dict | None = None) -> int:
     """Train to the end (0); EXIT_STOPPED after a SIGTERM/SIGINT stop that saved every rank;
     2 (after a clear message) when the shard is smaller than one batch. ``allgather_object``
-    (the adapter's) carries the stop polls on steps whose exchange has no allreduce to share."""
-    loop = Run(cfg, trainer, rank, size, resumed, allgather_object)
+    (the adapter's) carries the stop polls on steps whose exchange has no allreduce to share;
+    ``data`` (``DataBundle.record()``) goes to summary.json as it is."""
+    loop = Run(cfg, trainer, rank, size, resumed, allgather_object, data)
     if loop.steps_per_epoch == 0:
         print(f"error: training.batch_size={cfg.training.batch_size} exceeds this rank's shard "
               f"({trainer.train_size} samples); lower it", file=sys.stderr)
@@ -346,15 +349,29 @@ def progress_bar(loop: Run):
     return tqdm(total=loop.total, initial=loop.step, desc=loop.cfg.output.name, unit="step", file=sys.stderr)
 
 
+def perplexity(loss: float) -> float:
+    """exp(mean cross-entropy per token), capped at exp(50) so a diverged run stays a number."""
+    return math.exp(min(loss, 50.0))
+
+
+def test_figures(trainer: Trainer) -> dict:
+    """The trainer's evaluation; a language model's also has ``test_perplexity``."""
+    result = trainer.evaluate()
+    if trainer.task == "lm" and "test_loss" in result:
+        result["test_perplexity"] = perplexity(result["test_loss"])
+    return result
+
+
 def build_summary(loop: Run) -> dict:
-    """summary.json: final test figures, bytes, time per phase, per-layer figures and decisions."""
+    """summary.json: final test figures (``final_loss``; a language model's ``final_perplexity``:
+    both on the data's evaluation split, ``data.eval_split``), bytes, time per phase, per-layer
+    figures and decisions, and what the data was (``DataBundle.record()``)."""
     stats = loop.trainer.communication_stats()
     stats.pop("last_step", None)
     layers = stats.pop("layers", {})
     phases = {p: stats.pop(p) for p in ("select", "communicate", "decompress")}
     result = loop.result
-    extra = {"final_perplexity": math.exp(min(result["test_loss"], 50))} if loop.trainer.task == "lm" and result \
-        else {}
+    extra = {"final_perplexity": perplexity(result["test_loss"])} if loop.trainer.task == "lm" and result else {}
     return {
         "final_accuracy": result.get("test_accuracy"), "final_loss": result.get("test_loss"), **extra,
         "wire_bytes": stats["wire_bytes"], "dense_bytes": stats["dense_bytes"],
@@ -364,5 +381,5 @@ def build_summary(loop: Run) -> dict:
                            "compute": max(0.0, loop.wall - loop.t_eval - sum(phases.values()))},
         "compression": loop.cfg.compression.model_dump(mode="json"), "comm_detail": stats,
         "layers": layers, "layer_decisions": loop.trainer.layer_decisions(),
-        "decisions_source": loop.record.get("source"), "resumes": loop.resumes,
+        "decisions_source": loop.record.get("source"), "resumes": loop.resumes, "data": loop.data,
     }

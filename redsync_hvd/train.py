@@ -132,7 +132,8 @@ def launch(cfg: RunConfig, adapter) -> int:
     except (ValueError, TypeError, NotImplementedError) as exc:   # the same on every rank: nobody waits
         print(f"error (rank {rank}): {exc}", file=sys.stderr)
         return 2
-    return run(cfg, trainer, rank, size, resumed=resumed, allgather_object=adapter.allgather_object)
+    return run(cfg, trainer, rank, size, resumed=resumed, allgather_object=adapter.allgather_object,
+               data=data.record())
 
 
 if __name__ == "__main__":
