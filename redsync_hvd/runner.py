@@ -297,8 +297,8 @@ class Run:
         if self.rank == 0:
             suffix = "" if self.trainer.framework == "torch" else f" (framework {self.trainer.framework})"
             ppl = f" perplexity={summary['final_perplexity']:.2f}" if "final_perplexity" in summary else ""
-            print(f"done: {self.log.dir} accuracy={summary['final_accuracy']:.4f}{ppl} wire_bytes={summary['wire_bytes']} "
-                  f"ratio={summary['compression_ratio']:.1f}{suffix}")
+            print(f"done: {self.log.dir} accuracy={summary['final_accuracy']:.4f}{ppl} "
+                  f"wire_bytes={summary['wire_bytes']} ratio={summary['compression_ratio']:.1f}{suffix}")
         return summary
 
     def finish_stopped(self) -> int:
@@ -338,8 +338,9 @@ def write_layer_decisions(decisions, path) -> None:
     folder's layers.log (summary.json has them too), not to the terminal."""
     with open(path, "w") as f:
         for d in decisions:
+            message = f", {d['quantize']}" if "quantize" in d else ""
             print(f"[layers] {d['name']}: {'compressed' if d['compressed'] else 'dense'} "
-                  f"(numel {d['numel']}, density {d['density']:g}; {d['why']})", file=f)
+                  f"(numel {d['numel']}, density {d['density']:g}{message}; {d['why']})", file=f)
 
 
 def progress_bar(loop: Run):

@@ -39,16 +39,20 @@ class RedSyncCompressor(Compressor):
         self.exact_k = ExactK(config) if radix else None
 
     # -- wire format ----------------------------------------------------------
-    def _value_dtype(self):
-        return {"none": torch.float32, "fp16": torch.float16, "sign_mean": torch.float32}[self.config.message.quantize]
+    def _quantize(self, layer: Layer | None) -> str:
+        """The layer's message (a ``policy.layers`` override), else the config's."""
+        return (layer.quantize if layer is not None else None) or self.config.message.quantize
+
+    def _value_dtype(self, layer: Layer | None = None):
+        return {"none": torch.float32, "fp16": torch.float16, "sign_mean": torch.float32}[self._quantize(layer)]
 
     def wire_dtypes(self, layer: Layer) -> tuple:
         golomb = self.config.message.index_coding == "golomb"
-        return ((torch.uint8, torch.int32) if golomb else (layer.index_dtype,)) + (self._value_dtype(),)
+        return ((torch.uint8, torch.int32) if golomb else (layer.index_dtype,)) + (self._value_dtype(layer),)
 
-    def _kinds(self) -> tuple:
+    def _kinds(self, layer: Layer | None = None) -> tuple:
         index = ("indices", "headers") if self.config.message.index_coding == "golomb" else ("indices",)
-        return index + ("scalars" if self.config.message.quantize == "sign_mean" else "values",)
+        return index + ("scalars" if self._quantize(layer) == "sign_mean" else "values",)
 
     # -- compress -------------------------------------------------------------
     def _method(self, layer: Layer) -> str:
@@ -73,14 +77,14 @@ class RedSyncCompressor(Compressor):
                           sample_fraction=s.sample_fraction, name=layer.name)
         selected = idx.numel()
         vals = x.index_select(0, idx)
-        if self.config.message.quantize == "sign_mean":
+        if self._quantize(layer) == "sign_mean":
             idx, value = self._sign_mean(idx, vals, step)
         else:
-            value = vals.to(self._value_dtype())
+            value = vals.to(self._value_dtype(layer))
         return self._message(idx, value, layer, selected)
 
     def _message(self, idx: torch.Tensor, value: torch.Tensor, layer: Layer, selected: int) -> Message:
-        return Message(self._encode_indices(idx, value, layer), self._kinds(), selected=selected, k=layer.k,
+        return Message(self._encode_indices(idx, value, layer), self._kinds(layer), selected=selected, k=layer.k,
                        positions=idx)
 
     def selects_by_bucket(self, layers: list) -> bool:
@@ -90,7 +94,8 @@ class RedSyncCompressor(Compressor):
         if scope == "auto":
             # CUDA's bincount has no deterministic kernel: deterministic runs select per layer
             return (self.config.selection.method == "tbs" and all(l.device.type == "cuda" for l in layers)
-                    and not any(l.selection for l in layers) and not torch.are_deterministic_algorithms_enabled())
+                    and not any(l.selection or l.quantize for l in layers)
+                    and not torch.are_deterministic_algorithms_enabled())
         return scope == "bucket"
 
     def keeps_low_precision(self, layers: list) -> bool:
@@ -119,7 +124,7 @@ class RedSyncCompressor(Compressor):
         """One selection for the bucket; each layer's message is its slice of the bucket's wire
         tensors (``Message.bucket``, what the transport sends) and its device non-finite flag."""
         wire, bad = self.exact_k.select(xs, layers, step, scan)
-        return [Message(part, self._kinds(), selected=layer.k, k=layer.k, positions=part[0], nonfinite=bad[i],
+        return [Message(part, self._kinds(layer), selected=layer.k, k=layer.k, positions=part[0], nonfinite=bad[i],
                         bucket=wire)
                 for i, (layer, part) in enumerate(zip(layers, self.exact_k.split(layers, wire)))]
 
@@ -191,7 +196,7 @@ class RedSyncCompressor(Compressor):
         if not idx.numel():
             return
         value = tensors[-1].to(device=out.device, dtype=out.dtype)
-        if self.config.message.quantize == "sign_mean":
+        if self._quantize(layer) == "sign_mean":
             value = value.expand(idx.numel())
         out.index_add_(0, idx, value, alpha=alpha)
 

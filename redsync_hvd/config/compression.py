@@ -87,6 +87,9 @@ class LayerOverride(_Group):
     pattern: str
     density: Optional[float] = None
     selection: Optional[Selection] = None
+    quantize: Optional[Literal["none", "fp16", "sign_mean"]] = Field(
+        None, description="redsync: this layer's message.quantize, e.g. values (none) for an embedding or a "
+                          "decoder, whose selected values one mean represents badly (docs/redsync.md)")
     dense: bool = Field(False, description="send this layer dense (fused allreduce)")
 
     @field_validator("density")
@@ -235,6 +238,13 @@ class CompressionConfig(MethodConfig):
     def _policy_shorthand(cls, v):
         return {"mode": v} if isinstance(v, str) else v
 
+    @model_validator(mode="after")
+    def _quantize_overrides_are_redsyncs(self):
+        if self.method != "redsync" and any(o.quantize for o in self.policy.layers):
+            raise ValueError(f"policy.layers[].quantize chooses a RedSync message per layer; method {self.method!r} "
+                             "has one message format: remove quantize from the override")
+        return self
+
 
 @register_method("none")
 class NoneConfig(CompressionConfig):
@@ -319,16 +329,18 @@ class RedSyncConfig(AllgatherConfig):
     def _bucket_scope_is_tbs(self):
         s = self.selection
         if s.method == "radix":
-            if s.scope == "layer" or any(o.selection for o in self.policy.layers):
-                raise ValueError("selection.method=radix selects exactly k for every layer of a bucket at once: "
-                                 "set selection.scope: bucket (or auto) and drop per-layer selection overrides")
+            if s.scope == "layer" or any(o.selection or o.quantize for o in self.policy.layers):
+                raise ValueError("selection.method=radix selects exactly k for every layer of a bucket at once, "
+                                 "with one message format: set selection.scope: bucket (or auto) and drop per-layer "
+                                 "selection and quantize overrides")
             if self.message.index_coding == "golomb":
                 raise ValueError("selection.method=radix keeps the step on the device, but Golomb index coding "
                                  "encodes on the host: set message.index_coding: raw, or another selection.method")
-        elif s.scope == "bucket" and (s.method != "tbs" or any(o.selection for o in self.policy.layers)):
+        elif s.scope == "bucket" and (s.method != "tbs" or any(o.selection or o.quantize for o in self.policy.layers)):
             raise ValueError("selection.scope=bucket selects by histogram thresholds, which is tbs "
-                             "(k to 2k elements per layer), or exactly k with radix: set selection.method: tbs or "
-                             "radix and drop per-layer selection overrides, or use selection.scope: layer")
+                             "(k to 2k elements per layer), or exactly k with radix, with one message format: set "
+                             "selection.method: tbs or radix and drop per-layer selection and quantize overrides, or "
+                             "use selection.scope: layer")
         return self
 
 
