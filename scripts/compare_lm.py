@@ -8,7 +8,8 @@ Each row is one config of configs/pydoc/ (with --set overrides), run as
 ``horovodrun -np 2 python -m redsync_hvd.train`` once per seed, all for the same number of steps
 (configs/pydoc/base.yaml: a word-level 2-layer LSTM on CPython's reference text, 2 workers).
 Every launch has a timeout and kills its whole session on expiry; a finished run (its
-summary.json) is read back, not run again, so an interrupted invocation resumes where it stopped.
+summary.json) is read back, not run again, and a run stopped part-way goes on from its last
+checkpoint (saved every 5 minutes), so an interrupted invocation resumes where it stopped.
 ``--quick``: one seed, a few steps of a small model: a smoke test of the whole path.
 
 Per row: the mean over the seeds of the test perplexity at the last step (``final_perplexity``
@@ -31,20 +32,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_baselines import BIN, REPO, launch, machine_info  # noqa: E402
 
 P = "configs/pydoc/"
+ALL_SIGN_MEAN, ALL_VALUES = ("compression.policy.layers=[]", "compression.message.quantize=sign_mean"), \
+    ("compression.policy.layers=[]", "compression.message.quantize=none")   # one message for every layer
 # key: (label, config, --set overrides)
 ROWS = {
     "dense": ("dense fp32", P + "dense.yaml", []),
     "redsync": ("RedSync 0.1% (`redsync.yaml`)", P + "redsync.yaml", []),
     "redsync-paper": ("RedSync 0.1%, sign-mean everywhere, momentum correction", P + "redsync.yaml",
-                      ["compression.message.quantize=sign_mean", "compression.policy.layers=[]",
-                       "compression.dgc.momentum_correction=true"]),
+                      [*ALL_SIGN_MEAN, "compression.dgc.momentum_correction=true"]),
+    # what each part of the old defaults costs (docs/redsync.md, "Language models")
+    "redsync-sm": ("RedSync 0.1%, sign-mean everywhere", P + "redsync.yaml", [*ALL_SIGN_MEAN]),
+    "redsync-values-mc": ("RedSync 0.1%, values everywhere, momentum correction", P + "redsync.yaml",
+                          [*ALL_VALUES, "compression.dgc.momentum_correction=true"]),
+    "redsync-values-mc-nomask": ("RedSync 0.1%, values everywhere, momentum correction without masking",
+                                 P + "redsync.yaml", [*ALL_VALUES, "compression.dgc.momentum_correction=true",
+                                                      "compression.dgc.momentum_masking=false"]),
+    "redsync-values": ("RedSync 0.1%, values everywhere", P + "redsync.yaml", [*ALL_VALUES]),
     "powersgd": ("PowerSGD rank 1", P + "powersgd.yaml", []),
     "topk": ("top-k 0.1%", P + "topk.yaml", []),
     "sbc": ("SBC", P + "sbc.yaml", []),
     "adaptive": ("budget policy", P + "adaptive.yaml", []),
 }
-QUICK = ["training.steps=6", "training.eval_every=3", "model.options={embed_dim: 16, hidden: 16, num_layers: 2}",
-         "compression.warmup.steps=2"]
+QUICK = ["training.steps=6", "training.eval_every=3", "model.options={embed_dim: 16, hidden: 16, num_layers: 2}"]
 
 
 def machine_name() -> str:
@@ -64,19 +73,21 @@ def run_one(args, key: str, seed: int) -> dict:
         if not (REPO / config).is_file():
             return {"status": "no config"}
         extra = [f"output.dir={args.runs}", f"output.name={name}", "training.progress=false",
-                 f"training.seed={seed}", "training.checkpoint_every_s=0"]
+                 f"training.seed={seed}", f"training.checkpoint_every_s={0 if args.quick else 300}"]
         extra += QUICK if args.quick else [f"training.steps={args.steps}"] if args.steps else []
+        if (folder / "checkpoint-rank0.pt").is_file():   # an invocation stopped mid-run: go on from its last save
+            extra.append(f"training.resume={folder}")
         if args.quick and key in ("sbc",):
             extra.append("compression.local_steps=2")
         cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", sys.executable, "-m", "redsync_hvd.train",
                "--config", str(REPO / config)] + [a for s in sets + extra for a in ("--set", s)]
         load0 = os.getloadavg()[0]
         status = launch(cmd, Path(args.runs) / "logs" / f"{name}.log", args.timeout)
-        for ckpt in folder.glob("checkpoint-*.pt"):
-            ckpt.unlink()
         print(f"pydoc {name}: {status}", flush=True)
         if status != "ok" or not summary.is_file():
             return {"status": status}
+        for ckpt in folder.glob("checkpoint-*.pt"):
+            ckpt.unlink()
         (folder / "load.json").write_text(json.dumps({"load_before": load0, "load_after": os.getloadavg()[0]}))
     s = json.loads(summary.read_text())
     load = json.loads((folder / "load.json").read_text()) if (folder / "load.json").is_file() else {}

@@ -135,3 +135,24 @@ def test_exchange_equals_dgc_algorithm_on_random_gradients(nesterov):
         assert torch.allclose(ex.finish()["w"].double(), sent[t], atol=1e-5), t
     assert torch.allclose(memory.residual["w"].double(), v, atol=1e-5)
     assert torch.allclose(memory.velocity["w"].double(), u, atol=1e-5)
+
+
+@pytest.mark.parametrize("masking", [True, False])
+def test_at_density_one_masking_leaves_plain_sgd(masking):
+    """Every position is sent every step, so factor masking zeroes the whole velocity every step:
+    DGC's equations then apply the gradient itself (plain SGD, no momentum), a factor 1 - m of
+    momentum SGD's steady step. Without masking they are momentum SGD on the averaged gradient.
+    A position sent every T steps keeps 1 - m (1 - m**T) / (T (1 - m)) of momentum SGD's step
+    under a constant gradient (docs/redsync.md)."""
+    comm = LocalCommunicator(2)
+    comp, cfg = build_compressor({"method": "redsync", "density": 1.0, "selection": {"method": "exact"},
+                                  "message": {"quantize": "none"}, "policy": {"min_compress_numel": 0},
+                                  "dgc": {"momentum_correction": True, "momentum_masking": masking}}, comm)
+    ex = GradientExchange([Layer("w", (4,), 4, 0)], comp, comm, LayerPolicy(cfg),
+                          MomentumCorrectionMemory(0.5, masking=masking))
+    u = torch.zeros(4)
+    for g in ([1.0, 2, -1, 0], [1.0, 0, 1, 4], [0.5, 0.5, 0, -2]):
+        g = torch.tensor(g)
+        ex.submit("w", g.clone())
+        u = 0.5 * u + g
+        assert torch.equal(ex.finish()["w"], g if masking else u)

@@ -223,6 +223,17 @@ class MethodConfig(BaseModel):
         return "pairs"
 
 
+def policy_with_floor(value: Any, floor: int) -> Any:
+    """A static policy given without ``min_compress_numel`` keeps the method's floor (RedSync's and
+    IWP's 4096): a ``policy: {layers: [...]}`` must not compress every bias at k = 1 by leaving it
+    out. The cost model (``mode: cost_model``) decides small layers itself, from a floor of 0."""
+    if isinstance(value, str):
+        value = {"mode": value}
+    if isinstance(value, dict) and value.get("mode", "static") == "static" and "min_compress_numel" not in value:
+        value = {**value, "min_compress_numel": floor}
+    return value
+
+
 class CompressionConfig(MethodConfig):
     """Knobs every method of the gradient exchange shares."""
     check_finite: bool = Field(
@@ -315,12 +326,17 @@ class RedSyncConfig(AllgatherConfig):
     message: MessageConfig = Field(default_factory=MessageConfig, description="what travels")
     dgc: DGCConfig = Field(default_factory=lambda: DGCConfig(momentum_correction=True), description="DGC's corrections")
     policy: PolicyConfig = Field(default_factory=lambda: PolicyConfig(min_compress_numel=4096),
-                                 description="which layers compress")
+                                 description="which layers compress (min_compress_numel 4096 unless given)")
 
     @field_validator("selection", mode="before")
     @classmethod
     def _selection_shorthand(cls, v):
         return {"method": v} if isinstance(v, str) else v
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _policy_floor(cls, v):
+        return policy_with_floor(v, 4096)
 
     def wire_format(self) -> str:
         return self.message.wire_format()
@@ -353,7 +369,12 @@ class IWPConfig(ResidualConfig):
     selection: Literal["exact", "trimmed"] = Field("trimmed", description="exact | trimmed (exactly k indices "
                                                                           "are needed)")
     policy: PolicyConfig = Field(default_factory=lambda: PolicyConfig(min_compress_numel=4096),
-                                 description="which layers compress")
+                                 description="which layers compress (min_compress_numel 4096 unless given)")
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _policy_floor(cls, v):
+        return policy_with_floor(v, 4096)
 
     @model_validator(mode="after")
     def _exact_k_overrides(self):
