@@ -48,6 +48,8 @@ ROWS = {
                                  P + "redsync.yaml", [*ALL_VALUES, "compression.dgc.momentum_correction=true",
                                                       "compression.dgc.momentum_masking=false"]),
     "redsync-values": ("RedSync 0.1%, values everywhere", P + "redsync.yaml", [*ALL_VALUES]),
+    "redsync-lr-own": ("RedSync 0.1%, residual in units of the update (residual_lr: own)", P + "redsync.yaml",
+                       ["compression.residual_lr=own"]),
     "powersgd": ("PowerSGD rank 1", P + "powersgd.yaml", []),
     "topk": ("top-k 0.1%", P + "topk.yaml", []),
     "sbc": ("SBC", P + "sbc.yaml", []),
@@ -86,7 +88,7 @@ def run_one(args, key: str, seed: int) -> dict:
         print(f"pydoc {name}: {status}", flush=True)
         if status != "ok" or not summary.is_file():
             return {"status": status}
-        for ckpt in folder.glob("checkpoint-*.pt"):
+        for ckpt in folder.glob("checkpoint-*"):
             ckpt.unlink()
         (folder / "load.json").write_text(json.dumps({"load_before": load0, "load_after": os.getloadavg()[0]}))
     s = json.loads(summary.read_text())

@@ -106,3 +106,40 @@ def test_pydoc_runs_report_perplexity_and_the_text_they_read(tmp_path):
         assert (tmp_path / "out" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and ": ok" not in again.stdout and (tmp_path / "out" / "table.md").read_text() == table
+
+
+def test_residual_lr_own_keeps_what_waited_worth_its_own_steps_update():
+    """residual_lr: own. Over a decaying learning rate, sum of lr_t * sent_t plus what is still
+    carried, valued at the last rate, is sum of lr_s * g_s: each gradient moves the weights by its
+    own step's rate, however long it waited (with "send", the rate of the step that sends it)."""
+    comm = LocalCommunicator(2)
+    comp, cfg = build_compressor({"method": "redsync", "density": 0.02, "residual_lr": "own",
+                                  "message": {"quantize": "sign_mean"}, "policy": {"min_compress_numel": 0},
+                                  "dgc": {"momentum_correction": False}}, comm)
+    memory = ResidualMemory()
+    ex = GradientExchange([Layer("w", (500,), 500, 0)], comp, comm, LayerPolicy(cfg), memory)
+    rates = [1.0, 0.8, 0.8, 0.5, 0.25, 0.1, 0.05]
+    lr = {"now": None}
+    ex.lr_of = lambda: lr["now"]
+    gen = torch.Generator().manual_seed(2)
+    owed = applied = torch.zeros(500, dtype=torch.float64)
+    for rate in rates:
+        lr["now"] = rate
+        g = torch.randn(500, generator=gen)
+        owed = owed + rate * g.double()
+        ex.submit("w", g)
+        applied = applied + rate * ex.finish()["w"].double()
+    assert torch.allclose(applied + rates[-1] * memory.residual["w"].double(), owed, atol=1e-5)
+    assert ex.lr == rates[-1] and ex.state_dict()["lr"] == rates[-1]
+    dgc = MomentumCorrectionMemory(0.9)   # DGC's velocity feeds the residual: it is scaled with it
+    dgc.compensate("w", torch.ones(3))
+    dgc.commit()
+    dgc.scale(4.0)
+    assert dgc.velocity["w"].tolist() == [4.0] * 3 and dgc.residual["w"].tolist() == [4.0] * 3
+
+
+def test_residual_lr_own_is_refused_where_no_learning_rate_is_passed():
+    from redsync_hvd.engine import build_exchange
+    layers = [Layer("w", (10,), 10, 0)]
+    with pytest.raises(ValueError, match="residual_lr: own.*residual_lr: send"):
+        build_exchange({"method": "redsync", "residual_lr": "own"}, layers, LocalCommunicator(2), engine="ddp")

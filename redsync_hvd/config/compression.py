@@ -271,6 +271,12 @@ class ResidualConfig(CompressionConfig):
     """Sparse methods with error feedback: what is not sent stays in a per-worker residual."""
     density: float = Field(0.01, description="fraction of each layer's elements sent per step, in (0, 1]")
     residual: bool = Field(True, description="keep what is not sent and add it to the next gradient (error feedback)")
+    residual_lr: Literal["send", "own"] = Field(
+        "send", description="which learning rate a gradient that waited in the residual is applied with: send (the "
+                            "learning rate of the step that sends it, as RedSync and DGC) | own (its own step's: "
+                            "when the learning rate goes from a to b, residuals are multiplied by a / b, error "
+                            "feedback in units of the update as in Karimireddy et al.'s EF-SGD; a decaying schedule "
+                            "then no longer shrinks what waited. PyTorch under horovodrun; docs/redsync.md)")
     dgc: DGCConfig = Field(default_factory=DGCConfig, description="DGC's corrections")
     warmup: WarmupConfig = Field(default_factory=WarmupConfig, description="density warm-up")
 
@@ -348,15 +354,15 @@ class RedSyncConfig(AllgatherConfig):
             if s.scope == "layer" or any(o.selection or o.quantize for o in self.policy.layers):
                 raise ValueError("selection.method=radix selects exactly k for every layer of a bucket at once, "
                                  "with one message format: set selection.scope: bucket (or auto) and drop per-layer "
-                                 "selection and quantize overrides")
+                                 "selection overrides and per-layer quantize overrides")
             if self.message.index_coding == "golomb":
                 raise ValueError("selection.method=radix keeps the step on the device, but Golomb index coding "
                                  "encodes on the host: set message.index_coding: raw, or another selection.method")
         elif s.scope == "bucket" and (s.method != "tbs" or any(o.selection or o.quantize for o in self.policy.layers)):
             raise ValueError("selection.scope=bucket selects by histogram thresholds, which is tbs "
                              "(k to 2k elements per layer), or exactly k with radix, with one message format: set "
-                             "selection.method: tbs or radix and drop per-layer selection and quantize overrides, or "
-                             "use selection.scope: layer")
+                             "selection.method: tbs or radix and drop per-layer selection overrides and per-layer "
+                             "quantize overrides, or use selection.scope: layer")
         return self
 
 
