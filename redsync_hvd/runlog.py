@@ -97,19 +97,34 @@ def write_layer_decisions(decisions, path) -> None:
     folder's layers.log (summary.json has them too), not to the terminal."""
     with open(path, "w") as f:
         for d in decisions:
+            message = f", {d['quantize']}" if "quantize" in d else ""
             print(f"[layers] {d['name']}: {'compressed' if d['compressed'] else 'dense'} "
-                  f"(numel {d['numel']}, density {d['density']:g}; {d['why']})", file=f)
+                  f"(numel {d['numel']}, density {d['density']:g}{message}; {d['why']})", file=f)
+
+
+def perplexity(loss: float) -> float:
+    """exp(mean cross-entropy per token), capped at exp(50) so a diverged run stays a number."""
+    return math.exp(min(loss, 50.0))
+
+
+def test_figures(trainer) -> dict:
+    """The trainer's evaluation; a language model's also has ``test_perplexity``."""
+    result = trainer.evaluate()
+    if trainer.task == "lm" and "test_loss" in result:
+        result["test_perplexity"] = perplexity(result["test_loss"])
+    return result
 
 
 def build_summary(loop) -> dict:
-    """summary.json: final test figures, bytes, time per phase, per-layer figures and decisions."""
+    """summary.json: final test figures (``final_loss``; a language model's ``final_perplexity``:
+    both on the data's evaluation split, ``data.eval_split``), bytes, time per phase, per-layer
+    figures and decisions, stops, and what the data was (``DataBundle.record()``)."""
     stats = loop.trainer.communication_stats()
     stats.pop("last_step", None)
     layers = stats.pop("layers", {})
     phases = {p: stats.pop(p) for p in ("select", "communicate", "decompress")}
     result = loop.result
-    extra = {"final_perplexity": math.exp(min(result["test_loss"], 50))} if loop.trainer.task == "lm" and result \
-        else {}
+    extra = {"final_perplexity": perplexity(result["test_loss"])} if loop.trainer.task == "lm" and result else {}
     return {
         "final_accuracy": result.get("test_accuracy"), "final_loss": result.get("test_loss"), **extra,
         "wire_bytes": stats["wire_bytes"], "dense_bytes": stats["dense_bytes"],
@@ -120,4 +135,5 @@ def build_summary(loop) -> dict:
         "compression": loop.cfg.compression.model_dump(mode="json"), "comm_detail": stats,
         "layers": layers, "layer_decisions": loop.trainer.layer_decisions(),
         "decisions_source": loop.record.get("source"), "resumes": loop.resumes, "stops": loop.log.stops(),
+        "data": loop.data,
     }

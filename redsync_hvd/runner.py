@@ -29,7 +29,7 @@ from . import checkpoint, launchers, resize
 from .config import RunConfig, validate
 from .config.run import RESUMABLE
 from .preemption import EXIT_STOPPED, QuietStream, StopController, allgather_max, say
-from .runlog import RunLog, build_summary, write_layer_decisions
+from .runlog import RunLog, build_summary, test_figures, write_layer_decisions
 from .schedule import eval_due, total_steps
 
 # seconds between the loop's own stop polls on steps whose exchange did not carry the flags
@@ -131,9 +131,9 @@ class Run:
 
     def __init__(self, cfg: RunConfig, trainer: Trainer, rank: int, size: int,
                  resumed: checkpoint.Resumed | None = None, allgather_object: Callable | None = None,
-                 relayed: bool = False):
+                 relayed: bool = False, data: dict | None = None):
         self.cfg, self.trainer, self.rank, self.size = cfg, trainer, rank, size
-        self.resumed, self.allgather_object = resumed, allgather_object
+        self.resumed, self.allgather_object, self.data = resumed, allgather_object, data
         self.gen = torch.Generator().manual_seed(cfg.training.seed * 1000 + rank)
         self.loader = DataLoader(range(trainer.train_size), batch_size=cfg.training.batch_size, shuffle=True,
                                  drop_last=True, generator=self.gen)
@@ -214,7 +214,7 @@ class Run:
             if self.stopped is None:
                 self.save("end")
                 if not self.result:   # resumed at the last step
-                    self.result = self.trainer.evaluate()
+                    self.result = test_figures(self.trainer)
         finally:
             self.ctl.uninstall()
             if self.carrier is not None:
@@ -255,7 +255,7 @@ class Run:
             self._log_train(loss, correct / n)
         if eval_due(cfg, step, self.steps_per_epoch, self.total):                 # 4.
             t0 = time.perf_counter()
-            self.result = self.trainer.evaluate()
+            self.result = test_figures(self.trainer)
             self.t_eval += time.perf_counter() - t0
             self.log.metrics({"step": step, "epoch": step / self.steps_per_epoch, **self.result,
                               "wire_bytes": self.trainer.communication_stats()["wire_bytes"]})
@@ -305,8 +305,9 @@ class Run:
         self.log.close()
         if self.rank == 0:
             suffix = "" if self.trainer.framework == "torch" else f" (framework {self.trainer.framework})"
-            print(f"done: {self.log.dir} accuracy={summary['final_accuracy']:.4f} wire_bytes={summary['wire_bytes']} "
-                  f"ratio={summary['compression_ratio']:.1f}{suffix}")
+            ppl = f" perplexity={summary['final_perplexity']:.2f}" if "final_perplexity" in summary else ""
+            print(f"done: {self.log.dir} accuracy={summary['final_accuracy']:.4f}{ppl} "
+                  f"wire_bytes={summary['wire_bytes']} ratio={summary['compression_ratio']:.1f}{suffix}")
         return summary
 
     def finish_stopped(self) -> int:
@@ -332,12 +333,13 @@ class Run:
 
 
 def run(cfg: RunConfig, trainer: Trainer, rank: int, size: int, *, resumed: checkpoint.Resumed | None = None,
-        allgather_object: Callable | None = None, relayed: bool = False) -> int:
+        allgather_object: Callable | None = None, relayed: bool = False, data: dict | None = None) -> int:
     """Train to the end (0); EXIT_STOPPED after a SIGTERM/SIGINT stop that saved every rank;
     2 (after a clear message) when the shard is smaller than one batch. ``allgather_object``
     (the adapter's) carries the stop polls on steps whose exchange has no allreduce to share;
-    ``relayed``: a relay passes the launcher's signals on to this rank (launchers.start_relay)."""
-    loop = Run(cfg, trainer, rank, size, resumed, allgather_object, relayed)
+    ``relayed``: a relay passes the launcher's signals on to this rank (launchers.start_relay);
+    ``data`` (``DataBundle.record()``) goes to summary.json as it is."""
+    loop = Run(cfg, trainer, rank, size, resumed, allgather_object, relayed, data)
     if loop.steps_per_epoch == 0:
         print(f"error: training.batch_size={cfg.training.batch_size} exceeds this rank's shard "
               f"({trainer.train_size} samples); lower it", file=sys.stderr)

@@ -138,7 +138,7 @@ def launch(cfg: RunConfig, adapter, relayed: bool = False) -> int:
         print(f"error (rank {rank}): {exc}", file=sys.stderr)
         return 2
     return run(cfg, trainer, rank, size, resumed=resumed, allgather_object=adapter.allgather_object,
-               relayed=relayed)
+               relayed=relayed, data=data.record())
 
 
 def exit_with(code: int):

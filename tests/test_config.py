@@ -112,3 +112,16 @@ def test_configuration_reference_is_up_to_date():
     res = subprocess.run([sys.executable, str(REPO / "scripts/gen_config_docs.py"), "--check"], capture_output=True,
                          text=True, cwd=REPO, env={"PYTHONPATH": str(REPO)})
     assert res.returncode == 0, res.stderr
+
+
+def test_a_partial_policy_keeps_the_methods_size_floor():
+    """RedSync's and IWP's floor (layers under 4096 elements go dense) holds when a config gives
+    policy.layers but leaves min_compress_numel out; a value given, or the cost model, wins."""
+    from redsync_hvd.config.compression import parse_compression
+    layers = {"layers": [{"pattern": "embedding.*", "density": 0.01}]}
+    for method in ("redsync", "iwp"):
+        assert parse_compression({"method": method, "policy": layers}).policy.min_compress_numel == 4096
+        assert parse_compression({"method": method, "policy": {**layers, "min_compress_numel": 0}}) \
+            .policy.min_compress_numel == 0
+    assert parse_compression({"method": "redsync", "policy": "cost_model"}).policy.min_compress_numel == 0
+    assert parse_compression({"method": "topk", "policy": layers}).policy.min_compress_numel == 0

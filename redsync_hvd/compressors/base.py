@@ -37,6 +37,7 @@ class Layer:
     param: Optional[torch.Tensor] = None   # the parameter itself, for methods that weigh by |w| (IWP)
     base_density: float = 1.0              # density after warm-up
     selection: Optional[str] = None        # a per-layer selection override (policy.layers)
+    quantize: Optional[str] = None         # a per-layer message.quantize override (policy.layers, RedSync)
 
     @property
     def k(self) -> int:

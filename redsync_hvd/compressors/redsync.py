@@ -24,7 +24,7 @@ import torch
 from ..core.bucket_select import select_bucket
 from ..core.selection import SelectionState, scan_request, select_topk
 from .base import Compressor, Layer, Message
-from .codec import MessageCodec
+from .codec import VALUE_DTYPES, MessageCodec
 
 
 class RedSyncCompressor(Compressor):
@@ -35,10 +35,17 @@ class RedSyncCompressor(Compressor):
         super().__init__(config, comm)
         self.selection_state: dict[str, SelectionState] = {}   # per layer: the threshold to reuse
         m = config.message
-        self.codec = MessageCodec(m.quantize, m.index_coding, getattr(m, "sign_rule", "larger"))
+        sign_rule = getattr(m, "sign_rule", "larger")
+        # one codec per message format: a policy.layers override may give a layer its own
+        self.codecs = {q: MessageCodec(q, m.index_coding, sign_rule) for q in VALUE_DTYPES}
+        self.codec = self.codecs[m.quantize]
+
+    def codec_of(self, layer: Layer | None) -> MessageCodec:
+        """The layer's message format (a ``policy.layers[].quantize`` override), else the config's."""
+        return self.codecs[layer.quantize] if layer is not None and layer.quantize else self.codec
 
     def wire_dtypes(self, layer: Layer) -> tuple:
-        return self.codec.wire_dtypes(layer)
+        return self.codec_of(layer).wire_dtypes(layer)
 
     # -- compress -------------------------------------------------------------
     def _method(self, layer: Layer) -> str:
@@ -58,14 +65,16 @@ class RedSyncCompressor(Compressor):
                           trimmed_eps=s.trimmed_eps, sample_fraction=s.sample_fraction, name=layer.name)
         selected = idx.numel()
         vals = x.index_select(0, idx)
-        if self.codec.mean:
-            idx, value = self.codec.sign_mean(idx, vals, step)
+        codec = self.codec_of(layer)
+        if codec.mean:
+            idx, value = codec.sign_mean(idx, vals, step)
         else:
-            value = self.codec.to_wire(vals)
+            value = codec.to_wire(vals)
         return self._message(idx, value, layer, selected)
 
     def _message(self, idx: torch.Tensor, value: torch.Tensor, layer: Layer, selected: int) -> Message:
-        return Message(self.codec.encode(idx, value, layer), self.codec.kinds, selected=selected, k=layer.k,
+        codec = self.codec_of(layer)
+        return Message(codec.encode(idx, value, layer), codec.kinds, selected=selected, k=layer.k,
                        positions=idx)
 
     def selects_by_bucket(self, layers: list) -> bool:
@@ -73,7 +82,8 @@ class RedSyncCompressor(Compressor):
         if scope == "auto":
             # CUDA's bincount has no deterministic kernel: deterministic runs select per layer
             return (self.config.selection.method == "tbs" and all(l.device.type == "cuda" for l in layers)
-                    and not any(l.selection for l in layers) and not torch.are_deterministic_algorithms_enabled())
+                    and not any(l.selection or l.quantize for l in layers)
+                    and not torch.are_deterministic_algorithms_enabled())
         return scope == "bucket"
 
     def compress_bucket(self, xs: list, layers: list, step: int, firsts: list | None = None) -> list:
@@ -90,10 +100,10 @@ class RedSyncCompressor(Compressor):
 
     # -- decompress -----------------------------------------------------------
     def indices(self, tensors: list, layer: Layer) -> torch.Tensor:
-        return self.codec.positions(tensors, layer)
+        return self.codec_of(layer).positions(tensors, layer)
 
     def decompress_add(self, out, tensors, layer, alpha=1.0, ctx=None):
-        self.codec.decode_add(out, tensors, layer, alpha)
+        self.codec_of(layer).decode_add(out, tensors, layer, alpha)
 
     # -- state ----------------------------------------------------------------
     def state_dict(self) -> dict:

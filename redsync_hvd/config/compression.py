@@ -87,6 +87,9 @@ class LayerOverride(_Group):
     pattern: str
     density: Optional[float] = None
     selection: Optional[Selection] = None
+    quantize: Optional[Literal["none", "fp16", "sign_mean"]] = Field(
+        None, description="redsync: this layer's message.quantize, e.g. values (none) for an embedding or a "
+                          "decoder, whose selected values one mean represents badly (docs/redsync.md)")
     dense: bool = Field(False, description="send this layer dense (fused allreduce)")
 
     @field_validator("density")
@@ -220,6 +223,17 @@ class MethodConfig(BaseModel):
         return "pairs"
 
 
+def policy_with_floor(value: Any, floor: int) -> Any:
+    """A static policy given without ``min_compress_numel`` keeps the method's floor (RedSync's and
+    IWP's 4096): a ``policy: {layers: [...]}`` must not compress every bias at k = 1 by leaving it
+    out. The cost model (``mode: cost_model``) decides small layers itself, from a floor of 0."""
+    if isinstance(value, str):
+        value = {"mode": value}
+    if isinstance(value, dict) and value.get("mode", "static") == "static" and "min_compress_numel" not in value:
+        value = {**value, "min_compress_numel": floor}
+    return value
+
+
 class CompressionConfig(MethodConfig):
     """Knobs every method of the gradient exchange shares."""
     check_finite: bool = Field(
@@ -241,6 +255,13 @@ class CompressionConfig(MethodConfig):
     def _policy_shorthand(cls, v):
         return {"mode": v} if isinstance(v, str) else v
 
+    @model_validator(mode="after")
+    def _quantize_overrides_are_redsyncs(self):
+        if self.method != "redsync" and any(o.quantize for o in self.policy.layers):
+            raise ValueError(f"policy.layers[].quantize chooses a RedSync message per layer; method {self.method!r} "
+                             "has one message format: remove quantize from the override")
+        return self
+
 
 @register_method("none")
 class NoneConfig(CompressionConfig):
@@ -256,6 +277,12 @@ class ResidualConfig(CompressionConfig):
     """Sparse methods with error feedback: what is not sent stays in a per-worker residual."""
     density: float = Field(0.01, description="fraction of each layer's elements sent per step, in (0, 1]")
     residual: bool = Field(True, description="keep what is not sent and add it to the next gradient (error feedback)")
+    residual_lr: Literal["send", "own"] = Field(
+        "send", description="which learning rate a gradient that waited in the residual is applied with: send (the "
+                            "learning rate of the step that sends it, as RedSync and DGC) | own (its own step's: "
+                            "when the learning rate goes from a to b, residuals are multiplied by a / b, error "
+                            "feedback in units of the update as in Karimireddy et al.'s EF-SGD; a decaying schedule "
+                            "then no longer shrinks what waited. PyTorch under horovodrun; docs/redsync.md)")
     dgc: DGCConfig = Field(default_factory=DGCConfig, description="DGC's corrections")
     warmup: WarmupConfig = Field(default_factory=WarmupConfig, description="density warm-up")
 
@@ -311,12 +338,17 @@ class RedSyncConfig(AllgatherConfig):
     message: MessageConfig = Field(default_factory=MessageConfig, description="what travels")
     dgc: DGCConfig = Field(default_factory=lambda: DGCConfig(momentum_correction=True), description="DGC's corrections")
     policy: PolicyConfig = Field(default_factory=lambda: PolicyConfig(min_compress_numel=4096),
-                                 description="which layers compress")
+                                 description="which layers compress (min_compress_numel 4096 unless given)")
 
     @field_validator("selection", mode="before")
     @classmethod
     def _selection_shorthand(cls, v):
         return {"method": v} if isinstance(v, str) else v
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _policy_floor(cls, v):
+        return policy_with_floor(v, 4096)
 
     def wire_format(self) -> str:
         return self.message.wire_format()
@@ -325,16 +357,18 @@ class RedSyncConfig(AllgatherConfig):
     def _bucket_scope_is_tbs(self):
         s = self.selection
         if s.method == "radix":
-            if s.scope == "layer" or any(o.selection for o in self.policy.layers):
-                raise ValueError("selection.method=radix selects exactly k for every layer of a bucket at once: "
-                                 "set selection.scope: bucket (or auto) and drop per-layer selection overrides")
+            if s.scope == "layer" or any(o.selection or o.quantize for o in self.policy.layers):
+                raise ValueError("selection.method=radix selects exactly k for every layer of a bucket at once, "
+                                 "with one message format: set selection.scope: bucket (or auto) and drop per-layer "
+                                 "selection overrides and per-layer quantize overrides")
             if self.message.index_coding == "golomb":
                 raise ValueError("selection.method=radix keeps the step on the device, but Golomb index coding "
                                  "encodes on the host: set message.index_coding: raw, or another selection.method")
-        elif s.scope == "bucket" and (s.method != "tbs" or any(o.selection for o in self.policy.layers)):
+        elif s.scope == "bucket" and (s.method != "tbs" or any(o.selection or o.quantize for o in self.policy.layers)):
             raise ValueError("selection.scope=bucket selects by histogram thresholds, which is tbs "
-                             "(k to 2k elements per layer), or exactly k with radix: set selection.method: tbs or "
-                             "radix and drop per-layer selection overrides, or use selection.scope: layer")
+                             "(k to 2k elements per layer), or exactly k with radix, with one message format: set "
+                             "selection.method: tbs or radix and drop per-layer selection overrides and per-layer "
+                             "quantize overrides, or use selection.scope: layer")
         return self
 
 
@@ -347,7 +381,12 @@ class IWPConfig(ResidualConfig):
     selection: Literal["exact", "trimmed"] = Field("trimmed", description="exact | trimmed (exactly k indices "
                                                                           "are needed)")
     policy: PolicyConfig = Field(default_factory=lambda: PolicyConfig(min_compress_numel=4096),
-                                 description="which layers compress")
+                                 description="which layers compress (min_compress_numel 4096 unless given)")
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _policy_floor(cls, v):
+        return policy_with_floor(v, 4096)
 
     @model_validator(mode="after")
     def _exact_k_overrides(self):

@@ -40,8 +40,10 @@ class ModelConfig(_Section):
 
 class DataConfig(_Section):
     # the names of redsync_hvd.data.DATASET_NAMES (a test keeps the two lists equal)
-    name: Literal["digits", "synthetic", "synthetic_lm", "cifar10", "mnist", "ptb"] = Field(
-        "digits", description="digits | synthetic | synthetic_lm | cifar10 | mnist | ptb")
+    name: Literal["digits", "synthetic", "synthetic_lm", "cifar10", "mnist", "ptb", "pydoc"] = Field(
+        "digits", description="digits | synthetic | synthetic_lm | cifar10 | mnist | ptb | pydoc (the Python "
+                              "reference text of pydoc_data.topics: real English, no download; "
+                              "redsync_hvd/data/pydoc.py)")
     path: Optional[str] = Field(None, description="folder holding the dataset files (cifar10, mnist, ptb)")
     options: dict[str, Any] = Field(default_factory=dict, description="dataset-specific kwargs")
 

@@ -19,6 +19,8 @@ synthetic_lm random sparse Markov-chain tokens (task lm)  vocab_size=1000, num_t
 cifar10      path/ data_batch_1..5, test_batch (pickle)   augment=False
 mnist        path/ {train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]  normalize=True
 ptb          path/ ptb.train.txt + ptb.valid/test.txt     seq_len=35, eval_split="auto"
+pydoc        CPython's pydoc_data.topics (no download,    level="word" (or "char"), seq_len=35,
+             a fixed split by topic; task lm)             min_count=2, eval_split="test"
 ============ ============================================ =====================================
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ from .base import DataBundle, TensorPairDataset, shard_indices
 from .cifar import build_cifar10
 from .digits import build_digits
 from .mnist import build_mnist
+from .pydoc import build_pydoc
 from .synthetic import build_synthetic, build_synthetic_lm
 from .text import build_ptb
 
@@ -40,6 +43,7 @@ _BUILDERS: Dict[str, Callable[..., DataBundle]] = {
     "cifar10": build_cifar10,
     "mnist": build_mnist,
     "ptb": build_ptb,
+    "pydoc": build_pydoc,
 }
 DATASET_NAMES = tuple(_BUILDERS)
 

@@ -36,6 +36,15 @@ class DataBundle:
     name: str = ""
     info: dict = field(default_factory=dict)
 
+    def record(self) -> dict:
+        """What a run's summary.json says about its data: name, task, sizes, and the small entries
+        of ``info`` (a dataset's provenance, e.g. pydoc's Python version and text digest); long
+        lists such as a vocabulary are left out."""
+        small = {k: v for k, v in self.info.items() if not (isinstance(v, (list, tuple)) and len(v) > 16)}
+        return {"name": self.name, "task": self.task, "num_classes": int(self.num_classes),
+                "input_shape": list(self.input_shape), "train_size": len(self.train), "test_size": len(self.test),
+                **small}
+
 
 class TensorPairDataset(Dataset):
     """``(inputs[i], targets[i])`` pairs held in memory, with an optional per-sample transform.

@@ -74,6 +74,11 @@ def refuse(config: MethodConfig, framework: str, engine: str) -> None:
         raise ValueError("compression.sparse_update updates the weights inside "
                          f"redsync_hvd.torch.DistributedOptimizer's step(); {where} writes dense averaged "
                          "gradients. Set sparse_update: false")
+    own_lr = isinstance(config, ResidualConfig) and config.residual_lr == "own"
+    if own_lr and (framework, engine) != ("torch", "horovod"):
+        raise ValueError("compression.residual_lr: own follows the learning rate of "
+                         "redsync_hvd.torch.DistributedOptimizer's param_groups (PyTorch under horovodrun); "
+                         f"the {framework} adapter under engine: {engine} does not pass it: set residual_lr: send")
     if engine not in config.engines:
         able = [m for m in method_names() if engine in parse_compression({"method": m}).engines]
         raise UnsupportedMethodError(f"compression.method={config.method!r} {config.limits()}, which a "

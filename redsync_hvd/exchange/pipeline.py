@@ -73,6 +73,8 @@ class GradientExchange:
         self.clip = clip_norm * comm.size ** -0.5 if clip_norm else None
         self.grad_scale = None   # a GradScaler's scale: residuals keep unscaled values
         self.scaler = None       # where the scale comes from, once per step (use_grad_scaler)
+        self.lr_of = None        # residual_lr: own: () -> this step's learning rate (follow_lr)
+        self.lr = None           # the learning rate the residuals are in units of
         self.stats = CommStats()
         self.step = 0
         # values a caller adds to the step's agreement (summed over ranks), e.g. the runner's stop
@@ -155,6 +157,16 @@ class GradientExchange:
                              "its residuals back on those steps: set compression.check_finite: true (the default)")
         self.scaler, self.on_nonfinite = scaler, "skip"
 
+    def follow_lr(self, lr: float) -> None:
+        """``residual_lr: own``: this step's learning rate, before its first gradient. From a to b
+        the residuals are multiplied by a / b, so what waited moves the weights by what it would
+        have at its own step (a gradient g of step s, sent at t: lr_t * g * lr_s / lr_t)."""
+        lr = float(lr)
+        if self.lr is not None and lr != self.lr and lr > 0:
+            self.memory.scale(self.lr / lr)
+        if lr > 0:
+            self.lr = lr
+
     # -- per layer, from the hook ----------------------------------------------------------
     def submit(self, name: str, grad: torch.Tensor) -> None:
         layer = self.layers[name]
@@ -164,6 +176,8 @@ class GradientExchange:
         if not self.state.submitted:   # the step's first gradient
             if self.scaler is not None:
                 self.grad_scale = self.scaler.scale(torch.ones((), device=grad.device))
+            if self.lr_of is not None:
+                self.follow_lr(self.lr_of())
             if self.carry is not None:
                 self.state.carry = [float(v) for v in self.carry()]
         self.state.submitted.add(name)
@@ -414,10 +428,11 @@ class GradientExchange:
     # -- checkpointing ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"step": self.step, "memory": self.memory.state_dict(), "compressor": self.compressor.state_dict(),
-                "stats": self.stats.state_dict()}
+                "stats": self.stats.state_dict(), "lr": self.lr}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
+        self.lr = state.get("lr")
         if state.get("memory"):
             self.memory.load_state_dict(state["memory"])
         self.compressor.load_state_dict(state.get("compressor", {}))

@@ -94,6 +94,9 @@ class MomentumCorrectionMemory(ResidualMemory):
             else:
                 torch._foreach_copy_(avgs, news)
 
+    def _carried(self) -> list:
+        return [self.residual, self.velocity]
+
     def mask(self, name: str, indices: torch.Tensor) -> None:
         """Zero the (pending) velocity at the positions that were sent."""
         if self.masking and indices is not None and indices.numel():

@@ -113,6 +113,9 @@ class NoMemory:
     def update_aggregate(self, name: str, x: torch.Tensor, average: torch.Tensor) -> None:
         pass
 
+    def scale(self, factor: float) -> None:
+        pass
+
     def commit(self) -> None:
         pass
 
@@ -198,6 +201,15 @@ class ResidualMemory:
 
     def mask(self, name: str, positions) -> None:
         """Hook for memories that react to which positions were sent (momentum masking)."""
+
+    def scale(self, factor: float) -> None:
+        """Multiply what is carried (residuals; DGC's velocities too) by ``factor``, in place: the
+        learning rate changed from a to b and ``factor`` = a / b keeps it worth the same update."""
+        for buffers in self._carried():
+            torch._foreach_mul_(list(buffers.values()), factor)
+
+    def _carried(self) -> list:
+        return [self.residual]
 
     def _buffers(self, name: str, grad: torch.Tensor):
         return double_buffer(self.residual, self._spare, name, grad)

@@ -60,6 +60,7 @@ class LayerPolicy:
             o = self._override(layer.name)
             layer.base_density = o.density if o is not None and o.density is not None else self.config.layer_density()
             layer.selection = o.selection if o is not None else None
+            layer.quantize = o.quantize if o is not None else None
             layer.compressed, reason = True, "compressed"
             if self.pinned is not None:
                 why = str(self.pinned[layer.name].get("why", ""))
@@ -72,7 +73,15 @@ class LayerPolicy:
             elif p.mode == "cost_model" and network is not None:
                 layer.compressed, reason = self._pays(layer, size, network)
             self.decisions.append({"name": layer.name, "numel": layer.numel, "compressed": layer.compressed,
-                                   "density": layer.base_density if layer.compressed else 1.0, "why": reason})
+                                   "density": layer.base_density if layer.compressed else 1.0, "why": reason,
+                                   **self._message(layer)})
+
+    def _message(self, layer) -> dict:
+        """A compressed layer's message format where the method has a choice (RedSync, SBC)."""
+        message = getattr(self.config, "message", None)
+        if not layer.compressed or not hasattr(message, "quantize"):
+            return {}
+        return {"quantize": layer.quantize or message.quantize}
 
     def _check_pinned(self, layers: list) -> None:
         mine = {l.name: l.numel for l in layers}

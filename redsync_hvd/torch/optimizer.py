@@ -33,6 +33,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         built = build_exchange(compression, layers_of(named), comm, grads_writable=True,
                                take_momentum=lambda: take_momentum(self.param_groups, self._names))
         self._exchange, self.compression_config = built.exchange, built.config
+        if getattr(built.config, "residual_lr", "send") == "own":
+            self._exchange.lr_of = lambda: self.param_groups[0]["lr"]
         self._weight_decay = built.momentum.weight_decay if built.momentum else {}
         config = built.config
         self._sparse_update = isinstance(config, AllgatherConfig) and config.sparse_update
