@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 from . import checkpoint, resize
 from .config import RunConfig, validate
 from .config.run import RESUMABLE
+from .policy.budget import log_lines as budget_log_lines
 from .preemption import EXIT_STOPPED, StopController, allgather_max
 from .runlog import RunLog
 
@@ -163,6 +164,7 @@ class Run:
                                  drop_last=True, generator=self.gen)
         self.steps_per_epoch = len(self.loader)
         self.step, self.t_eval, self.result = 0, 0.0, {}
+        self._policy, self._revision, self._logged = None, None, 0   # a policy that chooses again (budget)
         self.epoch_rng = self.gen.get_state()
         self.log, self.record, self.resumes, self.stopped = None, {}, [], None
 
@@ -179,6 +181,8 @@ class Run:
         self.log.decisions(self.record)
         if self.resumed is not None:                                                # 1.
             self._restore(self.resumed)
+        self._policy = getattr(getattr(self.trainer, "carrier", lambda: None)(), "policy", None)
+        self._note_decisions()
 
     def _restore(self, r: checkpoint.Resumed) -> None:
         """The agreed checkpoint's state. After a resize the old epoch order cannot be replayed
@@ -254,6 +258,7 @@ class Run:
             self.carrier.carried = None
         loss, correct, n = self.trainer.step(indices, self.step)                   # 3.
         self.step += 1
+        self._note_decisions()
         cfg, step = self.cfg, self.step
         if bar is not None:
             bar.update(1)
@@ -267,6 +272,21 @@ class Run:
             self.log.metrics({"step": step, "epoch": step / self.steps_per_epoch, **self.result,
                               "wire_bytes": self.trainer.communication_stats()["wire_bytes"]})
         self._checkpoint(step)                                                      # 5.
+
+    def _note_decisions(self) -> None:
+        """A policy that chooses again while training (``policy.mode: budget``): each new choice is
+        appended to layers.log and rewrites decisions.json and the record checkpoints keep."""
+        revision = getattr(self._policy, "revision", None)
+        if revision is None or revision == self._revision:
+            return
+        self._revision = revision
+        self.record = self.trainer.decision_record()
+        if self.rank == 0 and "budget" in self.record:
+            lines = budget_log_lines(self.record["budget"], self._logged)
+            self._logged = len(self.record["budget"]["history"])
+            with open(self.log.dir / "layers.log", "a") as f:
+                f.writelines(line + "\n" for line in lines)
+        self.log.decisions(self.record)
 
     def _checkpoint(self, step: int) -> None:
         """Save when a step-based or wall-clock checkpoint is due or a stop was agreed."""

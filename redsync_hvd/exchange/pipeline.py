@@ -156,6 +156,7 @@ class GradientExchange:
         layers = list(unit.layers)
         scan = None if isinstance(memory, NoMemory) else comp.scan_request_bucket(layers, self.step)
         xs = memory.compensate_bucket(layers, grads, scan)                          # 1. compensate
+        self.policy.observe(layers, xs, self.step)   # policy.mode budget: statistics on its steps only
         msgs = self._compress(unit, comp, memory, grads, xs, scan)                  # 2. compress
         for layer, x, msg in zip(layers, xs, msgs):
             self.transport.own(comp, layer.name, x, msg, self.grads_writable and isinstance(memory, NoMemory))
@@ -246,6 +247,7 @@ class GradientExchange:
             raise
         self.memory.commit()
         self.compressor.commit()
+        self.stats.add_bytes(self.policy.after_step(self.step, self.comm))   # policy.mode budget: may choose
         self._end_step()
         return out
 
@@ -342,7 +344,7 @@ class GradientExchange:
     # -- checkpointing ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"step": self.step, "memory": self.memory.state_dict(), "compressor": self.compressor.state_dict(),
-                "stats": self.stats.state_dict()}
+                "stats": self.stats.state_dict(), "policy": self.policy.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
@@ -351,3 +353,5 @@ class GradientExchange:
         self.compressor.load_state_dict(state.get("compressor", {}))
         if "stats" in state:
             self.stats.load_state_dict(state["stats"])
+        if state.get("policy"):
+            self.policy.load_state_dict(state["policy"])
