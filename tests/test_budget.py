@@ -71,16 +71,18 @@ def test_density_of_gives_exactly_k(numel, data):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(1, 5000), min_size=1, max_size=6), st.sampled_from([(4, 4), (8, 8), (4, 12)]),
-       st.floats(0.05, 0.9))
-def test_fill_spends_the_capacity_to_the_element(numels, cost_args, share):
-    cost = Cost(*cost_args)
+@given(st.lists(st.tuples(st.integers(1, 5000), st.sampled_from([Cost(4, 4), Cost(8, 8), Cost(6, 0)])), min_size=1,
+                max_size=6), st.floats(0.05, 0.9))
+def test_fill_spends_the_capacity_to_the_element(layers, share):
+    """Layers of different message formats: the k spend the capacity but less than one element."""
+    numels, costs = [n for n, _ in layers], [c for _, c in layers]
     bounds = [(1, n) for n in numels]
-    capacity = int(sum(cost(1) for _ in numels) + share * sum(cost(n) - cost(1) for n in numels))
-    ks = fill([1] * len(numels), bounds, cost, capacity)
-    spent = sum(cost(k) for k in ks)
+    capacity = int(sum(c(1) for c in costs) + share * sum(c(n) - c(1) for c, n in zip(costs, numels)))
+    ks = fill([1] * len(numels), bounds, costs, capacity)
+    spent = sum(c(k) for c, k in zip(costs, ks))
     assert all(lo <= k <= hi for k, (lo, hi) in zip(ks, bounds))
-    assert capacity - cost.per_element < spent <= capacity
+    room = [c.per_element for c, k, n in zip(costs, ks, numels) if k < n]   # layers that could take more
+    assert spent <= capacity and (not room or capacity - spent < min(room)), (ks, spent, capacity)
 
 
 @settings(max_examples=40, deadline=None)
@@ -113,8 +115,8 @@ def test_threshold_sends_what_exceeds_one_magnitude_in_every_layer():
     rows = [layer_curve(x, g, 33, False).double().numpy() for x, g in zip(xs, grids)]
     curves = [magnitude_curve(r, g, False) for r, g in zip(rows, grids)]
     capacity = sum(cost(k_of(x.numel(), mean)) for x in xs)
-    ks = fill(allocate_threshold(curves, [(g[0], g[-1]) for g in grids], cost, capacity, False),
-              [(g[0], g[-1]) for g in grids], cost, capacity)
+    bounds, costs = [(g[0], g[-1]) for g in grids], [cost] * 3
+    ks = fill(allocate_threshold(curves, bounds, costs, capacity), bounds, costs, capacity)
     kth = [float(x.abs().sort(descending=True).values[k - 1]) for x, k in zip(xs, ks)]
     assert ks[0] > 1.5 * k_of(20000, mean) and ks[1] <= k_of(20000, mean) / 4, ks
     assert max(kth[0], kth[2]) / min(kth[0], kth[2]) < 1.15, kth   # the second is at its lower bound

@@ -51,11 +51,12 @@ class Cost:
         return self.per_element * k + self.fixed
 
 
-def message_cost(config) -> Cost:
+def message_cost(config, quantize: str | None = None) -> Cost:
     """What the compressor puts on the wire per layer (compressors/redsync.py, topk.py, exact_k.py):
-    int32 positions, and fp32/fp16 values or one fp32 mean; without ``selection.method: radix``
-    the bucket header carries two int32 counts per layer."""
-    quantize = getattr(getattr(config, "message", None), "quantize", "none")
+    int32 positions, and fp32/fp16 values or one fp32 mean (``quantize``: a layer's own, else
+    the config's); without ``selection.method: radix`` the bucket header carries two int32
+    counts per layer."""
+    quantize = quantize or getattr(getattr(config, "message", None), "quantize", "none")
     header = 0 if getattr(getattr(config, "selection", None), "method", None) == "radix" else 8
     if quantize == "sign_mean":
         return Cost(4, 4 + header)
@@ -80,9 +81,10 @@ def candidates(numel: int, mean: float, spread: float) -> list:
     return sorted({k_of(numel, min(1.0, mean * 2 ** (j / GRID_PER_OCTAVE))) for j in range(-half, half + 1)})
 
 
-def layer_curve(x: torch.Tensor, ks: list, width: int, sign_mean: bool) -> torch.Tensor:
+def layer_curve(x: torch.Tensor, ks: list, width: int, sign_mean: bool, length: int | None = None) -> torch.Tensor:
     """[||x||**2, curve(s) at ks]: the sums of the top-k x**2 (values), or of the top-k magnitudes
-    of each sign (sign_mean), padded to ``width`` with their last value."""
+    of each sign (sign_mean), each padded to ``width`` with its last value, the whole padded with
+    zeros to ``length`` (rows of layers in both formats stack)."""
     x = x.detach().reshape(-1).double()
     top = int(ks[-1])
     if sign_mean:
@@ -90,7 +92,8 @@ def layer_curve(x: torch.Tensor, ks: list, width: int, sign_mean: bool) -> torch
     else:
         sums = [torch.topk(x.abs(), top).values.square().cumsum(0)]
     at = torch.tensor(list(ks) + [ks[-1]] * (width - len(ks)), device=x.device) - 1
-    return torch.cat([x.square().sum().reshape(1)] + [s.index_select(0, at) for s in sums]).float()
+    row = torch.cat([x.square().sum().reshape(1)] + [s.index_select(0, at) for s in sums]).float()
+    return torch.nn.functional.pad(row, (0, (length or row.numel()) - row.numel()))
 
 
 def energy_out(row: np.ndarray, ks: list, sign_mean: bool) -> np.ndarray:
@@ -159,7 +162,7 @@ def allocate_dp(gains: list, costs: list, capacity: int) -> list:
     return picked[::-1]
 
 
-def allocate_threshold(curves: list, bounds: list, cost: Cost, capacity: int, sign_mean: bool) -> list:
+def allocate_threshold(curves: list, bounds: list, costs: list, capacity: int) -> list:
     """k per layer (floats) for the one magnitude threshold whose counts fill the capacity: a
     layer's k is how many of its magnitudes exceed it (per sign, averaged, for sign_mean)."""
     def ks_at(log_t: float) -> list:
@@ -172,33 +175,36 @@ def allocate_threshold(curves: list, bounds: list, cost: Cost, capacity: int, si
     low, high = math.log(max(mags.min(), 1e-300)) - 1.0, math.log(max(mags.max(), 1e-300)) + 1.0
     for _ in range(100):   # bisection: the largest counts whose bytes fit
         mid = 0.5 * (low + high)
-        if sum(cost(k) for k in ks_at(mid)) > capacity:
+        if sum(c(k) for c, k in zip(costs, ks_at(mid))) > capacity:
             low = mid
         else:
             high = mid
     return ks_at(high)
 
 
-def fill(ks: list, bounds: list, cost: Cost, capacity: int) -> list:
+def fill(ks: list, bounds: list, costs: list, capacity: int) -> list:
     """Integer k within bounds spending the capacity to the element: the spare (or excess)
-    elements shared in proportion to each layer's k, then one at a time, largest layers first."""
+    bytes shared in proportion to each layer's bytes, then one element at a time, largest
+    layers first, while one fits (or until nothing is over)."""
     ks = [int(min(max(math.floor(k), lo), hi)) for k, (lo, hi) in zip(ks, bounds)]
-    spare = (capacity - sum(cost(k) for k in ks)) // cost.per_element
-    total = sum(ks)
-    if spare and total:
-        ks = [int(min(max(k + math.floor(spare * k / total), lo), hi)) for k, (lo, hi) in zip(ks, bounds)]
+    spare = capacity - sum(c(k) for c, k in zip(costs, ks))
+    weight = [c.per_element * k for c, k in zip(costs, ks)]
+    if spare and sum(weight):
+        ks = [int(min(max(k + math.floor(spare * w / sum(weight) / c.per_element), lo), hi))
+              for k, w, c, (lo, hi) in zip(ks, weight, costs, bounds)]
     order = sorted(range(len(ks)), key=lambda i: (-ks[i], i))
     while True:
-        spare = (capacity - sum(cost(k) for k in ks)) // cost.per_element
-        step = 1 if spare > 0 else -1
+        spare = capacity - sum(c(k) for c, k in zip(costs, ks))
         moved = False
         for i in order:
-            if spare == 0:
-                break
             lo, hi = bounds[i]
-            if lo <= ks[i] + step <= hi:
-                ks[i] += step
-                spare -= step
+            if spare < 0 and ks[i] > lo:
+                ks[i] -= 1
+                spare += costs[i].per_element
                 moved = True
-        if spare == 0 or not moved:
+            elif 0 < costs[i].per_element <= spare and ks[i] < hi:
+                ks[i] += 1
+                spare -= costs[i].per_element
+                moved = True
+        if not moved or (0 <= spare < min(c.per_element for c in costs)):
             return ks

@@ -42,47 +42,49 @@ from .allocate import (
 
 class Budget:
     def __init__(self, config, layers: list, own_density: dict, warmup_steps: Callable[[], int],
-                 pinned: dict | None = None):
+                 pinned: dict | None = None, quantize: dict | None = None):
         b = config.policy.budget
         self.method, self.every, self.spread, self.response = b.method, b.every, b.spread, b.response
-        self.cost = message_cost(config)
-        self.sign_mean = getattr(getattr(config, "message", None), "quantize", None) == "sign_mean"
         self.shared = [l for l in layers if l.compressed and l.name not in own_density]
         if not self.shared:
             raise ValueError("policy.mode=budget has no layer to share the budget between: no layer is compressed "
                              "or every compressed one has a density of its own (policy.layers[].density); "
                              "use policy.mode: static")
+        quantize = quantize or {}
+        cost_of = {l.name: message_cost(config, quantize.get(l.name)) for l in layers}
+        self.costs = [cost_of[l.name] for l in self.shared]
+        self.sign_means = [_quantize(config, quantize.get(l.name)) == "sign_mean" for l in self.shared]
         self.width = grid_size(self.spread)
         self.stats_bytes = len(self.shared) * (4 * self._row_len() + 8) if self.every else 0
         fixed = (4 if config.check_finite else 0) + sum(4 * l.numel for l in layers if not l.compressed) + sum(
-            self.cost(k_of(l.numel, own_density[l.name])) for l in layers if l.compressed and l.name in own_density)
+            cost_of[l.name](k_of(l.numel, own_density[l.name])) for l in layers if l.name in own_density)
         self.reserve = reserve = self.stats_bytes / self.every if self.every else 0.0
         if b.bytes_per_step is None:
             density = b.density if b.density is not None else config.layer_density()
-            self.total = fixed + sum(self.cost(k_of(l.numel, density)) for l in self.shared)
+            self.total = fixed + sum(c(k_of(l.numel, density)) for c, l in zip(self.costs, self.shared))
         else:
             self.total = int(b.bytes_per_step)
         self.capacity = math.floor(self.total - fixed - reserve)                                    # 1.
         self._check(fixed, reserve, b.bytes_per_step is not None)
-        numel = sum(l.numel for l in self.shared)
-        self.mean = (self.capacity - self.cost.fixed * len(self.shared)) / (self.cost.per_element * numel)
+        spend = sum(c.per_element * l.numel for c, l in zip(self.costs, self.shared))
+        self.mean = (self.capacity - sum(c.fixed for c in self.costs)) / spend
         self.grids = [candidates(l.numel, self.mean, self.spread) for l in self.shared]
         self.bounds = [(g[0], g[-1]) for g in self.grids]
         self.warmup_steps, self._warmup = warmup_steps, None
         self.pending: dict = {}
         self.history: list = []
         self.revision = 0
-        self.uniform = fill([k_of(l.numel, self.mean) for l in self.shared], self.bounds, self.cost, self.capacity)
+        self.uniform = fill([k_of(l.numel, self.mean) for l in self.shared], self.bounds, self.costs, self.capacity)
         pinned_k = self._pinned_k(pinned)
-        start = fill(pinned_k, self.bounds, self.cost, self.capacity) if pinned_k else self.uniform
+        start = fill(pinned_k, self.bounds, self.costs, self.capacity) if pinned_k else self.uniform
         self._set(start, 0, "pinned start" if pinned_k else "uniform start")
 
     def _row_len(self) -> int:
-        return 1 + (2 if self.sign_mean else 1) * self.width
+        return 1 + (2 if any(self.sign_means) else 1) * self.width
 
     def _check(self, fixed: int, reserve: float, given_bytes: bool) -> None:
-        least = sum(self.cost(1) for _ in self.shared)
-        most = sum(self.cost(l.numel) for l in self.shared)
+        least = sum(c(1) for c in self.costs)
+        most = sum(c(l.numel) for c, l in zip(self.costs, self.shared))
         what = (f"policy.budget.bytes_per_step={self.total}" if given_bytes else
                 f"the budget of policy.budget.density ({self.total} bytes a step)")
         stats = f", the budget's statistics {reserve:.1f}" if reserve else ""
@@ -116,7 +118,9 @@ class Budget:
         where = {l.name: i for i, l in enumerate(self.shared)}
         for layer, x in zip(layers, xs):
             if layer.name in where:
-                self.pending[layer.name] = layer_curve(x, self.grids[where[layer.name]], self.width, self.sign_mean)
+                i = where[layer.name]
+                self.pending[layer.name] = layer_curve(x, self.grids[i], self.width, self.sign_means[i],
+                                                       self._row_len())
 
     def after_step(self, step: int, comm) -> dict:
         """Choose at a step whose curves were observed; the bytes of the two collectives."""
@@ -136,15 +140,15 @@ class Budget:
 
     def choose(self, rows: np.ndarray) -> tuple:
         """(k per shared layer, what the choice predicts) from the ranks' mean curves."""
-        p = self.response
-        errors = [carried_curve(row, g, self.sign_mean, k, p) for row, g, k in zip(rows, self.grids, self.k)]
+        p, formats = self.response, list(zip(rows, self.grids, self.sign_means, self.k))
+        errors = [carried_curve(row, g, sm, k, p) for row, g, sm, k in formats]
         if self.method == "dp":
-            costs = [[self.cost(k) for k in g] for g in self.grids]
+            costs = [[c(k) for k in g] for c, g in zip(self.costs, self.grids)]
             ks = [g[c] for g, c in zip(self.grids, allocate_dp([-e for e in errors], costs, self.capacity))]
         else:
-            curves = [magnitude_curve(row, g, self.sign_mean, k, p) for row, g, k in zip(rows, self.grids, self.k)]
-            ks = allocate_threshold(curves, self.bounds, self.cost, self.capacity, self.sign_mean)
-        ks = fill(ks, self.bounds, self.cost, self.capacity)
+            curves = [magnitude_curve(row, g, sm, k, p) for row, g, sm, k in formats]
+            ks = allocate_threshold(curves, self.bounds, self.costs, self.capacity)
+        ks = fill(ks, self.bounds, self.costs, self.capacity)
         carried = lambda chosen: sum(float(np.interp(k, g, e))  # noqa: E731
                                      for k, g, e in zip(chosen, self.grids, errors))
         return ks, {"energy": float(rows[:, 0].sum()), "carried": carried(ks), "carried_uniform": carried(self.uniform),
@@ -180,6 +184,10 @@ class Budget:
         self.history = [dict(h) for h in state.get("history", [])]
         self.revision = int(state.get("revision", 0))
         self._set([int(state["k"][n]) for n in names], 0, None)
+
+
+def _quantize(config, override: str | None) -> str:
+    return override or getattr(getattr(config, "message", None), "quantize", "none")
 
 
 def log_lines(record: dict, since: int = 0) -> list:

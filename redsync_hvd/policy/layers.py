@@ -82,8 +82,10 @@ class LayerPolicy:
             self.decisions.append({"name": layer.name, "numel": layer.numel, "compressed": layer.compressed,
                                    "density": layer.base_density if layer.compressed else 1.0, "why": reason})
         if p.mode == "budget":
-            own = {l.name: l.base_density for l in layers if (o := self._override(l.name)) and o.density is not None}
-            self.budget = Budget(self.config, layers, own, self.warmup_steps, self.pinned_record)
+            overrides = {l.name: self._override(l.name) for l in layers}
+            own = {n: o.density for n, o in overrides.items() if o is not None and o.density is not None}
+            quantize = {n: getattr(o, "quantize", None) for n, o in overrides.items()}   # a layer's own message
+            self.budget = Budget(self.config, layers, own, self.warmup_steps, self.pinned_record, quantize)
             self._note_budget()
 
     def _check_pinned(self, layers: list) -> None:
