@@ -14,8 +14,9 @@ exists instead of running them again.
 Suites:
   digits      configs/digits/redsync.yaml at 40 epochs (layers under 1024 elements dense),
               selection.method: radix (exactly k per layer, what a byte budget needs)
-  digits-all  the same with every layer compressed (policy.min_compress_numel: 0): the
-              biases and the first conv share the budget too
+  digits-all  the same with every layer compressed (policy.min_compress_numel: 0: the biases
+              and the first conv share the budget too) and no density warm-up, so the bytes
+              are the policy's alone
   pydoc       configs/pydoc/redsync.yaml (the word-level LSTM), selection.method: radix
 """
 from __future__ import annotations
@@ -51,8 +52,8 @@ SUITES = {
     "digits": ("configs/digits/redsync.yaml", "final_accuracy",
                variants(DIGITS, (0.001, 0.0015, 0.002, 0.004), (0.001,), 100)),
     "digits-all": ("configs/digits/redsync.yaml", "final_accuracy",
-                   variants(DIGITS + ["compression.policy.min_compress_numel=0"], (0.001, 0.0015, 0.002, 0.004),
-                            (0.001,), 100)),
+                   variants(DIGITS + ["compression.policy.min_compress_numel=0", "compression.warmup.epochs=0"],
+                            (0.0005, 0.001, 0.002, 0.004), (0.0005, 0.001), 100)),
     "pydoc": ("configs/pydoc/redsync.yaml", "final_perplexity",
               variants(RADIX, (0.001, 0.0015, 0.002, 0.004), (0.001,), 200)),
 }
