@@ -1,7 +1,7 @@
 """The per-layer density budget against uniform density (2 workers, mean of seeds).
 
     python scripts/budget_sweep.py [--suite digits|digits-all|pydoc] [--np 2] [--seeds 0 1 2]
-        [--out runs/budget] [--only NAME ...] [--set KEY=VALUE ...] [--resume] [--table FILE]
+        [--out runs/budget] [--only NAME ...] [--set KEY=VALUE ...] [--resume] [--results DIR]
 
 Each variant is ``horovodrun -np N python -m redsync_hvd.train --config <cfg> --set ...``, once
 per seed; the budget variants run ``compression.policy.mode: budget`` with the bytes of uniform
@@ -9,7 +9,8 @@ density at the same density, so rows of one density send the same bytes (the bud
 its statistics out of them). The table gives the mean final accuracy (digits) or test
 perplexity (pydoc) over the seeds, each seed's, the wire bytes per worker (all layers, and the
 compressed layers alone) and the ratio to dense. ``--resume`` reads the runs whose summary.json
-exists instead of running them again.
+exists instead of running them again. ``--results DIR`` writes table.md, runs.json (each run's
+figures and its budget choices) and machine.json there.
 
 Suites:
   digits      configs/digits/redsync.yaml at 40 epochs (layers under 1024 elements dense),
@@ -110,11 +111,11 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--resume", action="store_true")
-    ap.add_argument("--table", default=None, help="also write the table (markdown) here")
+    ap.add_argument("--results", default=None, help="write table.md, runs.json and machine.json here")
     args = ap.parse_args()
     cfg, metric, suite = SUITES[args.suite]
     out = f"{args.out}/{args.suite}"
-    rows = []
+    rows, kept = [], {}
     for name, sets in suite.items():
         if args.only and name not in args.only:
             continue
@@ -122,6 +123,7 @@ def main() -> None:
         for seed in args.seeds:
             s = run(cfg, sets + args.overrides, out, run_name(name, seed), seed, args.np, args.resume)
             runs.append(s)
+            kept[run_name(name, seed)] = keep(s, REPO / out / run_name(name, seed))
             print(f"{name} seed {seed}: {metric} {s[metric]:.4f} wire {s['wire_bytes']} ratio "
                   f"{s['compression_ratio']:.1f}", flush=True)
         rows.append(row(name, metric, runs))
@@ -129,8 +131,34 @@ def main() -> None:
     command = " ".join(["python scripts/budget_sweep.py", f"--suite {args.suite}", "--seeds",
                         *map(str, args.seeds)] + [f"--set {o}" for o in args.overrides])
     print(f"\n{command}\n\n{text}")
-    if args.table:
-        Path(args.table).write_text(f"{command}\n\n{text}\n")
+    if args.results:
+        folder = Path(args.results)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "table.md").write_text(f"{command}\n\n{text}\n")
+        (folder / "runs.json").write_text(json.dumps(kept, indent=1) + "\n")
+        (folder / "machine.json").write_text(json.dumps(machine(), indent=1) + "\n")
+
+
+def keep(s: dict, folder: Path) -> dict:
+    """What a run's record keeps: its figures and, under a budget, each choice of k."""
+    decisions = folder / "decisions.json"
+    budget = json.loads(decisions.read_text()).get("budget") if decisions.is_file() else None
+    out = {key: s.get(key) for key in ("final_accuracy", "final_perplexity", "final_loss", "wire_bytes",
+                                       "dense_bytes", "compression_ratio", "steps", "wall_time_s")}
+    if budget is not None:
+        out["budget"] = {"bytes_per_step": budget["bytes_per_step"],
+                         "history": [{"step": h["step"], "k": h["k"]} for h in budget["history"]]}
+    return out
+
+
+def machine() -> dict:
+    import platform
+
+    import torch
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+            "load_average": os.getloadavg()}
 
 
 if __name__ == "__main__":
