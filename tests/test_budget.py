@@ -122,6 +122,25 @@ def test_threshold_sends_what_exceeds_one_magnitude_in_every_layer():
     assert max(kth[0], kth[2]) / min(kth[0], kth[2]) < 1.15, kth   # the second is at its lower bound
 
 
+@pytest.mark.parametrize("persistent, response", [(True, 1.0), (False, 0.5)])
+def test_the_residual_settles_as_the_response_says(persistent, response):
+    """The premise of budget.response: under top-k error feedback the settled threshold (the k-th
+    largest |x|) scales as k**-1 when the gradient has a persistent part, k**-0.5 for pure noise."""
+    gen = torch.Generator().manual_seed(0)
+    n, mean = 2000, torch.randn(2000, generator=gen) * 0.3
+    settled = []
+    for k in (10, 40):
+        r, kth = torch.zeros(n), []
+        for t in range(2500):
+            x = r + torch.randn(n, generator=gen) + (mean if persistent else 0.0)
+            top = x.abs().topk(k)
+            r = x.index_fill(0, top.indices, 0.0)
+            if t >= 1500:
+                kth.append(float(top.values[-1]))
+        settled.append(sum(kth) / len(kth))
+    assert math.isclose(math.log(settled[0] / settled[1]) / math.log(4), response, abs_tol=0.1), settled
+
+
 # -- the exchange under a budget -----------------------------------------------------------------
 @pytest.mark.parametrize("method", ["dp", "threshold"])
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
