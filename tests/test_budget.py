@@ -27,6 +27,7 @@ from redsync_hvd.policy.allocate import (
     candidates,
     density_of,
     fill,
+    grid_size,
     layer_curve,
     magnitude_curve,
 )
@@ -112,7 +113,7 @@ def test_threshold_sends_what_exceeds_one_magnitude_in_every_layer():
     xs = [torch.randn(n, generator=gen) * s for n, s in ((20000, 1.0), (20000, 0.25), (5000, 0.8))]
     cost, mean = Cost(8, 0), 0.01
     grids = [candidates(x.numel(), mean, 16.0) for x in xs]
-    rows = [layer_curve(x, g, 33, False).double().numpy() for x, g in zip(xs, grids)]
+    rows = [layer_curve(x, g, grid_size(16.0), False).double().numpy() for x, g in zip(xs, grids)]
     curves = [magnitude_curve(r, g, False) for r, g in zip(rows, grids)]
     capacity = sum(cost(k_of(x.numel(), mean)) for x in xs)
     bounds, costs = [(g[0], g[-1]) for g in grids], [cost] * 3

@@ -72,13 +72,23 @@ def density_of(numel: int, k: int) -> float:
 
 
 def grid_size(spread: float) -> int:
-    return 2 * int(math.floor(math.log2(spread) * GRID_PER_OCTAVE + 1e-9)) + 1
+    """The most candidates a layer has (``candidates``)."""
+    return 2 * int(math.ceil(math.log2(spread) * GRID_PER_OCTAVE - 1e-9)) + 3
+
+
+def bounds(numel: int, mean: float, spread: float) -> tuple:
+    """A layer's k stays within [k at mean / spread, k at mean * spread]; at the top, a layer
+    too small for that range (k = 1 at the mean) may still send up to ``spread`` elements."""
+    return k_of(numel, mean / spread), min(numel, max(k_of(numel, mean * spread), math.ceil(spread)))
 
 
 def candidates(numel: int, mean: float, spread: float) -> list:
-    """Candidate k of a layer: densities mean * 2**(j/4) within the spread, as distinct k."""
-    half = grid_size(spread) // 2
-    return sorted({k_of(numel, min(1.0, mean * 2 ** (j / GRID_PER_OCTAVE))) for j in range(-half, half + 1)})
+    """Candidate k of a layer: four per octave from the lowest bound to the highest, and the
+    uniform density's k, as distinct integers."""
+    lo, hi = bounds(numel, mean, spread)
+    steps = int(math.ceil(math.log2(hi / lo) * GRID_PER_OCTAVE - 1e-9))
+    ks = {min(hi, math.ceil(lo * 2 ** (j / GRID_PER_OCTAVE) - 1e-9)) for j in range(steps + 1)}
+    return sorted(ks | {hi, k_of(numel, mean)})
 
 
 def layer_curve(x: torch.Tensor, ks: list, width: int, sign_mean: bool, length: int | None = None) -> torch.Tensor:
