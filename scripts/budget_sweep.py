@@ -39,7 +39,7 @@ def budget(method: str, extra: tuple = ()) -> list:
 
 def variants(base: list, densities: tuple, budget_densities: tuple, every: int) -> dict:
     out = {}
-    for d in densities:
+    for d in sorted(set(densities) | set(budget_densities)):
         out[f"uniform {d}"] = base + [f"compression.density={d}"]
     for d in budget_densities:
         for method in ("dp", "threshold"):
@@ -54,7 +54,7 @@ SUITES = {
                variants(DIGITS, (0.001, 0.0015, 0.002, 0.004), (0.001,), 100)),
     "digits-all": ("configs/digits/redsync.yaml", "final_accuracy",
                    variants(DIGITS + ["compression.policy.min_compress_numel=0", "compression.warmup.epochs=0"],
-                            (0.0005, 0.001, 0.002, 0.004), (0.0005, 0.001), 100)),
+                            (0.0015, 0.002, 0.003), (0.001,), 100)),
     "pydoc": ("configs/pydoc/redsync.yaml", "final_perplexity",
               variants(RADIX, (0.001, 0.0015, 0.002, 0.004), (0.001,), 200)),
 }
