@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 from . import checkpoint, launchers, resize
 from .config import RunConfig, validate
 from .config.run import RESUMABLE
+from .policy.budget import log_lines as budget_log_lines
 from .preemption import EXIT_STOPPED, QuietStream, StopController, allgather_max, say
 from .runlog import RunLog, build_summary, test_figures, write_layer_decisions
 from .schedule import eval_due, total_steps
@@ -139,6 +140,7 @@ class Run:
                                  drop_last=True, generator=self.gen)
         self.steps_per_epoch = len(self.loader)
         self.step, self.t_eval, self.result = 0, 0.0, {}
+        self._policy, self._revision, self._logged = None, None, 0   # a policy that chooses again (budget)
         self.epoch_rng = self.gen.get_state()
         self.log, self.record, self.resumes, self.stopped = None, {}, [], None
         self.last_save: dict = {}   # this rank's latest save: file, seconds, when it was done
@@ -158,6 +160,8 @@ class Run:
         self.log.decisions(self.record)
         if self.resumed is not None:                                                # 1.
             self._restore(self.resumed)
+        self._policy = getattr(getattr(self.trainer, "carrier", lambda: None)(), "policy", None)
+        self._note_decisions()
 
     def _restore(self, r: checkpoint.Resumed) -> None:
         """The agreed checkpoint's state, and the random streams (the epoch's shuffling, torch's
@@ -243,6 +247,7 @@ class Run:
             self.carrier.last = None
         loss, correct, n = self.trainer.step(indices, self.step)                   # 3.
         self.step += 1
+        self._note_decisions()
         cfg, step = self.cfg, self.step
         self._time_steps()
         if self.bar is not None and self.ctl.signum:   # stopping: write nothing the launcher may not read
@@ -260,6 +265,21 @@ class Run:
             self.log.metrics({"step": step, "epoch": step / self.steps_per_epoch, **self.result,
                               "wire_bytes": self.trainer.communication_stats()["wire_bytes"]})
         self._checkpoint(step)                                                      # 5.
+
+    def _note_decisions(self) -> None:
+        """A policy that chooses again while training (``policy.mode: budget``): each new choice is
+        appended to layers.log and rewrites decisions.json and the record checkpoints keep."""
+        revision = getattr(self._policy, "revision", None)
+        if revision is None or revision == self._revision:
+            return
+        self._revision = revision
+        self.record = self.trainer.decision_record()
+        if self.rank == 0 and "budget" in self.record:
+            lines = budget_log_lines(self.record["budget"], self._logged)
+            self._logged = len(self.record["budget"]["history"])
+            with open(self.log.dir / "layers.log", "a") as f:
+                f.writelines(line + "\n" for line in lines)
+        self.log.decisions(self.record)
 
     def _checkpoint(self, step: int) -> None:
         """Save when a step-based or wall-clock checkpoint is due or a stop was agreed."""

@@ -11,7 +11,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from redsync_hvd.config import RunConfig
-from redsync_hvd.config.compression import _METHODS, MOVED, SHORTHANDS, CompressionConfig, LayerOverride
+from redsync_hvd.config.compression import _METHODS, MOVED, SHORTHANDS, BudgetConfig, CompressionConfig, LayerOverride
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
@@ -98,6 +98,8 @@ def _compression() -> list[str]:
         lines += [f"### `compression.{name}` ({', '.join(methods)})", "", " ".join((model.__doc__ or "").split()), "",
                   *_table(model, f"compression.{name}."), ""]
     lines += ["### `compression.policy.layers[]` (per-layer overrides)", "", *_table(LayerOverride, "layers[]."), "",
+              "### `compression.policy.budget` (`policy.mode: budget`)", "", " ".join(BudgetConfig.__doc__.split()), "",
+              *_table(BudgetConfig, "compression.policy.budget."), "",
               "### Keys that moved into groups", "",
               "A config with one of these keys at the top of `compression` stops with the new name.", "",
               "| old key | new key |", "|---|---|", *[f"| `{k}` | `{v}` |" for k, v in MOVED.items()], ""]

@@ -29,6 +29,8 @@ from ..core.segments import VECTOR, Segments
 from .base import Compressor, FlatMessage, Layer, Message
 from .codec import MessageCodec
 
+MAX_LAYOUTS = 16   # layouts (k per layer) kept with their device tables and workspaces
+
 
 class ExactKCompressor(Compressor):
     collective = "allgather"
@@ -60,6 +62,8 @@ class ExactKCompressor(Compressor):
         seg = self._segments.get(key)
         if seg is None:
             seg = self._segments[key] = Segments([l.numel for l in layers], [l.k for l in layers], align=align)
+            if len(self._segments) > MAX_LAYOUTS:   # a budget policy picks new k's every few steps
+                self._segments.pop(next(iter(self._segments)))
         return seg
 
     def first_pass_flat(self, seg: Segments, step: int) -> rs.BucketRequest:

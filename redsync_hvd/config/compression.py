@@ -98,12 +98,58 @@ class LayerOverride(_Group):
         return None if v is None else check_density(v, "layers[].density")
 
 
+class BudgetConfig(_Group):
+    """``policy.mode: budget``: one byte budget per step, shared by the compressed layers. Each
+    layer's density is chosen from measured statistics of its compensated gradient so that the
+    error the residuals carry (what is left unsent) is least, and chosen again every ``every``
+    steps (policy/budget.py, docs/redsync.md)."""
+    method: Literal["dp", "threshold"] = Field(
+        "dp", description="dp: a dynamic program over each layer's error curve (L-GreCo), with the message's "
+                          "quantisation in the error | threshold: one magnitude threshold for every layer "
+                          "(hard-threshold sparsification), so each layer's k is what exceeds it")
+    density: Optional[float] = Field(
+        None, description="the budget as a mean density: the bytes uniform density would send (None: the "
+                          "method's density, so the budget redistributes the same bytes)")
+    bytes_per_step: Optional[int] = Field(
+        None, description="... or as bytes each worker sends per step, every layer and the per-step flag "
+                          "included (what metrics.jsonl's step_wire_bytes shows)")
+    every: int = Field(200, ge=0, description="steps between two choices (from the end of the density warm-up); "
+                                              "0: never (the uniform start, or a pinned decisions.json's)")
+    spread: float = Field(16.0, ge=1.0, description="a layer's density stays within [mean / spread, mean * spread]")
+    response: float = Field(
+        1.0, ge=0.0, le=2.0, description="how a layer's residual answers a change of its k once error feedback has "
+                                         "settled: x scales as k**-response (1: what enters each step leaves as k "
+                                         "elements near the threshold; 0: judge by x as measured, which swings a "
+                                         "starved layer's large residual back and forth)")
+
+    @field_validator("density")
+    @classmethod
+    def _density(cls, v):
+        return None if v is None else check_density(v, "policy.budget.density")
+
+    @field_validator("bytes_per_step")
+    @classmethod
+    def _bytes(cls, v):
+        if v is not None and v <= 0:
+            raise ValueError(f"policy.budget.bytes_per_step={v!r} must be a positive number of bytes per worker "
+                             "per step (or leave it out and give policy.budget.density)")
+        return v
+
+    @model_validator(mode="after")
+    def _one_budget(self):
+        if self.density is not None and self.bytes_per_step is not None:
+            raise ValueError("policy.budget: give either density (a mean density) or bytes_per_step, not both")
+        return self
+
+
 class PolicyConfig(_Group):
     """Which layers travel compressed. Small layers (biases, norms) cost more in latency and
     selection than they save in bytes; the cost model decides per layer from measured figures."""
-    mode: Literal["static", "cost_model"] = Field(
+    mode: Literal["static", "cost_model", "budget"] = Field(
         "static", description="static: compress every layer of at least min_compress_numel elements | "
-                              "cost_model: compress a layer only where the alpha-beta model predicts a gain")
+                              "cost_model: compress a layer only where the alpha-beta model predicts a gain | "
+                              "budget: as static, and each compressed layer's density is chosen under one byte "
+                              "budget per step (policy.budget)")
     min_compress_numel: int = Field(0, ge=0, description="layers with fewer elements go dense (fused allreduce)")
     layers: list[LayerOverride] = Field(default_factory=list, description="per-layer overrides")
     latency_s: Optional[float] = Field(None, ge=0, description="cost_model: cost of one collective round "
@@ -113,6 +159,8 @@ class PolicyConfig(_Group):
         None, description="a decisions.json of a run folder: which layers travel compressed is taken from it "
                           "(no probing, no cost model), so runs of one config compress the same layers. A resume "
                           "fills it from the checkpoint")
+    budget: BudgetConfig = Field(default_factory=BudgetConfig, description="mode: budget: the byte budget and "
+                                                                          "how it is shared")
 
 
 class SelectionConfig(_Group):
@@ -262,6 +310,18 @@ class CompressionConfig(MethodConfig):
                              "has one message format: remove quantize from the override")
         return self
 
+    def budget_refusal(self) -> Optional[str]:
+        """Why ``policy.mode: budget`` cannot share bytes by choosing each layer's k here (None: it can)."""
+        return f"compression.method={self.method!r} sends no chosen number of elements per layer"
+
+    @model_validator(mode="after")
+    def _budget_runs(self):
+        why = self.budget_refusal() if self.policy.mode == "budget" else None
+        if why:
+            raise ValueError(f"policy.mode=budget holds a byte budget by choosing each layer's k, but {why}. Use "
+                             "method: redsync with selection.method: radix, or method: topk; or policy.mode: static")
+        return self
+
 
 @register_method("none")
 class NoneConfig(CompressionConfig):
@@ -322,6 +382,9 @@ class AllgatherConfig(ResidualConfig):
 class TopKConfig(AllgatherConfig):
     """Exact top-k by magnitude (torch.topk), sent as (int32 index, fp32 value) pairs over allgather."""
 
+    def budget_refusal(self) -> Optional[str]:
+        return None
+
 
 @register_method("randomk")
 class RandomKConfig(ResidualConfig):
@@ -352,6 +415,20 @@ class RedSyncConfig(AllgatherConfig):
 
     def wire_format(self) -> str:
         return self.message.wire_format()
+
+    def budget_refusal(self) -> Optional[str]:
+        methods = {self.selection.method} | {o.selection for o in self.policy.layers if o.selection}
+        loose = sorted(methods & {"tbs", "sampled"})
+        if loose:
+            return (f"selection.method={loose[0]} sends about k elements (tbs: k to 2k), so no byte count holds; "
+                    "set selection.method: radix (exactly k per layer, any device), or trimmed with "
+                    "message.quantize: none")
+        if self.message.index_coding == "golomb":
+            return "message.index_coding=golomb sends a varying number of bits per position; set index_coding: raw"
+        if self.message.quantize == "sign_mean" and self.selection.method != "radix":
+            return (f"message.quantize=sign_mean with selection.method={self.selection.method} sends the kept "
+                    "sign's part of k (about half, varying); set selection.method: radix (exactly k of that sign)")
+        return None
 
     @model_validator(mode="after")
     def _bucket_scope_is_tbs(self):

@@ -22,6 +22,7 @@ to the last of a layer's programs.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -57,6 +58,9 @@ class Tables:
     slot_seg: torch.Tensor   # (K,) int64: the layer of each selected position
 
 
+_SERIALS = itertools.count()
+
+
 class Segments:
     """Layer i occupies ``flat[offsets[i]:offsets[i] + sizes[i]]`` and sends exactly ``ks[i]`` of it.
 
@@ -88,6 +92,9 @@ class Segments:
         self.max_k = max(ks)
         self._tables: dict[str, Tables] = {}
         self._derived: dict[tuple, object] = {}
+        # a name no other layout gets, even after this one is freed (id() may be reused): what a
+        # captured step is keyed by
+        self.serial = next(_SERIALS)
 
     def __len__(self) -> int:
         return len(self.sizes)

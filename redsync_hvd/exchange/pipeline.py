@@ -84,12 +84,20 @@ class GradientExchange:
         self.landing: dict = {}               # {name: flat view} handed out by grad_buffers()
         policy.setup(layers, comm.size, network)
         self.buckets = self._buckets(layers, fusion_bytes)
+        policy.start_budget(layers, self._control_bytes())
         self.plans = {b.index: BucketPlan(b, compressor, self.memory, cuda_graph) for b in self.buckets
                       if b.kind == "gather" and compressor.compresses_flat(list(b.layers))
                       and (isinstance(self.memory, NoMemory) or self.memory.flat_ok(b.layers))}
         self.units = self._units(layers)
         self.transport = Transport(comm, self.stats, self.layers, self.buckets, self.plans, reuse_buffers)
         self.state = StepState()
+
+    def _control_bytes(self) -> int:
+        """What the buckets send each step besides the messages: each bucket's int32 count of
+        non-finite layers, and its size in the header of a gather bucket whose sizes vary."""
+        def varies(b) -> bool:
+            return b.kind == "gather" and self.parts(b.layers[0])[0].fixed_bucket_counts(list(b.layers)) is None
+        return sum(8 if varies(b) else 4 for b in self.buckets)
 
     def _buckets(self, layers: list, fusion_bytes: int) -> list:
         """Fixed buckets (``core/layout.py``, the partition the cost model prices), one compressor and
@@ -216,6 +224,7 @@ class GradientExchange:
         """Steps 1-3 for one unit (a layer, or a bucket compressed together); returns the messages."""
         layers = list(unit.layers)
         cs = [memory.compensate(l.name, g, comp.first_pass(l, self.step)) for l, g in zip(layers, grads)]  # 1.
+        self.policy.observe(layers, [c.x for c in cs], self.step)   # policy.mode budget: on its steps only
         msgs = self._compress(unit, comp, memory, grads, cs)                                   # 2. compress
         if comp.error_feedback == "aggregate":
             self.state.aggregate.update((l.name, c.x) for l, c in zip(layers, cs))   # x -= the average, in finish()
@@ -247,7 +256,8 @@ class GradientExchange:
     def _run_plan(self, plan: BucketPlan, grads: list) -> torch.Tensor:
         """A planned bucket's steps 0-4 (plan.py), with this step's scale; its figures per layout."""
         plan.scale, plan.clip = self.grad_scale, self.clip
-        payload, flags = plan.run(grads, self.step)
+        observe = self.policy.observe if self.policy.observes(self.step) else None   # policy.mode budget
+        payload, flags = plan.run(grads, self.step, observe)
         self.state.trace.append((plan.names, flags))   # read only to name the layers of a failed step
         if plan.account(self.transport.account):   # a new layout: its figures, and its declared sizes
             plan.check(payload)
@@ -321,6 +331,7 @@ class GradientExchange:
             raise
         self.memory.commit()
         self.compressor.commit()
+        self.stats.add_bytes(self.policy.after_step(self.step, self.comm))   # policy.mode budget: may choose
         self._end_step()
         self.last = StepResult(out, applied, carried)
         return self.last
@@ -428,7 +439,7 @@ class GradientExchange:
     # -- checkpointing ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"step": self.step, "memory": self.memory.state_dict(), "compressor": self.compressor.state_dict(),
-                "stats": self.stats.state_dict(), "lr": self.lr}
+                "stats": self.stats.state_dict(), "lr": self.lr, "policy": self.policy.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
@@ -438,3 +449,5 @@ class GradientExchange:
         self.compressor.load_state_dict(state.get("compressor", {}))
         if "stats" in state:
             self.stats.load_state_dict(state["stats"])
+        if state.get("policy"):
+            self.policy.load_state_dict(state["policy"])

@@ -82,17 +82,23 @@ class BucketPlan:
                 v.mul_((self.clip / v.norm().clamp(min=1e-30)).clamp(max=1.0))
         return self.grad
 
-    def run(self, grads: list, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, grads: list, step: int, observe=None) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's payload (uint8; its size depends only on the layout) and its per-layer
-        non-finite flags (device bools, for naming the layers when a step fails): steps 0-4."""
+        non-finite flags (device bools, for naming the layers when a step fails): steps 0-4.
+        ``observe(layers, xs, step)``: shown each layer's compensated x before compression (the
+        budget policy's statistics, every few steps); such a step runs eagerly."""
         grad = self.load(grads)                                                              # 0.
         seg = self.comp.segments(list(self.layers))
         fs = self.memory.flat_step(self.names, seg, grad.device)
+        if observe is not None:
+            return self.device_step(fs, seg, grad, step, observe)
         return self.graphs.run(self.device_step, (fs, seg, grad, step), key=self._key(fs, seg, step))
 
-    def device_step(self, fs, seg, grad: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def device_step(self, fs, seg, grad: torch.Tensor, step: int, observe=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 1-4 as device work only (what a CUDA graph captures)."""
         c = self.memory.compensate_flat(fs, seg, grad, self.comp.first_pass_flat(seg, step))   # 1.
+        if observe is not None:
+            observe(list(self.layers), list(seg.views(c.x)), step)
         msg = self.comp.compress_flat(c, seg, step)                                            # 2.
         self.memory.update_flat(self.layers, c, msg, self.comp)                                # 3.
         flag = msg.nonfinite.sum(dtype=torch.int32).reshape(1)
@@ -102,7 +108,7 @@ class BucketPlan:
         """What a captured step depends on besides its inputs' values: the layout, the kept sign
         and which buffers are current (the memory swaps them at every commit)."""
         buffers = () if fs is None else tuple(p.cur.data_ptr() for p in (fs.residual, fs.velocity) if p is not None)
-        return id(seg), self.comp.first_pass_flat(seg, step).sign, buffers, self.grad.data_ptr()
+        return seg.serial, self.comp.first_pass_flat(seg, step).sign, buffers, self.grad.data_ptr()
 
     def account(self, account) -> bool:
         """This layout's per-step figures (bytes by kind, k per layer), worked out once per layout by

@@ -9,9 +9,13 @@
 * ``policy.mode: cost_model`` compresses a layer only when the alpha-beta model predicts
   select + allgather + decompress below its share of the fused dense allreduce (the bandwidth
   term: Horovod fuses dense layers, so they share one latency; see costmodel.py).
+* ``policy.mode: budget`` chooses each compressed layer's density under one byte budget per
+  step, again every ``budget.every`` steps, from statistics of the compensated gradients
+  (budget.py): ``observe`` and ``after_step`` are the exchange's two calls into it, ``density``
+  stays the one source of each layer's k (the warm-up ramps to the chosen density).
 * Pinned decisions (``policy.decisions``, or a checkpoint's on resume): which layers are
   compressed is read from an earlier run's record instead of decided again; densities and
-  selections still follow the config.
+  selections still follow the config (a budget starts from the record's last choice).
 
 :meth:`LayerPolicy.record` is what a run folder's ``decisions.json`` and a checkpoint hold:
 the decisions and the figures they came from, so a later run can pin them.
@@ -23,6 +27,7 @@ import fnmatch
 import math
 
 from ..config.compression import CompressionConfig, ResidualConfig
+from .budget import Budget
 from .costmodel import fused_dense_share, predict_layer
 
 
@@ -34,8 +39,10 @@ class LayerPolicy:
         self.compute = None   # costmodel.ComputeModel; None: the model's default figures
         self.network = None   # costmodel.Network the cost model planned for (None: static policy)
         self.pinned: dict | None = None   # {layer name: decision} of an earlier run, see pin()
+        self.pinned_record: dict | None = None
         self.source = "config"            # where the decisions came from: config | cost model | pinned ...
         self.size = 1
+        self.budget: Budget | None = None  # policy.mode: budget
 
     def _override(self, name: str):
         for o in self.config.policy.layers:
@@ -46,6 +53,7 @@ class LayerPolicy:
     def pin(self, record: dict, source: str) -> None:
         """Take which layers are compressed from ``record`` (a :meth:`record` of an earlier run)."""
         self.pinned = {d["name"]: d for d in record.get("layers", [])}
+        self.pinned_record = record
         self.source = f"pinned: {source}"
 
     def setup(self, layers: list, size: int = 1, network=None) -> None:
@@ -76,6 +84,19 @@ class LayerPolicy:
                                    "density": layer.base_density if layer.compressed else 1.0, "why": reason,
                                    **self._message(layer)})
 
+    def start_budget(self, layers: list, control_bytes: int) -> None:
+        """``policy.mode: budget``: share the byte budget between the compressed layers, once the
+        exchange knows its buckets (``control_bytes``: what they send besides the messages, each
+        bucket's count of non-finite layers)."""
+        if self.config.policy.mode != "budget":
+            return
+        overrides = {l.name: self._override(l.name) for l in layers}
+        own = {n: o.density for n, o in overrides.items() if o is not None and o.density is not None}
+        quantize = {n: getattr(o, "quantize", None) for n, o in overrides.items()}   # a layer's own message
+        self.budget = Budget(self.config, layers, own, self.warmup_steps, self.pinned_record, quantize,
+                             control_bytes)
+        self._note_budget()
+
     def _message(self, layer) -> dict:
         """A compressed layer's message format where the method has a choice (RedSync, SBC)."""
         message = getattr(self.config, "message", None)
@@ -96,8 +117,49 @@ class LayerPolicy:
     def record(self) -> dict:
         """The decisions and what they were made from, as plain data (decisions.json, checkpoints)."""
         as_dict = lambda obj: None if obj is None else dataclasses.asdict(obj)   # noqa: E731
-        return {"source": self.source, "world_size": self.size, "layers": [dict(d) for d in self.decisions],
-                "network": as_dict(self.network), "compute": as_dict(self.compute)}
+        out = {"source": self.source, "world_size": self.size, "layers": [dict(d) for d in self.decisions],
+               "network": as_dict(self.network), "compute": as_dict(self.compute)}
+        if self.budget is not None:
+            out["budget"] = self.budget.record()
+        return out
+
+    # -- policy.mode: budget (budget.py); nothing for the other modes ---------------------------------
+    @property
+    def revision(self) -> int | None:
+        """Counts the budget's choices (None: the decisions never change after setup)."""
+        return None if self.budget is None else self.budget.revision
+
+    def observe(self, layers, xs: list, step: int) -> None:
+        """A unit's compensated x, before compression (the budget measures them on its steps)."""
+        if self.budget is not None:
+            self.budget.observe(layers, xs, step)
+
+    def observes(self, step: int) -> bool:
+        """Whether ``observe`` wants this step's compensated x (a planned bucket then runs eagerly)."""
+        return self.budget is not None and self.budget.due(step)
+
+    def after_step(self, step: int, comm) -> dict:
+        """The step is committed: the budget chooses where it observed; the bytes it sent."""
+        if self.budget is None:
+            return {}
+        sent = self.budget.after_step(step, comm)
+        if sent:
+            self._note_budget()
+        return sent
+
+    def _note_budget(self) -> None:
+        last = self.budget.history[-1] if self.budget.history else {"step": 0, "why": "restored"}
+        for layer in self.budget.shared:
+            d = next(d for d in self.decisions if d["name"] == layer.name)
+            d["density"], d["why"] = layer.base_density, f"budget: {last['why']} at step {last['step']}"
+
+    def state_dict(self) -> dict:
+        return {} if self.budget is None else {"budget": self.budget.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.budget is not None and state.get("budget"):
+            self.budget.load_state_dict(state["budget"])
+            self._note_budget()
 
     def _pays(self, layer, size: int, network) -> tuple[bool, str]:
         pred = predict_layer(layer.numel, layer.base_density, size, network, self.config.wire_format(),
