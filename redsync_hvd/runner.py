@@ -335,8 +335,9 @@ def write_layer_decisions(decisions, path) -> None:
     folder's layers.log (summary.json has them too), not to the terminal."""
     with open(path, "w") as f:
         for d in decisions:
+            path = f"; aggregation {d['aggregation']} ({d['aggregation_why']})" if d.get("aggregation") else ""
             print(f"[layers] {d['name']}: {'compressed' if d['compressed'] else 'dense'} "
-                  f"(numel {d['numel']}, density {d['density']:g}; {d['why']})", file=f)
+                  f"(numel {d['numel']}, density {d['density']:g}; {d['why']}){path}", file=f)
 
 
 def progress_bar(loop: Run):

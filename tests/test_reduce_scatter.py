@@ -1,6 +1,7 @@
 """The sparse reduce-scatter path (aggregation: sparse_reduce_scatter): the communicators'
-alltoall, the regions, and the algorithm of exchange/reduce_scatter.py across real processes
-against a one-process reference."""
+alltoall, the regions, one bucket's algorithm (exchange/reduce_scatter.py) and the exchange with
+it, across real processes (horovodrun -np 2/3/4 over MPI, -np 3 over Gloo, torchrun -np 3/4)
+against one-process references: tests/mp/reduce_scatter_exchange.py."""
 import pytest
 import torch
 from hypothesis import given, settings
@@ -45,19 +46,19 @@ def test_local_communicator_alltoall_returns_every_ranks_rows_for_rank_0():
 
 
 @pytest.mark.parametrize("np", [2, 3, 4])
-def test_sparse_reduce_scatter_equals_the_reference_under_horovod(np):
-    out = run_script("reduce_scatter.py", "horovod", np=np, timeout=240).stdout
-    assert out.count(f"OK sparse reduce-scatter horovod of {np}") == np, out
+def test_reduce_scatter_exchange_equals_dense_the_reference_and_conserves_under_horovod(np):
+    out = run_script("reduce_scatter_exchange.py", "horovod", np=np, timeout=400).stdout
+    assert out.count(f"OK reduce-scatter exchange horovod of {np}") == np, out
 
 
-def test_sparse_reduce_scatter_under_horovod_over_gloo():
-    job = start(["python", str(REPO / "tests" / "mp" / "reduce_scatter.py"), "horovod"],
+def test_reduce_scatter_exchange_under_horovod_over_gloo():
+    job = start(["python", str(REPO / "tests" / "mp" / "reduce_scatter_exchange.py"), "horovod"],
                 launcher_args=["--gloo", "-np", 3, "-H", "localhost:3"])
-    out = finish_job(job, timeout=240).stdout
-    assert out.count("OK sparse reduce-scatter horovod of 3") == 3, out
+    out = finish_job(job, timeout=400).stdout
+    assert out.count("OK reduce-scatter exchange horovod of 3") == 3, out
 
 
 @pytest.mark.parametrize("np", [3, 4])
-def test_sparse_reduce_scatter_equals_the_reference_under_torchrun(np):
-    out = run_torch_script("reduce_scatter.py", "torch", nproc=np, timeout=240).stdout
-    assert out.count(f"OK sparse reduce-scatter torch of {np}") == np, out
+def test_reduce_scatter_exchange_under_torchrun(np):
+    out = run_torch_script("reduce_scatter_exchange.py", "torch", nproc=np, timeout=400).stdout
+    assert out.count(f"OK reduce-scatter exchange torch of {np}") == np, out

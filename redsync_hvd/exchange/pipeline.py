@@ -87,7 +87,8 @@ class GradientExchange:
         if self.compressor.collective != "allgather":
             return []
         parts = layout.buckets([l.numel for l in layers], fusion_bytes, include=lambda i: layers[i].compressed)
-        return [Bucket(i, tuple(layers[j] for j in part)) for i, part in enumerate(parts)]
+        grouped = [tuple(layers[j] for j in part) for part in parts]
+        return [Bucket(i, group, self.policy.aggregation(group)) for i, group in enumerate(grouped)]
 
     def _units(self, layers: list, buckets: list) -> dict:
         units = {l.name: Unit((l,)) for l in layers}
@@ -163,6 +164,8 @@ class GradientExchange:
             self.state.aggregate.update((l.name, x) for l, x in zip(layers, xs))   # x -= the average, in finish()
         else:
             memory.update_bucket(layers, xs, msgs, comp, scan)                      # 3. update memory
+            if not isinstance(memory, NoMemory):   # entries no owner keeps come back in finish()
+                self.state.kept.update((l.name, x) for l, x in zip(layers, xs) if self.transport.returns(l))
         return msgs
 
     def _compress(self, unit: Unit, comp: Compressor, memory, grads: list, xs: list, scan) -> list:

@@ -233,8 +233,9 @@ class SparseReduceScatter:
             val += [seg, seg.new_zeros(short)]
         return torch.cat(pos), torch.cat(val)
 
-    def finish(self, pending: _Pending) -> Result:
-        """The applied averages, and what goes back into this rank's residual."""
+    def finish(self, pending: _Pending, out: torch.Tensor | None = None) -> Result:
+        """The applied averages, and what goes back into this rank's residual. ``out``: a zeroed
+        fp32 buffer of the bucket's size to decode into (the averages are its views)."""
         gathered = self.comm.wait(pending.handle)
         keep = self.keep(pending.ks)
         C = sum(keep)
@@ -246,8 +247,9 @@ class SparseReduceScatter:
             torch.tensor(keep, device=gathered.device))
         flat = kept_pos + starts                                                     # (N, C)
         total = self.offsets[-1]
-        out = torch.zeros(total, dtype=torch.float32, device=gathered.device)
-        out.index_add_(0, flat.reshape(-1), kept_val.reshape(-1)).div_(self.size)
+        if out is None:
+            out = torch.zeros(total, dtype=torch.float32, device=gathered.device)
+        out.index_add_(0, flat.reshape(-1), kept_val.reshape(-1).to(out.device)).div_(self.size)
         owner = torch.arange(self.size, device=gathered.device)[:, None]
         applied = (owner * total + flat).reshape(-1)
         keys, my_flat, my_vals = pending.sent

@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Bucket:
-    """Compressed allgather layers that travel as one packed allgather."""
+    """Compressed allgather layers that travel as one packed allgather, or (``aggregation``
+    sparse_reduce_scatter) as one sparse reduce-scatter (exchange/reduce_scatter.py)."""
     index: int
     layers: tuple
+    aggregation: str = "allgather"
 
 
 @dataclass(frozen=True)
@@ -42,3 +44,4 @@ class StepState:
     handles: dict = field(default_factory=dict)     # bucket index -> (header handle, payload handle)
     aggregate: dict = field(default_factory=dict)   # name -> x: residual updated from the average
     momentum_after: list = field(default_factory=list)   # dense layers whose average gets DGC momentum
+    kept: dict = field(default_factory=dict)        # name -> x: residual that a reduce-scatter returns entries to

@@ -9,6 +9,11 @@ no header: every rank cuts the payload by the counts it already knows, one colle
 per bucket and no read of a header on the host. The compressor decodes a gathered bucket
 (``decompress_bucket``: layer by layer by default, or, where it ``decodes_flat``, in one pass
 into one flat buffer whose views are the layers' averages).
+
+A bucket whose ``aggregation`` is sparse_reduce_scatter goes through exchange/reduce_scatter.py
+instead: its alltoall starts when its last message is in, the owners' sums and the allgather
+of what they keep run in ``collect``, and what no owner kept is added back into this rank's
+residual buffers (``StepState.kept``) before the memory commits.
 """
 from __future__ import annotations
 
@@ -16,7 +21,10 @@ import torch
 
 from ..comm.packing import pack, unpack_fixed, unpack_gathered
 from ..compressors.dense import NoneCompressor
+from .reduce_scatter import SparseReduceScatter
 from .step import Bucket, StepState
+
+REDUCE_SCATTER = "sparse_reduce_scatter"
 
 
 class Transport:
@@ -33,6 +41,7 @@ class Transport:
         # tensor sharing the memory through DLPack) pass reuse_buffers=False.
         self.reuse_buffers = reuse_buffers
         self._buffers: dict = {}
+        self._reduce_scatters: dict = {}   # bucket index -> SparseReduceScatter
 
     # -- sending ------------------------------------------------------------------------
     def own(self, comp, name: str, x: torch.Tensor, msg, in_place_ok: bool):
@@ -46,8 +55,14 @@ class Transport:
                                "memory update would overwrite the message; return a copy")
         return msg
 
+    def returns(self, layer) -> bool:
+        """Whether the entries of ``layer`` that no owner keeps come back to this rank's residual
+        in ``collect`` (its bucket travels by the sparse reduce-scatter)."""
+        bucket = self.bucket_of.get(layer.name)
+        return bucket is not None and bucket.aggregation == REDUCE_SCATTER
+
     def send(self, state: StepState, comp, layer, msg) -> None:
-        self._account(layer, msg)
+        self._account(layer, msg, counted=not self.returns(layer))
         if comp.collective == "allreduce":
             start = getattr(self.comm, "allreduce_async_", self.comm.allreduce_async)
             state.reduce[layer.name] = ([start(t, name=f"rsync.{layer.name}.{i}") for i, t in enumerate(msg.tensors)],
@@ -56,7 +71,11 @@ class Transport:
         bucket = self.bucket_of[layer.name]
         messages = state.gather.setdefault(bucket.index, {})
         messages[layer.name] = msg
-        if len(messages) == len(bucket.layers):
+        if len(messages) == len(bucket.layers) and bucket.aggregation == REDUCE_SCATTER:
+            msgs = [messages[l.name] for l in bucket.layers]
+            state.handles[bucket.index] = self._reduce_scatter(comp, bucket, msgs[0]).start(
+                [m.tensors[0] for m in msgs], [m.tensors[-1] for m in msgs], [l.k for l in bucket.layers])
+        elif len(messages) == len(bucket.layers):
             tensors = comp.bucket_tensors(bucket.layers, [messages[l.name] for l in bucket.layers])
             header, payload = pack(tensors, device=bucket.layers[0].device)
             counts = comp.fixed_bucket_counts(bucket.layers)
@@ -71,10 +90,24 @@ class Transport:
             state.handles[bucket.index] = (header, self.comm.allgather_async(payload,
                                                                              name=f"rsync.bucket{bucket.index}.data"))
 
-    def _account(self, layer, msg) -> None:
+    def _reduce_scatter(self, comp, bucket: Bucket, msg) -> SparseReduceScatter:
+        """The bucket's reduce-scatter, made with its first step's messages: their value dtype, and
+        whether they carry one mean per layer (sign-mean) or a value per position."""
+        rsc = self._reduce_scatters.get(bucket.index)
+        if rsc is None:
+            message = getattr(comp.config, "message", None)
+            rsc = self._reduce_scatters[bucket.index] = SparseReduceScatter(
+                self.comm, [l.numel for l in bucket.layers], f"rsync.bucket{bucket.index}", msg.tensors[-1].dtype,
+                sign_mean=getattr(message, "quantize", None) == "sign_mean")
+        return rsc
+
+    def _account(self, layer, msg, counted: bool = True) -> None:
+        """Bytes and counts of one message; a reduce-scatter bucket's bytes are counted in
+        ``collect`` instead (``counted`` False), from what its two collectives moved."""
         group = "sparse" if layer.compressed else "dense"
         wire = msg.nbytes()
-        self.stats.add_bytes(wire, group)
+        if counted:
+            self.stats.add_bytes(wire, group)
         self.stats.add("dense_bytes", 4 * layer.numel)
         if msg.selected is not None:
             for key, value in (("selected", msg.selected), ("k", msg.k)):
@@ -91,20 +124,40 @@ class Transport:
         (layer, tensors, alpha) updates, applied to the weights once every check has passed."""
         with self.stats.timer("communicate", "allreduce"):
             reduced = {n: ([self.comm.wait(h) for h in hs], msg) for n, (hs, msg) in state.reduce.items()}
+        scattered = [b for b in self.buckets if b.aggregation == REDUCE_SCATTER]
+        with self.stats.timer("communicate", "reduce_scatter"):
+            for b in scattered:   # the owners' sums start the allgathers, in bucket order on every rank
+                self._reduce_scatters[b.index].reduce(state.handles[b.index])
         with self.stats.timer("communicate", "allgather"):
             gathered = [(b, None if header is None else self.comm.wait(header), self.comm.wait(data))
-                        for b in self.buckets for header, data in (state.handles[b.index],)]
+                        for b in self.buckets if b.aggregation != REDUCE_SCATTER
+                        for header, data in (state.handles[b.index],)]
         out: dict = {}
         with self.stats.timer("decompress", "allreduce"):
             for name, (tensors, msg) in reduced.items():
                 layer = self.layers[name]
                 out[name] = self._decode_reduced(compressor_for(layer), layer, tensors, msg, into)
+        with self.stats.timer("decompress", "reduce_scatter"):
+            for b in scattered:
+                self._finish_reduce_scatter(state, b, out)
         updates: list = []
         with self.stats.timer("decompress", "allgather"):
             for bucket, header, payload in gathered:
                 self._decode_bucket(compressor_for(bucket.layers[0]), bucket, header, payload, into, apply, out,
                                     updates)
         return out, updates
+
+    def _finish_reduce_scatter(self, state: StepState, bucket: Bucket, out: dict) -> None:
+        """A reduce-scatter bucket's averages (views of the bucket's flat buffer), its bytes, and what
+        no owner kept back into this rank's residuals (pending until the memory commits)."""
+        got = self._reduce_scatters[bucket.index].finish(state.handles[bucket.index], out=self._flat(bucket))
+        self.stats.add_bytes({"alltoall": got.bytes["alltoall_sent"], "reselected": got.bytes["allgather_sent"]},
+                             "sparse")
+        for layer, average, (positions, values) in zip(bucket.layers, got.averages, got.carry):
+            out[layer.name] = average
+            residual = state.kept.get(layer.name)
+            if residual is not None and positions.numel():
+                residual.index_add_(0, positions.to(residual.device), values.to(residual))
 
     def _decode_reduced(self, comp, layer, tensors, msg, into) -> torch.Tensor:
         if type(comp) is NoneCompressor and tensors[0].dtype == torch.float32:

@@ -109,6 +109,12 @@ def run(comm, codec: str) -> None:
         (codec, size * applied_total, back_all, sent_all)
 
 
+def check_bucket(comm) -> None:
+    check_alltoall(comm)
+    for codec in ("fp32", "fp16", "sign_mean"):
+        run(comm, codec)
+
+
 def main():
     engine = sys.argv[1]
     if engine == "horovod":
@@ -123,9 +129,7 @@ def main():
         from redsync_hvd.comm.torch_dist import TorchDistCommunicator
         dist.init_process_group("gloo")
         comm = TorchDistCommunicator()
-    check_alltoall(comm)
-    for codec in ("fp32", "fp16", "sign_mean"):
-        run(comm, codec)
+    check_bucket(comm)
     print(f"rank {comm.rank}: OK sparse reduce-scatter {engine} of {comm.size}")
     if engine != "horovod":
         dist.destroy_process_group()
