@@ -2,13 +2,17 @@
 alltoall, the regions, one bucket's algorithm (exchange/reduce_scatter.py) and the exchange with
 it, across real processes (horovodrun -np 2/3/4 over MPI, -np 3 over Gloo, torchrun -np 3/4)
 against one-process references: tests/mp/reduce_scatter_exchange.py."""
+import json
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from launch import REPO, run_script, run_torch_script, start
+from launch import REPO, run_script, run_torch_script, start, summary, train
 from launch import finish as finish_job
 
+from redsync_hvd import checkpoint
 from redsync_hvd.comm import LocalCommunicator
 from redsync_hvd.exchange.reduce_scatter import Regions
 
@@ -62,3 +66,30 @@ def test_reduce_scatter_exchange_under_horovod_over_gloo():
 def test_reduce_scatter_exchange_under_torchrun(np):
     out = run_torch_script("reduce_scatter_exchange.py", "torch", nproc=np, timeout=400).stdout
     assert out.count(f"OK reduce-scatter exchange torch of {np}") == np, out
+
+
+def test_yaml_run_takes_the_path_auto_picks_logs_it_and_resumes_on_fewer_workers(tmp_path):
+    """horovodrun -np 3: top-k with ``aggregation: auto`` on a 10 Mbit/s network (given, not
+    probed) takes the reduce-scatter for its bucket and says so in layers.log; its checkpoints
+    (residuals that the reduce-scatter returned entries to) resume on 2 workers with the resize
+    rule ``sum``, which conserves the residuals as for the allgather."""
+    common = ["compression.aggregation=auto", "compression.policy.latency_s=2.5e-5",
+              "compression.policy.bandwidth_gbit=0.01", "training.log_every=5"]
+    train(tmp_path, "configs/digits/topk.yaml", *common, "training.steps=20", "output.name=three", np=3,
+          timeout=400)
+    log = (tmp_path / "three" / "layers.log").read_text()
+    compressed = [line for line in log.splitlines() if ": compressed" in line]
+    assert compressed and all("aggregation sparse_reduce_scatter (cost model: allgather" in line
+                              for line in compressed), log
+    decisions = json.loads((tmp_path / "three" / "decisions.json").read_text())
+    assert {d.get("aggregation") for d in decisions["layers"] if d["compressed"]} == {"sparse_reduce_scatter"}
+    residuals = [checkpoint.load(tmp_path / "three", rank)["optimizer"]["redsync"]["memory"]["residual"]
+                 for rank in range(3)]
+    owed = sum(float(t.double().abs().sum()) for held in residuals for t in held.values())
+    r = train(tmp_path, "configs/digits/topk.yaml", *common, f"training.resume={tmp_path / 'three'}",
+              "training.on_resize=sum", "training.steps=30", "output.name=two", np=2, timeout=400)
+    s = summary(tmp_path / "two")
+    assert s["steps"] == 30 and s["workers"] == 2 and math.isfinite(s["final_loss"]), r.stdout[-3000:]
+    resize = s["resumes"][-1]["resize"]
+    assert (resize["rule"], resize["old_world_size"], resize["dropped_elements"]) == ("sum", 3, 0), resize
+    assert owed > 0.0   # the residuals carried over held something
