@@ -170,8 +170,9 @@ def plot(rows, bandwidths, models, path):
             for j, label in enumerate(METHODS):
                 pts = sorted((r["N"], r["speedup"]) for r in rows if r["model"] == model
                              and r["bandwidth_gbit"] == bw and r["label"] == label)
-                ax.plot(*zip(*pts), styles[i % len(styles)], marker="o", ms=3,
-                        color=f"C{j}", label=f"{label} {bw:g}G")
+                rs = label in PATHS   # the reduce-scatter rows: crosses, drawn over their allgather twins
+                ax.plot(*zip(*pts), styles[i % len(styles)], marker="x" if rs else "o", ms=4 if rs else 3,
+                        lw=0.8 if rs else 1.2, color=f"C{j}", label=f"{label} {bw:g}G")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

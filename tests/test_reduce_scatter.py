@@ -1,6 +1,6 @@
 """The sparse reduce-scatter path (aggregation: sparse_reduce_scatter): the communicators'
 alltoall, the regions, one bucket's algorithm (exchange/reduce_scatter.py) and the exchange with
-it, across real processes (horovodrun -np 2/3/4 over MPI, -np 3 over Gloo, torchrun -np 3/4)
+it, across real processes (horovodrun -np 2/3/4 over MPI, -np 3 over Gloo, torchrun -np 4)
 against one-process references: tests/mp/reduce_scatter_exchange.py."""
 import json
 import math
@@ -62,10 +62,9 @@ def test_reduce_scatter_exchange_under_horovod_over_gloo():
     assert out.count("OK reduce-scatter exchange horovod of 3") == 3, out
 
 
-@pytest.mark.parametrize("np", [3, 4])
-def test_reduce_scatter_exchange_under_torchrun(np):
-    out = run_torch_script("reduce_scatter_exchange.py", "torch", nproc=np, timeout=400).stdout
-    assert out.count(f"OK reduce-scatter exchange torch of {np}") == np, out
+def test_reduce_scatter_exchange_under_torchrun():
+    out = run_torch_script("reduce_scatter_exchange.py", "torch", nproc=4, timeout=400).stdout
+    assert out.count("OK reduce-scatter exchange torch of 4") == 4, out
 
 
 def test_yaml_run_takes_the_path_auto_picks_logs_it_and_resumes_on_fewer_workers(tmp_path):

@@ -249,11 +249,14 @@ class SparseReduceScatter:
         total = self.offsets[-1]
         if out is None:
             out = torch.zeros(total, dtype=torch.float32, device=gathered.device)
-        out.index_add_(0, flat.reshape(-1), kept_val.reshape(-1).to(out.device)).div_(self.size)
+        # one owner per position: each output gets a single term, so dividing the kept values
+        # equals dividing the sum, without a pass over the whole buffer
+        out.index_add_(0, flat.reshape(-1), kept_val.reshape(-1).to(out.device) / self.size)
         owner = torch.arange(self.size, device=gathered.device)[:, None]
-        applied = (owner * total + flat).reshape(-1)
+        applied = torch.sort((owner * total + flat).reshape(-1)).values
         keys, my_flat, my_vals = pending.sent
-        back = ~torch.isin(keys, applied)
+        at = torch.searchsorted(applied, keys).clamp_(max=max(applied.numel() - 1, 0))
+        back = applied[at] != keys if applied.numel() else torch.ones_like(keys, dtype=torch.bool)
         carry_flat, carry_val = my_flat[back], my_vals[back]
         if pending.carry is not None:
             carry_flat = torch.cat([carry_flat, pending.carry[0]])
