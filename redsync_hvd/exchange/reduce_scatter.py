@@ -87,9 +87,24 @@ class Result:
 class _Pending:
     ks: list
     sent: tuple                 # (owner-qualified flat keys, flat positions, fp32 values) of this rank
-    handle: object = None
+    handle: object = None       # the alltoall
     carry: tuple = None         # the owner's rounding error: (flat positions, fp32 values)
+    chunk: torch.Tensor = None  # this owner's piece of step 5 (uint8, the same size on every rank)
+    rows: torch.Tensor = None   # every owner's piece, (N, bytes)
     bytes: dict = field(default_factory=dict)
+
+
+def allgather(comm, pendings: list, name: str):
+    """Step 5 for several buckets in one collective round: their owners' pieces back to back
+    (every rank's row has the same layout); ``wait_allgather`` cuts them per bucket."""
+    return comm.allgather_async(torch.cat([p.chunk for p in pendings]), name=name)
+
+
+def wait_allgather(comm, handle, pendings: list) -> None:
+    rows, at = comm.wait(handle).view(comm.size, -1), 0
+    for p in pendings:
+        p.rows = rows[:, at:at + p.chunk.numel()]
+        at += p.chunk.numel()
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -108,8 +123,9 @@ class SparseReduceScatter:
     sign_mean: step 2 sends one mean per layer instead of a value per position.
 
     ``start`` (from the send step) starts the alltoall; ``reduce`` (in finish, once per bucket, in
-    bucket order on every rank) waits for it, sums, selects and starts the allgather; ``finish``
-    waits for that and decodes."""
+    bucket order on every rank) waits for it, sums and selects; the module's ``allgather`` sends
+    the pieces of every bucket reduced so far in one collective (one round, however many
+    buckets), ``wait_allgather`` hands each bucket its rows, and ``finish`` decodes."""
 
     def __init__(self, comm, numels: list, name: str, value_dtype=torch.float32, sign_mean: bool = False):
         if sum(numels) >= 2**31:
@@ -172,6 +188,8 @@ class SparseReduceScatter:
 
     # -- 3./4./5. the owner's sum and selection, then the allgather ----------------------------
     def reduce(self, pending: _Pending) -> None:
+        """Wait for the alltoall; sum, keep and encode this owner's piece (``pending.chunk``), which
+        ``allgather`` sends, for this bucket alone or with other buckets' in one collective."""
         payload, splits = self.comm.wait(pending.handle)
         flat, vals = self._unpack(payload, splits)
         pending.bytes["alltoall_received"] = sum(splits) - splits[self.comm.rank]
@@ -187,7 +205,7 @@ class SparseReduceScatter:
         chunk = torch.cat([chunk, chunk.new_zeros(_pad(chunk.numel()))])
         pending.bytes["allgather_sent"] = chunk.numel() if self.size > 1 else 0
         pending.bytes["allgather_received"] = (self.size - 1) * chunk.numel()
-        pending.handle = self.comm.allgather_async(chunk, name=f"{self.name}.ag")
+        pending.chunk = chunk
 
     def _unpack(self, payload: torch.Tensor, splits: list) -> tuple:
         """Every sender's entries for this owner: (flat positions int64, fp32 values)."""
@@ -234,25 +252,25 @@ class SparseReduceScatter:
         return torch.cat(pos), torch.cat(val)
 
     def finish(self, pending: _Pending, out: torch.Tensor | None = None) -> Result:
-        """The applied averages, and what goes back into this rank's residual. ``out``: a zeroed
-        fp32 buffer of the bucket's size to decode into (the averages are its views)."""
-        gathered = self.comm.wait(pending.handle)
+        """The applied averages, and what goes back into this rank's residual, from every owner's
+        piece (``pending.rows``, set by ``allgather``). ``out``: a zeroed fp32 buffer of the
+        bucket's size to decode into (the averages are its views)."""
+        rows = pending.rows
         keep = self.keep(pending.ks)
         C = sum(keep)
-        rows = gathered.view(self.size, -1)
         kept_pos = rows[:, :4 * C].contiguous().view(torch.int32).to(torch.int64)
         vsize = torch.empty(0, dtype=self.wire_dtype).element_size()
         kept_val = rows[:, 4 * C:4 * C + vsize * C].contiguous().view(self.wire_dtype).float()
-        starts = torch.tensor(self.offsets[:-1], device=gathered.device).repeat_interleave(
-            torch.tensor(keep, device=gathered.device))
+        starts = torch.tensor(self.offsets[:-1], device=rows.device).repeat_interleave(
+            torch.tensor(keep, device=rows.device))
         flat = kept_pos + starts                                                     # (N, C)
         total = self.offsets[-1]
         if out is None:
-            out = torch.zeros(total, dtype=torch.float32, device=gathered.device)
+            out = torch.zeros(total, dtype=torch.float32, device=rows.device)
         # one owner per position: each output gets a single term, so dividing the kept values
         # equals dividing the sum, without a pass over the whole buffer
         out.index_add_(0, flat.reshape(-1), kept_val.reshape(-1).to(out.device) / self.size)
-        owner = torch.arange(self.size, device=gathered.device)[:, None]
+        owner = torch.arange(self.size, device=rows.device)[:, None]
         applied = torch.sort((owner * total + flat).reshape(-1)).values
         keys, my_flat, my_vals = pending.sent
         at = torch.searchsorted(applied, keys).clamp_(max=max(applied.numel() - 1, 0))

@@ -11,9 +11,9 @@ per bucket and no read of a header on the host. The compressor decodes a gathere
 into one flat buffer whose views are the layers' averages).
 
 A bucket whose ``aggregation`` is sparse_reduce_scatter goes through exchange/reduce_scatter.py
-instead: its alltoall starts when its last message is in, the owners' sums and the allgather
-of what they keep run in ``collect``, and what no owner kept is added back into this rank's
-residual buffers (``StepState.kept``) before the memory commits.
+instead: its alltoall starts when its last message is in; the owners' sums and one allgather of
+what they keep, for all such buckets at once, run in ``collect``, and what no owner kept is
+added back into this rank's residual buffers (``StepState.kept``) before the memory commits.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import torch
 
 from ..comm.packing import pack, unpack_fixed, unpack_gathered
 from ..compressors.dense import NoneCompressor
+from . import reduce_scatter
 from .reduce_scatter import SparseReduceScatter
 from .step import Bucket, StepState
 
@@ -125,9 +126,14 @@ class Transport:
         with self.stats.timer("communicate", "allreduce"):
             reduced = {n: ([self.comm.wait(h) for h in hs], msg) for n, (hs, msg) in state.reduce.items()}
         scattered = [b for b in self.buckets if b.aggregation == REDUCE_SCATTER]
-        with self.stats.timer("communicate", "reduce_scatter"):
-            for b in scattered:   # the owners' sums start the allgathers, in bucket order on every rank
-                self._reduce_scatters[b.index].reduce(state.handles[b.index])
+        if scattered:
+            with self.stats.timer("communicate", "reduce_scatter"):
+                pendings = [state.handles[b.index] for b in scattered]
+                for b, pending in zip(scattered, pendings):   # the owners' sums, in bucket order
+                    self._reduce_scatters[b.index].reduce(pending)
+                # every bucket's kept entries in one allgather: one round, however many buckets
+                handle = reduce_scatter.allgather(self.comm, pendings, name="rsync.reselected")
+                reduce_scatter.wait_allgather(self.comm, handle, pendings)
         with self.stats.timer("communicate", "allgather"):
             gathered = [(b, None if header is None else self.comm.wait(header), self.comm.wait(data))
                         for b in self.buckets if b.aggregation != REDUCE_SCATTER

@@ -19,7 +19,7 @@ import sys
 import torch
 from alltoall import check as check_alltoall
 
-from redsync_hvd.exchange.reduce_scatter import Regions, SparseReduceScatter
+from redsync_hvd.exchange.reduce_scatter import Regions, SparseReduceScatter, allgather, wait_allgather
 
 NUMELS = [3, 500, 2000]
 
@@ -92,6 +92,7 @@ def run(comm, codec: str) -> None:
                 for r in range(size)]
         pending = rsc.start([p for p, _ in msgs[rank]], [v for _, v in msgs[rank]], ks)
         rsc.reduce(pending)
+        wait_allgather(comm, allgather(comm, [pending], f"test.{codec}.ag"), [pending])
         got = rsc.finish(pending)
         averages, carries = reference(msgs, ks, size, codec)
         tol = 1e-3 if codec == "fp16" else 1e-5
