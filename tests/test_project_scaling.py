@@ -30,9 +30,9 @@ def test_best_row_names_the_fastest_method_or_dense(capsys):
                 top = max(cell, key=lambda r: r["speedup"])
                 assert ps.best(rows, model, bw, n) == (top["label"] if top["speedup"] > 1 + 1e-9 else "dense")
     # allgather growth: RedSync's allgather wins AlexNet at 10 Gbit/s on 2 workers, its sparse
-    # reduce-scatter (flat in N) from 8 on, up to 1024
+    # reduce-scatter (flat in N) from 4 on, up to 1024
     assert ps.best(rows, "alexnet", 10.0, 2) == "redsync" and ps.best(rows, "alexnet", 10.0, 1024) == "redsync_rs"
-    assert ps.faster_from(rows, "alexnet", 10.0, "redsync_rs", "redsync") == 8
+    assert ps.faster_from(rows, "alexnet", 10.0, "redsync_rs", "redsync") == 4
     assert ps.best(rows, "resnet20", 10.0, 8) == "dense"   # 1 MB of gradient against 0.11 s of compute
     ps.main(["--models", "resnet20", "--bandwidths", "10"])
     out = capsys.readouterr().out

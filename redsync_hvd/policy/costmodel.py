@@ -384,7 +384,8 @@ def step_time(layers, N: int, net: Network, compute_s: float, overlap: bool = Fa
     (the header allgather is issued with the payload, so it shares the round);
     its layers still pay their own select and decompress (``bucket_time``; with
     ``aggregation`` sparse_reduce_scatter or auto, a bucket travels by the sparse
-    reduce-scatter, or by the cheaper path). Layers in no bucket travel alone.
+    reduce-scatter, or by the path ``choose_aggregation`` picks; the reduce-scatter buckets'
+    second steps share one allgather round, as in the exchange). Layers in no bucket travel alone.
     ``finite_check``: the exchange's one-float agreement that every
     gradient was finite, fused by Horovod into the last dense buffer (or alone)."""
     layers = list(layers)
@@ -404,8 +405,16 @@ def step_time(layers, N: int, net: Network, compute_s: float, overlap: bool = Fa
     if finite_check:
         buf += 4
     comm += ring_allreduce(N, buf, net) if buf else 0.0
+    scattered = 0
     for b in buckets or ():
-        comm += bucket_time([layers[i] for i in b], N, net, aggregation, compute, allgather)
+        shapes = [layers[i] for i in b]
+        path = choose_aggregation(shapes, N, net, compute, allgather)[0] if aggregation == "auto" else aggregation
+        comm += bucket_time(shapes, N, net, path, compute, allgather)
+        scattered += path == "sparse_reduce_scatter" and all(canonical(m) in REDUCE_SCATTER_METHODS
+                                                            for _, _, m in shapes)
+    # the exchange sends every reduce-scatter bucket's kept entries in one allgather: one round
+    gather = ring_allgather if allgather == "ring" else recursive_doubling_allgather
+    comm -= max(scattered - 1, 0) * gather(N, 0.0, net)
     return max(compute_s, comm) if overlap else compute_s + comm
 
 
