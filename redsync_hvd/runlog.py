@@ -98,8 +98,9 @@ def write_layer_decisions(decisions, path) -> None:
     with open(path, "w") as f:
         for d in decisions:
             message = f", {d['quantize']}" if "quantize" in d else ""
+            path = f"; aggregation {d['aggregation']} ({d['aggregation_why']})" if d.get("aggregation") else ""
             print(f"[layers] {d['name']}: {'compressed' if d['compressed'] else 'dense'} "
-                  f"(numel {d['numel']}, density {d['density']:g}{message}; {d['why']})", file=f)
+                  f"(numel {d['numel']}, density {d['density']:g}{message}; {d['why']}){path}", file=f)
 
 
 def perplexity(loss: float) -> float:

@@ -74,6 +74,12 @@ VARIANTS = {
     # which also sends about k per layer (tbs sends k to 2k)
     "redsync 0.01 sign_mean 40 epochs, selection_scope=bucket": (RS, E40 + ["compression.selection.scope=bucket"]),
     "redsync 0.01 sign_mean 40 epochs, selection=trimmed": (RS, E40 + ["compression.selection=trimmed"]),
+    # the sparse reduce-scatter against the allgather at the same density (docs/redsync.md, run with --np 4)
+    "redsync 0.01 sign_mean 40 epochs, sparse_reduce_scatter": (
+        RS, E40 + ["compression.aggregation=sparse_reduce_scatter"]),
+    "redsync 0.01 quantize=none 40 epochs": (RS, E40 + ["compression.message.quantize=none"]),
+    "redsync 0.01 quantize=none 40 epochs, sparse_reduce_scatter": (
+        RS, E40 + ["compression.message.quantize=none", "compression.aggregation=sparse_reduce_scatter"]),
     "redsync 0.001 sign_mean 40 epochs (redsync-0.001.yaml)": ("configs/digits/redsync-0.001.yaml", E40),
     "redsync 0.001 sign_mean 40 epochs, no override": (RS, E40 + ["compression.density=0.001"]),
     "redsync 0.001 sign_mean 40 epochs, override, warmup_epochs=8": (

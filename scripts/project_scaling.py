@@ -8,8 +8,12 @@
 
 A PREDICTION, not a measurement: redsync_hvd/policy/costmodel.py (the alpha-beta model of collectives).
 Methods: redsync = sign-mean (indices + one mean) at density 0.001; topk =
-(int32, fp32) pairs at 0.001; iwp = shared indices + allreduce at 0.01;
-decentralized = ring neighbour exchange of the 8-bit quantised full model.
+(int32, fp32) pairs at 0.001; both by allgather, and as redsync_rs, topk_rs by the sparse
+reduce-scatter (aggregation: sparse_reduce_scatter: an alltoall of each worker's entries to
+their owners, an allgather of the owners' k/N re-selection); iwp = shared indices +
+allreduce at 0.01; decentralized = ring neighbour exchange of the 8-bit quantised full model.
+A second table names, per model and bandwidth, the N from which each reduce-scatter path is
+predicted faster than its allgather path.
 Allgather-based methods and IWP send a layer compressed only when the per-layer
 rule predicts a gain (fused dense cost); the others go through 64 MiB fusion buffers.
 Allgather-based methods travel in the exchange's 16 MiB buckets (one collective each).
@@ -48,13 +52,17 @@ REFERENCE_MODELS = {  # bench name: (model, options), as in configs/bench/costmo
     "vgg_fc4096": ("vgg", {"fc_width": 4096, "width": 0.25}),
     "resnet20": ("resnet20", {}),
 }
-METHODS = {  # label: (costmodel method, density)
-    "redsync": ("sign_mean", 0.001),
-    "topk": ("pairs", 0.001),
-    "iwp": ("iwp", 0.01),
-    "decentralized": ("decentralized", 1.0),
+METHODS = {  # label: (costmodel method, density, aggregation of the compressed buckets)
+    "redsync": ("sign_mean", 0.001, "allgather"),
+    "redsync_rs": ("sign_mean", 0.001, "sparse_reduce_scatter"),
+    "topk": ("pairs", 0.001, "allgather"),
+    "topk_rs": ("pairs", 0.001, "sparse_reduce_scatter"),
+    "iwp": ("iwp", 0.01, "allgather"),
+    "decentralized": ("decentralized", 1.0, "allgather"),
 }
-N_VALUES = [8, 16, 32, 64, 128, 256, 512, 1024]
+#: (reduce-scatter label, allgather label): the crossing table compares these pairs
+PATHS = {"redsync_rs": "redsync", "topk_rs": "topk"}
+N_VALUES = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 
 
 def layer_shapes(models) -> dict:
@@ -89,9 +97,10 @@ def compute_from_csv(path) -> dict:
 def project(compute_s, bandwidths, latency_s, overlap, per_layer, models):
     rows = []
     shapes = layer_shapes(models)
-    for label, (method, density) in METHODS.items():
+    for label, (method, density, aggregation) in METHODS.items():
         for r in cm.project_speedup(shapes, N_VALUES, bandwidths, method, density, compute_s,
-                                    latency_s=latency_s, overlap=overlap, per_layer=per_layer):
+                                    latency_s=latency_s, overlap=overlap, per_layer=per_layer,
+                                    aggregation=aggregation):
             rows.append(dict(r, label=label))
     return rows
 
@@ -108,6 +117,32 @@ def markdown(rows, bandwidths, models):
                 out.append(f"| {model} | {bw:g} | {label} | {cells} |")
             out.append(f"| {model} | {bw:g} | **best** | "
                        + " | ".join(best(rows, model, bw, n) for n in N_VALUES) + " |")
+    return "\n".join(out)
+
+
+def faster_from(rows, model, bw, label: str, than: str):
+    """The smallest N of ``N_VALUES`` at which ``label`` is predicted faster than ``than`` and
+    not slower at any larger N (where both leave every layer dense they tie), or None."""
+    step = {(r["label"], r["N"]): r["method_s"] for r in rows if r["model"] == model and r["bandwidth_gbit"] == bw}
+    faster = [step[(label, n)] < step[(than, n)] * (1 - 1e-9) for n in N_VALUES]
+    not_slower = [step[(label, n)] <= step[(than, n)] * (1 + 1e-9) for n in N_VALUES]
+    for i in range(len(N_VALUES)):
+        if faster[i] and all(not_slower[i:]):
+            return N_VALUES[i]
+    return None
+
+
+def crossings(rows, bandwidths, models) -> str:
+    """Per model and bandwidth, from which N each reduce-scatter path beats its allgather path."""
+    out = ["| model | Gbit/s | " + " | ".join(f"{rs} faster than {ag} from" for rs, ag in PATHS.items()) + " |",
+           "|" + "---|" * (2 + len(PATHS))]
+    for model in models:
+        for bw in bandwidths:
+            cells = []
+            for rs, ag in PATHS.items():
+                n = faster_from(rows, model, bw, rs, ag)
+                cells.append("never" if n is None else f"N = {n}")
+            out.append(f"| {model} | {bw:g} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -135,8 +170,9 @@ def plot(rows, bandwidths, models, path):
             for j, label in enumerate(METHODS):
                 pts = sorted((r["N"], r["speedup"]) for r in rows if r["model"] == model
                              and r["bandwidth_gbit"] == bw and r["label"] == label)
-                ax.plot(*zip(*pts), styles[i % len(styles)], marker="o", ms=3,
-                        color=f"C{j}", label=f"{label} {bw:g}G")
+                rs = label in PATHS   # the reduce-scatter rows: crosses, drawn over their allgather twins
+                ax.plot(*zip(*pts), styles[i % len(styles)], marker="x" if rs else "o", ms=4 if rs else 3,
+                        lw=0.8 if rs else 1.2, color=f"C{j}", label=f"{label} {bw:g}G")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -156,7 +192,7 @@ def plot(rows, bandwidths, models, path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bandwidths", type=float, nargs="+", default=[10.0, 100.0], help="Gbit/s")
+    ap.add_argument("--bandwidths", type=float, nargs="+", default=[1.0, 10.0, 100.0], help="Gbit/s")
     ap.add_argument("--latency-us", type=float, default=25.0)
     ap.add_argument("--compute", nargs="*", default=[], metavar="MODEL=SECONDS",
                     help="override the assumed compute time per step")
@@ -179,6 +215,9 @@ def main(argv=None):
           f"compute s/step: {', '.join(f'{m} {compute_s[m]:g}' for m in a.models)}; "
           f"{'overlap' if a.overlap else 'no overlap'}). Model prediction, assumed inputs.\n")
     print(markdown(rows, a.bandwidths, a.models))
+    print("\nFrom which N a sparse reduce-scatter (alltoall to the owners, allgather of their "
+          "re-selection) is predicted faster than the allgather of every message:\n")
+    print(crossings(rows, a.bandwidths, a.models))
     if a.plot:
         plot(rows, a.bandwidths, a.models, a.plot)
         print(f"wrote {a.plot}", file=sys.stderr)

@@ -296,3 +296,45 @@ def test_policy_weighs_a_layer_against_its_share_of_the_fused_dense_allreduce():
         policy.setup([layer], 2, net)
         assert layer.compressed is expect, policy.decisions
         assert "fused dense allreduce" in policy.decisions[0]["why"]
+
+
+# -- the sparse reduce-scatter path ---------------------------------------------------------------
+def _received_per_worker(N: int, layers) -> float:
+    """Bytes that reach one worker from the others: (N-1)/N of the alltoall, N-1 owners' pieces."""
+    alltoall_bytes, owner_bytes = cm.reduce_scatter_bytes(layers, N)
+    return (N - 1) / N * alltoall_bytes + (N - 1) * owner_bytes
+
+
+@pytest.mark.parametrize("method", ["pairs", "pairs_fp16", "sign_mean"])
+def test_reduce_scatter_bytes_stay_flat_in_n_where_allgather_grows(method):
+    layers = [(4096 * 4096, 0.001, method), (1 << 20, 0.001, method)]
+    rs = {N: _received_per_worker(N, layers) for N in (2, 8, 64, 1024)}
+    ag = {N: (N - 1) * sum(cm.message_bytes(*layer) for layer in layers) for N in (2, 8, 64, 1024)}
+    assert ag[8] == pytest.approx(7 * ag[2])
+    assert rs[8] <= 1.8 * rs[2] and rs[1024] <= 2.5 * rs[2]   # 2(N-1)/N, plus headers per owner
+    assert rs[1024] < ag[1024] / 100
+
+
+def test_reduce_scatter_time_closed_form():
+    n, N = 1 << 20, 8
+    k = cm.num_selected(n, 0.001)
+    alltoall_bytes, owner_bytes = cm.reduce_scatter_bytes([(n, 0.001, "pairs")], N)
+    assert alltoall_bytes == k * 8 + N * 4 and owner_bytes == math.ceil(k / N) * 8
+    expect = 7 * NET.alpha + 7 / 8 * alltoall_bytes / NET.bandwidth + 7 * (NET.alpha + owner_bytes / NET.bandwidth)
+    assert cm.reduce_scatter_time([(n, 0.001, "pairs")], N, NET) == pytest.approx(expect)
+    assert cm.reduce_scatter_time([(n, 0.001, "pairs")], 1, NET) == 0.0
+    assert cm.alltoall(8, 1e6, NET) == pytest.approx(7e-5 + 7 / 8 * 1e-3)
+
+
+def test_auto_takes_the_reduce_scatter_for_big_buckets_many_workers_or_slow_links():
+    big = [(4096 * 4096, 0.001, "sign_mean")]
+    small = [(64 * 1024, 0.001, "sign_mean")]
+    slow, fast = Network.from_config(25e-6, 1.0), Network.from_config(25e-6, 100.0)
+    assert cm.choose_aggregation(big, 64, slow)[0] == "sparse_reduce_scatter"
+    assert cm.choose_aggregation(big, 2, fast)[0] == "allgather"      # one more round, nothing saved
+    assert cm.choose_aggregation(small, 64, fast)[0] == "allgather"   # 66 indices: latency-bound
+    pick, times = cm.choose_aggregation(big, 64, slow)
+    assert times["sparse_reduce_scatter"] < times["allgather"]
+    assert cm.bucket_time(big, 64, slow, "auto") == pytest.approx(min(times.values()))
+    # Golomb-coded positions travel by allgather only
+    assert cm.choose_aggregation([(4096 * 4096, 0.001, "golomb")], 1024, slow)[0] == "allgather"

@@ -67,6 +67,14 @@ def test_ddp_conservation_sent_plus_residual_equals_inputs():
                 "dgc": {"momentum_correction": False},
                 "policy": {"min_compress_numel": 100},
             },
+            # the sparse reduce-scatter: what no owner keeps goes back to its sender's residual
+            {
+                "method": "redsync",
+                "density": 0.05,
+                "dgc": {"momentum_correction": False},
+                "policy": {"min_compress_numel": 100},
+                "aggregation": "sparse_reduce_scatter",
+            },
             {"method": "signsgd"},
             {"method": "qsgd", "residual": True},
         ],
@@ -77,6 +85,8 @@ def test_ddp_conservation_sent_plus_residual_equals_inputs():
 def test_ddp_resume_is_bit_identical():
     _run_all("ddp_resume.py", [
         {"method": "redsync", "density": 0.05, "policy": {"min_compress_numel": 100}},   # residuals and velocities
+        {"method": "redsync", "density": 0.05, "policy": {"min_compress_numel": 100},    # ... by reduce-scatter
+         "aggregation": "sparse_reduce_scatter"},
         {"method": "randomk", "density": 0.1},                               # positions drawn per step
         {"method": "qsgd", "bits": 2, "residual": True},                     # rounding seeded per step
     ], "resume ")

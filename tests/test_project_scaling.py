@@ -1,4 +1,5 @@
-"""scripts/project_scaling.py: reference models, the "best" row, compute from a bench CSV."""
+"""scripts/project_scaling.py: reference models, the "best" row, the reduce-scatter crossings, compute
+from a bench CSV."""
 import sys
 from pathlib import Path
 
@@ -28,12 +29,15 @@ def test_best_row_names_the_fastest_method_or_dense(capsys):
                 cell = [r for r in rows if r["model"] == model and r["bandwidth_gbit"] == bw and r["N"] == n]
                 top = max(cell, key=lambda r: r["speedup"])
                 assert ps.best(rows, model, bw, n) == (top["label"] if top["speedup"] > 1 + 1e-9 else "dense")
-    # allgather growth: RedSync wins AlexNet at 10 Gbit/s on 8 workers, IWP at 1024
-    assert ps.best(rows, "alexnet", 10.0, 8) == "redsync" and ps.best(rows, "alexnet", 10.0, 1024) == "iwp"
+    # allgather growth: RedSync's allgather wins AlexNet at 10 Gbit/s on 2 workers, its sparse
+    # reduce-scatter (flat in N) from 4 on, up to 1024
+    assert ps.best(rows, "alexnet", 10.0, 2) == "redsync" and ps.best(rows, "alexnet", 10.0, 1024) == "redsync_rs"
+    assert ps.faster_from(rows, "alexnet", 10.0, "redsync_rs", "redsync") == 4
     assert ps.best(rows, "resnet20", 10.0, 8) == "dense"   # 1 MB of gradient against 0.11 s of compute
     ps.main(["--models", "resnet20", "--bandwidths", "10"])
     out = capsys.readouterr().out
-    assert "| resnet20 | 10 | **best** | dense |" in out
+    assert "| resnet20 | 10 | **best** | redsync | redsync | dense |" in out
+    assert "| resnet20 | 10 | never | never |" in out   # 1 MB of gradient: no reduce-scatter pays
 
 
 def test_compute_from_a_bench_csv_and_a_clear_error_without_one(tmp_path):

@@ -8,6 +8,14 @@ from __future__ import annotations
 import torch
 
 
+class _Alltoall:
+    """An alltoall's Horovod handle: ``wait`` turns its (tensor, splits tensor) into (tensor, list)."""
+    __slots__ = ("handle",)
+
+    def __init__(self, handle):
+        self.handle = handle
+
+
 class HorovodCommunicator:
     def __init__(self, hvd=None):
         if hvd is None:
@@ -33,7 +41,19 @@ class HorovodCommunicator:
     def broadcast_async(self, tensor: torch.Tensor, root: int, name: str):
         return self.hvd.broadcast_async(tensor, root_rank=root, name=name)
 
+    def alltoall_async(self, tensor: torch.Tensor, splits: list, name: str):
+        """Rows ``sum(splits[:i]) .. sum(splits[:i+1])`` of ``tensor`` go to rank i; ``wait`` returns
+        (every rank's rows for this rank, concatenated in rank order; how many rows each sent).
+        Horovod exchanges the split sizes itself, in the same collective."""
+        if len(splits) != self.size or sum(splits) != tensor.shape[0]:
+            raise ValueError(f"alltoall {name!r}: splits {list(splits)} must have {self.size} entries that add "
+                             f"up to the tensor's first dimension {tensor.shape[0]}")
+        return _Alltoall(self.hvd.alltoall_async(tensor, splits=torch.tensor(splits, dtype=torch.int32), name=name))
+
     def wait(self, handle) -> torch.Tensor:
+        if isinstance(handle, _Alltoall):
+            received, received_splits = self.hvd.synchronize(handle.handle)
+            return received, [int(n) for n in received_splits.tolist()]
         return self.hvd.synchronize(handle)
 
     def allgather_object(self, obj, name: str):

@@ -1,12 +1,12 @@
 """A one-process stand-in for the transport, for benchmarks and single-process runs.
 
-``LocalCommunicator(size=N)`` behaves as if N ranks all sent what this process
-sends: allreduce-average returns the input, allgather returns N copies, broadcast
-returns the input. The exchange then does exactly the per-rank work it does in a
-real N-worker job (compress once, decode N messages), with no network and no
-Horovod, so ``scripts/bench_overhead.py`` can time the compression overhead on
-any machine, a lone GPU included. It moves no data between processes: use
-:class:`~redsync_hvd.comm.HorovodCommunicator` for training.
+``LocalCommunicator(size=N)`` behaves as if N ranks all sent what this process sends:
+allreduce-average returns the input, allgather returns N copies, broadcast returns the
+input, alltoall returns N copies of the rows this process addressed to rank 0. The exchange
+then does exactly the per-rank work it does in a real N-worker job (compress once, decode N
+messages), with no network and no Horovod, so ``scripts/bench_overhead.py`` can time the
+compression overhead on any machine, a lone GPU included. It moves no data between
+processes: use :class:`~redsync_hvd.comm.HorovodCommunicator` for training.
 """
 from __future__ import annotations
 
@@ -36,6 +36,14 @@ class LocalCommunicator:
 
     def broadcast_async(self, tensor: torch.Tensor, root: int, name: str):
         return tensor.clone()
+
+    def alltoall_async(self, tensor: torch.Tensor, splits: list, name: str):
+        """Rank 0's share of every rank's rows: N copies of this process's rows for rank 0."""
+        if len(splits) != self._size or sum(splits) != tensor.shape[0]:
+            raise ValueError(f"alltoall {name!r}: splits {list(splits)} must have {self._size} entries that add "
+                             f"up to the tensor's first dimension {tensor.shape[0]}")
+        mine = tensor[:splits[0]]
+        return torch.cat([mine] * self._size), [int(splits[0])] * self._size
 
     def wait(self, handle) -> torch.Tensor:
         return handle

@@ -1,8 +1,8 @@
 """torch.distributed as the transport: the Horovod communicator's interface over Gloo or NCCL.
 
 Same methods as :class:`~redsync_hvd.comm.HorovodCommunicator` (``rank``, ``size``,
-``allreduce_async``, ``allreduce_async_``, ``allgather_async``, ``broadcast_async``,
-``wait``, ``allgather_object``), so the exchange runs unchanged under ``torchrun``.
+``allreduce_async``, ``allreduce_async_``, ``allgather_async``, ``alltoall_async``,
+``broadcast_async``, ``wait``, ``allgather_object``), so the exchange runs unchanged under ``torchrun``.
 
 Two differences from Horovod shape the code:
 
@@ -112,6 +112,27 @@ class TorchDistCommunicator:
                 gathered = torch.cat([gathered[r * longest:r * longest + s] for r, s in enumerate(sizes)])
             return gathered.to(home)
         return _Pending(work, out, trim)
+
+    def alltoall_async(self, tensor: torch.Tensor, splits: list, name: str):
+        """Rows ``sum(splits[:i]) .. sum(splits[:i+1])`` of ``tensor`` go to rank i; ``wait`` returns
+        (every rank's rows for this rank, concatenated in rank order; how many rows each sent).
+
+        1. the split sizes travel first, in a small blocking alltoall (``all_to_all_single`` needs
+           the output sizes before it starts, and starting it later would break the common order);
+        2. one asynchronous ``all_to_all_single`` moves the rows."""
+        if len(splits) != self._size or sum(splits) != tensor.shape[0]:
+            raise ValueError(f"alltoall {name!r}: splits {list(splits)} must have {self._size} entries that add "
+                             f"up to the tensor's first dimension {tensor.shape[0]}")
+        local = tensor.detach().to(self.device).contiguous()
+        mine = torch.tensor(list(splits), dtype=torch.int64, device=self.device)
+        theirs = torch.empty_like(mine)
+        dist.all_to_all_single(theirs, mine, group=self.group)                               # 1.
+        received = theirs.tolist()
+        out = local.new_empty((sum(received),) + tuple(local.shape[1:]))
+        work = dist.all_to_all_single(out, local, output_split_sizes=received, input_split_sizes=list(splits),
+                                      group=self.group, async_op=True)                       # 2.
+        home = tensor.device
+        return _Pending(work, out, lambda got: (got.to(home), received))
 
     def broadcast_async(self, tensor: torch.Tensor, root: int, name: str):
         """``root``'s tensor on every rank, in a new tensor. ``root`` is a rank of the group."""

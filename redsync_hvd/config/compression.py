@@ -373,9 +373,37 @@ _SPARSE_UPDATE = ("PyTorch, plain SGD only: apply each compressed layer's averag
                   "without momentum and weight decay in the optimizer (dgc.momentum_correction takes both out)")
 
 
+_AGGREGATION = ("how a bucket's (position, value) messages meet. allgather: every rank receives every "
+                "rank's message ((N-1)*k entries, growing with N; one collective) | sparse_reduce_scatter: "
+                "Ok-Topk's balanced sparse reduce-scatter: each rank's entries go by alltoall to the owners of "
+                "their positions (hashed regions), each owner sums them and keeps the ceil(k/N) largest per "
+                "layer, an allgather gives every rank those (about 2k(N-1)/N entries received, flat in N; two "
+                "collectives). What an owner does not keep goes back into its sender's residual. Not with "
+                "Golomb index coding or sparse_update | auto: per bucket, the path the cost model predicts "
+                "faster for this N, k and network (policy.latency_s / bandwidth_gbit, else probed at start); "
+                "the choice is in the run folder's layers.log")
+
+
 class AllgatherConfig(ResidualConfig):
-    """Sparse methods whose messages (own positions, own values) travel by allgather."""
+    """Sparse methods whose messages (own positions, own values) travel by allgather, or by a sparse
+    reduce-scatter (``aggregation``)."""
     sparse_update: bool = Field(False, description=_SPARSE_UPDATE)
+    aggregation: Literal["allgather", "sparse_reduce_scatter", "auto"] = Field("allgather",
+                                                                                description=_AGGREGATION)
+
+    @model_validator(mode="after")
+    def _reduce_scatter_needs_pairs(self):
+        if self.aggregation == "allgather":
+            return self
+        if self.sparse_update:
+            raise ValueError(f"aggregation={self.aggregation!r} with sparse_update: a reduce-scatter bucket is "
+                             "decoded into dense averages, not applied to the weights in step(); set "
+                             "sparse_update: false, or aggregation: allgather")
+        if self.wire_format() == "golomb":
+            raise ValueError(f"aggregation={self.aggregation!r} sends (position, value) pairs or sign-mean: "
+                             "Golomb-coded positions travel by allgather only. Set message.index_coding: raw, "
+                             "or aggregation: allgather")
+        return self
 
 
 @register_method("topk")

@@ -26,7 +26,8 @@ class CommStats:
     @contextmanager
     def timer(self, phase: str, group: str | None = None):
         """Time a phase; with ``group`` also under ``time_<phase>[group]``: select by layer kind
-        ("sparse"/"dense"), communicate and decompress by collective ("allreduce"/"allgather")."""
+        ("sparse"/"dense"), communicate and decompress by collective ("allreduce"/"allgather"/
+        "reduce_scatter")."""
         t0 = time.perf_counter()
         try:
             yield
@@ -74,7 +75,7 @@ class CommStats:
         }
         for phase in self.PHASES:
             out[phase] = self.total.get(f"time_{phase}", 0.0)
-            for group in ("sparse", "dense", "allreduce", "allgather"):
+            for group in ("sparse", "dense", "allreduce", "allgather", "reduce_scatter"):
                 if f"time_{phase}[{group}]" in self.total:
                     out[f"{phase}[{group}]"] = self.total[f"time_{phase}[{group}]"]
         for key, value in self.total.items():

@@ -76,9 +76,10 @@ def probe_compute(comm, device="cpu", numel: int = 1 << 22, repeats: int = 5, sm
 def network_for(config, comm) -> Network | None:
     """The network the cost model plans for: what the config gives, the rest measured here
     (a probed alpha is Horovod's cost per collective round: its cycle, negotiation, the wait,
-    often far above the link's latency). None unless ``policy.mode`` is cost_model."""
+    often far above the link's latency). None unless ``policy.mode`` is cost_model or
+    ``aggregation`` is auto (which prices each bucket's two paths)."""
     p = config.policy
-    if p.mode != "cost_model":
+    if p.mode != "cost_model" and getattr(config, "aggregation", "allgather") != "auto":
         return None
     if p.latency_s is not None and p.bandwidth_gbit is not None:
         return Network.from_config(latency_s=p.latency_s, bandwidth_gbit=p.bandwidth_gbit)

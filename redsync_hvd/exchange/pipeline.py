@@ -86,7 +86,8 @@ class GradientExchange:
         self.buckets = self._buckets(layers, fusion_bytes)
         policy.start_budget(layers, self._control_bytes())
         self.plans = {b.index: BucketPlan(b, compressor, self.memory, cuda_graph) for b in self.buckets
-                      if b.kind == "gather" and compressor.compresses_flat(list(b.layers))
+                      if b.kind == "gather" and b.aggregation == "allgather"
+                      and compressor.compresses_flat(list(b.layers))
                       and (isinstance(self.memory, NoMemory) or self.memory.flat_ok(b.layers))}
         self.units = self._units(layers)
         self.transport = Transport(comm, self.stats, self.layers, self.buckets, self.plans, reuse_buffers)
@@ -109,7 +110,10 @@ class GradientExchange:
             parts = layout.buckets([l.numel for l in layers], fusion_bytes,
                                    include=lambda i, c=compressed, k=collective: travels(i, c, k))
             kind = "gather" if collective == "allgather" else "reduce"
-            out += [Bucket(len(out) + i, tuple(layers[j] for j in part), kind) for i, part in enumerate(parts)]
+            for part in parts:
+                group = tuple(layers[j] for j in part)
+                how = self.policy.aggregation(group) if kind == "gather" else "allgather"
+                out.append(Bucket(len(out), group, kind, how))
         return out
 
     def _units(self, layers: list) -> dict:
@@ -231,6 +235,8 @@ class GradientExchange:
         else:
             for layer, c, msg in zip(layers, cs, msgs):
                 memory.update(layer, c.x, msg, comp)                                           # 3. update memory
+            if not isinstance(memory, NoMemory):   # what no owner keeps comes back in finish()
+                self.state.kept.update((l.name, c.x) for l, c in zip(layers, cs) if self.transport.returns(l))
         return msgs
 
     def _compress(self, unit: Unit, comp: Compressor, memory, grads: list, cs: list) -> list:

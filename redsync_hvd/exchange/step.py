@@ -22,10 +22,13 @@ from typing import Optional
 
 @dataclass(frozen=True)
 class Bucket:
-    """Layers that travel as one collective: ``kind`` "gather" (allgather) or "reduce" (allreduce)."""
+    """Layers that travel as one collective: ``kind`` "gather" (allgather) or "reduce" (allreduce).
+    A gather bucket whose ``aggregation`` is sparse_reduce_scatter meets by exchange/reduce_scatter.py
+    instead (an alltoall to the positions' owners, then one allgather of what they keep)."""
     index: int
     layers: tuple
     kind: str = "gather"
+    aggregation: str = "allgather"
 
     @property
     def name(self) -> str:
@@ -68,4 +71,5 @@ class StepState:
     handles: dict = field(default_factory=dict)     # bucket index -> what the transport started for it
     aggregate: dict = field(default_factory=dict)   # name -> x: residual updated from the average
     momentum_after: list = field(default_factory=list)   # dense layers whose average gets DGC momentum
+    kept: dict = field(default_factory=dict)        # name -> x: the residual a reduce-scatter returns entries to
     carry: Optional[list] = None                    # the caller's carry values, taken once per step

@@ -11,6 +11,11 @@ the bucket's last layer is in, so early buckets overlap the rest of backward:
   allgather where the message sizes vary per rank. A compressor whose sizes are known in advance
   (``fixed_bucket_counts``: exactly k per layer) sends no header; a bucket with a plan
   (``plan.py``) hands over its payload ready made.
+* ``gather`` buckets whose ``aggregation`` is sparse_reduce_scatter go through reduce_scatter.py
+  instead: the alltoall starts when the bucket's last message is in, with a one-element
+  allreduce of its non-finite count; the owners' sums and one allgather of what they keep, for
+  all such buckets at once, run in ``collect``, and what no owner kept is added back into this
+  rank's residuals (``StepState.kept``) before the memory commits.
 * layers of a ``blocking`` compressor (it runs collectives inside ``compress``) are compressed in
   ``finish()``, a bucket at once in a fixed order, and travel in reduce buckets too.
 
@@ -24,9 +29,12 @@ import torch
 from ..comm.packing import pack, payload_bytes, unpack_fixed, unpack_gathered
 from ..compressors.dense import NoneCompressor
 from ..memory.residual import layer_views
+from . import reduce_scatter
+from .reduce_scatter import SparseReduceScatter
 from .step import Bucket, StepState
 
 CARRY_SLOTS = 8   # the carrier bucket's room for the caller's carry values (the runner sends 3)
+REDUCE_SCATTER = "sparse_reduce_scatter"
 
 
 def nonfinite_count(evidence: list, extra: int = 0, device=None) -> torch.Tensor:
@@ -51,11 +59,18 @@ class Transport:
         # DLPack) pass reuse_buffers=False.
         self.reuse_buffers = reuse_buffers
         self._buffers: dict = {}
+        self._reduce_scatters: dict = {}   # bucket index -> SparseReduceScatter
 
     # -- sending ------------------------------------------------------------------------
+    def returns(self, layer) -> bool:
+        """Whether the entries of ``layer`` that no owner keeps come back to this rank's residual
+        in ``collect`` (its bucket meets by the sparse reduce-scatter)."""
+        bucket = self.bucket_of.get(layer.name)
+        return bucket is not None and bucket.aggregation == REDUCE_SCATTER
+
     def send(self, state: StepState, comp, layer, msg) -> None:
         """A layer's message: into its bucket, whose collective starts once the bucket is complete."""
-        self.account(layer, msg)
+        self.account(layer, msg, counted=not self.returns(layer))
         bucket = self.bucket_of[layer.name]
         messages = state.messages.setdefault(bucket.index, {})
         messages[layer.name] = msg
@@ -63,6 +78,8 @@ class Transport:
             msgs = [messages[l.name] for l in bucket.layers]
             if bucket.kind == "reduce":
                 self._start_reduce(state, bucket, msgs)
+            elif bucket.aggregation == REDUCE_SCATTER:
+                self._start_reduce_scatter(state, comp, bucket, msgs)
             else:
                 self._start_gather(state, comp, bucket, msgs)
 
@@ -100,6 +117,22 @@ class Transport:
             sizes = [payload.numel()] * self.comm.size
         self.stats.add_bytes({"scalars": 4})
         state.handles[bucket.index] = (header, self.comm.allgather_async(payload, name=bucket.name, sizes=sizes))   # 3.
+
+    def _start_reduce_scatter(self, state: StepState, comp, bucket: Bucket, msgs: list) -> None:
+        """The bucket's alltoall to the positions' owners, and its non-finite count summed by a
+        one-element allreduce (the alltoall's sizes differ per owner: no room for it there)."""
+        rsc = self._reduce_scatters.get(bucket.index)
+        if rsc is None:   # made with the first step's messages: their value dtype, and sign-mean or not
+            rsc = self._reduce_scatters[bucket.index] = SparseReduceScatter(
+                self.comm, [l.numel for l in bucket.layers], bucket.name, msgs[0].tensors[-1].dtype,
+                sign_mean=msgs[0].kinds[-1] == "scalars")
+        pending = rsc.start([m.tensors[0] for m in msgs], [m.tensors[-1] for m in msgs], [l.k for l in bucket.layers])
+        host_bad = sum(1 for m in msgs if m.nonfinite is True)
+        flags = [torch.where(m.nonfinite, torch.inf, 0.0) for m in msgs if isinstance(m.nonfinite, torch.Tensor)]
+        count = nonfinite_count(flags + state.evidence.pop(bucket.index, []), host_bad, bucket.layers[0].device)
+        self.stats.add_bytes({"scalars": 4})
+        state.handles[bucket.index] = (pending, self.comm.allreduce_async(count, name=f"{bucket.name}.bad",
+                                                                          average=False))
 
     def _start_reduce(self, state: StepState, bucket: Bucket, msgs: list) -> None:
         """1. the messages into the bucket's flat buffers (one per dtype; tensors already there, the
@@ -151,12 +184,15 @@ class Transport:
             torch._foreach_copy_([v for v, _ in copies], [t for _, t in copies])
         return out
 
-    def account(self, layer, msg, stats=None) -> None:
-        """A layer's bytes (by kind), its dense bytes and its selected count, into ``stats``."""
+    def account(self, layer, msg, stats=None, counted: bool = True) -> None:
+        """A layer's bytes (by kind), its dense bytes and its selected count, into ``stats``; a
+        reduce-scatter bucket's bytes are counted in ``collect`` instead (``counted`` False), from
+        what its two collectives moved."""
         stats = stats if stats is not None else self.stats
         group = "sparse" if layer.compressed else "dense"
         wire = msg.nbytes()
-        stats.add_bytes(wire, group)
+        if counted:
+            stats.add_bytes(wire, group)
         stats.add("dense_bytes", 4 * layer.numel)
         if msg.selected is not None:
             for key, value in (("selected", msg.selected), ("k", msg.k)):
@@ -178,21 +214,55 @@ class Transport:
                 if b.kind == "reduce":
                     for h in state.handles[b.index][1]:
                         self.comm.wait(h)   # in place: the sums are in the bucket's buffers
+        scattered = [b for b in self.buckets if b.aggregation == REDUCE_SCATTER]
+        if scattered:
+            with self.stats.timer("communicate", "reduce_scatter"):
+                self._reduce_scattered(state, scattered, flags)
         with self.stats.timer("communicate", "allgather"):
             gathered = [(b, header if header is None or isinstance(header, torch.Tensor) else self.comm.wait(header),
                          self.comm.wait(data))
-                        for b in self.buckets if b.kind == "gather" for header, data in (state.handles[b.index],)]
+                        for b in self.buckets if b.kind == "gather" and b.aggregation != REDUCE_SCATTER
+                        for header, data in (state.handles[b.index],)]
         with self.stats.timer("decompress", "allreduce"):
             for bucket in self.buckets:
                 if bucket.kind == "reduce":
                     flats, _, msgs = state.handles[bucket.index]
                     sums = self._decode_fused(bucket, flats, msgs, compressor_for, into, out, flags)
                     carried = sums if bucket.index == self.carrier else carried
+        with self.stats.timer("decompress", "reduce_scatter"):
+            for bucket in scattered:
+                self._finish_reduce_scatter(state, bucket, into, out)
         with self.stats.timer("decompress", "allgather"):
             for bucket, header, payload in gathered:
                 self._decode_gather(compressor_for(bucket.layers[0]), bucket, header, payload, into, apply, out,
                                     updates, flags)
         return out, updates, flags, carried
+
+    def _reduce_scattered(self, state: StepState, scattered: list, flags: list) -> None:
+        """The owners' sums, bucket by bucket in order, then every bucket's kept entries in one
+        allgather (one round, however many buckets); their non-finite counts into ``flags``."""
+        pendings = [state.handles[b.index][0] for b in scattered]
+        for b, pending in zip(scattered, pendings):
+            self._reduce_scatters[b.index].reduce(pending)
+        handle = reduce_scatter.allgather(self.comm, pendings, name="rsync.reselected")
+        reduce_scatter.wait_allgather(self.comm, handle, pendings)
+        flags += [self.comm.wait(state.handles[b.index][1]) for b in scattered]
+
+    def _finish_reduce_scatter(self, state: StepState, bucket: Bucket, into: dict, out: dict) -> None:
+        """A reduce-scatter bucket's averages (views of one flat buffer, copied into ``into`` where
+        given), its bytes, and what no owner kept back into this rank's residuals (pending until
+        the memory commits)."""
+        rsc = self._reduce_scatters[bucket.index]
+        flat = self._buffer(("scatter", bucket.index), sum(rsc.numels), torch.float32, bucket.layers[0].device)
+        got = rsc.finish(state.handles[bucket.index][0], out=flat.zero_())
+        self.stats.add_bytes({"alltoall": got.bytes["alltoall_sent"], "reselected": got.bytes["allgather_sent"]},
+                             "sparse")
+        for layer, average, (positions, values) in zip(bucket.layers, got.averages, got.carry):
+            target = into.get(layer.name)
+            out[layer.name] = target.copy_(average) if target is not None else average
+            residual = state.kept.get(layer.name)
+            if residual is not None and positions.numel():
+                residual.index_add_(0, positions.to(residual.device), values.to(residual))
 
     def _decode_fused(self, bucket: Bucket, flats: list, msgs: list, compressor_for, into: dict, out: dict,
                       flags: list):

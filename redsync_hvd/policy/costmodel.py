@@ -6,13 +6,15 @@ B: bytes/s). Assumes a homogeneous, full-duplex, contention-free network, no
 reduction arithmetic and no Horovod negotiation cycle (fold those into alpha).
 Every collective takes 0 s for N = 1; sizes are bytes per worker per step.
 
-Why per-layer decisions: a ring allgather of m bytes per worker moves (N-1)*m
-bytes into each worker, growing with N, while a ring allreduce of M bytes moves
-about 2*M whatever N. With k = D*n selected elements of b bytes (dense: 4),
-sparse allgather beats dense allreduce on bandwidth only while
-``N * D * (b/4) < 2`` (``crossover_workers``); for 64-bit pairs, N*D < 1. IWP
-escapes this: its values go through allreduce (constant in N) plus a log2(N)
-index broadcast.
+Why per-layer decisions: a ring allgather of m bytes per worker moves (N-1)*m bytes
+into each worker, growing with N, while a ring allreduce of M bytes moves about 2*M
+whatever N. A sparse reduce-scatter (``reduce_scatter_time``: an alltoall to the
+positions' owners, then an allgather of their re-selection of k/N each) moves about
+2*(N-1)/N of the message into each worker, flat in N, for one more collective round.
+With k = D*n selected elements of b bytes (dense: 4), sparse allgather beats dense
+allreduce on bandwidth only while ``N * D * (b/4) < 2`` (``crossover_workers``); for
+64-bit pairs, N*D < 1. IWP escapes this: its values go through allreduce (constant in
+N) plus a log2(N) index broadcast.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from ..core import layout
+from .paper_models import PAPER_MODELS  # noqa: F401 (the projection's models, re-exported)
 
 PHI = (1.0 + math.sqrt(5.0)) / 2.0  # golden ratio (Golomb parameter choice)
 PAIR_HEADER_BYTES = 8  # per layer and worker: element count + layer id
@@ -81,6 +84,12 @@ def neighbor_exchange(m: float, net: Network, degree: int = 2, N: int = 2) -> fl
     """Decentralized exchange with ``degree`` neighbours (ring: 2), messages sent
     one after another: ``degree*(alpha + m/B)``. Independent of N (N = 1: 0)."""
     return 0.0 if N <= 1 else degree * net.send(m)
+
+
+def alltoall(N: int, m: float, net: Network) -> float:
+    """Pairwise alltoall of m bytes per worker spread evenly over the N ranks (its own share
+    stays): ``(N-1)*alpha + (N-1)/N*m/B``. Each worker sends and receives (N-1)/N of m."""
+    return 0.0 if N <= 1 else (N - 1) * net.alpha + (N - 1) / N * m / net.bandwidth
 
 
 def crossover_workers(density: float, bytes_per_element: float) -> float:
@@ -187,13 +196,18 @@ class ComputeModel:
             return self.quantize_c0 + self.quantize_c1 * n
         return self.select_c0 + (self.select_c1 + (self.importance_c1 if m == "iwp" else 0)) * n
 
-    def decompress(self, n: int, density: float, N: int, method: str = "sign_mean") -> float:
+    def decompress(self, n: int, density: float, N: int, method: str = "sign_mean",
+                   aggregation: str = "allgather") -> float:
         m = canonical(method)
         if m.startswith("dense"):
             return 0.0
         if m == "decentralized":  # dequantise the two neighbours' messages
             return self.quantize_c0 + self.quantize_c1 * 2 * n
         k = num_selected(n, density)
+        if aggregation == "sparse_reduce_scatter" and m in REDUCE_SCATTER_METHODS:
+            # the owner sums about k received entries, every rank decodes about k kept ones and
+            # looks up its own k: three passes over k elements, two calls
+            return 2 * self.decompress_c0 + self.decompress_c1 * 3 * k
         return self.decompress_c0 + self.decompress_c1 * (k if m == "iwp" else N * k)
 
 
@@ -215,12 +229,16 @@ class LayerCost:
 
 
 def comm_time(n: int, density: float, N: int, net: Network, method: str,
-              allgather: str = "ring") -> float:
+              allgather: str = "ring", aggregation: str = "allgather") -> float:
     """Wire time of one layer: dense -> ring allreduce of 4n (2n) bytes; sparse
-    -> allgather (``ring`` or ``doubling``) of the per-worker message; IWP ->
+    -> allgather (``ring`` or ``doubling``) of the per-worker message, or with
+    ``aggregation="sparse_reduce_scatter"`` an alltoall and an allgather of the owners'
+    re-selection (``reduce_scatter_time``); IWP ->
     tree broadcast of 4k index bytes + ring allreduce of 4k value bytes;
     decentralized -> ring neighbour exchange of the 8-bit quantised tensor."""
     m = canonical(method)
+    if N > 1 and aggregation == "sparse_reduce_scatter" and m in REDUCE_SCATTER_METHODS:
+        return reduce_scatter_time([(n, density, m)], N, net, allgather)
     if N <= 1 or m.startswith("dense"):
         return ring_allreduce(N, message_bytes(n, density, m), net)
     if m == "iwp":  # indices once from the leader, then the values reduce
@@ -234,20 +252,25 @@ def comm_time(n: int, density: float, N: int, net: Network, method: str,
 
 def predict_layer(n: int, density: float, N: int, net: Network, method: str = "sign_mean",
                   select_time_s: float | None = None, decompress_time_s: float | None = None,
-                  compute: ComputeModel | None = None, allgather: str = "ring") -> LayerCost:
+                  compute: ComputeModel | None = None, allgather: str = "ring",
+                  aggregation: str = "allgather") -> LayerCost:
     """Predicted cost of one layer: dense allreduce, sparse (select + allgather +
     decompress) or IWP (select + broadcast + allreduce + scatter). Measured
     select/decompress times override the ``ComputeModel`` estimates. With N = 1
     nothing is communicated (and nothing is selected or decompressed)."""
     m = canonical(method)
+    if aggregation == "auto":   # the cheaper path, as the exchange's auto picks per bucket
+        both = [predict_layer(n, density, N, net, m, select_time_s, decompress_time_s, compute, allgather, a)
+                for a in ("allgather", "sparse_reduce_scatter")]
+        return min(both, key=lambda c: c.total_s)
     cm = compute or ComputeModel()
     dense = ring_allreduce(N, dense_bytes(n), net)
     sel = cm.select(n, m) if select_time_s is None else select_time_s
-    dec = cm.decompress(n, density, N, m) if decompress_time_s is None else decompress_time_s
+    dec = cm.decompress(n, density, N, m, aggregation) if decompress_time_s is None else decompress_time_s
     sel, dec = (0.0, 0.0) if N <= 1 else (sel, dec)
     k = n if m.startswith("dense") or m == "decentralized" else num_selected(n, density)
     return LayerCost(m, n, k, message_bytes(n, density, m), sel,
-                     comm_time(n, density, N, net, m, allgather), dec, dense)
+                     comm_time(n, density, N, net, m, allgather, aggregation), dec, dense)
 
 
 def decide(n: int, density: float, N: int, net: Network, method: str = "sign_mean",
@@ -270,6 +293,69 @@ def fused_dense_share(n: int, N: int, net: Network) -> float:
 
 ALLGATHER_METHODS = ("sign_mean", "pairs", "pairs_fp16", "golomb")
 BUCKET_BYTES = 16 * 1024 * 1024  # the exchange's default compression.fusion_bytes
+#: messages of (position, value) pairs or sign-mean that a sparse reduce-scatter can carry
+REDUCE_SCATTER_METHODS = ("sign_mean", "pairs", "pairs_fp16")
+AGGREGATIONS = ("allgather", "sparse_reduce_scatter")
+
+
+def reduce_scatter_bytes(layers, N: int) -> tuple[float, float]:
+    """Bytes of one bucket's sparse reduce-scatter (``exchange/reduce_scatter.py``) for
+    ``layers`` ((n, density, method)): (what a worker puts into the alltoall, its own share
+    included: every selected entry, an int32 count per layer and owner, sign-mean's fp32 mean
+    per layer and owner; what each owner puts into the allgather: ceil(k/N) int32 positions
+    and values per layer, fp16 for fp16 messages, else fp32)."""
+    alltoall_bytes, owner_bytes = 0.0, 0.0
+    for n, d, m in layers:
+        m = canonical(m)
+        k = num_selected(n, d)
+        value = {"pairs": 4, "pairs_fp16": 2, "sign_mean": 0}[m]
+        alltoall_bytes += k * (4 + value) + N * 4 * (2 if m == "sign_mean" else 1)
+        owner_bytes += math.ceil(k / N) * (4 + (2 if m == "pairs_fp16" else 4))
+    return alltoall_bytes, owner_bytes
+
+
+def reduce_scatter_time(layers, N: int, net: Network, allgather: str = "ring") -> float:
+    """Wire time of one bucket's sparse reduce-scatter: an alltoall of every worker's selected
+    entries to their owners, then an allgather (``ring`` or ``doubling``) of every owner's
+    re-selection. Each worker receives about (N-1)/N of k entries twice: flat in N, where an
+    allgather's (N-1)*k grows, for one more collective round."""
+    if N <= 1:
+        return 0.0
+    alltoall_bytes, owner_bytes = reduce_scatter_bytes(layers, N)
+    gather = ring_allgather if allgather == "ring" else recursive_doubling_allgather
+    return alltoall(N, alltoall_bytes, net) + gather(N, owner_bytes, net)
+
+
+def bucket_time(layers, N: int, net: Network, aggregation: str = "allgather",
+                compute: ComputeModel | None = None, allgather: str = "ring") -> float:
+    """Seconds of one bucket of compressed layers ((n, density, method)): every layer's select
+    and decompress, plus the bucket's collectives: one allgather of every message and an
+    8-byte header per layer, or the sparse reduce-scatter; ``auto``: the cheaper of the two."""
+    if aggregation == "auto":
+        return min(bucket_time(layers, N, net, a, compute, allgather) for a in AGGREGATIONS)
+    if N <= 1:
+        return 0.0
+    rs = aggregation == "sparse_reduce_scatter" and all(canonical(m) in REDUCE_SCATTER_METHODS
+                                                         for _, _, m in layers)
+    local = 0.0
+    for n, d, m in layers:
+        c = predict_layer(n, d, N, net, m, compute=compute, allgather=allgather,
+                          aggregation="sparse_reduce_scatter" if rs else "allgather")
+        local += c.select_s + c.decompress_s
+    if rs:
+        return local + reduce_scatter_time(layers, N, net, allgather)
+    gather = ring_allgather if allgather == "ring" else recursive_doubling_allgather
+    return local + gather(N, sum(message_bytes(*layer) + PAIR_HEADER_BYTES for layer in layers), net)
+
+
+def choose_aggregation(layers, N: int, net: Network, compute: ComputeModel | None = None,
+                       allgather: str = "ring") -> tuple[str, dict]:
+    """``aggregation: auto`` for one bucket: (the faster path, {path: predicted seconds})."""
+    times = {a: bucket_time(layers, N, net, a, compute, allgather) for a in AGGREGATIONS}
+    eligible = all(canonical(m) in REDUCE_SCATTER_METHODS for _, _, m in layers)
+    pick = "sparse_reduce_scatter" if eligible and times["sparse_reduce_scatter"] < times["allgather"] \
+        else "allgather"
+    return pick, times
 
 
 def sparse_buckets(layers, bucket_bytes: float = BUCKET_BYTES) -> list[list[int]]:
@@ -283,7 +369,8 @@ def sparse_buckets(layers, bucket_bytes: float = BUCKET_BYTES) -> list[list[int]
 
 def step_time(layers, N: int, net: Network, compute_s: float, overlap: bool = False,
               compute: ComputeModel | None = None, allgather: str = "ring",
-              fusion_bytes: float = 0, buckets=None, finite_check: bool = False) -> float:
+              fusion_bytes: float = 0, buckets=None, finite_check: bool = False,
+              aggregation: str = "allgather") -> float:
     """One step: ``compute_s + comm``, or ``max(compute_s, comm)`` with ``overlap``
     (perfect overlap of backward and communication: a lower bound). ``comm`` sums
     the layers' ``predict_layer`` totals; ``layers``: iterable of (n, density,
@@ -295,16 +382,21 @@ def step_time(layers, N: int, net: Network, compute_s: float, overlap: bool = Fa
     (the exchange's buckets, ``sparse_buckets``): a bucket pays one collective's
     latency for the sum of its layers' messages plus an 8-byte header per layer
     (the header allgather is issued with the payload, so it shares the round);
-    its layers still pay their own select and decompress. Layers in no bucket
-    travel alone. ``finite_check``: the exchange's one-float agreement that every
+    its layers still pay their own select and decompress (``bucket_time``; with
+    ``aggregation`` sparse_reduce_scatter or auto, a bucket travels by the sparse
+    reduce-scatter, or by the path ``choose_aggregation`` picks; the reduce-scatter buckets'
+    second steps share one allgather round, as in the exchange). Layers in no bucket travel alone.
+    ``finite_check``: the exchange's one-float agreement that every
     gradient was finite, fused by Horovod into the last dense buffer (or alone)."""
     layers = list(layers)
     in_bucket = {i for b in (buckets or ()) for i in b}
     comm, buf = 0.0, 0
     for i, (n, d, m) in enumerate(layers):
+        if i in in_bucket:
+            continue
         if not canonical(m).startswith("dense"):
-            c = predict_layer(n, d, N, net, m, compute=compute, allgather=allgather)
-            comm += c.select_s + c.decompress_s if i in in_bucket else c.total_s
+            comm += predict_layer(n, d, N, net, m, compute=compute, allgather=allgather,
+                                  aggregation=aggregation).total_s
             continue
         nb = message_bytes(n, d, m)
         if buf and buf + nb > fusion_bytes:
@@ -313,28 +405,36 @@ def step_time(layers, N: int, net: Network, compute_s: float, overlap: bool = Fa
     if finite_check:
         buf += 4
     comm += ring_allreduce(N, buf, net) if buf else 0.0
-    gather = ring_allgather if allgather == "ring" else recursive_doubling_allgather
+    scattered = 0
     for b in buckets or ():
-        payload = sum(message_bytes(*layers[i]) + PAIR_HEADER_BYTES for i in b)
-        comm += gather(N, payload, net)
+        shapes = [layers[i] for i in b]
+        path = choose_aggregation(shapes, N, net, compute, allgather)[0] if aggregation == "auto" else aggregation
+        comm += bucket_time(shapes, N, net, path, compute, allgather)
+        scattered += path == "sparse_reduce_scatter" and all(canonical(m) in REDUCE_SCATTER_METHODS
+                                                            for _, _, m in shapes)
+    # the exchange sends every reduce-scatter bucket's kept entries in one allgather: one round
+    gather = ring_allgather if allgather == "ring" else recursive_doubling_allgather
+    comm -= max(scattered - 1, 0) * gather(N, 0.0, net)
     return max(compute_s, comm) if overlap else compute_s + comm
 
 
 def plan_layers(numels, method: str, density: float, N: int, net: Network,
                 per_layer: bool = True, compute: ComputeModel | None = None,
-                fused: bool = True):
+                fused: bool = True, aggregation: str = "allgather"):
     """(n, density, method) per layer; with ``per_layer`` a layer that ``decide``
     rejects goes dense (never for the decentralized method: it replaces allreduce)."""
     m = canonical(method)
     skip = not per_layer or m in ("dense", "decentralized")
-    return [(n, density, m if skip or decide(n, density, N, net, m, fused, compute=compute)
+    return [(n, density, m if skip or decide(n, density, N, net, m, fused, compute=compute,
+                                             aggregation=aggregation)
              else "dense") for n in numels]
 
 
 def project_speedup(layer_shapes, N_values, bandwidths, method: str, density: float,
                     compute_s, latency_s: float = 25e-6, overlap: bool = False,
                     per_layer: bool = True, compute: ComputeModel | None = None,
-                    fusion_bytes: float = FUSION_BYTES, bucket_bytes: float = BUCKET_BYTES) -> list[dict]:
+                    fusion_bytes: float = FUSION_BYTES, bucket_bytes: float = BUCKET_BYTES,
+                    aggregation: str = "allgather") -> list[dict]:
     """Predicted speedup of ``method`` over dense fp32 ring allreduce.
 
     ``layer_shapes``: {model name: [numel per parameter tensor]}; ``bandwidths``
@@ -342,7 +442,8 @@ def project_speedup(layer_shapes, N_values, bandwidths, method: str, density: fl
     Dense layers (the whole baseline, and layers the per-layer rule leaves dense)
     go through ``fusion_bytes`` fusion buffers; allgather-compressed layers travel
     in the exchange's buckets of ``bucket_bytes`` dense bytes (``sparse_buckets``;
-    0: one allgather per layer), with the exchange's finite check. One row per
+    0: one allgather per layer), with the exchange's finite check; ``aggregation``:
+    allgather | sparse_reduce_scatter | auto (per bucket, the cheaper). One row per
     (model, bandwidth, N): model, N, bandwidth_gbit, method, density, dense_s,
     method_s, speedup, compressed_layers."""
     rows = []
@@ -352,56 +453,15 @@ def project_speedup(layer_shapes, N_values, bandwidths, method: str, density: fl
             net = Network.from_config(latency_s=latency_s, bandwidth_gbit=bw)
             for N in N_values:
                 plan = plan_layers(numels, method, density, N, net, per_layer, compute,
-                                   fused=fusion_bytes > 0)
+                                   fused=fusion_bytes > 0, aggregation=aggregation)
                 kw = dict(overlap=overlap, compute=compute, fusion_bytes=fusion_bytes)
                 dense = step_time([(n, 1.0, "dense") for n in numels], N, net, cs, **kw)
                 buckets = sparse_buckets(plan, bucket_bytes) if bucket_bytes else None
-                t = step_time(plan, N, net, cs, buckets=buckets, finite_check=True, **kw)
+                t = step_time(plan, N, net, cs, buckets=buckets, finite_check=True, aggregation=aggregation, **kw)
                 rows.append(dict(model=model, N=N, bandwidth_gbit=bw, method=canonical(method),
                                  density=density, dense_s=dense, method_s=t, speedup=dense / t,
                                  compressed_layers=sum(p[2] != "dense" for p in plan)))
     return rows
-
-
-def _conv(cin, cout, k, bias=True):
-    return [cout * cin * k * k] + ([cout] if bias else [])
-
-
-def _alexnet():  # torchvision AlexNet (one-tower Krizhevsky 2014 variant), ~61.1M
-    convs = [(3, 64, 11), (64, 192, 5), (192, 384, 3), (384, 256, 3), (256, 256, 3)]
-    fcs = [(256 * 6 * 6, 4096), (4096, 4096), (4096, 1000)]
-    return [x for c in convs for x in _conv(*c)] + [x for i, o in fcs for x in (o * i, o)]
-
-
-def _vgg16():  # Simonyan & Zisserman configuration D, ~138.4M
-    cfg = [3, 64, 64, 128, 128, 256, 256, 256, 512, 512, 512, 512, 512, 512]
-    fcs = [(512 * 7 * 7, 4096), (4096, 4096), (4096, 1000)]
-    return [x for i, o in zip(cfg, cfg[1:]) for x in _conv(i, o, 3)] + [
-        x for i, o in fcs for x in (o * i, o)]
-
-
-def _resnet50():  # He et al. 2016 bottleneck [3, 4, 6, 3]; BN weight+bias, ~25.6M
-    bn = lambda c: [c, c]  # noqa: E731
-    layers, cin = _conv(3, 64, 7, False) + bn(64), 64
-    for width, blocks in [(64, 3), (128, 4), (256, 6), (512, 3)]:
-        for b in range(blocks):
-            layers += _conv(cin, width, 1, False) + bn(width)
-            layers += _conv(width, width, 3, False) + bn(width)
-            layers += _conv(width, 4 * width, 1, False) + bn(4 * width)
-            if b == 0:
-                layers += _conv(cin, 4 * width, 1, False) + bn(4 * width)
-            cin = 4 * width
-    return layers + [1000 * 2048, 1000]
-
-
-def _lstm_lm(vocab=10000, h=1500, nlayers=2):  # PTB "large" LM, ~66M
-    lstm = [4 * h * h, 4 * h * h, 4 * h, 4 * h] * nlayers  # PyTorch: W_ih, W_hh, b_ih, b_hh
-    return [vocab * h] + lstm + [vocab * h, vocab]  # embedding, LSTMs, softmax
-
-
-#: {model: [numel of each parameter tensor]}, from the architectures' definitions.
-PAPER_MODELS = {"alexnet": _alexnet(), "vgg16": _vgg16(), "resnet50": _resnet50(),
-                "lstm_lm": _lstm_lm()}
 
 
 def probe_network(comm, sizes=(8, 1 << 20), repeats: int = 5, warmup: int = 1,

@@ -16,6 +16,8 @@
 * Pinned decisions (``policy.decisions``, or a checkpoint's on resume): which layers are
   compressed is read from an earlier run's record instead of decided again; densities and
   selections still follow the config (a budget starts from the record's last choice).
+* ``aggregation: auto``: per bucket, the allgather or the sparse reduce-scatter, whichever the
+  cost model predicts faster (:meth:`LayerPolicy.aggregation`), recorded with each layer.
 
 :meth:`LayerPolicy.record` is what a run folder's ``decisions.json`` and a checkpoint hold:
 the decisions and the figures they came from, so a later run can pin them.
@@ -28,7 +30,7 @@ import math
 
 from ..config.compression import CompressionConfig, ResidualConfig
 from .budget import Budget
-from .costmodel import fused_dense_share, predict_layer
+from .costmodel import Network, choose_aggregation, fused_dense_share, predict_layer
 
 
 class LayerPolicy:
@@ -163,13 +165,39 @@ class LayerPolicy:
 
     def _pays(self, layer, size: int, network) -> tuple[bool, str]:
         pred = predict_layer(layer.numel, layer.base_density, size, network, self.config.wire_format(),
-                             compute=self.compute)
+                             compute=self.compute, aggregation=getattr(self.config, "aggregation", "allgather"))
         # a dense layer rides in Horovod's fusion buffer: its marginal cost is the bandwidth
         # term, the latency is paid once for all of them
         dense = fused_dense_share(layer.numel, size, network)
         return pred.total_s < dense, (f"cost model: compressed {pred.total_s * 1e3:.3f} ms (select "
                                       f"{pred.select_s * 1e3:.3f}) vs its share of the fused dense allreduce "
                                       f"{dense * 1e3:.3f} ms")
+
+    def aggregation(self, layers) -> str:
+        """How one bucket of compressed layers meets (``aggregation``): allgather, the sparse
+        reduce-scatter, or for ``auto`` the one the cost model predicts faster for this N, the
+        layers' k and the network (a pinned record's choice where it has one). Every rank decides
+        alike: the figures are agreed. The choice and why go into the layers' decisions."""
+        choice = getattr(self.config, "aggregation", "allgather")
+        why = "config"
+        pinned = [self.pinned[l.name].get("aggregation") for l in layers] if self.pinned is not None else []
+        if choice == "auto" and pinned and None not in pinned and len(set(pinned)) == 1:
+            choice, why = pinned[0], "pinned"
+        elif choice == "auto":
+            choice, why = self._cheaper_path(layers)
+        for d in self.decisions:
+            if any(d["name"] == l.name for l in layers):
+                d["aggregation"], d["aggregation_why"] = choice, why
+        return choice
+
+    def _cheaper_path(self, layers) -> tuple[str, str]:
+        network, assumed = self.network, ""
+        if network is None:
+            network, assumed = Network.from_config(), " (assumed network: 25 us, 10 Gbit/s)"
+        shapes = [(l.numel, l.base_density, self.config.wire_format()) for l in layers]
+        pick, times = choose_aggregation(shapes, self.size, network, self.compute)
+        return pick, (f"cost model: allgather {times['allgather'] * 1e3:.3f} ms, sparse_reduce_scatter "
+                      f"{times['sparse_reduce_scatter'] * 1e3:.3f} ms for the bucket at N={self.size}{assumed}")
 
     def warmup_steps(self) -> int:
         if not isinstance(self.config, ResidualConfig):

@@ -20,7 +20,8 @@
   to each distinct ring neighbour, sent one after the other (``costmodel.neighbor_exchange``);
 * ``buckets``: the run's allgather buckets (``buckets_from_run``): each is one collective
   round for all its layers' messages and headers, as the exchange sends them (one
-  header + one payload allgather, issued together); the one-float finite check rides in
+  header + one payload allgather, issued together), or with ``aggregation`` the sparse
+  reduce-scatter's alltoall and allgather; the one-float finite check rides in
   the last dense fusion buffer (``step_time(buckets=..., finite_check=True)``).
 
 No overlap of backward and communication is assumed (``step_time(overlap=False)``),
@@ -100,8 +101,10 @@ def predict(run: dict, N: int, net: cm.Network, compute_s: float, fusion: int | 
         degree = 1 if N == 2 else 2
         comm = cm.neighbor_exchange(float(run.get("wire_bytes_per_step", 0.0)) / degree, net, degree=degree, N=N)
     else:
+        aggregation = getattr(parse_compression(run.get("compression") or {"method": "none"}), "aggregation",
+                              "allgather")
         comm = cm.step_time(plan, N, net, 0.0, compute=ZERO, fusion_bytes=fusion, buckets=buckets_from_run(run),
-                            finite_check=check)
+                            finite_check=check, aggregation=aggregation)
     local = int((run.get("compression") or {}).get("local_steps", 1) or 1)
     comm_per_step = comm / local   # SBC: one exchange every local_steps steps
     total = compute_s + overhead + comm_per_step

@@ -1,0 +1,178 @@
+#!/usr/bin/env python
+"""Bytes per worker and step as the number of workers grows: dense allreduce, RedSync's
+allgather and its sparse reduce-scatter (``aggregation: sparse_reduce_scatter``), measured.
+
+    python scripts/measure_wire_scaling.py [--np 2 3 4 8] [--steps 6] [--out FILE.md]
+
+For every N it launches ``horovodrun --gloo -np N`` on this host (TCP over loopback); each
+worker trains ``vgg_fc4096`` (docs/benchmarks.md) on synthetic inputs with every method in turn,
+through ``DistributedOptimizer`` with a communicator that counts what each collective moves
+for this rank:
+
+* allgather: sent = its own tensor, received = every other rank's (any algorithm must
+  deliver those);
+* alltoall: sent = its rows for the other ranks, received = the other ranks' rows for it;
+* allreduce: 2(N-1)/N of the tensor each way (a ring, the bandwidth-optimal algorithm; what
+  Horovod's and Gloo's implementations move may be more).
+
+The first ``--warmup`` steps (the density warm-up is off) are not counted; the table gives
+the mean of the other steps over ranks, and each method's received bytes at every N against
+N = 2. The machine only runs the processes: the counts do not depend on it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+REDSYNC = {"method": "redsync", "density": 0.001, "selection": {"method": "tbs", "threshold_reuse": 5},
+           "message": {"quantize": "sign_mean"}, "dgc": {"momentum_correction": False}}
+METHODS = {
+    "dense": {"method": "none"},
+    "redsync allgather": {**REDSYNC, "aggregation": "allgather"},
+    "redsync sparse_reduce_scatter": {**REDSYNC, "aggregation": "sparse_reduce_scatter"},
+    "topk allgather": {"method": "topk", "density": 0.001, "policy": {"min_compress_numel": 4096}},
+    "topk sparse_reduce_scatter": {"method": "topk", "density": 0.001, "policy": {"min_compress_numel": 4096},
+                                   "aggregation": "sparse_reduce_scatter"},
+}
+
+
+class Counting:
+    """A communicator that counts the bytes each collective moves for this rank."""
+
+    def __init__(self, inner):
+        self.inner, self.sent, self.received = inner, 0.0, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    @property
+    def rank(self):
+        return self.inner.rank
+
+    @property
+    def size(self):
+        return self.inner.size
+
+    def _ring(self, tensor):
+        share = 2 * (self.size - 1) / self.size * tensor.numel() * tensor.element_size()
+        self.sent += share
+        self.received += share
+
+    def allreduce_async(self, tensor, name, average=True):
+        self._ring(tensor)
+        return self.inner.allreduce_async(tensor, name, average)
+
+    def allreduce_async_(self, tensor, name, average=True):
+        self._ring(tensor)
+        return self.inner.allreduce_async_(tensor, name, average)
+
+    def allgather_async(self, tensor, name):
+        return ("allgather", tensor.numel() * tensor.element_size(), self.inner.allgather_async(tensor, name))
+
+    def alltoall_async(self, tensor, splits, name):
+        row = tensor[:1].numel() * tensor.element_size() if tensor.shape[0] else 0
+        self.sent += (sum(splits) - splits[self.rank]) * row
+        return ("alltoall", row, self.inner.alltoall_async(tensor, splits, name))
+
+    def wait(self, handle):
+        if not (isinstance(handle, tuple) and len(handle) == 3 and handle[0] in ("allgather", "alltoall")):
+            return self.inner.wait(handle)
+        kind, size, inner = handle
+        got = self.inner.wait(inner)
+        if kind == "allgather":
+            self.sent += size
+            self.received += got.numel() * got.element_size() - size
+            return got
+        tensor, splits = got
+        self.received += (sum(splits) - splits[self.rank]) * size
+        return got
+
+
+def worker(steps: int, warmup: int, out: str) -> None:
+    import horovod.torch as hvd
+    import torch
+
+    import redsync_hvd.torch as rhvd
+    from redsync_hvd.comm import HorovodCommunicator
+    from redsync_hvd.models import build_model
+    hvd.init()
+    torch.set_num_threads(1)
+    result = {}
+    for label, compression in METHODS.items():
+        torch.manual_seed(0)
+        model = build_model("vgg", 10, (3, 32, 32), fc_width=4096, width=0.25)
+        comm = Counting(HorovodCommunicator(hvd))
+        opt = rhvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                        named_parameters=model.named_parameters(), compression=compression,
+                                        communicator=comm)
+        gen = torch.Generator().manual_seed(100 + hvd.rank())
+        for step in range(warmup + steps):
+            if step == warmup:
+                comm.sent = comm.received = 0.0
+            x, y = torch.randn(16, 3, 32, 32, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        mine = torch.tensor([comm.sent / steps, comm.received / steps], dtype=torch.float64)
+        result[label] = hvd.allreduce(mine, op=hvd.Average, name=f"measure.{label}").tolist()
+    if hvd.rank() == 0:
+        Path(out).write_text(json.dumps(result))
+
+
+def launch(n: int, steps: int, warmup: int) -> dict:
+    bindir = Path(sys.executable).parent
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "bytes.json"
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+        subprocess.run([str(bindir / "horovodrun"), "--gloo", "-np", str(n), "-H", f"localhost:{n}", sys.executable,
+                        __file__, "--worker", "--steps", str(steps), "--warmup", str(warmup), "--json", str(out)],
+                       cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL, timeout=1800)
+        return json.loads(out.read_text())
+
+
+def table(results: dict) -> str:
+    ns = sorted(results)
+    head = "| method | " + " | ".join(f"N={n} received (sent) KB" for n in ns) + \
+        f" | received N={ns[-1]} / N={ns[0]} |"
+    lines = [head, "|" + "---|" * (len(ns) + 2)]
+    for label in METHODS:
+        cells = [f"{results[n][label][1] / 1e3:,.1f} ({results[n][label][0] / 1e3:,.1f})" for n in ns]
+        growth = results[ns[-1]][label][1] / results[ns[0]][label][1]
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {growth:.2f}x |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--np", type=int, nargs="+", default=[2, 3, 4, 8])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", help="also write the table to this markdown file")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--json", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        worker(a.steps, a.warmup, a.json)
+        return
+    results = {}
+    for n in a.np:
+        results[n] = launch(n, a.steps, a.warmup)
+        print(f"N={n}: " + ", ".join(f"{k} {v[1] / 1e3:.1f} KB received" for k, v in results[n].items()), flush=True)
+    text = (f"Bytes per worker and step, vgg_fc4096, mean of {a.steps} steps after {a.warmup} and of the ranks "
+            f"(`python scripts/measure_wire_scaling.py --np {' '.join(map(str, a.np))} --steps {a.steps}`)\n\n"
+            + table(results) + "\n")
+    print("\n" + text)
+    if a.out:
+        Path(a.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
