@@ -19,10 +19,16 @@ def to_torch(t: tf.Tensor) -> torch.Tensor:
     return torch_dlpack.from_dlpack(tf.experimental.dlpack.to_dlpack(t))
 
 
+# TensorFlow's kernels assume Eigen's alignment of every tensor's data (64 bytes on CPUs with
+# AVX-512 builds) and abort the process on a tensor that lacks it (CheckTypeAndIsAligned)
+TF_ALIGN_BYTES = 64
+
+
 def to_tf(t: torch.Tensor) -> tf.Tensor:
-    """torch tensor -> TF tensor sharing the same memory (made contiguous first if needed)."""
-    if not t.is_contiguous():
-        t = t.contiguous()
+    """torch tensor -> TF tensor sharing the same memory; copied first where it is not contiguous
+    or not aligned as TF requires (a layer's view into one of the exchange's flat buffers)."""
+    if not t.is_contiguous() or t.data_ptr() % TF_ALIGN_BYTES:
+        t = t.clone(memory_format=torch.contiguous_format)   # a fresh, aligned allocation
     return tf.experimental.dlpack.from_dlpack(torch_dlpack.to_dlpack(t.detach()))
 
 
