@@ -334,3 +334,53 @@ def test_the_ddp_path_needs_no_horovod_and_horovods_functions_stay():
 
     import redsync_hvd.torch as rhvd
     assert rhvd.init is hvd.init and rhvd.Sum is hvd.Sum and rhvd.allgather_object is hvd.allgather_object
+
+
+class _CountingTorchDist:
+    """The one-rank torch.distributed communicator, with a tally of the allgathers it starts."""
+
+    def __init__(self):
+        from redsync_hvd.comm.torch_dist import TorchDistCommunicator
+        self.inner, self.allgathers = TorchDistCommunicator(), 0
+
+    def allgather_async(self, tensor, name, sizes=None):
+        self.allgathers += 1
+        return self.inner.allgather_async(tensor, name, sizes)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_torch_distributed_gathers_a_bucket_in_one_round_with_capped_messages(one_rank):
+    """On torch.distributed (which must know every rank's size before an allgather) a RedSync
+    bucket travels as one capacity row with its sizes inside: one allgather a step, not a header
+    round and then the data. A message is capped at 2k positions per layer (threshold reuse may
+    select more); what is not sent stays in the residual: sent plus kept equals every gradient."""
+    from redsync_hvd.compressors import Layer
+    from redsync_hvd.engine import build_exchange
+    comm = _CountingTorchDist()
+    layers = [Layer("w", (20000,), 20000, 0), Layer("v", (3000,), 3000, 1)]
+    ex = build_exchange({"method": "redsync", "density": 0.01, "message": {"quantize": "none"},
+                         "selection": {"method": "tbs", "threshold_reuse": 50},
+                         "dgc": {"momentum_correction": False}, "policy": {"min_compress_numel": 100}},
+                        layers, comm).exchange
+    gen = torch.Generator().manual_seed(3)
+    total = {l.name: torch.zeros(l.numel, dtype=torch.float64) for l in layers}
+    sent = {l.name: torch.zeros(l.numel, dtype=torch.float64) for l in layers}
+    most = 0
+    for step in range(12):
+        scale = 1.0 if step < 2 else 4.0   # larger gradients under a reused threshold: more above it
+        before = comm.allgathers
+        for layer in reversed(layers):
+            g = torch.randn(layer.numel, generator=gen) * scale
+            total[layer.name] += g.double()
+            ex.submit(layer.name, g)
+        out = ex.finish().averages
+        assert comm.allgathers - before == 1
+        for layer in layers:
+            sent[layer.name] += out[layer.name].double()
+            most = max(most, int((out[layer.name] != 0).sum()) / layer.k)
+    assert most == 2.0, most   # some step selected more than 2k and was capped
+    for layer in layers:
+        kept = ex.memory.residual[layer.name].double()
+        assert torch.allclose(sent[layer.name] + kept, total[layer.name], atol=1e-4), layer.name

@@ -167,6 +167,13 @@ class Compressor(ABC):
         let the transport skip the header allgather: one collective fewer per bucket."""
         return None
 
+    def bucket_capacity(self, layers):
+        """The most elements each tensor of ``bucket_tensors`` holds this step, the same on every
+        rank (it may depend on the step's k), where the compressor bounds them, else None. A
+        transport that must know every rank's size before an allgather (torch.distributed) then
+        sends one row of that capacity with the sizes inside, instead of a header round first."""
+        return None
+
     def split_bucket(self, layers, tensors: list) -> list:
         """One rank's ``bucket_tensors`` cut back into each layer's wire tensors."""
         parts, at = [], 0

@@ -26,6 +26,8 @@ from ..core.selection import SelectionState, scan_request, select_topk
 from .base import Compressor, Layer, Message
 from .codec import VALUE_DTYPES, MessageCodec
 
+CAPACITY = 2   # a capped message's positions per layer, in units of k (``bucket_capacity``)
+
 
 class RedSyncCompressor(Compressor):
     collective = "allgather"
@@ -63,6 +65,9 @@ class RedSyncCompressor(Compressor):
         idx = select_topk(x, layer.k, self._method(layer), state=self._state(layer), scan=first,
                           threshold_reuse=s.threshold_reuse, tbs_max_probes=s.tbs_max_probes,
                           trimmed_eps=s.trimmed_eps, sample_fraction=s.sample_fraction, name=layer.name)
+        cap = self._capacity(layer)
+        if cap is not None and idx.numel() > cap:
+            idx = idx[:cap]   # a capped message: what is left stays in the residual
         selected = idx.numel()
         vals = x.index_select(0, idx)
         codec = self.codec_of(layer)
@@ -76,6 +81,22 @@ class RedSyncCompressor(Compressor):
         codec = self.codec_of(layer)
         return Message(codec.encode(idx, value, layer), codec.kinds, selected=selected, k=layer.k,
                        positions=idx)
+
+    # -- a bounded message where the transport needs sizes first (torch.distributed) -----------
+    def _capacity(self, layer: Layer) -> int | None:
+        """At most CAPACITY * k positions per layer, where the communicator must know every rank's
+        size before an allgather: one round instead of a header round and the data. tbs sends k to
+        2k (bucket selection caps there too); threshold reuse may send more, and the rest waits in
+        the residual. Golomb-coded positions have no bound in elements: None."""
+        if not getattr(self.comm, "needs_sizes", False) or self.config.message.index_coding == "golomb":
+            return None
+        return max(CAPACITY * layer.k, 1)
+
+    def bucket_capacity(self, layers):
+        caps = [self._capacity(l) for l in layers]
+        if None in caps:
+            return None
+        return [n for l, cap in zip(layers, caps) for n in (cap, 1 if self.codec_of(l).mean else cap)]
 
     def selects_by_bucket(self, layers: list) -> bool:
         scope = self.config.selection.scope

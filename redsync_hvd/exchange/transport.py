@@ -10,7 +10,9 @@ the bucket's last layer is in, so early buckets overlap the rest of backward:
   the bucket's count of non-finite inputs last; one allgather, plus a fixed-size header
   allgather where the message sizes vary per rank. A compressor whose sizes are known in advance
   (``fixed_bucket_counts``: exactly k per layer) sends no header; a bucket with a plan
-  (``plan.py``) hands over its payload ready made.
+  (``plan.py``) hands over its payload ready made. On torch.distributed, which needs every
+  rank's size before an allgather, a compressor that bounds its sizes (``bucket_capacity``)
+  sends one row of that capacity with the counts inside, instead of a header round first.
 * ``gather`` buckets whose ``aggregation`` is sparse_reduce_scatter go through reduce_scatter.py
   instead: the alltoall starts when the bucket's last message is in, with a one-element
   allreduce of its non-finite count; the owners' sums and one allgather of what they keep, for
@@ -35,6 +37,7 @@ from .step import Bucket, StepState
 
 CARRY_SLOTS = 8   # the carrier bucket's room for the caller's carry values (the runner sends 3)
 REDUCE_SCATTER = "sparse_reduce_scatter"
+ROWS = "rows"     # a gather bucket sent as capacity rows: sizes and data in one allgather
 
 
 def nonfinite_count(evidence: list, extra: int = 0, device=None) -> torch.Tensor:
@@ -52,6 +55,8 @@ class Transport:
         self.buckets, self.plans = buckets, plans
         self.bucket_of = {l.name: b for b in buckets for l in b.layers}
         self.carrier = next((b.index for b in buckets if b.kind == "reduce"), None)
+        # torch.distributed must know every rank's size before an allgather starts
+        self.needs_sizes = getattr(comm, "needs_sizes", False)
         # Buffers that live across steps. A fresh CPU tensor of tens of MB is mmapped and
         # page-faulted in on every step (several times the cost of filling a warm one), so
         # outputs and fused buffers are allocated once; finish()'s tensors are then valid until
@@ -101,11 +106,18 @@ class Transport:
         tensors = comp.bucket_tensors(bucket.layers, msgs) + [flag.to(torch.int32)]                  # 1.
         header, payload = pack(tensors, device=bucket.layers[0].device)
         counts, sizes = comp.fixed_bucket_counts(bucket.layers), None
+        capacity = comp.bucket_capacity(bucket.layers) if counts is None and self.needs_sizes else None
+        if capacity is not None:   # torch.distributed: one row of the bucket's capacity, sizes inside
+            self.stats.add_bytes({"headers": header.numel() * 4, "scalars": 4})
+            row = self._capacity_row(comp, bucket, tensors, header, payload, capacity)
+            state.handles[bucket.index] = (ROWS, self.comm.allgather_async(row, name=bucket.name,
+                                                                           sizes=[row.numel()] * self.comm.size))
+            return
         if counts is None:                                                                           # 2.
             self.stats.add_bytes({"headers": header.numel() * 4})
             header = self.comm.allgather_async(header, name=f"{bucket.name}.hdr",
                                                sizes=[header.numel()] * self.comm.size)
-            if getattr(self.comm, "needs_sizes", False):
+            if self.needs_sizes:
                 header = self.comm.wait(header)
                 dtypes = comp.bucket_dtypes(bucket.layers) + [torch.int32]
                 sizes = [payload_bytes(c, dtypes) for c in header.view(self.comm.size, -1).tolist()]
@@ -117,6 +129,29 @@ class Transport:
             sizes = [payload.numel()] * self.comm.size
         self.stats.add_bytes({"scalars": 4})
         state.handles[bucket.index] = (header, self.comm.allgather_async(payload, name=bucket.name, sizes=sizes))   # 3.
+
+    def _capacity_row(self, comp, bucket: Bucket, tensors: list, header, payload, capacity: list) -> torch.Tensor:
+        """[the header's int32 counts | the payload | zeros up to the capacity's payload], uint8: the
+        same size on every rank, so one allgather carries sizes and data (``_open_rows`` cuts it)."""
+        if any(t.numel() > c for t, c in zip(tensors, capacity)):
+            raise RuntimeError(f"{type(comp).__name__} declared at most {capacity} elements per wire tensor for "
+                               f"bucket {bucket.index} but sent {[t.numel() for t in tensors[:-1]]}")
+        most = payload_bytes(list(capacity) + [1], comp.bucket_dtypes(bucket.layers) + [torch.int32])
+        row = torch.zeros(4 * header.numel() + most, dtype=torch.uint8, device=payload.device)
+        row[:4 * header.numel()] = header.to(payload.device).view(torch.uint8)
+        row[4 * header.numel():4 * header.numel() + payload.numel()] = payload
+        return row
+
+    def _open_rows(self, comp, bucket: Bucket, rows: torch.Tensor) -> tuple:
+        """Every rank's capacity row -> (the gathered headers, the payloads back to back): what a
+        header round and the data's allgather would have given (one host read of the headers)."""
+        dtypes = comp.bucket_dtypes(bucket.layers) + [torch.int32]
+        rows = rows.view(self.comm.size, -1)
+        width = 4 * len(dtypes)
+        header = rows[:, :width].contiguous().view(torch.int32).reshape(-1)
+        counts = header.view(self.comm.size, -1).tolist()
+        payload = torch.cat([rows[r, width:width + payload_bytes(c, dtypes)] for r, c in enumerate(counts)])
+        return header, payload
 
     def _start_reduce_scatter(self, state: StepState, comp, bucket: Bucket, msgs: list) -> None:
         """The bucket's alltoall to the positions' owners, and its non-finite count summed by a
@@ -219,10 +254,8 @@ class Transport:
             with self.stats.timer("communicate", "reduce_scatter"):
                 self._reduce_scattered(state, scattered, flags)
         with self.stats.timer("communicate", "allgather"):
-            gathered = [(b, header if header is None or isinstance(header, torch.Tensor) else self.comm.wait(header),
-                         self.comm.wait(data))
-                        for b in self.buckets if b.kind == "gather" and b.aggregation != REDUCE_SCATTER
-                        for header, data in (state.handles[b.index],)]
+            gathered = [self._gathered(state, b, compressor_for) for b in self.buckets
+                        if b.kind == "gather" and b.aggregation != REDUCE_SCATTER]
         with self.stats.timer("decompress", "allreduce"):
             for bucket in self.buckets:
                 if bucket.kind == "reduce":
@@ -237,6 +270,15 @@ class Transport:
                 self._decode_gather(compressor_for(bucket.layers[0]), bucket, header, payload, into, apply, out,
                                     updates, flags)
         return out, updates, flags, carried
+
+    def _gathered(self, state: StepState, bucket: Bucket, compressor_for) -> tuple:
+        """(bucket, gathered headers or None, payloads) once the bucket's allgathers are done."""
+        header, data = state.handles[bucket.index]
+        if header is ROWS:
+            return (bucket, *self._open_rows(compressor_for(bucket.layers[0]), bucket, self.comm.wait(data)))
+        if header is not None and not isinstance(header, torch.Tensor):
+            header = self.comm.wait(header)
+        return bucket, header, self.comm.wait(data)
 
     def _reduce_scattered(self, state: StepState, scattered: list, flags: list) -> None:
         """The owners' sums, bucket by bucket in order, then every bucket's kept entries in one
