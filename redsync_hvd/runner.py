@@ -141,6 +141,7 @@ class Run:
         self.steps_per_epoch = len(self.loader)
         self.step, self.t_eval, self.result = 0, 0.0, {}
         self._policy, self._revision, self._logged = None, None, 0   # a policy that chooses again (budget)
+        self._paths: list = []   # how the exchange's planned buckets ran, as last logged
         self.epoch_rng = self.gen.get_state()
         self.log, self.record, self.resumes, self.stopped = None, {}, [], None
         self.last_save: dict = {}   # this rank's latest save: file, seconds, when it was done
@@ -248,6 +249,7 @@ class Run:
         loss, correct, n = self.trainer.step(indices, self.step)                   # 3.
         self.step += 1
         self._note_decisions()
+        self._note_paths()
         cfg, step = self.cfg, self.step
         self._time_steps()
         if self.bar is not None and self.ctl.signum:   # stopping: write nothing the launcher may not read
@@ -265,6 +267,20 @@ class Run:
             self.log.metrics({"step": step, "epoch": step / self.steps_per_epoch, **self.result,
                               "wire_bytes": self.trainer.communication_stats()["wire_bytes"]})
         self._checkpoint(step)                                                      # 5.
+
+    def _note_paths(self) -> None:
+        """Which path runs each planned bucket (eager, or replayed from a CUDA graph once captured):
+        rank 0 appends each change to layers.log and says it once on stdout."""
+        paths = getattr(self.carrier, "paths", None)
+        now = paths() if paths is not None and (self.step <= 8 or self.step % 100 == 0) else self._paths
+        if now == self._paths:
+            return
+        self._paths = now
+        if self.rank == 0:
+            lines = [f"[path] step {self.step}: {line}" for line in now]
+            with open(self.log.dir / "layers.log", "a") as f:
+                f.writelines(line + "\n" for line in lines)
+            print("\n".join(lines), flush=True)
 
     def _note_decisions(self) -> None:
         """A policy that chooses again while training (``policy.mode: budget``): each new choice is

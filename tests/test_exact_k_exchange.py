@@ -240,3 +240,13 @@ def test_cuda_graph_replays_the_eager_step_bit_for_bit(quantize):
     assert all(torch.equal(a[n], b[n]) for a, b in zip(eager, graph) for n in a)
     assert all(torch.equal(r_eager[n], r_graph[n]) for n in r_eager)
     assert all(p.graphs.replays > 0 for p in ex.plans.values()), ex.paths()
+
+
+def test_the_runner_logs_which_path_runs(tmp_path):
+    """A run with planned buckets says in layers.log (and once on stdout) how each one runs."""
+    from launch import train
+    r = train(tmp_path, "configs/digits/redsync.yaml", "compression.selection.method=radix", "training.steps=6",
+              "compression.warmup.epochs=0", "output.name=radix")
+    logged = [line for line in (tmp_path / "radix" / "layers.log").read_text().splitlines() if "[path]" in line]
+    assert logged and all("exact-k plan, eager" in line for line in logged), logged
+    assert logged[0].startswith("[path] step 1: bucket ") and logged[0].split("] ", 1)[1] in r.stdout

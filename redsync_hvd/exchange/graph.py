@@ -46,7 +46,7 @@ class CapturedSteps:
             return "eager"
         if self.refused:
             return f"eager (CUDA graph capture refused: {self.refused})"
-        return f"CUDA graph ({len(self.graphs)} captured, {self.replays} replays)" if self.graphs \
+        return f"replayed from a CUDA graph ({len(self.graphs)} captured)" if self.graphs \
             else "eager (CUDA graph after warm-up)"
 
     def run(self, step_fn, args: tuple, key):
