@@ -31,6 +31,8 @@ def wire_limit(dtype: torch.dtype, summands: int = 1) -> float:
     allreduce that sums the messages in ``dtype`` then stays finite at every partial sum)."""
     if summands < 1:
         raise ValueError(f"summands={summands} must be >= 1")
+    if summands == 1:   # the type's own largest number: no tensor op (a kernel launcher asks for it)
+        return float(torch.finfo(dtype).max)
     exact = torch.finfo(dtype).max / summands
     limit = torch.tensor(exact, dtype=torch.float64).to(dtype)
     if float(limit) > exact:
