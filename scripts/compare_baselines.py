@@ -137,7 +137,10 @@ def launch(cmd: list, log: Path, timeout: float) -> str:
         except subprocess.TimeoutExpired:
             kill_session(proc.pid)
             proc.wait()
+            out.write(f"\n[killed after the {timeout:g} s timeout]\n")
             return "timeout"
+        if code != 0:   # the log then says how it ended, also when the job printed nothing
+            out.write(f"\n[exit code {code}]\n")
     return "ok" if code == 0 else "failed"
 
 

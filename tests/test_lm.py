@@ -85,7 +85,8 @@ def test_pydoc_runs_report_perplexity_and_the_text_they_read(tmp_path):
     cmd = [sys.executable, str(REPO / "scripts/compare_lm.py"), "--quick", "--only", "dense", "redsync",
            "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--timeout", "240"]
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    logs = "".join(f"\n--- {f.name}\n" + f.read_text()[-2000:] for f in sorted((tmp_path / "runs").rglob("*.log")))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:] + logs
     for name in ("dense-s0", "redsync-s0"):
         s = json.loads((tmp_path / "runs" / name / "summary.json").read_text())
         assert s["steps"] == 6 and math.isfinite(s["final_loss"]) and s["final_loss"] > 0
