@@ -142,6 +142,7 @@ class Run:
         self.step, self.t_eval, self.result = 0, 0.0, {}
         self._policy, self._revision, self._logged = None, None, 0   # a policy that chooses again (budget)
         self._paths: list = []   # how the exchange's planned buckets ran, as last logged
+        self.replay = 0          # batches of a finished epoch to go through unseen after a resume
         self.epoch_rng = self.gen.get_state()
         self.log, self.record, self.resumes, self.stopped = None, {}, [], None
         self.last_save: dict = {}   # this rank's latest save: file, seconds, when it was done
@@ -174,8 +175,13 @@ class Run:
             self.gen.manual_seed(self.cfg.training.seed * 1000 + self.rank + 7919 * self.step)
             torch.manual_seed(self.cfg.training.seed * 1000 + self.rank + 7919 * self.step)
         else:
-            self.gen.set_state(r.blob["generator"])
+            self.gen.set_state(r.blob["generator"])   # the start of the epoch of the last step taken
             set_global_rng(r.blob.get("rng"))
+            if self.step and self.step % self.steps_per_epoch == 0:
+                # that epoch is over: the loader goes through it once more, unseen, so its
+                # generator leaves it as the uninterrupted run's did (the sampler draws again
+                # when it runs out)
+                self.replay = self.steps_per_epoch
         entry = {"step": self.step, "from": str(self.cfg.training.resume), "workers": self.size,
                  "old_workers": r.agreement.old_size, "resize": r.report, "saved_on": r.blob.get("reason"),
                  "fallback": r.fallback, "at": time.time()}
@@ -206,11 +212,11 @@ class Run:
         t_start = time.perf_counter()
         try:
             while self.step < self.total and self.stopped is None:
-                skip = self.step % self.steps_per_epoch
+                skip, self.replay = self.step % self.steps_per_epoch or self.replay, 0
                 self.epoch_rng = self.gen.get_state()   # the loader draws this epoch's order from here   # 2.
                 for i, indices in enumerate(self.loader):
                     if i < skip:
-                        continue   # resumed mid-epoch: these batches were seen
+                        continue   # resumed mid-epoch (or at its end): these batches were seen
                     self._one_step(indices)
                     if self.step >= self.total or self.stopped is not None:
                         break

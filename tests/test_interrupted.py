@@ -194,3 +194,24 @@ def test_five_interruptions_end_bit_identical_to_an_uninterrupted_run(tmp_path, 
     assert kill_resume["fallback"]["files"] == [".prev", "latest"], (seed, kill_resume)
     assert [(x["reason"], x["step"]) for x in s["stops"]] == \
         [(k, st) for k, st in zip(plan, resumed_at) if k != "SIGKILL"], (seed, s["stops"])
+
+
+def test_a_resume_at_the_end_of_an_epoch_continues_with_the_next_epochs_order(tmp_path):
+    """A checkpoint of an epoch's last step (a stop or a periodic save that falls there) resumes
+    into the next epoch's order, not the finished one's again: the sampler draws once more when
+    it runs out, which the resume replays. Resumed from the ref run's copy of that step, the run
+    ends with the ref run's weights."""
+    common = ("training.steps=40", "training.log_every=1", "training.eval_every=1000",
+              "training.checkpoint_every_s=0", "training.checkpoint_every=1")   # a copy of every step
+    train(tmp_path, CONFIG, *common, "output.name=ref")
+    logged = next(json.loads(l) for l in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()
+                  if '"loss"' in l)
+    spe = round(logged["step"] / logged["epoch"])                 # steps per epoch of this run
+    run = tmp_path / "run"
+    run.mkdir()
+    for rank in (0, 1):   # the ref run's save of the epoch's last step, as the latest of a run folder
+        checkpoint.step_path(tmp_path / "ref", rank, spe).rename(checkpoint.latest_path(run, rank))
+    done = train(tmp_path, CONFIG, *common, "output.name=run", f"training.resume={run}")
+    assert f"[resume] step {spe} from {run}" in done.stdout
+    for rank in (0, 1):
+        assert _equal(checkpoint.load(tmp_path / "ref", rank), checkpoint.load(run, rank)), rank
