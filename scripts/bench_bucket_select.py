@@ -30,6 +30,8 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_selection import graphed  # noqa: E402  (scripts/ is sys.path[0])
+
 from redsync_hvd.core import radix_select as rs  # noqa: E402
 from redsync_hvd.core.segments import Segments  # noqa: E402
 from redsync_hvd.models import build_model  # noqa: E402
@@ -94,19 +96,6 @@ def host_waits(fn, device) -> int:
             torch.cuda.set_sync_debug_mode(0)
     sync(device)
     return sum("synchroniz" in str(w.message) for w in caught)
-
-
-def graphed(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def bench_model(name, args):

@@ -107,16 +107,6 @@ METHODS = {
         "message": {"quantize": "sign_mean"},
         "dgc": {"momentum_correction": True},
     },
-    # eager against graph: redsync_mc_exact_k with each bucket's steps replayed from one CUDA graph
-    # (compression.cuda_graph, exchange/graph.py); redsync_mc_exact_k itself runs with cuda_graph: off
-    "redsync_mc_exact_k_graph": {
-        "method": "redsync",
-        "density": 0.001,
-        "selection": {"method": "radix"},
-        "message": {"quantize": "sign_mean"},
-        "dgc": {"momentum_correction": True},
-        "cuda_graph": "on",
-    },
     # the same two without the compensation fused into the selection's first pass
     # (torch.add, then a separate native pass): what the fused kernel saves
     "redsync_unfused": {
@@ -135,6 +125,10 @@ METHODS = {
     },
 }
 
+
+# eager against graph: redsync_mc_exact_k with each bucket's steps replayed from one CUDA graph
+# (compression.cuda_graph, exchange/graph.py); redsync_mc_exact_k itself runs with cuda_graph: off
+METHODS["redsync_mc_exact_k_graph"] = {**METHODS["redsync_mc_exact_k"], "cuda_graph": "on"}
 
 AGREEMENT = "redsync_hvd.exchange.pipeline:_read"   # the one read finish() makes
 

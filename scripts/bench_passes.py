@@ -33,6 +33,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_selection import graphed  # noqa: E402  (scripts/ is sys.path[0])
+
 from redsync_hvd.core import radix_select as rs  # noqa: E402
 from redsync_hvd.core import triton_kernels as tk  # noqa: E402
 from redsync_hvd.core import triton_select as ts  # noqa: E402
@@ -130,20 +132,6 @@ def stage_rows(x, timer):
     if x.is_cuda:
         rows.append(("exact-k select, CUDA graph", timer(graphed(lambda: rs.select(seg, x, backend="triton"))), 4 * n))
     return rows
-
-
-def graphed(fn):
-    """fn captured in a CUDA graph after two warm-up calls on a side stream; returns the replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 class Timer:

@@ -271,6 +271,22 @@ def parse_args(argv=None):
     return args
 
 
+def write_outputs(out: Path, script: str, argv, text: str, results: dict, about: dict, loads: list,
+                  t0: float) -> None:
+    """A comparison's folder: table.md, results.json, the command that made it (command.txt) and
+    the machine with the invocation's figures (machine.json); the table also to stdout."""
+    (out / "table.md").write_text(text)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    args = sys.argv[1:] if argv is None else argv
+    (out / "command.txt").write_text("PYTHONPATH=$PWD python " + " ".join(shlex.quote(a) for a in [script, *args])
+                                     + "\n")
+    info = {**machine_info(), **about, "load_average_1min": {"min": min(loads), "max": max(loads)},
+            "invocation_s": round(time.time() - t0)}
+    (out / "machine.json").write_text(json.dumps(info, indent=1) + "\n")
+    print(text)
+    print(f"written: {out}")
+
+
 def main(argv=None) -> int:
     """1. every (part, row, seed) not yet done, in that order; 2. aggregate; 3. table, plot, command, machine."""
     args = parse_args(argv)
@@ -285,18 +301,10 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     text = table(rows, args.parts)                                                              # 3.
-    (out / "table.md").write_text(text)
-    (out / "results.json").write_text(json.dumps({"rows": rows, "runs": results}, indent=1) + "\n")
+    write_outputs(out, "scripts/compare_baselines.py", argv, text, {"rows": rows, "runs": results},
+                  {"seeds": args.seeds, "timed_steps": args.timed_steps, "quick": args.quick}, loads, t0)
     if "digits" in args.parts:
         plot(rows, out / "accuracy_vs_bytes.png")
-    (out / "command.txt").write_text("PYTHONPATH=$PWD python " + " ".join(shlex.quote(a) for a in
-                                                                       ["scripts/compare_baselines.py", *sys.argv[1:]])
-                                     + "\n")
-    info = {**machine_info(), "seeds": args.seeds, "timed_steps": args.timed_steps, "quick": args.quick,
-            "load_average_1min": {"min": min(loads), "max": max(loads)}, "invocation_s": round(time.time() - t0)}
-    (out / "machine.json").write_text(json.dumps(info, indent=1) + "\n")
-    print(text)
-    print(f"written: {out}")
     failed = [(p, k) for p, rs in results.items() for k, xs in rs.items() if any(x["status"] != "ok" for x in xs)]
     if failed:
         print(f"failed or timed out (rerun the same command to retry them): {failed}", file=sys.stderr)

@@ -23,13 +23,12 @@ import argparse
 import datetime
 import json
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_baselines import BIN, REPO, launch, machine_info  # noqa: E402
+from compare_baselines import BIN, REPO, launch, machine_info, write_outputs  # noqa: E402
 
 P = "configs/pydoc/"
 ALL_SIGN_MEAN, ALL_VALUES = ("compression.policy.layers=[]", "compression.message.quantize=sign_mean"), \
@@ -201,17 +200,10 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     text = table(rows)                                                                            # 3.
-    (out / "table.md").write_text(text)
-    (out / "results.json").write_text(json.dumps({"rows": rows, "runs": results}, indent=1) + "\n")
+    write_outputs(out, "scripts/compare_lm.py", argv, text, {"rows": rows, "runs": results},
+                  {"seeds": args.seeds, "quick": args.quick}, loads, t0)
     if rows:
         plots(rows, results, out)
-    (out / "command.txt").write_text("PYTHONPATH=$PWD python " + " ".join(
-        shlex.quote(a) for a in ["scripts/compare_lm.py", *(sys.argv[1:] if argv is None else argv)]) + "\n")
-    info = {**machine_info(), "seeds": args.seeds, "quick": args.quick,
-            "load_average_1min": {"min": min(loads), "max": max(loads)}, "invocation_s": round(time.time() - t0)}
-    (out / "machine.json").write_text(json.dumps(info, indent=1) + "\n")
-    print(text)
-    print(f"written: {out}")
     failed = [(k, i) for k, rs in results.items() for i, r in enumerate(rs) if r["status"] not in ("ok",)]
     if failed:
         print(f"failed or timed out (rerun the same command to retry them): {failed}", file=sys.stderr)

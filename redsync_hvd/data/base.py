@@ -38,7 +38,7 @@ class DataBundle:
 
     def record(self) -> dict:
         """What a run's summary.json says about its data: name, task, sizes, and the small entries
-        of ``info`` (a dataset's provenance, e.g. pydoc's Python version and text digest); long
+        of ``info`` (what identifies the data, e.g. pydoc's Python version and text hash); long
         lists such as a vocabulary are left out."""
         small = {k: v for k, v in self.info.items() if not (isinstance(v, (list, tuple)) and len(v) > 16)}
         return {"name": self.name, "task": self.task, "num_classes": int(self.num_classes),

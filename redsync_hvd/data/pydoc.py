@@ -69,7 +69,7 @@ def split_of(name: str) -> str:
 
 
 def text_digest(table: dict) -> str:
-    """sha256 of every topic's name and text, in name order: which revision of the text this is."""
+    """sha256 of every topic's name and text, in name order: it tells texts of other Pythons apart."""
     h = hashlib.sha256()
     for name in sorted(table):
         h.update(name.encode("utf-8") + b"\0" + table[name].encode("utf-8") + b"\0")
