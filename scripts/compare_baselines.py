@@ -122,9 +122,19 @@ def command(engine: str, config: str, sets: list, worker_args: list) -> list:
     return cmd
 
 
+def outside_mpi(env: dict) -> dict:
+    """``env`` without what an MPI singleton (a caller that imported mpi4py) set for itself:
+    with those, the mpirun under horovodrun takes itself for one of its ranks and exits 1
+    without a word. A user's own OMPI_MCA_* settings stay."""
+    if "PMIX_NAMESPACE" not in env:
+        return env
+    own = ("PMIX_", "OMPI_MCA_orte_", "OMPI_MCA_ess", "OMPI_MCA_pmix", "OMPI_APP_CTX_", "OMPI_COMM_WORLD_")
+    return {k: v for k, v in env.items() if not k.startswith(own)}
+
+
 def launch(cmd: list, log: Path, timeout: float) -> str:
     """Run one job with a hard timeout; its output goes to ``log``. Returns "ok", "failed" or "timeout"."""
-    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    env = {**outside_mpi(dict(os.environ)), "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
            "OMPI_MCA_mpi_yield_when_idle": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
            "TF_CPP_MIN_LOG_LEVEL": "2", "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
     log.parent.mkdir(parents=True, exist_ok=True)

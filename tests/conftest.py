@@ -10,9 +10,14 @@ several times faster. Kernels' own modules are untouched (their replacement is u
 every launch, as before). Without the interpreter, or with a Triton lacking these internals,
 nothing is changed.
 """
+import ctypes
 import os
 
+import pytest
+
 _DONE = []
+_LIBC = ctypes.CDLL(None)
+_LIBC.getenv.restype = ctypes.c_char_p
 
 
 def _patch_library_modules_once() -> None:
@@ -44,3 +49,13 @@ def pytest_runtest_setup(item):
     """Once the test modules are imported: tests/test_triton_select.py sets TRITON_INTERPRET
     at its import on a machine without CUDA."""
     _patch_library_modules_once()
+
+
+@pytest.fixture(autouse=True)
+def _no_mpi_in_pytests_own_process(request):
+    """MPI_Init here (mpi4py's import, hvd.init()) sets the singleton's PMIX_*/OMPI_* variables
+    in the C environment that later subprocesses inherit (os.environ does not show them); a
+    horovodrun started from there exits 1 without output. A test doing so fails by name."""
+    yield
+    if _LIBC.getenv(b"PMIX_NAMESPACE"):
+        pytest.fail(f"{request.node.nodeid} initialized MPI in pytest's own process; do it in a subprocess")

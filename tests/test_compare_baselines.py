@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from launch import REPO
+from launch import BIN, REPO, plain
 
 
 def test_compare_baselines_quick_dense_under_horovod_equals_ddp(tmp_path):
@@ -29,3 +29,24 @@ def test_compare_baselines_quick_dense_under_horovod_equals_ddp(tmp_path):
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert again.returncode == 0 and ": ok" not in again.stdout, again.stdout
     assert (out / "table.md").read_text() == table
+
+
+def test_a_job_launched_under_a_process_that_initialized_mpi_runs(tmp_path):
+    """A caller that imported mpi4py (a notebook, a sweep script) is an MPI singleton; the
+    scripts it starts inherit its variables, which would make their jobs' mpirun exit 1 without
+    output. launch() leaves them out."""
+    job = f"""
+import pathlib, sys
+sys.path.insert(0, {str(REPO / "scripts")!r})
+from compare_baselines import launch
+print(launch([{str(BIN / "horovodrun")!r}, "-np", "2", "-H", "localhost:2", sys.executable, "-c", "print('rank up')"],
+             pathlib.Path({str(tmp_path / "job.log")!r}), 120))
+"""
+    caller = f"""
+import subprocess, sys
+from mpi4py import MPI
+sys.exit(subprocess.run([sys.executable, "-c", {job!r}]).returncode)   # inherits the singleton's variables
+"""
+    res = plain(["-c", caller], timeout=180)
+    log = (tmp_path / "job.log").read_text()
+    assert res.stdout.strip().splitlines()[-1] == "ok" and log.count("<stdout>:rank up") == 2, res.stdout + log
