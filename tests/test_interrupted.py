@@ -105,6 +105,10 @@ def _interrupt(engine, out, kind: str, at: int, hold, seed) -> tuple:
         os.killpg(job.proc.pid, getattr(signal, kind))   # as Ctrl-C or a scheduler's kill -<pgid>
         done = finish(job.proc, timeout=120, check=False)
         return done.stdout, done.returncode
+    # the held save must not be the run's first: the resume needs a step saved by both ranks
+    # (a first save that only rank 0 finished leaves no step to resume from)
+    _wait(lambda: all(checkpoint.latest_path(run, r).exists() for r in (0, 1)) or job.proc.poll() is not None,
+          f"a save of both ranks before the SIGKILL (seed {seed})")
     hold.touch()
     held = hold.with_name(hold.name + ".held")
     _wait(lambda: held.exists() or job.proc.poll() is not None, f"rank 1 holding a save (seed {seed})")
