@@ -38,7 +38,7 @@ ROWS = {
     "dense": ("dense fp32", P + "dense.yaml", []),
     "redsync": ("RedSync 0.1% (`redsync.yaml`)", P + "redsync.yaml", []),
     "redsync-paper": ("RedSync 0.1%, sign-mean everywhere, momentum correction", P + "redsync.yaml",
-                      [*ALL_SIGN_MEAN, "compression.dgc.momentum_correction=true"]),
+                      [*ALL_SIGN_MEAN, "compression.dgc.momentum_correction=true", "compression.residual_lr=send"]),
     # what each part of the old defaults costs (docs/redsync.md, "Language models")
     "redsync-sm": ("RedSync 0.1%, sign-mean everywhere", P + "redsync.yaml", [*ALL_SIGN_MEAN]),
     "redsync-values-mc": ("RedSync 0.1%, values everywhere, momentum correction", P + "redsync.yaml",
