@@ -308,7 +308,11 @@ def agree(allgather_object: Callable, meta_or_error, rank: int, *, on_resize: st
         raise CheckpointError(f"cannot resume: {resize.explain(old, size)}", path, rank, "mismatch")
     lacking = [e for e in missing if e["rank"] < old]
     if lacking:
-        raise CheckpointError("cannot resume: " + "; ".join(e["error"] for e in lacking), path, rank, "missing")
+        saved = ", ".join(str(e["rank"]) for e in loaded)
+        raise CheckpointError("cannot resume: " + "; ".join(e["error"] for e in lacking) +
+                              f". Rank{'s' if len(loaded) > 1 else ''} {saved} saved step {first['step']} there; a job "
+                              "killed during its first save leaves this. Start the run again without "
+                              "training.resume, or resume from a folder where every rank saved", path, rank, "missing")
     return Agreement(int(first["step"]), old, size, str(first["fingerprint"]))
 
 

@@ -118,7 +118,8 @@ def test_resume_of_matching_checkpoints(resumed):
 
 def test_missing_file_names_file_and_rank(resumed):
     folder, lines = resumed
-    _same_error_on_both(lines["missing"], f"rank 1: no checkpoint at {folder / 'missing' / 'checkpoint-rank1.pt'}")
+    _same_error_on_both(lines["missing"], f"rank 1: no checkpoint at {folder / 'missing' / 'checkpoint-rank1.pt'}",
+                        "Rank 0 saved step", "Start the run again without training.resume")
 
 
 def test_other_world_size_is_refused_by_default_with_the_two_choices(resumed):
