@@ -30,7 +30,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare_baselines import REPO, job_env  # noqa: E402
+
 RADIX = ["compression.selection.method=radix"]
 
 
@@ -77,8 +79,7 @@ def run(cfg: str, sets: list, out: str, name: str, seed: int, np_: int, resume: 
                "--set", "training.progress=false", "--set", f"training.seed={seed}"]
         for o in sets:
             cmd += ["--set", o]
-        env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-               "OMPI_MCA_mpi_yield_when_idle": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+        env = job_env(OMPI_MCA_mpi_yield_when_idle="1")
         subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
     return json.loads(summary.read_text())
 

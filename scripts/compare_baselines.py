@@ -132,11 +132,17 @@ def outside_mpi(env: dict) -> dict:
     return {k: v for k, v in env.items() if not k.startswith(own)}
 
 
+def job_env(**extra: str) -> dict:
+    """The environment every script here gives a horovodrun/torchrun job: this repository and
+    its venv first, root allowed, TensorFlow quiet, no inherited MPI singleton; then ``extra``."""
+    return {**outside_mpi(dict(os.environ)), "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+            "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2", "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+            **extra}
+
+
 def launch(cmd: list, log: Path, timeout: float) -> str:
     """Run one job with a hard timeout; its output goes to ``log``. Returns "ok", "failed" or "timeout"."""
-    env = {**outside_mpi(dict(os.environ)), "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "OMPI_MCA_mpi_yield_when_idle": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
-           "TF_CPP_MIN_LOG_LEVEL": "2", "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
+    env = job_env(OMPI_MCA_mpi_yield_when_idle="1", PYTHONUNBUFFERED="1")
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
         out.write(" ".join(shlex.quote(c) for c in cmd) + "\n")

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare_baselines import REPO, job_env  # noqa: E402
+
 RS = "configs/digits/redsync.yaml"
 E40 = ["training.epochs=40"]
 E80 = ["training.epochs=80"]
@@ -226,9 +227,7 @@ def main() -> None:
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--resume", action="store_true")
     args = ap.parse_args()
-    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "OMPI_MCA_mpi_yield_when_idle": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
-           **dict(e.split("=", 1) for e in args.env)}
+    env = job_env(OMPI_MCA_mpi_yield_when_idle="1", **dict(e.split("=", 1) for e in args.env))
     bindir = Path(sys.executable).parent
     rows = []
     for name, (cfg, sets) in VARIANTS.items():

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import torch
-from stop_timeline import BIN, REPO, processes, wait_for_training
+from stop_timeline import BIN, REPO, job_env, processes, wait_for_training
 
 sys.path.insert(0, str(REPO))
 from redsync_hvd import checkpoint  # noqa: E402 (the repository, not an installed copy)
@@ -56,8 +56,7 @@ def launch(args, config: str, out: Path, name: str, *extra: str) -> subprocess.P
     else:
         gloo = ["--gloo"] if args.launcher == "gloo" else []
         cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", *gloo, sys.executable, *train]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env = job_env()
     log = open(out / f"{name}.log", "a")
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 

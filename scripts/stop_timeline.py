@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare_baselines import BIN, REPO, job_env  # noqa: E402
 
 
 def parse(argv=None):
@@ -153,9 +153,7 @@ def main(argv=None) -> int:
     args = parse(argv)
     out = args.out or tempfile.mkdtemp(prefix="stop-timeline-")
     Path(out).mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "TF_CPP_MIN_LOG_LEVEL": "2",
-           **({"REDSYNC_RELAY": "0"} if args.relay == "off" else {})}
+    env = job_env(**({"REDSYNC_RELAY": "0"} if args.relay == "off" else {}))
     cmd = command(args, out)
     with open(Path(out) / "launcher.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
