@@ -49,10 +49,25 @@ ROWS = {
     "redsync-values": ("RedSync 0.1%, values everywhere", P + "redsync.yaml", [*ALL_VALUES]),
     "redsync-lr-send": ("RedSync 0.1%, residual applied at the sending step's learning rate (residual_lr: send)",
                         P + "redsync.yaml", ["compression.residual_lr=send"]),
+    # how long the density warm-up lasts (docs/redsync.md, "Language models"; redsync.yaml: 12 epochs from 0.8%)
+    "redsync-warmup4": ("RedSync 0.1%, DGC's warm-up: from 1.6% over 4 epochs in 4 stages", P + "redsync.yaml",
+                        ["compression.warmup.epochs=4", "compression.warmup.stages=4",
+                         "compression.warmup.start_density=0.016"]),
+    "redsync-warmup8": ("RedSync 0.1%, density warm-up from 1.6% over 8 epochs in 8 stages", P + "redsync.yaml",
+                        ["compression.warmup.epochs=8", "compression.warmup.stages=8",
+                         "compression.warmup.start_density=0.016"]),
+    "redsync-warmup12": ("RedSync 0.1%, density warm-up from 0.8% over 12 epochs in 12 stages", P + "redsync.yaml",
+                         ["compression.warmup.epochs=12", "compression.warmup.stages=12",
+                          "compression.warmup.start_density=0.008"]),
+    "redsync-warmup20": ("RedSync 0.1%, density warm-up from 0.6% over 20 epochs in 20 stages", P + "redsync.yaml",
+                         ["compression.warmup.epochs=20", "compression.warmup.stages=20",
+                          "compression.warmup.start_density=0.006"]),
     "powersgd": ("PowerSGD rank 1", P + "powersgd.yaml", []),
     "topk": ("top-k 0.1%", P + "topk.yaml", []),
     "sbc": ("SBC", P + "sbc.yaml", []),
-    "adaptive": ("budget policy", P + "adaptive.yaml", []),
+    "uniform-values": ("RedSync 0.1%, values everywhere, trimmed selection: uniform density at the budget's bytes",
+                       P + "redsync.yaml", ["compression.selection.method=trimmed", *ALL_VALUES]),
+    "adaptive": ("budget policy (`adaptive.yaml`: the same bytes, chosen per layer)", P + "adaptive.yaml", []),
 }
 QUICK = ["training.steps=6", "training.eval_every=3", "model.options={embed_dim: 16, hidden: 16, num_layers: 2}"]
 
