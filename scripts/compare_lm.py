@@ -33,6 +33,15 @@ from compare_baselines import BIN, REPO, launch, machine_info, write_outputs  # 
 P = "configs/pydoc/"
 ALL_SIGN_MEAN, ALL_VALUES = ("compression.policy.layers=[]", "compression.message.quantize=sign_mean"), \
     ("compression.policy.layers=[]", "compression.message.quantize=none")   # one message for every layer
+
+
+def warmup_row(epochs: int, start: float, what: str) -> tuple:
+    """redsync.yaml with its density warm-up from ``start`` over ``epochs`` epochs, one stage an epoch."""
+    return (f"RedSync 0.1%, {what}from {start:.1%} over {epochs} epochs in {epochs} stages", P + "redsync.yaml",
+            [f"compression.warmup.epochs={epochs}", f"compression.warmup.stages={epochs}",
+             f"compression.warmup.start_density={start}"])
+
+
 # key: (label, config, --set overrides)
 ROWS = {
     "dense": ("dense fp32", P + "dense.yaml", []),
@@ -50,18 +59,9 @@ ROWS = {
     "redsync-lr-send": ("RedSync 0.1%, residual applied at the sending step's learning rate (residual_lr: send)",
                         P + "redsync.yaml", ["compression.residual_lr=send"]),
     # how long the density warm-up lasts (docs/redsync.md, "Language models"; redsync.yaml: 12 epochs from 0.8%)
-    "redsync-warmup4": ("RedSync 0.1%, DGC's warm-up: from 1.6% over 4 epochs in 4 stages", P + "redsync.yaml",
-                        ["compression.warmup.epochs=4", "compression.warmup.stages=4",
-                         "compression.warmup.start_density=0.016"]),
-    "redsync-warmup8": ("RedSync 0.1%, density warm-up from 1.6% over 8 epochs in 8 stages", P + "redsync.yaml",
-                        ["compression.warmup.epochs=8", "compression.warmup.stages=8",
-                         "compression.warmup.start_density=0.016"]),
-    "redsync-warmup12": ("RedSync 0.1%, density warm-up from 0.8% over 12 epochs in 12 stages", P + "redsync.yaml",
-                         ["compression.warmup.epochs=12", "compression.warmup.stages=12",
-                          "compression.warmup.start_density=0.008"]),
-    "redsync-warmup20": ("RedSync 0.1%, density warm-up from 0.6% over 20 epochs in 20 stages", P + "redsync.yaml",
-                         ["compression.warmup.epochs=20", "compression.warmup.stages=20",
-                          "compression.warmup.start_density=0.006"]),
+    **{f"redsync-warmup{epochs}": warmup_row(epochs, start, what)
+       for epochs, start, what in ((4, 0.016, "DGC's warm-up: "), (8, 0.016, "density warm-up "),
+                                   (12, 0.008, "density warm-up "), (20, 0.006, "density warm-up "))},
     "powersgd": ("PowerSGD rank 1", P + "powersgd.yaml", []),
     "topk": ("top-k 0.1%", P + "topk.yaml", []),
     "sbc": ("SBC", P + "sbc.yaml", []),
