@@ -36,6 +36,8 @@ def start(args: list, np: int = 2, env: dict | None = None, launcher_args: list 
     full_env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
                 "PYTHONPATH": str(REPO), "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
                 "PYTHONUNBUFFERED": "1",
+                # a worker that crashes in native code prints every thread's Python stack
+                "PYTHONFAULTHANDLER": "1",
                 # more ranks than cores: let MPI yield instead of spinning while it waits
                 "OMPI_MCA_mpi_yield_when_idle": "1", **(env or {})}
     return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -138,6 +138,13 @@ def test_same_config_selects_the_same_indices_in_torch_and_tf(compression):
     assert out.count("OK cross-framework") == 2, out
 
 
+def test_init_can_start_horovod_tensorflow_too():
+    """init() starts only horovod.torch's instance (every other TF job here runs that way);
+    init(tensorflow_horovod=True) adds horovod.tensorflow's, for programs that call it."""
+    out = run_script("tf_two_instances.py", np=2, timeout=TF_TIMEOUT).stdout
+    assert out.count("OK two instances agree (2 ranks)") == 2, out
+
+
 def test_tf_bad_inputs_give_the_torch_errors():
     out = run_script("tf_errors.py", np=2, timeout=TF_TIMEOUT).stdout
     for what in (

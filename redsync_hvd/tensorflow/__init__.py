@@ -12,10 +12,10 @@ or ``model.compile(optimizer=rhvd.DistributedOptimizer(tf.keras.optimizers.SGD(0
 One algorithm core: gradients go to torch through DLPack (no copy) and through the same
 :class:`~redsync_hvd.exchange.GradientExchange`, compressors and memories as the PyTorch
 adapter. Every collective of this module (gradients, ``broadcast_variables``, ``allreduce``,
-the config check) runs on ``horovod.torch``'s Horovod instance; ``init()`` also initialises
-``horovod.tensorflow``'s own instance (a separate one in the same process) so code that calls
-``horovod.tensorflow`` directly keeps working, and checks that both report the same rank and
-size. See docs/tensorflow.md.
+the config check) runs on ``horovod.torch``'s Horovod instance, the only one ``init()`` starts.
+``init(tensorflow_horovod=True)`` also starts ``horovod.tensorflow``'s own instance (a separate
+one in the same process) for code that calls ``horovod.tensorflow`` directly, and checks that
+both report the same rank and size. See docs/tensorflow.md.
 """
 from __future__ import annotations
 
@@ -46,13 +46,16 @@ is_initialized = _hvd.is_initialized
 _tf_hvd = None
 
 
-def init(comm=None, tensorflow_horovod: bool = True) -> None:
+def init(comm=None, tensorflow_horovod: bool = False) -> None:
     """Initialise Horovod for TensorFlow programs.
 
     ``horovod.torch``'s instance carries every collective of redsync_hvd (the algorithm core is
-    torch). With ``tensorflow_horovod`` (default) ``horovod.tensorflow`` is initialised too, with
-    the same ``comm``, and both must agree on rank and size. Pass ``tensorflow_horovod=False`` to
-    save its background thread when nothing else calls ``horovod.tensorflow``.
+    torch), so it is all a program that calls only ``redsync_hvd`` needs. With
+    ``tensorflow_horovod=True`` ``horovod.tensorflow`` is initialised too, with the same ``comm``,
+    for programs that also call ``horovod.tensorflow`` themselves (its Keras callbacks, its
+    ``allreduce`` on TF tensors); both must agree on rank and size. The second instance costs a
+    background thread that polls MPI, and a process holding both has been seen to segfault at
+    exit (docs/tensorflow.md, "Known issue"), so it is off unless asked for.
     """
     global _tf_hvd
     if comm is None:

@@ -31,7 +31,7 @@ class HorovodAdapter:
         self.rhvd = rhvd
 
     def init(self, cfg: RunConfig) -> tuple:
-        self.rhvd.init(tensorflow_horovod=False)
+        self.rhvd.init()
         # workers sharing a host split its cores (TF's pools must be sized before its first op)
         n = cfg.training.threads or max(1, (os.cpu_count() or 1) // self.rhvd.local_size())
         torch.set_num_threads(n)

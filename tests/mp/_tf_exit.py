@@ -1,10 +1,11 @@
 """Process exit for the TF test scripts.
 
-A process that holds both TensorFlow and torch, each with its own Horovod instance,
-sometimes segfaults in interpreter teardown after all of its work is done (seen in about
-1 of 30 runs here, after every check had printed OK; cause not found). The scripts call
-``exit_cleanly()`` only after their checks passed: it flushes the output and ends the
-process without running that teardown. A failing check still raises (exit code 1).
+A process that holds both TensorFlow and torch, each with its own Horovod instance
+(``init(tensorflow_horovod=True)``), sometimes segfaults at exit after all of its work is done
+(docs/tensorflow.md, "Known issue"). ``init()`` starts one instance, so only
+tf_two_instances.py holds two. The scripts call ``exit_cleanly()`` only after their checks
+passed: it shuts every started Horovod instance down, flushes the output and ends the process
+without interpreter teardown. A failing check still raises (exit code 1).
 """
 import os
 import sys
