@@ -276,10 +276,14 @@ def parse_args(argv=None):
     ap.add_argument("--parts", nargs="+", choices=["digits", *SYNTHETIC], default=["digits", *SYNTHETIC])
     ap.add_argument("--timed-steps", type=int, default=42, help="steps per synthetic timing run")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per launch before its session is killed")
-    ap.add_argument("--runs", default="runs/compare", help="run folders (resumable; not for committing)")
+    ap.add_argument("--runs", default=None, help="run folders (resumable; not for committing); default "
+                    "runs/compare, or runs/compare-quick with --quick, so that a later full invocation does not "
+                    "read a quick run's folder as done")
     ap.add_argument("--out", default=None, help="default: docs/results/<machine>-<date>/compare_baselines")
     ap.add_argument("--quick", action="store_true", help="one seed, 8 digits steps, small synthetic models")
     args = ap.parse_args(argv)
+    if args.runs is None:
+        args.runs = "runs/compare-quick" if args.quick else "runs/compare"
     if args.quick:
         args.seeds, args.timed_steps = args.seeds[:1], min(args.timed_steps, 3)
     if args.out is None:

@@ -62,6 +62,13 @@ ROWS = {
     **{f"redsync-warmup{epochs}": warmup_row(epochs, start, what)
        for epochs, start, what in ((4, 0.016, "DGC's warm-up: "), (8, 0.016, "density warm-up "),
                                    (12, 0.008, "density warm-up "), (20, 0.006, "density warm-up "))},
+    # the same bytes in smaller messages: fp16 values, Golomb-coded positions, so more of them
+    **{f"redsync-compact{int(d * 1e4)}": (
+        f"RedSync {d:.2%}, fp16 values and Golomb-coded positions, warm-up from {start:.1%}", P + "redsync.yaml",
+        [f"compression.density={d}", f"compression.warmup.start_density={start}",
+         "compression.message.index_coding=golomb",
+         "compression.policy.layers=[{pattern: 'embedding.*', quantize: fp16}, {pattern: 'decoder.*', quantize: fp16}]"])
+       for d, start in ((0.002, 0.008), (0.0025, 0.02), (0.003, 0.008), (0.006, 0.008))},
     "powersgd": ("PowerSGD rank 1", P + "powersgd.yaml", []),
     "topk": ("top-k 0.1%", P + "topk.yaml", []),
     "sbc": ("SBC", P + "sbc.yaml", []),
@@ -189,10 +196,14 @@ def parse_args(argv=None):
                     help=f"rows to run: {', '.join(ROWS)} (a row whose config is missing is left out)")
     ap.add_argument("--steps", type=int, default=None, help="override training.steps of every row")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per launch before its session is killed")
-    ap.add_argument("--runs", default="runs/compare_lm", help="run folders (resumable; not for committing)")
+    ap.add_argument("--runs", default=None, help="run folders (resumable; not for committing); default "
+                    "runs/compare_lm, or runs/compare_lm-quick with --quick, so that a later full invocation does not "
+                    "read a quick run's folder as done")
     ap.add_argument("--out", default=None, help="default: docs/results/<machine>-<date>/pydoc")
     ap.add_argument("--quick", action="store_true", help="one seed, 6 steps of a small model")
     args = ap.parse_args(argv)
+    if args.runs is None:
+        args.runs = "runs/compare_lm-quick" if args.quick else "runs/compare_lm"
     if args.quick:
         args.seeds = args.seeds[:1]
     if args.out is None:
