@@ -33,6 +33,8 @@ from compare_baselines import BIN, REPO, launch, machine_info, write_outputs  # 
 P = "configs/pydoc/"
 ALL_SIGN_MEAN, ALL_VALUES = ("compression.policy.layers=[]", "compression.message.quantize=sign_mean"), \
     ("compression.policy.layers=[]", "compression.message.quantize=none")   # one message for every layer
+FP16_VALUES = ("compression.policy.layers=[{pattern: 'embedding.*', quantize: fp16}, "
+               "{pattern: 'decoder.*', quantize: fp16}]")   # redsync.yaml's values layers, in fp16
 
 
 def warmup_row(epochs: int, start: float, what: str) -> tuple:
@@ -67,7 +69,7 @@ ROWS = {
         f"RedSync {d:.2%}, fp16 values and Golomb-coded positions, warm-up from {start:.1%}", P + "redsync.yaml",
         [f"compression.density={d}", f"compression.warmup.start_density={start}",
          "compression.message.index_coding=golomb",
-         "compression.policy.layers=[{pattern: 'embedding.*', quantize: fp16}, {pattern: 'decoder.*', quantize: fp16}]"])
+         FP16_VALUES])
        for d, start in ((0.002, 0.008), (0.0025, 0.02), (0.003, 0.008), (0.006, 0.008))},
     "powersgd": ("PowerSGD rank 1", P + "powersgd.yaml", []),
     "topk": ("top-k 0.1%", P + "topk.yaml", []),

@@ -144,3 +144,19 @@ def test_residual_lr_own_is_refused_where_no_learning_rate_is_passed():
     layers = [Layer("w", (10,), 10, 0)]
     with pytest.raises(ValueError, match="residual_lr: own.*residual_lr: send"):
         build_exchange({"method": "redsync", "residual_lr": "own"}, layers, LocalCommunicator(2), engine="ddp")
+
+
+def test_redsync_compact_yaml_is_the_compare_lm_row_it_names():
+    """configs/pydoc/redsync-compact.yaml and compare_lm.py's redsync-compact60 row (redsync.yaml
+    with overrides) resolve to the same run config, so the row's results are the file's."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from compare_lm import ROWS
+
+    from redsync_hvd.config.run import load_config
+
+    _, config, sets = ROWS["redsync-compact60"]
+    row = load_config(REPO / config, list(sets))
+    compact = load_config(REPO / "configs/pydoc/redsync-compact.yaml")
+    assert compact.model_dump(exclude={"output"}) == row.model_dump(exclude={"output"})   # names differ
+    assert compact.compression.density == 0.006
+    assert compact.compression.message.index_coding == "golomb"
