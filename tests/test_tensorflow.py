@@ -140,9 +140,14 @@ def test_same_config_selects_the_same_indices_in_torch_and_tf(compression):
 
 def test_init_can_start_horovod_tensorflow_too():
     """init() starts only horovod.torch's instance (every other TF job here runs that way);
-    init(tensorflow_horovod=True) adds horovod.tensorflow's, for programs that call it."""
-    out = run_script("tf_two_instances.py", np=2, timeout=TF_TIMEOUT).stdout
+    init(tensorflow_horovod=True) adds horovod.tensorflow's, for programs that call it.
+
+    A process with both instances can segfault at exit after its work is done (docs/tensorflow.md,
+    "Known issue"); that exit alone is accepted here, once both ranks printed their checks."""
+    res = run_script("tf_two_instances.py", np=2, timeout=TF_TIMEOUT, check=False)
+    out = res.stdout
     assert out.count("OK two instances agree (2 ranks)") == 2, out
+    assert res.returncode == 0 or (res.returncode == 139 and "Segmentation fault" in out), out
 
 
 def test_tf_bad_inputs_give_the_torch_errors():
