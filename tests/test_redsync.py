@@ -342,3 +342,40 @@ def test_cost_model_network_probes_only_what_the_config_leaves_out():
     # the bandwidth was measured (a local "allreduce" is a memory copy), not taken from elsewhere
     assert lat_only.alpha == 2e-3 and 0 < lat_only.bandwidth < float("inf") and lat_only.bandwidth != 1.25e8
     assert _network(parse_compression({"method": "redsync"}), comm) is None
+
+
+@pytest.mark.parametrize("memory", [ResidualMemory, lambda: MomentumCorrectionMemory(0.9)])
+def test_dense_values_fp16_halves_the_dense_layers_bytes_and_rounds_only_them(memory):
+    """policy.dense_values: fp16: the layers under min_compress_numel travel as fp16 (2 bytes an
+    element, their average is the fp16 rounding of the fp32 one), the compressed layer's message
+    is the one an fp32 run sends, and a budget counts the dense layers at 2 bytes."""
+    from redsync_hvd.policy.budget import Budget
+    gen = torch.Generator().manual_seed(3)
+    grads = [{"bias": torch.randn(10, generator=gen) / 3, "w": torch.randn(5000, generator=gen)} for _ in range(3)]
+    out = {}
+    for values in ("fp32", "fp16"):
+        cfg = {"method": "redsync", "density": 0.01, "policy": {"min_compress_numel": 100, "dense_values": values}}
+        ex = _local_exchange(cfg, [Layer("bias", (10,), 10, 0), Layer("w", (5000,), 5000, 1)], memory())
+        got = []
+        for g in grads:
+            for name, x in g.items():
+                ex.submit(name, x.clone())
+            got.append({k: v.clone() for k, v in ex.finish().averages.items()})
+            step = ex.stats.last
+        out[values] = (got, step["wire_bytes[dense]"], step["wire_bytes[sparse]"])
+    (f32, dense32, sparse32), (f16, dense16, sparse16) = out["fp32"], out["fp16"]
+    assert dense32 == 4 * 10 and dense16 == 2 * 10 and sparse16 == sparse32
+    for a, b in zip(f32, f16):
+        assert not torch.equal(a["bias"], b["bias"]) and torch.equal(a["w"], b["w"])   # only the dense layer rounds
+        if memory is ResidualMemory:   # ... to fp16 (with momentum correction, the momentum of fp16 averages)
+            assert torch.equal(b["bias"], a["bias"].half().float())
+        assert torch.allclose(b["bias"], a["bias"], rtol=2e-3, atol=1e-3)
+    layers = [Layer("bias", (10,), 10, 0), Layer("w", (5000,), 5000, 1)]
+    budgets = {}
+    for values in ("fp32", "fp16"):
+        _, cfg = build_compressor({"method": "redsync", "density": 0.01, "selection": {"method": "radix"}, "policy": {
+            "mode": "budget", "min_compress_numel": 100, "dense_values": values, "budget": {"bytes_per_step": 2000}}})
+        policy = LayerPolicy(cfg)
+        policy.setup(layers, size=2)
+        budgets[values] = Budget(cfg, layers, {}, lambda: 0).capacity
+    assert budgets["fp16"] - budgets["fp32"] == 2 * 10                 # the bytes fp16 frees go to w

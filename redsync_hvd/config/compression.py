@@ -151,6 +151,10 @@ class PolicyConfig(_Group):
                               "budget: as static, and each compressed layer's density is chosen under one byte "
                               "budget per step (policy.budget)")
     min_compress_numel: int = Field(0, ge=0, description="layers with fewer elements go dense (fused allreduce)")
+    dense_values: Literal["fp32", "fp16"] = Field(
+        "fp32", description="how the layers that go dense travel: fp32 (the exact average) | fp16 (half the "
+                            "bytes; the rounding, 11 significant bits, is not fed back). At 100x compression "
+                            "the dense biases can cost as much as every compressed layer together")
     layers: list[LayerOverride] = Field(default_factory=list, description="per-layer overrides")
     latency_s: Optional[float] = Field(None, ge=0, description="cost_model: cost of one collective round "
                                                                "(None: measured at start)")

@@ -24,7 +24,7 @@ import math
 import torch
 
 from ..compressors.base import Compressor, Layer
-from ..compressors.dense import NoneCompressor
+from ..compressors.dense import FP16Compressor, NoneCompressor
 from ..core import layout
 from ..core.selection import NonFiniteError
 from ..core.stats import CommStats
@@ -43,7 +43,8 @@ class GradientExchange:
     """One step: ``submit(name, grad)`` for every layer (from hooks), then ``finish()``.
 
     layers: the parameters; ``policy.setup`` decides how each travels (``network``: what the
-        cost-model policy plans for, None for the static policy).
+        cost-model policy plans for, None for the static policy), and its config's
+        ``policy.dense_values`` how the dense ones do (fp32, or fp16).
     memory: residual memory for compressed layers (None: no error feedback).
     check_finite: agree across ranks that the step was finite (else every rank raises).
     on_nonfinite: "raise" (NonFiniteGradientError) | "skip": roll back and return gradients
@@ -65,7 +66,9 @@ class GradientExchange:
                                  "Remove it from named_parameters or set requires_grad=False")
         self.layers = {l.name: l for l in layers}
         self.order = [l.name for l in layers]
-        self.compressor, self.dense = compressor, NoneCompressor()
+        self.compressor = compressor
+        fp16 = policy.config.policy.dense_values == "fp16"   # the layers that go dense: fp32 or fp16 values
+        self.dense = FP16Compressor(comm=comm) if fp16 else NoneCompressor()
         self.comm, self.policy = comm, policy
         self.memory = memory if memory is not None else NoMemory()
         self.check_finite, self.on_nonfinite = check_finite, on_nonfinite
@@ -145,7 +148,8 @@ class GradientExchange:
         out: dict = {}
         for plan in self.plans.values():
             out.update(plan.gradient_buffer(dtype, device))
-        if dtype == torch.float32 and self.transport.reuse_buffers:
+        # fp16 dense layers travel as a rounded copy: they have no fused buffer to land in
+        if dtype == torch.float32 and self.transport.reuse_buffers and type(self.dense) is NoneCompressor:
             for b in self.buckets:
                 if b.kind == "reduce" and not any(l.compressed for l in b.layers):
                     out.update(self.transport.dense_views(b, device))

@@ -56,7 +56,8 @@ class Budget:
         self.sign_means = [_quantize(config, quantize.get(l.name)) == "sign_mean" for l in self.shared]
         self.width = grid_size(self.spread)
         self.stats_bytes = len(self.shared) * (4 * self._row_len() + 8) if self.every else 0
-        fixed = control_bytes + sum(4 * l.numel for l in layers if not l.compressed) + sum(
+        dense_each = 2 if config.policy.dense_values == "fp16" else 4
+        fixed = control_bytes + sum(dense_each * l.numel for l in layers if not l.compressed) + sum(
             cost_of[l.name](k_of(l.numel, own_density[l.name])) for l in layers if l.name in own_density)
         self.reserve = reserve = self.stats_bytes / self.every if self.every else 0.0
         if b.bytes_per_step is None:
