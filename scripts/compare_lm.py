@@ -71,6 +71,32 @@ ROWS = {
          "compression.message.index_coding=golomb",
          FP16_VALUES])
        for d, start in ((0.002, 0.008), (0.0025, 0.02), (0.003, 0.008), (0.006, 0.008))},
+    # redsync-compact.yaml with fp16 biases, and the bytes that frees spent on a denser warm-up
+    **{f"redsync-compact60-early{int(start * 1e3)}x{epochs}": (
+        f"RedSync 0.60%, fp16 values and biases, Golomb positions, warm-up from {start:.0%} over {epochs} epochs",
+        P + "redsync-compact.yaml",
+        ["compression.policy.dense_values=fp16", f"compression.warmup.start_density={start}",
+         f"compression.warmup.epochs={epochs}", f"compression.warmup.stages={epochs}"])
+       for start, epochs in ((0.04, 6), (0.03, 12))},
+    "redsync-compact60-fp16": ("RedSync 0.60%, fp16 values for every layer and the biases, Golomb positions",
+                               P + "redsync-compact.yaml",
+                               ["compression.policy.layers=[]", "compression.message.quantize=fp16",
+                                "compression.policy.dense_values=fp16"]),
+    # redsync-fp16.yaml with the bytes left to 100x spent on density (with its warm-up, or flat)
+    "redsync-fp16-70": ("RedSync 0.70%, fp16 values and biases, Golomb positions", P + "redsync-fp16.yaml",
+                        ["compression.density=0.007"]),
+    "redsync-fp16-75-flat": ("RedSync 0.75% from the first step, fp16 values and biases, Golomb positions",
+                             P + "redsync-fp16.yaml", ["compression.density=0.0075", "compression.warmup.epochs=0"]),
+    "redsync-fp16-emb30-flat": ("RedSync from the first step, 0.3% of the embedding and 0.94% of the other layers "
+                                "(0.75%'s positions), fp16 values and biases, Golomb positions",
+                                P + "redsync-fp16.yaml",
+                                ["compression.density=0.0094", "compression.warmup.epochs=0",
+                                 "compression.policy.layers=[{pattern: 'embedding.*', density: 0.003}]"]),
+    "redsync-fp16-emb140-flat": ("RedSync from the first step, 1.4% of the embedding and 0.48% of the other layers "
+                                 "(0.75%'s positions), fp16 values and biases, Golomb positions",
+                                 P + "redsync-fp16.yaml",
+                                 ["compression.density=0.0048", "compression.warmup.epochs=0",
+                                  "compression.policy.layers=[{pattern: 'embedding.*', density: 0.014}]"]),
     "powersgd": ("PowerSGD rank 1", P + "powersgd.yaml", []),
     "topk": ("top-k 0.1%", P + "topk.yaml", []),
     "sbc": ("SBC", P + "sbc.yaml", []),
