@@ -37,6 +37,15 @@ FP16_VALUES = ("compression.policy.layers=[{pattern: 'embedding.*', quantize: fp
                "{pattern: 'decoder.*', quantize: fp16}]")   # redsync.yaml's values layers, in fp16
 
 
+FP16_ALL = ("compression.policy.layers=[]", "compression.message.quantize=fp16", "compression.policy.dense_values=fp16")
+FLAT = "compression.warmup.epochs=0"   # the target density from the first step
+
+
+def fp16_row(label: str, *sets: str) -> tuple:
+    """redsync-compact.yaml with fp16 values for every compressed layer and fp16 biases, then ``sets``."""
+    return (f"{label}, fp16 values and biases, Golomb positions", P + "redsync-compact.yaml", [*FP16_ALL, *sets])
+
+
 def warmup_row(epochs: int, start: float, what: str) -> tuple:
     """redsync.yaml with its density warm-up from ``start`` over ``epochs`` epochs, one stage an epoch."""
     return (f"RedSync 0.1%, {what}from {start:.1%} over {epochs} epochs in {epochs} stages", P + "redsync.yaml",
@@ -78,25 +87,16 @@ ROWS = {
         ["compression.policy.dense_values=fp16", f"compression.warmup.start_density={start}",
          f"compression.warmup.epochs={epochs}", f"compression.warmup.stages={epochs}"])
        for start, epochs in ((0.04, 6), (0.03, 12))},
-    "redsync-compact60-fp16": ("RedSync 0.60%, fp16 values for every layer and the biases, Golomb positions",
-                               P + "redsync-compact.yaml",
-                               ["compression.policy.layers=[]", "compression.message.quantize=fp16",
-                                "compression.policy.dense_values=fp16"]),
-    # redsync-fp16.yaml with the bytes left to 100x spent on density (with its warm-up, or flat)
-    "redsync-fp16-70": ("RedSync 0.70%, fp16 values and biases, Golomb positions", P + "redsync-fp16.yaml",
-                        ["compression.density=0.007"]),
-    "redsync-fp16-75-flat": ("RedSync 0.75% from the first step, fp16 values and biases, Golomb positions",
-                             P + "redsync-fp16.yaml", ["compression.density=0.0075", "compression.warmup.epochs=0"]),
-    "redsync-fp16-emb30-flat": ("RedSync from the first step, 0.3% of the embedding and 0.94% of the other layers "
-                                "(0.75%'s positions), fp16 values and biases, Golomb positions",
-                                P + "redsync-fp16.yaml",
-                                ["compression.density=0.0094", "compression.warmup.epochs=0",
-                                 "compression.policy.layers=[{pattern: 'embedding.*', density: 0.003}]"]),
-    "redsync-fp16-emb140-flat": ("RedSync from the first step, 1.4% of the embedding and 0.48% of the other layers "
-                                 "(0.75%'s positions), fp16 values and biases, Golomb positions",
-                                 P + "redsync-fp16.yaml",
-                                 ["compression.density=0.0048", "compression.warmup.epochs=0",
-                                  "compression.policy.layers=[{pattern: 'embedding.*', density: 0.014}]"]),
+    # fp16 values for every layer and fp16 biases (redsync-fp16.yaml is the emb30-flat row), at 0.6% with
+    # the warm-up, then what the bytes left to 100x buy: density, flat from the first step, or split
+    "redsync-compact60-fp16": fp16_row("RedSync 0.60%"),
+    "redsync-fp16-70": fp16_row("RedSync 0.70%", "compression.density=0.007"),
+    "redsync-fp16-75-flat": fp16_row("RedSync 0.75% from the first step", "compression.density=0.0075", FLAT),
+    **{f"redsync-fp16-emb{int(emb * 1e4)}-flat": fp16_row(
+        f"RedSync from the first step, {emb:.1%} of the embedding and {rest:.2%} of the other layers (0.75%'s "
+        "positions)", f"compression.density={rest}", FLAT,
+        f"compression.policy.layers=[{{pattern: 'embedding.*', density: {emb}}}]")
+       for emb, rest in ((0.001, 0.0102), (0.003, 0.0094), (0.014, 0.0048))},
     "powersgd": ("PowerSGD rank 1", P + "powersgd.yaml", []),
     "topk": ("top-k 0.1%", P + "topk.yaml", []),
     "sbc": ("SBC", P + "sbc.yaml", []),

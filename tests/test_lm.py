@@ -163,17 +163,19 @@ def test_redsync_compact_yaml_is_the_compare_lm_row_it_names():
 
 
 def test_redsync_fp16_yaml_is_the_compare_lm_row_it_names():
-    """configs/pydoc/redsync-fp16.yaml and compare_lm.py's redsync-compact60-fp16 row resolve to
-    the same run config: fp16 values for every compressed layer, fp16 biases, at 0.6%."""
+    """configs/pydoc/redsync-fp16.yaml and compare_lm.py's redsync-fp16-emb30-flat row resolve to
+    the same run config: fp16 values for every compressed layer, fp16 biases, 0.3% of the
+    embedding and 0.94% of the other compressed layers from the first step."""
     sys.path.insert(0, str(REPO / "scripts"))
     from compare_lm import ROWS
 
     from redsync_hvd.config.run import load_config
 
-    _, config, sets = ROWS["redsync-compact60-fp16"]
+    _, config, sets = ROWS["redsync-fp16-emb30-flat"]
     row = load_config(REPO / config, list(sets))
     fp16 = load_config(REPO / "configs/pydoc/redsync-fp16.yaml")
     assert fp16.model_dump(exclude={"output"}) == row.model_dump(exclude={"output"})
     c = fp16.compression
-    assert (c.density, c.message.quantize, c.message.index_coding) == (0.006, "fp16", "golomb")
-    assert c.policy.dense_values == "fp16" and c.policy.layers == [] and c.policy.min_compress_numel == 4096
+    assert (c.density, c.message.quantize, c.message.index_coding, c.warmup.epochs) == (0.0094, "fp16", "golomb", 0)
+    assert c.policy.dense_values == "fp16" and c.policy.min_compress_numel == 4096
+    assert [(o.pattern, o.density, o.quantize) for o in c.policy.layers] == [("embedding.*", 0.003, None)]
