@@ -348,7 +348,9 @@ def test_cost_model_network_probes_only_what_the_config_leaves_out():
 def test_dense_values_fp16_halves_the_dense_layers_bytes_and_rounds_only_them(memory):
     """policy.dense_values: fp16: the layers under min_compress_numel travel as fp16 (2 bytes an
     element, their average is the fp16 rounding of the fp32 one), the compressed layer's message
-    is the one an fp32 run sends, and a budget counts the dense layers at 2 bytes."""
+    is the one an fp32 run sends, an Inf or NaN in a dense layer still fails the step, and a
+    budget counts the dense layers at 2 bytes."""
+    from redsync_hvd.exchange import NonFiniteGradientError
     from redsync_hvd.policy.budget import Budget
     gen = torch.Generator().manual_seed(3)
     grads = [{"bias": torch.randn(10, generator=gen) / 3, "w": torch.randn(5000, generator=gen)} for _ in range(3)]
@@ -370,6 +372,13 @@ def test_dense_values_fp16_halves_the_dense_layers_bytes_and_rounds_only_them(me
         if memory is ResidualMemory:   # ... to fp16 (with momentum correction, the momentum of fp16 averages)
             assert torch.equal(b["bias"], a["bias"].half().float())
         assert torch.allclose(b["bias"], a["bias"], rtol=2e-3, atol=1e-3)
+    for bad in (float("inf"), float("nan")):   # fp16's clamp to the finite range must not hide an Inf
+        cfg = {"method": "redsync", "density": 0.01, "policy": {"min_compress_numel": 100, "dense_values": "fp16"}}
+        ex = _local_exchange(cfg, [Layer("bias", (10,), 10, 0), Layer("w", (5000,), 5000, 1)], memory())
+        ex.submit("bias", grads[0]["bias"].clone().index_fill_(0, torch.tensor([3]), bad))
+        ex.submit("w", grads[0]["w"].clone())
+        with pytest.raises(NonFiniteGradientError, match="non-finite"):
+            ex.finish()
     layers = [Layer("bias", (10,), 10, 0), Layer("w", (5000,), 5000, 1)]
     budgets = {}
     for values in ("fp32", "fp16"):

@@ -288,8 +288,9 @@ class GradientExchange:
             flat = flat / self.grad_scale
         # a compressed layer whose compressor does not check for NaN/Inf itself gets one pass for
         # its largest magnitude (a sum would overflow on huge finite values), carried by its
-        # bucket's collective (dense layers: one norm over the whole bucket)
-        if self.check_finite and layer.compressed and not comp.checks_finite:
+        # bucket's collective (dense layers: one norm over the whole bucket, unless they travel
+        # as fp16, whose clamp to the finite range would hide an Inf)
+        if self.check_finite and (layer.compressed or type(comp) is not NoneCompressor) and not comp.checks_finite:
             self._evidence(layer.name, finite_evidence(flat))
         if self.clip is not None:
             # on the device, no host read: a factor of 1.0 leaves the values bit for bit
