@@ -97,6 +97,13 @@ ROWS = {
         "positions)", f"compression.density={rest}", FLAT,
         f"compression.policy.layers=[{{pattern: 'embedding.*', density: {emb}}}]")
        for emb, rest in ((0.001, 0.0102), (0.003, 0.0094), (0.014, 0.0048))},
+    # the budget on fp16 messages: it needs exactly k and raw positions to hold a byte count
+    "uniform-fp16-radix": fp16_row("RedSync 0.4% from the first step, exactly k (radix), raw positions",
+                                   "compression.density=0.004", FLAT, "compression.selection.method=radix",
+                                   "compression.message.index_coding=raw"),
+    "budget-fp16-radix": fp16_row("budget policy (dp) at uniform 0.4%'s bytes, exactly k (radix), raw positions",
+                                  "compression.density=0.004", FLAT, "compression.selection.method=radix",
+                                  "compression.message.index_coding=raw", "compression.policy.mode=budget"),
     "powersgd": ("PowerSGD rank 1", P + "powersgd.yaml", []),
     "topk": ("top-k 0.1%", P + "topk.yaml", []),
     "sbc": ("SBC", P + "sbc.yaml", []),
