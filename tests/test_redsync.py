@@ -354,17 +354,22 @@ def test_dense_values_fp16_halves_the_dense_layers_bytes_and_rounds_only_them(me
     from redsync_hvd.policy.budget import Budget
     gen = torch.Generator().manual_seed(3)
     grads = [{"bias": torch.randn(10, generator=gen) / 3, "w": torch.randn(5000, generator=gen)} for _ in range(3)]
+
+    def layers():
+        return [Layer("bias", (10,), 10, 0), Layer("w", (5000,), 5000, 1)]
+
+    def exchange(values):
+        return _local_exchange({"method": "redsync", "density": 0.01, "policy": {
+            "min_compress_numel": 100, "dense_values": values}}, layers(), memory())
+
     out = {}
     for values in ("fp32", "fp16"):
-        cfg = {"method": "redsync", "density": 0.01, "policy": {"min_compress_numel": 100, "dense_values": values}}
-        ex = _local_exchange(cfg, [Layer("bias", (10,), 10, 0), Layer("w", (5000,), 5000, 1)], memory())
-        got = []
+        ex, got = exchange(values), []
         for g in grads:
             for name, x in g.items():
                 ex.submit(name, x.clone())
             got.append({k: v.clone() for k, v in ex.finish().averages.items()})
-            step = ex.stats.last
-        out[values] = (got, step["wire_bytes[dense]"], step["wire_bytes[sparse]"])
+        out[values] = (got, ex.stats.last["wire_bytes[dense]"], ex.stats.last["wire_bytes[sparse]"])
     (f32, dense32, sparse32), (f16, dense16, sparse16) = out["fp32"], out["fp16"]
     assert dense32 == 4 * 10 and dense16 == 2 * 10 and sparse16 == sparse32
     for a, b in zip(f32, f16):
@@ -373,18 +378,16 @@ def test_dense_values_fp16_halves_the_dense_layers_bytes_and_rounds_only_them(me
             assert torch.equal(b["bias"], a["bias"].half().float())
         assert torch.allclose(b["bias"], a["bias"], rtol=2e-3, atol=1e-3)
     for bad in (float("inf"), float("nan")):   # fp16's clamp to the finite range must not hide an Inf
-        cfg = {"method": "redsync", "density": 0.01, "policy": {"min_compress_numel": 100, "dense_values": "fp16"}}
-        ex = _local_exchange(cfg, [Layer("bias", (10,), 10, 0), Layer("w", (5000,), 5000, 1)], memory())
+        ex = exchange("fp16")
         ex.submit("bias", grads[0]["bias"].clone().index_fill_(0, torch.tensor([3]), bad))
         ex.submit("w", grads[0]["w"].clone())
         with pytest.raises(NonFiniteGradientError, match="non-finite"):
             ex.finish()
-    layers = [Layer("bias", (10,), 10, 0), Layer("w", (5000,), 5000, 1)]
     budgets = {}
     for values in ("fp32", "fp16"):
         _, cfg = build_compressor({"method": "redsync", "density": 0.01, "selection": {"method": "radix"}, "policy": {
             "mode": "budget", "min_compress_numel": 100, "dense_values": values, "budget": {"bytes_per_step": 2000}}})
-        policy = LayerPolicy(cfg)
-        policy.setup(layers, size=2)
-        budgets[values] = Budget(cfg, layers, {}, lambda: 0).capacity
+        policy, budget_layers = LayerPolicy(cfg), layers()
+        policy.setup(budget_layers, size=2)
+        budgets[values] = Budget(cfg, budget_layers, {}, lambda: 0).capacity
     assert budgets["fp16"] - budgets["fp32"] == 2 * 10                 # the bytes fp16 frees go to w
