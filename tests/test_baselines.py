@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from redsync_hvd.comm import LocalCommunicator
 from redsync_hvd.compressors import COMPRESSORS
 from redsync_hvd.compressors.base import Layer
-from redsync_hvd.compressors.powersgd import PowerSGDCompressor, PowerSGDConfig, orthogonalize
+from redsync_hvd.compressors.powersgd import PowerSGDCompressor, PowerSGDConfig, gram_schmidt, orthogonalize
 from redsync_hvd.compressors.qsgd import QSGDCompressor, QSGDConfig, levels, rounding_seed
 from redsync_hvd.compressors.signsgd import SignSGDCompressor, SignSGDConfig
 from redsync_hvd.core import bitpack
@@ -149,6 +149,23 @@ def test_orthogonalize_keeps_a_zero_column_zero():
     q = orthogonalize(m, "gram_schmidt")
     assert torch.isfinite(q).all() and torch.equal(q[:, 0], torch.zeros(10))
     assert q[:, 1].norm().item() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-8])
+def test_gram_schmidt_reads_on_the_cpu_and_gives_the_device_paths_values(eps):
+    """The CPU path (each column's norm read on the host) and the device path (selects, no
+    read) agree bit for bit: ordinary columns, a zero column, one whose fp32 sum of squares
+    overflows (norm taken in float64), a NaN column, fp32 and fp64."""
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.float64):
+        for col, fill in ((None, None), (0, 0.0), (1, 1e20), (0, float("nan")), (1, 0.0)):
+            m = torch.randn(40, 2, generator=gen, dtype=dtype)
+            if col is not None:
+                m[:, col] = fill if fill != 1e20 else m[:, col] * fill
+            a, b = gram_schmidt(m.clone(), eps, read=True), gram_schmidt(m.clone(), eps, read=False)
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+            if col is None:
+                assert torch.allclose(a.t() @ a, torch.eye(2, dtype=dtype), atol=1e-5)
 
 
 def _power_steps(matrix, rank, steps, comm=None):

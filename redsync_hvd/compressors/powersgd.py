@@ -50,6 +50,8 @@ residuals are left.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -64,14 +66,32 @@ def orthogonalize(matrix: torch.Tensor, method: str = "auto", eps: float = 0.0) 
     if method == "qr" or (method == "auto" and rank > 2 and matrix.dtype not in (torch.float16, torch.bfloat16)):
         q, _ = torch.linalg.qr(matrix)
         return matrix.copy_(q)
-    for i in range(rank):
+    return gram_schmidt(matrix, eps, read=matrix.device.type == "cpu")
+
+
+def gram_schmidt(matrix: torch.Tensor, eps: float = 0.0, read: bool = False) -> torch.Tensor:
+    """Gram-Schmidt in place. A zero column stays zero (instead of becoming NaN) unless ``eps``
+    is given; fp32's sum of squares overflows past 1.8e19, so such a norm is taken in float64.
+    ``read``: decide both cases from each column's norm read on the host (free on the CPU: a
+    quarter of the calls), else with device-side selects; the values are the same."""
+    for i in range(matrix.shape[1]):
         col = matrix[:, i:i + 1]
-        norm = wide_norm(col, dim=0, keepdim=True)   # fp32's sum of squares overflows past 1.8e19
-        if eps:
-            col /= norm + eps
-        else:   # a zero column stays zero instead of becoming NaN
-            col /= torch.where(norm > 0, norm, torch.ones_like(norm))
-        if i + 1 < rank:
+        if read:
+            norm = torch.linalg.vector_norm(col, dim=0, keepdim=True)
+            value = float(norm)
+            if math.isinf(value):
+                norm = wide_norm(col, dim=0, keepdim=True)
+            if eps:
+                col /= norm + eps
+            elif value > 0:   # else zero (stays zero) or NaN (stays NaN), as the select below
+                col /= norm
+        else:
+            norm = wide_norm(col, dim=0, keepdim=True)
+            if eps:
+                col /= norm + eps
+            else:
+                col /= torch.where(norm > 0, norm, torch.ones_like(norm))
+        if i + 1 < matrix.shape[1]:
             rest = matrix[:, i + 1:]
             rest -= torch.sum(col * rest, dim=0, keepdim=True) * col
     return matrix
@@ -162,11 +182,15 @@ class PowerSGDCompressor(Compressor):
     def _revive(self, q: torch.Tensor, layer: Layer, step: int) -> None:
         """A warm Q column that is zero (the layer's whole gradient was zero, e.g. a branch not
         taken) would stay zero for good: P = M Q, Q = M^T P^. Such columns restart from a
-        draw seeded by (seed, step, layer), the same on every worker since Q_avg is; no host
-        read, and columns that are not zero are left bit for bit."""
+        draw seeded by (seed, step, layer), the same on every worker since Q_avg is; columns that
+        are not zero are left bit for bit. On an accelerator there is no host read (the draw is
+        made every step); on the CPU, where reading is free, only when a column is zero."""
+        alive = torch.linalg.vector_norm(q, dim=0, keepdim=True) > 0
+        if q.device.type == "cpu" and bool(alive.all()):
+            return
         seed = (self.config.seed * 1_000_003 + step) * 1_000_003 + layer.index
         fresh = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed % (2 ** 61 - 1))).to(q.device)
-        q.copy_(torch.where(torch.linalg.vector_norm(q, dim=0, keepdim=True) > 0, q, fresh))
+        q.copy_(torch.where(alive, q, fresh))
 
     def _generator(self, step: int) -> torch.Generator:
         """One seed per step for every Q drawn in it, the same on every worker (torch's hook

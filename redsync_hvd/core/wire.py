@@ -67,9 +67,13 @@ def wide_mean(values: torch.Tensor) -> torch.Tensor:
 
 def wide_norm(values: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
     """``torch.linalg.vector_norm(values, dim=dim)`` in fp32; where that is inf (the sum of
-    squares overflows from about 1.8e19 per element), the float64 norm clamped to fp32's range."""
-    return widen(torch.linalg.vector_norm(values, dim=dim, keepdim=keepdim),
-                 torch.linalg.vector_norm(values, dim=dim, keepdim=keepdim, dtype=torch.float64))
+    squares overflows from about 1.8e19 per element), the float64 norm clamped to fp32's range.
+    On the CPU, where reading a result costs nothing, the float64 norm is computed only when
+    the fp32 one overflowed (no host read elsewhere)."""
+    narrow = torch.linalg.vector_norm(values, dim=dim, keepdim=keepdim)
+    if narrow.device.type == "cpu" and not bool(torch.isinf(narrow).any()):
+        return narrow
+    return widen(narrow, torch.linalg.vector_norm(values, dim=dim, keepdim=keepdim, dtype=torch.float64))
 
 
 def finite_evidence(values: torch.Tensor) -> torch.Tensor:
