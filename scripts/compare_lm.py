@@ -43,7 +43,8 @@ FLAT = "compression.warmup.epochs=0"   # the target density from the first step
 
 def fp16_row(label: str, *sets: str) -> tuple:
     """redsync-compact.yaml with fp16 values for every compressed layer and fp16 biases, then ``sets``."""
-    return (f"{label}, fp16 values and biases, Golomb positions", P + "redsync-compact.yaml", [*FP16_ALL, *sets])
+    positions = "" if "compression.message.index_coding=raw" in sets else ", Golomb positions"
+    return (f"{label}, fp16 values and biases{positions}", P + "redsync-compact.yaml", [*FP16_ALL, *sets])
 
 
 def warmup_row(epochs: int, start: float, what: str) -> tuple:
@@ -104,6 +105,11 @@ ROWS = {
     "budget-fp16-radix": fp16_row("budget policy (dp) at uniform 0.4%'s bytes, exactly k (radix), raw positions",
                                   "compression.density=0.004", FLAT, "compression.selection.method=radix",
                                   "compression.message.index_coding=raw", "compression.policy.mode=budget"),
+    "descent-fp16-radix": fp16_row("budget policy (dp, objective descent: what each k buys the loss) at uniform "
+                                   "0.4%'s bytes, exactly k (radix), raw positions",
+                                   "compression.density=0.004", FLAT, "compression.selection.method=radix",
+                                   "compression.message.index_coding=raw", "compression.policy.mode=budget",
+                                   "compression.policy.budget.objective=descent"),
     "powersgd": ("PowerSGD rank 1", P + "powersgd.yaml", []),
     "topk": ("top-k 0.1%", P + "topk.yaml", []),
     "sbc": ("SBC", P + "sbc.yaml", []),

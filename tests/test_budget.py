@@ -26,6 +26,8 @@ from redsync_hvd.policy.allocate import (
     allocate_threshold,
     candidates,
     density_of,
+    descent_bought,
+    descent_curve,
     fill,
     grid_size,
     layer_curve,
@@ -44,6 +46,10 @@ FORMATS = {
 
 
 def make(spec: dict, budget: dict | None = None, world: int = 2, warmup: int = 0, density: float = 0.01):
+    """An exchange over SIZES' layers under a budget; ``budget["method"]`` may be ``descent``
+    (dp with objective: descent)."""
+    if (budget or {}).get("method") == "descent":
+        budget = {**budget, "method": "dp", "objective": "descent"}
     layers = [Layer(n, (m,), m, i) for i, (n, m) in enumerate(SIZES.items())]
     full = {"density": density, "dgc": {"momentum_correction": False}, "warmup": {"steps": warmup},
             "policy": {"mode": "budget", "min_compress_numel": 100, "budget": {"every": 3, **(budget or {})}}, **spec}
@@ -123,6 +129,42 @@ def test_threshold_sends_what_exceeds_one_magnitude_in_every_layer():
     assert max(kth[0], kth[2]) / min(kth[0], kth[2]) < 1.15, kth   # the second is at its lower bound
 
 
+def test_descent_curve_by_hand():
+    """x = [3, -2, 1, 0.5], g = [0, -1, 2, 1]. Values: the top |x| are 3, -2, 1, buying 3*0,
+    (-2)(-1), 1*2: 0, 2, 4. Sign-mean, + sign: 3, 1, 0.5 sent as their running mean 3, 2, 1.5
+    against g 0, 2, 1 (cumulated 0, 2, 3): 0, 4, 4.5; - sign: only -2 and -0.5, each sent as
+    minus the mean of (2, 0.5): 2, then 1.25, against -g 1, -1: 2, then 0."""
+    x, g = torch.tensor([3.0, -2.0, 1.0, 0.5]), torch.tensor([0.0, -1.0, 2.0, 1.0])
+    row = descent_curve(x, g, [1, 2, 3], 3, False).double().numpy()
+    assert row[0] == pytest.approx(14.25) and list(row[1:]) == pytest.approx([0, 2, 4])
+    row = descent_curve(x, g, [1, 2], 2, True).double().numpy()
+    assert list(row[1:]) == pytest.approx([0, 4, 2, 0])
+    assert list(descent_bought(row, [1, 2], True)) == pytest.approx([1, 2])
+
+
+def test_descent_starves_a_residual_the_gradient_no_longer_touches():
+    """Two layers of one size: ``mid`` had large gradients for three steps and then none, so
+    its x is a large residual this step's gradient does not touch (an embedding's rare rows);
+    the others have small steady gradients. Error feedback's energy sends more than uniform to
+    ``mid``'s residual; descent sends ``mid`` its least, and the others more than uniform."""
+    def run(method):
+        ex, layers = make(FORMATS["radix values"], {"method": method, "every": 5}, world=1)
+        for s in range(6):
+            g = grads(s)
+            g["big"] = g["big"] * 10
+            if s >= 3:
+                g["mid"] = torch.zeros_like(g["mid"])
+            step(ex, layers, g)
+        b = ex.policy.budget
+        return dict(zip((l.name for l in b.shared), b.k)), dict(zip((l.name for l in b.shared), b.uniform)), b
+    error, uniform, _ = run("dp")
+    descent, _, b = run("descent")
+    assert error["mid"] > uniform["mid"], (error, uniform)
+    assert descent["mid"] == b.bounds[1][0], (descent, b.bounds)
+    assert descent["big"] + descent["small"] > uniform["big"] + uniform["small"], (descent, uniform)
+    assert b.history[-1]["bought"] > b.history[-1]["bought_uniform"]
+
+
 @pytest.mark.parametrize("persistent, response", [(True, 1.0), (False, 0.5)])
 def test_the_residual_settles_as_the_response_says(persistent, response):
     """The premise of budget.response: under top-k error feedback the settled threshold (the k-th
@@ -143,7 +185,7 @@ def test_the_residual_settles_as_the_response_says(persistent, response):
 
 
 # -- the exchange under a budget -----------------------------------------------------------------
-@pytest.mark.parametrize("method", ["dp", "threshold"])
+@pytest.mark.parametrize("method", ["dp", "threshold", "descent"])
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("given_as", ["density", "bytes"])
 def test_budget_holds_to_1_percent_every_step(fmt, method, given_as):
@@ -181,7 +223,7 @@ def test_budget_of_a_density_is_uniforms_bytes():
     assert ex.stats.last["wire_bytes"] == ex.policy.budget.total
 
 
-@pytest.mark.parametrize("method", ["dp", "threshold"])
+@pytest.mark.parametrize("method", ["dp", "threshold", "descent"])
 def test_conservation_with_the_budget(method):
     """What was sent plus what is kept equals what came in, across choices that change k."""
     ex, layers = make(FORMATS["radix values"], {"method": method}, world=1)
@@ -246,6 +288,7 @@ def test_warmup_ramps_to_the_chosen_density():
     ({"budget": {"spread": 0.5}}, r"spread"),
     ({"budget": {"every": -1}}, r"every"),
     ({"budget": {"method": "greedy"}}, r"'dp' or 'threshold'"),
+    ({"budget": {"method": "threshold", "objective": "descent"}}, r"objective=descent .* use objective: error"),
 ])
 def test_bad_budget_values_are_named(policy, match):
     with pytest.raises(ValueError, match=match):
@@ -275,7 +318,7 @@ def test_budgets_outside_what_the_layers_can_send_are_named():
 
 
 # -- real 2-worker jobs --------------------------------------------------------------------------
-@pytest.mark.parametrize("method", ["dp", "threshold"])
+@pytest.mark.parametrize("method", ["dp", "threshold", "descent"])
 def test_every_rank_uses_the_same_densities(method):
     """horovodrun -np 2, each rank's gradients of its own scale: the chosen k are the same on
     both ranks at every step, differ from the uniform start, and every step holds the budget."""

@@ -113,6 +113,12 @@ class BudgetConfig(_Group):
     bytes_per_step: Optional[int] = Field(
         None, description="... or as bytes each worker sends per step, every layer and the per-step flag "
                           "included (what metrics.jsonl's step_wire_bytes shows)")
+    objective: Literal["error", "descent"] = Field(
+        "error", description="dp: what a layer's k buys | error: the energy of x the message takes out of what the "
+                             "residual carries (L-GreCo) | descent: the first-order decrease of the step's loss the "
+                             "message buys, the sum of x * g over the sent elements (g the step's gradient): a "
+                             "residual that this step's gradient does not touch (an embedding's rare rows) buys "
+                             "little, however large")
     every: int = Field(200, ge=0, description="steps between two choices (from the end of the density warm-up); "
                                               "0: never (the uniform start, or a pinned decisions.json's)")
     spread: float = Field(16.0, ge=1.0, description="a layer's density stays within [mean / spread, mean * spread]")
@@ -139,6 +145,10 @@ class BudgetConfig(_Group):
     def _one_budget(self):
         if self.density is not None and self.bytes_per_step is not None:
             raise ValueError("policy.budget: give either density (a mean density) or bytes_per_step, not both")
+        if self.objective == "descent" and self.method != "dp":
+            raise ValueError("policy.budget.objective=descent weighs each layer's k by what it buys, which only the "
+                             "dynamic program reads (method: dp); the threshold counts magnitudes: use "
+                             "objective: error with method: threshold")
         return self
 
 

@@ -232,7 +232,7 @@ class GradientExchange:
         """Steps 1-3 for one unit (a layer, or a bucket compressed together); returns the messages."""
         layers = list(unit.layers)
         cs = [memory.compensate(l.name, g, comp.first_pass(l, self.step)) for l, g in zip(layers, grads)]  # 1.
-        self.policy.observe(layers, [c.x for c in cs], self.step)   # policy.mode budget: on its steps only
+        self.policy.observe(layers, [c.x for c in cs], self.step, grads)   # policy.mode budget: its steps only
         msgs = self._compress(unit, comp, memory, grads, cs)                                   # 2. compress
         if comp.error_feedback == "aggregate":
             self.state.aggregate.update((l.name, c.x) for l, c in zip(layers, cs))   # x -= the average, in finish()

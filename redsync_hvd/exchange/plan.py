@@ -85,8 +85,8 @@ class BucketPlan:
     def run(self, grads: list, step: int, observe=None) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's payload (uint8; its size depends only on the layout) and its per-layer
         non-finite flags (device bools, for naming the layers when a step fails): steps 0-4.
-        ``observe(layers, xs, step)``: shown each layer's compensated x before compression (the
-        budget policy's statistics, every few steps); such a step runs eagerly."""
+        ``observe(layers, xs, step, grads)``: shown each layer's compensated x and gradient before
+        compression (the budget policy's statistics, every few steps); such a step runs eagerly."""
         grad = self.load(grads)                                                              # 0.
         seg = self.comp.segments(list(self.layers))
         fs = self.memory.flat_step(self.names, seg, grad.device)
@@ -98,7 +98,7 @@ class BucketPlan:
         """Steps 1-4 as device work only (what a CUDA graph captures)."""
         c = self.memory.compensate_flat(fs, seg, grad, self.comp.first_pass_flat(seg, step))   # 1.
         if observe is not None:
-            observe(list(self.layers), list(seg.views(c.x)), step)
+            observe(list(self.layers), list(seg.views(c.x)), step, [self.views[n] for n in self.names])
         msg = self.comp.compress_flat(c, seg, step)                                            # 2.
         self.memory.update_flat(self.layers, c, msg, self.comp)                                # 3.
         flag = msg.nonfinite.sum(dtype=torch.int32).reshape(1)

@@ -16,6 +16,10 @@ every ``budget.every`` steps:
        the grid leaves over are then handed out, so the budget is spent to the element;
     4. rank 0's choice is broadcast (every rank uses the same k); it applies from the next step.
 
+With ``objective: descent`` the dp maximises instead what a message of k elements buys the
+step's loss to first order, sum(value sent * g) over the sent elements, g the step's gradient
+(``descent_curve``): a residual the gradient does not touch buys nothing, however large.
+
 Energy a message of k elements takes out of x:
     values (quantize none/fp16, topk):  the sum of the k largest x**2
     sign_mean (k of one sign, one mean mu = S1/k): S1**2 / k, S1 the sum of the k largest
@@ -104,6 +108,38 @@ def layer_curve(x: torch.Tensor, ks: list, width: int, sign_mean: bool, length: 
     at = torch.tensor(list(ks) + [ks[-1]] * (width - len(ks)), device=x.device) - 1
     row = torch.cat([x.square().sum().reshape(1)] + [s.index_select(0, at) for s in sums]).float()
     return torch.nn.functional.pad(row, (0, (length or row.numel()) - row.numel()))
+
+
+def descent_curve(x: torch.Tensor, g: torch.Tensor, ks: list, width: int, sign_mean: bool,
+                  length: int | None = None) -> torch.Tensor:
+    """[||x||**2, curve(s) at ks] as ``layer_curve`` lays them out, the curves being what a message
+    of k elements buys this step's loss to first order, sum(value sent * g) over the sent elements:
+    the top-k |x| with their values, or (sign_mean) the top-k of each sign, all sent as that
+    sign's mean S1/k (``budget.objective: descent``)."""
+    x, g = x.detach().reshape(-1).double(), g.detach().reshape(-1).double()
+    top = int(ks[-1])
+    at = torch.tensor(list(ks) + [ks[-1]] * (width - len(ks)), device=x.device) - 1
+    if sign_mean:
+        sums = []
+        for s in (1.0, -1.0):
+            mags, idx = torch.topk(s * x, top)
+            mean = mags.clamp(min=0).cumsum(0) / torch.arange(1, top + 1, device=x.device, dtype=x.dtype)
+            sums.append(mean * (s * g[idx]).cumsum(0))
+    else:
+        idx = torch.topk(x.abs(), top).indices
+        sums = [(x[idx] * g[idx]).cumsum(0)]
+    row = torch.cat([x.square().sum().reshape(1)] + [s.index_select(0, at) for s in sums]).float()
+    return torch.nn.functional.pad(row, (0, (length or row.numel()) - row.numel()))
+
+
+def descent_bought(row: np.ndarray, ks: list, sign_mean: bool) -> np.ndarray:
+    """What a message of each candidate k buys (``descent_curve``; sign_mean: the mean of both
+    signs, as the sign alternates per step)."""
+    n = len(ks)
+    if sign_mean:
+        width = (len(row) - 1) // 2
+        return 0.5 * (row[1:1 + n] + row[1 + width:1 + width + n]).astype(np.float64)
+    return row[1:1 + n].astype(np.float64)
 
 
 def energy_out(row: np.ndarray, ks: list, sign_mean: bool) -> np.ndarray:

@@ -10,7 +10,8 @@ The arithmetic (curves, dynamic program, threshold, filling the budget) is in al
        with a density of their own and the statistics (amortised) take, is the capacity of the
        shared layers; they start at the uniform density that fills it (or a pinned choice);
     2. every ``budget.every`` steps from the end of the warm-up, ``observe`` measures each shared
-       layer's curve (allocate.layer_curve) from x, on the device, nothing read back;
+       layer's curve (allocate.layer_curve; ``objective: descent``: allocate.descent_curve, from x
+       and the step's gradient) on the device, nothing read back;
     3. ``after_step``: one allreduce averages the curves over ranks, every rank chooses, and
        rank 0's k are broadcast, so every rank sends the same k from the next step on.
 
@@ -32,6 +33,8 @@ from .allocate import (
     candidates,
     carried_curve,
     density_of,
+    descent_bought,
+    descent_curve,
     fill,
     grid_size,
     layer_curve,
@@ -45,6 +48,7 @@ class Budget:
                  pinned: dict | None = None, quantize: dict | None = None, control_bytes: int = 4):
         b = config.policy.budget
         self.method, self.every, self.spread, self.response = b.method, b.every, b.spread, b.response
+        self.objective = b.objective
         self.shared = [l for l in layers if l.compressed and l.name not in own_density]
         if not self.shared:
             raise ValueError("policy.mode=budget has no layer to share the budget between: no layer is compressed "
@@ -113,15 +117,18 @@ class Budget:
             self._warmup = self.warmup_steps()
         return step >= self._warmup
 
-    def observe(self, layers, xs: list, step: int) -> None:
+    def observe(self, layers, xs: list, step: int, grads: list) -> None:
+        """Each shared layer's curve from its compensated x (and, for ``objective: descent``, the
+        step's gradient g)."""
         if not self.due(step):
             return
         where = {l.name: i for i, l in enumerate(self.shared)}
-        for layer, x in zip(layers, xs):
+        for layer, x, g in zip(layers, xs, grads):
             if layer.name in where:
                 i = where[layer.name]
-                self.pending[layer.name] = layer_curve(x, self.grids[i], self.width, self.sign_means[i],
-                                                       self._row_len())
+                args = (self.grids[i], self.width, self.sign_means[i], self._row_len())
+                self.pending[layer.name] = (descent_curve(x, g, *args) if self.objective == "descent"
+                                            else layer_curve(x, *args))
 
     def after_step(self, step: int, comm) -> dict:
         """Choose at a step whose curves were observed; the bytes of the two collectives."""
@@ -142,18 +149,23 @@ class Budget:
     def choose(self, rows: np.ndarray) -> tuple:
         """(k per shared layer, what the choice predicts) from the ranks' mean curves."""
         p, formats = self.response, list(zip(rows, self.grids, self.sign_means, self.k))
-        errors = [carried_curve(row, g, sm, k, p) for row, g, sm, k in formats]
+        if self.objective == "descent":   # most bought; else least carried
+            gains = [descent_bought(row, g, sm) for row, g, sm, _ in formats]
+        else:
+            gains = [-carried_curve(row, g, sm, k, p) for row, g, sm, k in formats]
         if self.method == "dp":
             costs = [[c(k) for k in g] for c, g in zip(self.costs, self.grids)]
-            ks = [g[c] for g, c in zip(self.grids, allocate_dp([-e for e in errors], costs, self.capacity))]
+            ks = [g[c] for g, c in zip(self.grids, allocate_dp(gains, costs, self.capacity))]
         else:
             curves = [magnitude_curve(row, g, sm, k, p) for row, g, sm, k in formats]
             ks = allocate_threshold(curves, self.bounds, self.costs, self.capacity)
         ks = fill(ks, self.bounds, self.costs, self.capacity)
-        carried = lambda chosen: sum(float(np.interp(k, g, e))  # noqa: E731
-                                     for k, g, e in zip(chosen, self.grids, errors))
-        return ks, {"energy": float(rows[:, 0].sum()), "carried": carried(ks), "carried_uniform": carried(self.uniform),
-                    "layer_energy": [float(e) for e in rows[:, 0]]}
+        total = lambda chosen: sum(float(np.interp(k, g, e))  # noqa: E731
+                                   for k, g, e in zip(chosen, self.grids, gains))
+        what = "bought" if self.objective == "descent" else "carried"
+        sign = 1.0 if self.objective == "descent" else -1.0
+        return ks, {"energy": float(rows[:, 0].sum()), what: sign * total(ks),
+                    f"{what}_uniform": sign * total(self.uniform), "layer_energy": [float(e) for e in rows[:, 0]]}
 
     # -- state ---------------------------------------------------------------------------------------
     def _set(self, ks: list, step: int, why: str | None, report: dict | None = None) -> None:
@@ -167,8 +179,8 @@ class Budget:
             self.revision += 1
 
     def record(self) -> dict:
-        return {"method": self.method, "bytes_per_step": self.total, "shared_bytes": self.capacity,
-                "mean_density": self.mean, "every": self.every, "spread": self.spread,
+        return {"method": self.method, "objective": self.objective, "bytes_per_step": self.total,
+                "shared_bytes": self.capacity, "mean_density": self.mean, "every": self.every, "spread": self.spread,
                 "stats_bytes": self.stats_bytes,
                 "layers": {l.name: {"k": k, "density": l.base_density} for l, k in zip(self.shared, self.k)},
                 "history": [dict(h) for h in self.history]}
@@ -196,7 +208,9 @@ def log_lines(record: dict, since: int = 0) -> list:
     out = []
     for entry in record.get("history", [])[since:]:
         head = f"[budget] step {entry['step']} ({entry['why']}): {record['bytes_per_step']} bytes a step"
-        if entry.get("energy"):
+        if "bought" in entry:
+            head += f"; first-order descent bought {entry['bought']:.4g} (uniform {entry['bought_uniform']:.4g})"
+        elif entry.get("energy"):
             e = entry["energy"]
             head += (f"; error carried {entry['carried'] / e:.4f} of x's energy (uniform "
                      f"{entry['carried_uniform'] / e:.4f})")

@@ -131,10 +131,11 @@ class LayerPolicy:
         """Counts the budget's choices (None: the decisions never change after setup)."""
         return None if self.budget is None else self.budget.revision
 
-    def observe(self, layers, xs: list, step: int) -> None:
-        """A unit's compensated x, before compression (the budget measures them on its steps)."""
+    def observe(self, layers, xs: list, step: int, grads: list) -> None:
+        """A unit's compensated x and this step's gradients, before compression (the budget
+        measures them on its steps)."""
         if self.budget is not None:
-            self.budget.observe(layers, xs, step)
+            self.budget.observe(layers, xs, step, grads)
 
     def observes(self, step: int) -> bool:
         """Whether ``observe`` wants this step's compensated x (a planned bucket then runs eagerly)."""

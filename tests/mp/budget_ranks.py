@@ -15,12 +15,14 @@ SIZES = {"big": 20000, "mid": 6000, "small": 900, "bias": 50}
 
 
 def main(method: str):
+    """``method``: dp or threshold, or descent (dp on what each k buys the loss)."""
     rhvd.init()
+    budget = {"method": "dp", "objective": "descent"} if method == "descent" else {"method": method}
     rank = rhvd.rank()
     layers = [Layer(n, (m,), m, i) for i, (n, m) in enumerate(SIZES.items())]
     spec = {"method": "redsync", "density": 0.01, "selection": "radix", "dgc": {"momentum_correction": False},
             "warmup": {"steps": 2},
-            "policy": {"mode": "budget", "min_compress_numel": 100, "budget": {"every": 3, "method": method}}}
+            "policy": {"mode": "budget", "min_compress_numel": 100, "budget": {"every": 3, **budget}}}
     ex = build_exchange(spec, layers, HorovodCommunicator()).exchange
     total, reserve, history = ex.policy.budget.total, ex.policy.budget.reserve, []
     for step in range(10):
