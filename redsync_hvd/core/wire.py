@@ -20,6 +20,7 @@ when the layer holds NaN or Inf (a plain sum also overflows on finite values).
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -61,8 +62,12 @@ def widen(narrow: torch.Tensor, wide: torch.Tensor) -> torch.Tensor:
 
 def wide_mean(values: torch.Tensor) -> torch.Tensor:
     """The fp32 mean of ``values`` (0-dim); where the fp32 sum overflowed although the mean
-    fits (huge finite values), the float64 mean."""
-    return widen(values.mean(dtype=torch.float32), values.mean(dtype=torch.float64))
+    fits (huge finite values), the float64 mean (on the CPU computed only then, as in
+    :func:`wide_norm`)."""
+    narrow = values.mean(dtype=torch.float32)
+    if narrow.device.type == "cpu" and not math.isinf(float(narrow)):
+        return narrow
+    return widen(narrow, values.mean(dtype=torch.float64))
 
 
 def wide_norm(values: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
