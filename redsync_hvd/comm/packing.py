@@ -49,11 +49,11 @@ def unpack_fixed(payload: torch.Tensor, counts: list, dtypes: list, size: int) -
 
 def payload_bytes(counts: list, dtypes: list) -> int:
     """The bytes of one rank's payload with these element counts (padding included)."""
-    return sum(_padded(n * torch.empty(0, dtype=d).element_size()) for n, d in zip(counts, dtypes))
+    return sum(_padded(n * d.itemsize) for n, d in zip(counts, dtypes))
 
 
 def _cut(payload: torch.Tensor, counts: list, dtypes: list) -> list[list]:
-    itemsizes = [torch.empty(0, dtype=d).element_size() for d in dtypes]
+    itemsizes = [d.itemsize for d in dtypes]
     expect = sum(_padded(n * sz) for rank_counts in counts for n, sz in zip(rank_counts, itemsizes))
     if expect != payload.numel():
         raise RuntimeError(f"allgather payload has {payload.numel()} bytes but the message sizes describe {expect}: "

@@ -85,13 +85,13 @@ class MessageCodec:
 
     def sign_mean(self, positions: torch.Tensor, values: torch.Tensor, step: int):
         """(positions kept, their mean as (1,) float32) of one sign, by ``sign(step)``."""
-        pos = values > 0
         side = self.sign(step)
         if side == "pos":
-            keep = pos
+            keep = values > 0
         elif side == "neg":
             keep = values < 0
         else:  # larger: the side whose mean magnitude is larger (SBC)
+            pos = values > 0
             n_pos, n_neg = int(pos.sum()), int((values < 0).sum())
             mu_pos = values[pos].sum() / max(n_pos, 1)
             mu_neg = -values[values < 0].sum() / max(n_neg, 1)

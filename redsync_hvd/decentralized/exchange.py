@@ -67,7 +67,7 @@ def unpack(buf) -> list:
     pos, out = 8 * (1 + 2 * n), []
     for i in range(n):
         dtype, numel = _DTYPES[header[2 * i]], header[2 * i + 1]
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         out.append(data[pos:pos + nbytes].clone().view(dtype))
         pos += nbytes
     if pos != data.numel():
