@@ -285,10 +285,11 @@ def decide(n: int, density: float, N: int, net: Network, method: str = "sign_mea
     return c.total_s < (fused_dense_share(n, N, net) if fused else c.dense_s)
 
 
-def fused_dense_share(n: int, N: int, net: Network) -> float:
+def fused_dense_share(n: int, N: int, net: Network, fp16: bool = False) -> float:
     """A dense layer's marginal cost inside a Horovod fusion buffer: the ring allreduce's
-    bandwidth term for its bytes (the buffer's latency is shared by all its layers)."""
-    return ring_allreduce(N, dense_bytes(n), Network(0.0, net.bandwidth))
+    bandwidth term for its bytes (the buffer's latency is shared by all its layers); ``fp16``:
+    it would travel as fp16 (``policy.dense_values: fp16``)."""
+    return ring_allreduce(N, dense_bytes(n, fp16), Network(0.0, net.bandwidth))
 
 
 ALLGATHER_METHODS = ("sign_mean", "pairs", "pairs_fp16", "golomb")

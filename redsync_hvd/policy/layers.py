@@ -169,7 +169,7 @@ class LayerPolicy:
                              compute=self.compute, aggregation=getattr(self.config, "aggregation", "allgather"))
         # a dense layer rides in Horovod's fusion buffer: its marginal cost is the bandwidth
         # term, the latency is paid once for all of them
-        dense = fused_dense_share(layer.numel, size, network)
+        dense = fused_dense_share(layer.numel, size, network, self.config.policy.dense_values == "fp16")
         return pred.total_s < dense, (f"cost model: compressed {pred.total_s * 1e3:.3f} ms (select "
                                       f"{pred.select_s * 1e3:.3f}) vs its share of the fused dense allreduce "
                                       f"{dense * 1e3:.3f} ms")
