@@ -1,0 +1,92 @@
+"""Golden values of every ``configs/digits/*.yaml`` run: final weights and bytes, bit for bit.
+
+    python tests/golden/record.py            # run every config at seeds 0 and 1, write digits.json
+    python tests/golden/record.py --check    # run them again and compare with digits.json
+
+Each run is ``horovodrun -np 2 python -m redsync_hvd.train --config <cfg> --set training.seed=<s>``
+at the config's own epochs. What is kept per run: a SHA-256 of every rank's final model weights
+(from the run's last checkpoint, in the state dict's order) and the byte counts of its
+summary.json. A change that moves no number (a refactoring of the exchange) passes ``--check``;
+one that moves a number names the run and the figure.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+GOLDEN = Path(__file__).with_name("digits.json")
+SEEDS = (0, 1)
+BYTES = ("wire_bytes", "dense_bytes", "steps")
+
+
+def configs() -> list:
+    return sorted(p for p in (REPO / "configs/digits").glob("*.yaml") if p.name != "base.yaml")
+
+
+def weights_hash(state: dict) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in state.items():
+        digest.update(name.encode())
+        digest.update(torch.as_tensor(tensor).detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def run(config: Path, seed: int, out: Path) -> dict:
+    name = f"{config.stem}-s{seed}"
+    cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", sys.executable, "-m", "redsync_hvd.train",
+           "--config", str(config), "--set", f"training.seed={seed}", "--set", f"output.dir={out}",
+           "--set", f"output.name={name}", "--set", "training.progress=false"]
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2", "OMPI_MCA_mpi_yield_when_idle": "1",
+           "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    if res.returncode != 0:
+        raise SystemExit(f"{name} failed ({res.returncode}):\n{res.stdout[-3000:]}{res.stderr[-3000:]}")
+    folder = out / name
+    summary = json.loads((folder / "summary.json").read_text())
+    record = {key: summary.get(key) for key in BYTES}
+    for rank in (0, 1):
+        blob = torch.load(folder / f"checkpoint-rank{rank}.pt", map_location="cpu", weights_only=False)
+        record[f"weights_rank{rank}"] = weights_hash(blob["model"])
+    return record
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="compare with digits.json instead of writing it")
+    ap.add_argument("--only", nargs="*", default=None, help="config stems to run (default: all)")
+    args = ap.parse_args()
+    golden = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
+    got, differ = {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        for config in configs():
+            if args.only and config.stem not in args.only:
+                continue
+            for seed in SEEDS:
+                key = f"{config.stem}-s{seed}"
+                got[key] = run(config, seed, Path(tmp))
+                same = golden.get(key) == got[key]
+                print(f"{key:24s} {got[key]['wire_bytes']:>14} {got[key]['weights_rank0'][:12]}"
+                      + ("" if not args.check else "  same" if same else "  DIFFERS"), flush=True)
+                if args.check and not same:
+                    differ.append(f"{key}: golden {golden.get(key)} now {got[key]}")
+    if args.check:
+        print("\n".join(differ) if differ else f"all {len(got)} runs bit-identical to {GOLDEN.name}")
+        return 1 if differ else 0
+    GOLDEN.write_text(json.dumps({**golden, **got}, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {len(got)} runs to {GOLDEN}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
