@@ -168,7 +168,7 @@ class Variant:
         momentum = MomentumSpec(dict.fromkeys((n for n, _ in self.named), 0.9))
         self.fused = not name.endswith("_unfused")
         self.ex = build_exchange(dict(spec), layers, LocalCommunicator(world), take_momentum=lambda: momentum,
-                                 fuse=self.fused, grads_writable=True).exchange
+                                 fuse=self.fused).exchange
         memory = self.ex.memory if spec["method"] != "none" else None
         self.compressed = sum(l.compressed for l in layers)
         self.exchange_s, self.phases = [], {p: [] for p in ("select", "communicate", "decompress")}

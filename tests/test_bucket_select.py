@@ -127,10 +127,8 @@ def test_bucket_scope_waits_once_per_bucket(n_layers):
     counts = {}
     for scope in ("bucket", "layer"):
         ex, layers = _exchange(scope, n_layers)
-        (bucket,) = ex.transport.buckets
-        unit = ex.units[layers[0].name]
-        assert unit.together == (scope == "bucket")
-        assert unit.layers == (bucket.layers if scope == "bucket" else (layers[0],))
+        (bucket,) = ex.buckets
+        assert bucket.together == (scope == "bucket")   # the bucket is one unit, or each layer is
         gen = torch.Generator().manual_seed(0)
         for step in range(2):       # the second step is the steady state (state, buffers exist)
             grads = {l.name: torch.randn(l.numel, generator=gen) for l in layers}
@@ -156,13 +154,13 @@ def test_bucket_scope_exchange_conserves_the_gradient(momentum):
     for step in range(6):
         grads = {l.name: torch.randn(l.numel, generator=gen) for l in layers}
         if step == 3:
-            before = {k: v.clone() for k, v in ex.memory.residual.items()}
+            before = {k: v.clone() for k, v in ex.residuals().items()}
             grads["l1"][5] = float("nan")
             for l in reversed(layers):
                 ex.submit(l.name, grads[l.name])
             with pytest.raises(NonFiniteGradientError, match=r"\['l1'\]"):
                 ex.finish()
-            assert all(torch.equal(before[k], ex.memory.residual[k]) for k in before)
+            assert all(torch.equal(before[k], ex.residuals()[k]) for k in before)
             continue
         for l in reversed(layers):
             ex.submit(l.name, grads[l.name])
@@ -178,7 +176,7 @@ def test_bucket_scope_exchange_conserves_the_gradient(momentum):
             sent[l.name] += out[l.name].double()
             assert out[l.name].count_nonzero() >= 1
     for l in layers:
-        assert torch.allclose(sent[l.name] + ex.memory.residual[l.name].double(), total[l.name], atol=1e-4)
+        assert torch.allclose(sent[l.name] + ex.residuals()[l.name].double(), total[l.name], atol=1e-4)
 
 
 def test_scope_config():

@@ -239,7 +239,7 @@ def test_conservation_with_the_budget(method):
             sent[n] += out[n].double()
     assert len(ks) >= 2
     for n in ("big", "mid", "small"):
-        assert torch.allclose(sent[n] + ex.memory.residual[n].double(), total[n], atol=1e-5), n
+        assert torch.allclose(sent[n] + ex.residuals()[n].double(), total[n], atol=1e-5), n
 
 
 def test_resume_keeps_the_densities_and_continues_identically():

@@ -181,7 +181,7 @@ def test_pure_low_precision_parameters_get_gradients_in_their_dtype(one_rank):
             grads = [p.grad for p in model.parameters()]
             assert all(g.dtype == dtype and g.abs().sum() > 0 for g in grads), (dtype, compression)
             if state.exchange is not None:
-                assert all(r.dtype == torch.float32 for r in state.exchange.memory.residual.values())
+                assert all(r.dtype == torch.float32 for r in state.exchange.residuals().values())
 
 
 def test_grad_scaler_skips_an_overflow_step_and_the_residuals_stay(one_rank):
@@ -382,5 +382,5 @@ def test_torch_distributed_gathers_a_bucket_in_one_round_with_capped_messages(on
             most = max(most, int((out[layer.name] != 0).sum()) / layer.k)
     assert most == 2.0, most   # some step selected more than 2k and was capped
     for layer in layers:
-        kept = ex.memory.residual[layer.name].double()
+        kept = ex.residuals()[layer.name].double()
         assert torch.allclose(sent[layer.name] + kept, total[layer.name], atol=1e-4), layer.name

@@ -12,12 +12,12 @@ import torch
 from redsync_hvd.comm import LocalCommunicator
 from redsync_hvd.comm.packing import pack, unpack_fixed
 from redsync_hvd.compressors import build_compressor
-from redsync_hvd.compressors.base import Layer
+from redsync_hvd.compressors.base import Layer, Wire
 from redsync_hvd.core.host_reads import HostReads
 from redsync_hvd.engine import MomentumSpec, build_exchange
 from redsync_hvd.exchange import NonFiniteGradientError
 
-AGREEMENT = ("tolist", "redsync_hvd.exchange.pipeline:_read")   # finish()'s one read
+AGREEMENT = ("tolist", "redsync_hvd.exchange.exchange:_read")   # finish()'s one read
 
 
 class CountingComm(LocalCommunicator):
@@ -70,7 +70,7 @@ def test_no_host_read_in_a_compressed_step(n_layers):
         for step in range(2):
             run_step(ex, layers, grads_for(layers, step))
     assert reads.events == [AGREEMENT] * 2, reads.events
-    assert all(ex.units[l.name].together for l in layers if l.compressed)
+    assert all(ex.bucket_of[l.name] in ex.planned for l in layers if l.compressed)
     old, old_layers, _ = make(sizes_of(n_layers), selection={"method": "tbs", "scope": "bucket"})
     with HostReads() as reads:
         run_step(old, old_layers, grads_for(old_layers, 0))
@@ -86,18 +86,21 @@ def test_one_allgather_per_bucket_and_fixed_sizes():
     for selection in ("radix", {"method": "tbs", "scope": "bucket"}):
         ex, layers, comm = make([20000, 9000, 4000], selection=selection, fusion_bytes=60000)
         run_step(ex, layers, grads_for(layers, 0))
-        counts[str(selection)] = (len(ex.transport.buckets), len(comm.calls),
+        counts[str(selection)] = (len(ex.buckets), len(comm.calls),
                                   ex.communication_stats().get("bytes_headers", 0))
     assert counts["radix"] == (2, 2, 0)
     assert counts[str({"method": "tbs", "scope": "bucket"})][:2] == (2, 4)
     comp, _ = build_compressor({"method": "redsync", "selection": "radix", "density": 0.01})
     layers = [Layer("a", (1000,), 1000, 0, density=0.01), Layer("b", (300,), 300, 1, density=0.01)]
-    assert comp.fixed_bucket_counts(layers) == [13, 2]
+    assert [comp.wire(l).counts for l in layers] == [(10, 1), (3, 1)] and comp.wire(layers[0]).fixed
     _, payload = pack([torch.zeros(13, dtype=torch.int32), torch.zeros(2)], "cpu")
     with pytest.raises(RuntimeError, match="ranks disagree on the bucket layout"):
         unpack_fixed(payload, [15, 2], [torch.int32, torch.float32], 1)
-    ex, layers, comm = make([20000, 9000])
-    ex.compressor.fixed_bucket_counts = lambda layers: [1, 1]
+    # different momenta: a bucket of per-layer messages (not planned), whose sizes are checked
+    ex, layers, comm = make([20000, 9000], momentum={"l0": 0.9, "l1": 0.5})
+    assert not ex.planned
+    wire = ex.compressor.wire
+    ex.compressor.wire = lambda layer: Wire(wire(layer).dtypes, wire(layer).kinds, (1, 1), fixed=True)
     with pytest.raises(RuntimeError, match="declared fixed message sizes"):
         run_step(ex, layers, grads_for(layers, 0))
 
@@ -116,11 +119,11 @@ def test_exactly_k_and_sent_plus_residual_is_what_came_in(quantize, momentum):
     for step in range(5):
         grads = grads_for(layers, step)
         if step == 2:
-            before = {k: v.clone() for k, v in ex.memory.residual.items()}
+            before = {k: v.clone() for k, v in ex.residuals().items()}
             grads["l1"][7] = math.nan
             with pytest.raises(NonFiniteGradientError, match=r"\['l1'\]"):
                 run_step(ex, layers, grads)
-            assert all(torch.equal(before[k], ex.memory.residual[k]) for k in before)
+            assert all(torch.equal(before[k], ex.residuals()[k]) for k in before)
             continue
         out = run_step(ex, layers, grads)
         for l in layers:
@@ -131,7 +134,7 @@ def test_exactly_k_and_sent_plus_residual_is_what_came_in(quantize, momentum):
             if m[l.name]:
                 u[l.name][out[l.name] != 0] = 0.0   # masking
     for l in layers:
-        kept = ex.memory.residual[l.name].double()
+        kept = ex.residuals()[l.name].double()
         assert torch.allclose(sent[l.name] + kept, total[l.name], atol=1e-4), l.name
 
 
@@ -145,14 +148,13 @@ def test_half_gradients_stay_half_until_the_compensation(dtype):
         ex, layers, _ = make([6000, 2500, 50], momentum=0.9)
         outs = [run_step(ex, layers, {n: g.to(dtype).to(d) for n, g in grads_for(layers, s).items()})
                 for s in range(3)]
-        runs[d] = (outs, ex.memory, ex)
-    (half, mem_h, ex_h), (full, mem_f, _) = runs[dtype], runs[torch.float32]
+        runs[d] = (outs, ex.residuals(), ex)
+    (half, res_h, ex_h), (full, res_f, _) = runs[dtype], runs[torch.float32]
     for a, b in zip(half, full):
         assert all(torch.equal(a[n], b[n]) for n in a)
-    assert all(torch.equal(mem_h.residual[n], mem_f.residual[n]) and mem_h.residual[n].dtype == torch.float32
-               for n in mem_f.residual)
-    assert all(mem_h.velocity[n].dtype == torch.float32 for n in mem_h.velocity)
-    assert [p.grad.dtype for p in ex_h.plans.values()] == [dtype]   # the bucket's gradient buffer
+    assert all(torch.equal(res_h[n], res_f[n]) and res_h[n].dtype == torch.float32 for n in res_f)
+    assert all(u.dtype == torch.float32 for u in ex_h.residuals("velocity").values())
+    assert [p.grad.dtype for p in ex_h.planned] == [dtype]   # the bucket's gradient buffer
 
 
 def test_checkpoint_and_resume_through_the_flat_buffers():
@@ -167,7 +169,7 @@ def test_checkpoint_and_resume_through_the_flat_buffers():
     for s in range(2, 4):
         a, b = run_step(ex, layers, grads_for(layers, s)), run_step(fresh, layers, grads_for(layers, s))
         assert all(torch.equal(a[n], b[n]) for n in a)
-    assert all(torch.equal(ex.memory.residual[n], fresh.memory.residual[n]) for n in ex.memory.residual)
+    assert all(torch.equal(r, fresh.residuals()[n]) for n, r in ex.residuals().items())
 
 
 def test_config_refuses_what_radix_cannot_do():
@@ -235,11 +237,11 @@ def test_cuda_graph_replays_the_eager_step_bit_for_bit(quantize):
                     run_step(ex, layers, grads)
                 continue
             outs.append({n: t.clone() for n, t in run_step(ex, layers, grads).items()})
-        results.append((outs, {n: r.clone() for n, r in ex.memory.residual.items()}, ex))
+        results.append((outs, {n: r.clone() for n, r in ex.residuals().items()}, ex))
     (eager, r_eager, _), (graph, r_graph, ex) = results
     assert all(torch.equal(a[n], b[n]) for a, b in zip(eager, graph) for n in a)
     assert all(torch.equal(r_eager[n], r_graph[n]) for n in r_eager)
-    assert all(p.graphs.replays > 0 for p in ex.plans.values()), ex.paths()
+    assert all(p.graphs.replays > 0 for p in ex.planned), ex.paths()
 
 
 def test_the_runner_logs_which_path_runs(tmp_path):

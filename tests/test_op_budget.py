@@ -79,6 +79,6 @@ def test_a_step_stays_within_its_launch_budget(model, options):
               for l in layers_of(list(net_.named_parameters()))]
     ex = exchange(layers)
     ops = counted_step(ex, layers)
-    assert ex.plans, "the compressed layers run as a planned bucket"
+    assert ex.planned, "the compressed layers run as a planned bucket"
     assert ops.total <= BUDGET["step"], (ops.total, ops.aten, ops.triton)
-    assert len(ops.triton) <= BUDGET["triton_per_plan"] * len(ex.plans), ops.triton
+    assert len(ops.triton) <= BUDGET["triton_per_plan"] * len(ex.planned), ops.triton

@@ -138,7 +138,7 @@ def test_horovod_optimizer_writes_pure_bf16_and_fp16_gradients_back_in_their_dty
         opt.step()
         assert all(p.grad.dtype == dtype for p in model.parameters()), dtype
         assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters())), "no update"
-        assert all(r.dtype == torch.float32 for r in opt.exchange.memory.residual.values())
+        assert all(r.dtype == torch.float32 for r in opt.exchange.residuals().values())
 
 
 def test_horovod_optimizer_under_fp16_autocast_skips_overflow_steps_without_touching_residuals():

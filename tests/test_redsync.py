@@ -255,13 +255,13 @@ def test_nonfinite_in_a_compressed_layer_is_caught_by_selection_and_rolls_back()
                          layers, ResidualMemory())
     ex.submit("w", torch.randn(5000))
     ex.finish()
-    before = ex.memory.residual["w"].clone()
+    before = ex.residuals()["w"].clone()
     g = torch.randn(5000)
     g[17] = float("nan")
     ex.submit("w", g)
     with pytest.raises(NonFiniteGradientError, match="non-finite gradient"):
         ex.finish()
-    assert torch.equal(ex.memory.residual["w"], before)
+    assert torch.equal(ex.residuals()["w"], before)
     ex.submit("w", torch.randn(5000))   # the next step runs normally
     assert ex.finish().averages["w"].abs().sum() > 0
 
@@ -312,7 +312,7 @@ def test_cost_model_buckets_are_the_exchanges():
     layers = [Layer(f"l{i}", (n,), n, i) for i, n in enumerate(sizes)]
     ex = _local_exchange({"method": "redsync", "density": 0.01, "policy": {"min_compress_numel": 100}},
                          layers, ResidualMemory())   # the default fusion_bytes, 16 MiB
-    built = [[l.index for l in b.layers] for b in ex.transport.buckets if b.kind == "gather"]
+    built = [[l.index for l in b.layers] for b in ex.buckets if b.kind == "gather"]
     plan = [(l.numel, l.density, "sign_mean" if l.compressed else "dense") for l in layers]
     assert len(built) == 2 and sum(map(len, built)) == 6   # the two small ones stay dense
     assert built == cm.sparse_buckets(plan) == cm.sparse_buckets(plan, cm.BUCKET_BYTES)

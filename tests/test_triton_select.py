@@ -390,7 +390,7 @@ def _exchange_steps(backend, quantize, steps=3):
                 if CUDA:
                     torch.cuda.set_sync_debug_mode(0)
         syncs = sum("synchronizing" in str(w.message) for w in caught)
-    return outs, dict(ex.memory.residual), reads.events, syncs
+    return outs, ex.residuals(), reads.events, syncs
 
 
 @pytest.mark.parametrize("quantize", ["none", "sign_mean"])

@@ -56,7 +56,7 @@ def exchange_for(wire: str, shape=(50, 100), world: int = 2):
 
 
 def residual(ex) -> torch.Tensor:
-    return ex.memory.state_dict().get("residual", {}).get("w", torch.zeros(0))
+    return ex.state_dict()["memory"].get("residual", {}).get("w", torch.zeros(0))
 
 
 def step(ex, grad: torch.Tensor) -> torch.Tensor:

@@ -69,18 +69,40 @@ class Message:
         return out
 
 
-@dataclass
-class FlatMessage:
-    """What one rank sends for a whole bucket compressed flat (``Compressor.compresses_flat``):
-    the bucket's wire tensors (sizes known before the step: ``fixed_bucket_counts``), a device
-    flag per layer that its input held NaN/Inf, and whether the compressor already subtracted
-    what it sent from x while it wrote the message (then the memory update has nothing left)."""
-    tensors: list
-    nonfinite: torch.Tensor
-    updated: bool = False
+@dataclass(frozen=True)
+class Wire:
+    """One layer's message as it travels, known before the step (``Compressor.wire``).
+
+    dtypes, kinds: of each wire tensor, in order (kinds label bytes: "indices", "values", ...);
+    counts: each tensor's elements at the layer's k: exact where ``fixed``, else what a step
+        sends on average (what the cost model prices);
+    fixed: the counts are exact and the same on every rank: a bucket of such layers needs no
+        header of sizes;
+    capacity: the most elements each tensor holds, where the compressor bounds them (a transport
+        that needs every rank's size first, torch.distributed, then sends one row of that size);
+    extra: bytes per worker of collectives the compressor runs itself, by collective (IWP's index
+        broadcast, PowerSGD's P allreduce)."""
+    dtypes: tuple
+    kinds: tuple
+    counts: tuple
+    fixed: bool = False
+    capacity: Optional[tuple] = None
+    extra: tuple = ()
+
+    def nbytes(self, workers: int = 1) -> float:
+        """Bytes per worker per step: the message, plus its header of counts where not fixed, plus
+        the compressor's own collectives (a broadcast's bytes are sent by its root: 1/workers each
+        on average)."""
+        header = 0 if self.fixed else 4 * len(self.dtypes)
+        own = sum(b / workers if kind == "broadcast" else b for kind, b in self.extra)
+        return sum(n * d.itemsize for n, d in zip(self.counts, self.dtypes)) + header + own
 
 
 class Compressor(ABC):
+    """GRACE's compressor: ``compress`` a layer's x into a :class:`Message`, ``decompress_add`` one
+    back, its ``collective``, its ``wire`` cost, its state (``commit`` / ``rollback`` follow the
+    memory's transaction, ``state_dict`` the checkpoint). Capabilities are class variables, read
+    once when the exchange is built."""
     collective: ClassVar[str] = "allgather"
     # True when compress() raises core.selection.NonFiniteError for NaN/Inf input: the
     # exchange then skips its own finite-check pass over compressed layers
@@ -92,14 +114,19 @@ class Compressor(ABC):
     # "own": the residual keeps x - decode(own message), before anything is sent (error feedback);
     # "aggregate": x - decode(average of all messages), after the collective (PowerSGD)
     error_feedback: ClassVar[str] = "own"
+    # True when the message is x itself in fp32 (dense fp32): its average is the summed buffer / N
+    passthrough: ClassVar[bool] = False
+    # a ``FlatCodec`` where the compressor sends exactly k per layer of a bucket kept as one flat
+    # buffer on the device (compressors/exact_k.py): the exchange then plans such buckets
+    flat: ClassVar[Any] = None
 
     def __init__(self, config: Any = None, comm: Any = None):
         self.config = config
         self.comm = comm   # for compressors that run collectives of their own (blocking)
 
-    def wire_dtypes(self, layer: Layer) -> tuple:
-        """dtypes of the tensors ``compress`` returns for this layer (fixed per layer)."""
-        raise NotImplementedError
+    @abstractmethod
+    def wire(self, layer: Layer) -> Wire:
+        """What this layer's message looks like on the wire at its current k."""
 
     def first_pass(self, layer: Layer, step: int):
         """What this layer's selection reads first (a ``core.passes.ScanRequest``), for the memory
@@ -114,92 +141,20 @@ class Compressor(ABC):
         update overwrites x before the message is sent); only dense pass-through compressors
         without a memory may return x itself."""
 
-    @abstractmethod
-    def decompress_add(self, out: torch.Tensor, tensors: list, layer: Layer, alpha: float = 1.0,
-                       ctx: Any = None) -> None:
-        """out += alpha * decode(tensors); out is flat fp32 of layer.numel elements."""
-
-    # -- a bucket at once: the exchange's unit and the transport's packing, per layer by default ----
     def selects_by_bucket(self, layers: list) -> bool:
         """True when ``compress_bucket`` should compress these layers (one bucket) together, once
         the last of them is in."""
         return False
 
-    def keeps_low_precision(self, layers: list) -> bool:
-        """True when this unit's fp16/bf16 gradients may reach the memory as they are (its
-        compensation reads them and computes in fp32); else the exchange makes them fp32 first."""
-        return False
-
     def compress_bucket(self, xs: list, layers: list, step: int, firsts: list | None = None) -> list:
-        """Messages for several layers at once (``selects_by_bucket``); per layer by default."""
+        """Messages for several layers at once (``selects_by_bucket``, ``blocking``); per layer by default."""
         firsts = firsts or [None] * len(layers)
         return [self.compress(x, layer, step, f) for x, layer, f in zip(xs, layers, firsts)]
 
-    # -- a bucket as one flat buffer (exactly k per layer on the device: exchange/plan.py) -----
-    def compresses_flat(self, layers: list) -> bool:
-        """True when this bucket is compressed as one flat buffer (``compress_flat``), with message
-        sizes known before the step: the exchange then builds a ``BucketPlan`` for it."""
-        return False
-
-    def segments(self, layers: list):
-        """The bucket's layout at this step's k (``core.segments.Segments``), for ``compress_flat``."""
-        raise NotImplementedError
-
-    def first_pass_flat(self, seg, step: int):
-        """What the flat selection reads first (``core.radix_select.BucketRequest``)."""
-        raise NotImplementedError
-
-    def compress_flat(self, c, seg, step: int) -> FlatMessage:
-        """One rank's message for a bucket from its ``core.passes.Compensated`` flat x."""
-        raise NotImplementedError
-
-    def bucket_tensors(self, layers, messages: list) -> list:
-        """What a bucket of these messages sends: every message's tensors, layer by layer."""
-        return [t for m in messages for t in m.tensors]
-
-    def bucket_dtypes(self, layers) -> list:
-        """The dtypes of ``bucket_tensors``, known before the step."""
-        return [d for layer in layers for d in self.wire_dtypes(layer)]
-
-    def fixed_bucket_counts(self, layers):
-        """The element count of every tensor of ``bucket_tensors`` when it is known before the
-        step and the same on every rank (it may depend on the step's k), else None. Known counts
-        let the transport skip the header allgather: one collective fewer per bucket."""
-        return None
-
-    def bucket_capacity(self, layers):
-        """The most elements each tensor of ``bucket_tensors`` holds this step, the same on every
-        rank (it may depend on the step's k), where the compressor bounds them, else None. A
-        transport that must know every rank's size before an allgather (torch.distributed) then
-        sends one row of that capacity with the sizes inside, instead of a header round first."""
-        return None
-
-    def split_bucket(self, layers, tensors: list) -> list:
-        """One rank's ``bucket_tensors`` cut back into each layer's wire tensors."""
-        parts, at = [], 0
-        for layer in layers:
-            n = len(self.wire_dtypes(layer))
-            parts.append(tensors[at:at + n])
-            at += n
-        return parts
-
-    def decodes_flat(self, layers) -> bool:
-        """True when ``decompress_bucket`` decodes a bucket in one pass over one flat buffer."""
-        return False
-
-    def decompress_bucket(self, out: dict | None, per_rank: list, layers, alpha: float = 1.0, *, flat=None,
-                          zero=None) -> None:
-        """out[name] += alpha * decode(that layer's part of every rank's bucket message), ranks in
-        order, for every layer named in ``out`` (fp32 buffers). ``flat``: with ``decodes_flat``, one
-        buffer laid out by the bucket's ``segments`` (``out`` is then None); ``zero``: a buffer of
-        that layout set to 0 at every decoded position (DGC's momentum masking), only where the
-        bucket is decoded flat. Per layer by default."""
-        if zero is not None:
-            raise ValueError(f"{type(self).__name__} decodes layer by layer: it cannot mask a flat buffer")
-        for tensors in per_rank:
-            for layer, part in zip(layers, self.split_bucket(layers, tensors)):
-                if layer.name in out:
-                    self.decompress_add(out[layer.name], part, layer, alpha=alpha)
+    @abstractmethod
+    def decompress_add(self, out: torch.Tensor, tensors: list, layer: Layer, alpha: float = 1.0,
+                       ctx: Any = None) -> None:
+        """out += alpha * decode(tensors); out is flat fp32 of layer.numel elements."""
 
     def commit(self) -> None:  # noqa: B027 (stateless compressors keep nothing)
         """Every rank finished the step: keep the state it changed (PowerSGD's warm Q)."""

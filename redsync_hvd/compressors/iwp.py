@@ -18,7 +18,7 @@ import random
 import torch
 
 from ..core.selection import select_topk
-from .base import Compressor, Layer, Message
+from .base import Compressor, Layer, Message, Wire
 
 
 class IWPCompressor(Compressor):
@@ -29,8 +29,9 @@ class IWPCompressor(Compressor):
         super().__init__(config, comm)
         self.leaders: list = []     # (step, leader) history of this run, for inspection and tests
 
-    def wire_dtypes(self, layer: Layer) -> tuple:
-        return (torch.float32,)
+    def wire(self, layer: Layer) -> Wire:
+        """k fp32 values by allreduce, after the leader's broadcast of k int32 positions."""
+        return Wire((torch.float32,), ("values",), (layer.k,), fixed=True, extra=(("broadcast", 4 * layer.k),))
 
     def leader(self, step: int) -> int:
         return random.Random(self.config.seed * 1_000_003 + step).randrange(self.comm.size)

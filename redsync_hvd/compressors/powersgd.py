@@ -57,7 +57,7 @@ import torch
 
 from ..config.baselines import PowerSGDConfig
 from ..core.wire import wide_norm
-from .base import Compressor, Layer, Message
+from .base import Compressor, Layer, Message, Wire
 
 
 def orthogonalize(matrix: torch.Tensor, method: str = "auto", eps: float = 0.0) -> torch.Tensor:
@@ -117,8 +117,13 @@ class PowerSGDCompressor(Compressor):
         self._draw = None           # (step, generator): this step's shared seed for first draws
         self._rng_before = None     # the seed sequence before this step's draw, for rollback
 
-    def wire_dtypes(self, layer: Layer) -> tuple:
-        return (torch.float32,)
+    def wire(self, layer: Layer) -> Wire:
+        """Once compression has started: Q (m x r) by the bucket's allreduce, after P (n x r) by its
+        own; the layer whole where it does not factorise."""
+        if not self.factorizes(layer, self.config.start_iter):
+            return Wire((torch.float32,), ("values",), (layer.numel,), fixed=True)
+        (n, m), r = matrix_shape(layer), self.rank_for(layer)
+        return Wire((torch.float32,), ("values",), (m * r,), fixed=True, extra=(("allreduce", 4 * n * r),))
 
     def rank_for(self, layer: Layer) -> int:
         n, m = matrix_shape(layer)

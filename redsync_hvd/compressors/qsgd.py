@@ -33,7 +33,7 @@ import torch
 from ..config.baselines import QSGDConfig
 from ..core import bitpack
 from ..core.wire import wide_norm
-from .base import Compressor, Layer, Message
+from .base import Compressor, Layer, Message, Wire
 
 
 def levels(bits: int) -> int:
@@ -83,8 +83,10 @@ class QSGDCompressor(Compressor):
         self.comm = comm     # set by the exchange; only its rank is used, to seed the rounding
         self.s = levels(self.config.bits)
 
-    def wire_dtypes(self, layer: Layer) -> tuple:
-        return (torch.float32, torch.uint8)
+    def wire(self, layer: Layer) -> Wire:
+        buckets = -(-layer.numel // self.config.bucket_size)
+        return Wire((torch.float32, torch.uint8), ("scalars", "values"),
+                    (buckets, -(-layer.numel * self.config.bits // 8)))
 
     def compress(self, x: torch.Tensor, layer: Layer, step: int, first=None) -> Message:
         rank = self.comm.rank if self.comm is not None else 0

@@ -19,11 +19,14 @@ for a sort and a CPU encode per layer).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..core.bucket_select import select_bucket
+from ..core.golomb import expected_bits
 from ..core.selection import SelectionState, scan_request, select_topk
-from .base import Compressor, Layer, Message
+from .base import Compressor, Layer, Message, Wire
 from .codec import VALUE_DTYPES, MessageCodec
 
 CAPACITY = 2   # a capped message's positions per layer, in units of k (``bucket_capacity``)
@@ -46,8 +49,15 @@ class RedSyncCompressor(Compressor):
         """The layer's message format (a ``policy.layers[].quantize`` override), else the config's."""
         return self.codecs[layer.quantize] if layer is not None and layer.quantize else self.codec
 
-    def wire_dtypes(self, layer: Layer) -> tuple:
-        return self.codec_of(layer).wire_dtypes(layer)
+    def wire(self, layer: Layer) -> Wire:
+        """About k positions (int32, or Golomb-coded: their expected bytes) and their values or one
+        mean; bounded at CAPACITY * k where the transport needs every rank's size first."""
+        codec, k = self.codec_of(layer), layer.k
+        second = 1 if codec.mean else k
+        counts = (golomb_bytes(k, layer.numel), 2, second) if codec.golomb else (k, second)
+        cap = self._capacity(layer)
+        return Wire(codec.wire_dtypes(layer), codec.kinds, counts,
+                    capacity=None if cap is None else (cap, 1 if codec.mean else cap))
 
     # -- compress -------------------------------------------------------------
     def _method(self, layer: Layer) -> str:
@@ -92,12 +102,6 @@ class RedSyncCompressor(Compressor):
             return None
         return max(CAPACITY * layer.k, 1)
 
-    def bucket_capacity(self, layers):
-        caps = [self._capacity(l) for l in layers]
-        if None in caps:
-            return None
-        return [n for l, cap in zip(layers, caps) for n in (cap, 1 if self.codec_of(l).mean else cap)]
-
     def selects_by_bucket(self, layers: list) -> bool:
         scope = self.config.selection.scope
         if scope == "auto":
@@ -135,3 +139,9 @@ class RedSyncCompressor(Compressor):
         for name, s in state.get("selection", {}).items():
             self.selection_state[name] = SelectionState()
             self.selection_state[name].load_state_dict(s)
+
+
+def golomb_bytes(k: int, numel: int) -> int:
+    """Expected bytes of k Golomb-Rice coded positions among numel (``core/golomb.py``)."""
+    p = min(max(k / max(numel, 1), 1e-12), 1 - 1e-12)
+    return math.ceil(k * expected_bits(p) / 8)

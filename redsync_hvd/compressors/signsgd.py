@@ -34,7 +34,7 @@ import torch
 from ..config.baselines import SignSGDConfig
 from ..core import bitpack
 from ..core.wire import wide_mean
-from .base import Compressor, Layer, Message
+from .base import Compressor, Layer, Message, Wire
 
 
 def scaled_sign(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,8 +50,8 @@ class SignSGDCompressor(Compressor):
         super().__init__(config if config is not None else SignSGDConfig())
         self.comm = comm
 
-    def wire_dtypes(self, layer: Layer) -> tuple:
-        return (torch.uint8, torch.float32)
+    def wire(self, layer: Layer) -> Wire:
+        return Wire((torch.uint8, torch.float32), ("values", "scalars"), (-(-layer.numel // 8), 1))
 
     def compress(self, x: torch.Tensor, layer: Layer, step: int, first=None) -> Message:
         bits, scale = scaled_sign(x)

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import torch
 
-from .base import Compressor, Layer, Message
+from .base import Compressor, Layer, Message, Wire
 
 
 class TopKCompressor(Compressor):
     """k = ceil(density * n) largest magnitudes, sent as (index, fp32 value) pairs."""
     collective = "allgather"
 
-    def wire_dtypes(self, layer: Layer) -> tuple:
-        return (layer.index_dtype, torch.float32)
+    def wire(self, layer: Layer) -> Wire:
+        return Wire((layer.index_dtype, torch.float32), ("indices", "values"), (layer.k, layer.k))
 
     def compress(self, x, layer, step, first=None):
         # the baseline is torch.topk itself; RedSync's fast selections live in core.selection
@@ -35,8 +35,8 @@ class RandomKCompressor(Compressor):
     but blind to magnitude: it needs the residual to converge."""
     collective = "allreduce"
 
-    def wire_dtypes(self, layer: Layer) -> tuple:
-        return (torch.float32,)
+    def wire(self, layer: Layer) -> Wire:
+        return Wire((torch.float32,), ("values",), (layer.k,), fixed=True)
 
     def _positions(self, layer: Layer, step: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed(hash((self.config.seed, step, layer.index)) & 0x7FFFFFFF)

@@ -112,7 +112,7 @@ def build_exchange(compression: Any, layers: list, comm, *, framework: str = "to
                    take_momentum: Optional[Callable[[], MomentumSpec]] = None, agree: bool = True,
                    fuse: bool = True, **options) -> Built:
     """The exchange for ``layers`` (Layer objects) over ``comm``; ``options`` go to GradientExchange
-    (reuse_buffers, grads_writable, on_nonfinite). ``take_momentum``: called once, only when the
+    (reuse_buffers, on_nonfinite). ``take_momentum``: called once, only when the
     config asks for momentum correction; it takes momentum and weight decay out of the optimizer."""
     config = parse(compression)                                                     # 1.
     refuse(config, framework, engine)                                               # 2.

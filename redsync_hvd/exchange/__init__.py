@@ -1,4 +1,4 @@
 """The gradient exchange: compensate -> compress -> update memory -> send, then finish()."""
-from .pipeline import GradientExchange, NonFiniteGradientError
+from .exchange import GradientExchange, NonFiniteGradientError
 
 __all__ = ["GradientExchange", "NonFiniteGradientError"]

@@ -30,7 +30,9 @@ MODES = ("auto", "on", "off")
 
 
 class CapturedSteps:
-    """The graphs of one bucket's device step, by key; see the module docstring."""
+    """The graphs of one CUDA bucket's device step, by key; see the module docstring. The bucket asks
+    ``replay(key)`` (the output of a captured step, or None), and where none is captured yet,
+    ``due(key)`` (capture now?) and ``capture(step_fn, args, key)``; else it runs the step eagerly."""
 
     def __init__(self, mode: str = "auto", warmup: int = 2, max_graphs: int = 16):
         if mode not in MODES:
@@ -41,36 +43,34 @@ class CapturedSteps:
         self.refused: str | None = None
         self.replays = 0
 
-    def describe(self, device) -> str:
-        if torch.device(device).type != "cuda" or self.mode == "off":
+    def describe(self) -> str:
+        if self.mode == "off":
             return "eager"
         if self.refused:
             return f"eager (CUDA graph capture refused: {self.refused})"
         return f"replayed from a CUDA graph ({len(self.graphs)} captured)" if self.graphs \
             else "eager (CUDA graph after warm-up)"
 
-    def run(self, step_fn, args: tuple, key):
-        """``step_fn(*args)``'s output (tensors), computed eagerly or by replaying the graph of ``key``."""
+    def replay(self, key):
+        """The output tensors of the graph of ``key``, replayed now; None where there is none."""
         entry = self.graphs.get(key)
         if entry is None:
-            if not self._capturable(args, key):
-                return step_fn(*args)                                                      # 1.
-            entry = self._capture(step_fn, args, key)                                      # 2.
-            if entry is None:
-                return step_fn(*args)                                                      # 3.
+            return None
         graph, out = entry
         graph.replay()
         self.replays += 1
         return out
 
-    def _capturable(self, args: tuple, key) -> bool:
-        device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-        if self.mode == "off" or self.refused or device.type != "cuda" or len(self.graphs) >= self.max_graphs:
+    def due(self, key) -> bool:
+        """1. whether the step of ``key`` has run eagerly ``warmup`` times and may be captured now."""
+        if self.mode == "off" or self.refused or len(self.graphs) >= self.max_graphs:
             return False
         self.seen[key] += 1
         return self.seen[key] > self.warmup
 
-    def _capture(self, step_fn, args: tuple, key):
+    def capture(self, step_fn, args: tuple, key):
+        """2. ``step_fn(*args)`` captured into a new graph, then replayed: its output; None where CUDA
+        refused (3.: the bucket then runs eagerly from now on)."""
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
@@ -84,4 +84,4 @@ class CapturedSteps:
             torch.cuda.synchronize()
             return None
         self.graphs[key] = (graph, out)
-        return graph, out
+        return self.replay(key)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..core.passes import Compensated, ScanRequest, compensate_scan
-from .residual import ResidualMemory, double_buffer, flat_double_buffer
+from .residual import ResidualMemory, double_buffer
 
 
 class MomentumCorrectionMemory(ResidualMemory):
@@ -55,16 +55,13 @@ class MomentumCorrectionMemory(ResidualMemory):
         self._pending[name] = v_new                      # v + step, in v's spare buffer
         return Compensated(v_new, scan if want is not None else None)
 
-    def flat_ok(self, layers) -> bool:
-        return len({self._m(l.name) for l in layers}) == 1   # the kernel takes one momentum
-
-    def _flat_velocity(self, names: list, seg, device) -> tuple:
-        """The bucket's velocities as views of a flat double buffer too (one momentum for the
-        bucket: ``flat_ok``); the step's velocity is masked where values are sent."""
-        u = flat_double_buffer(self.velocity, self._spare_u, self._flats, ("u", tuple(names)), names, seg, device)
-        self._pending_u.update(zip(names, u.spare_views))
-        self._pending_flats.append(u)
-        return u, self._m(names[0]), self.nesterov, self.masking
+    def flat_terms(self, names: list) -> dict | None:
+        """A bucket kept flat keeps velocities too, with one momentum for all its layers (the
+        kernel takes one); None where their momenta differ."""
+        momenta = {self._m(n) for n in names}
+        if len(momenta) != 1:
+            return None
+        return {"residual": True, "momentum": momenta.pop(), "nesterov": self.nesterov, "masking": self.masking}
 
     def _velocity_buffers(self, name: str, like: torch.Tensor):
         """(current velocity, the spare buffer that becomes the next one on commit)."""

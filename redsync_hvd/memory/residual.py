@@ -9,19 +9,14 @@ were: nothing is lost.
 
 Double buffering costs one extra layer-sized buffer but no allocation per step.
 
-A bucket compressed at once on the device (``compensate_flat`` / ``update_flat``: exactly k
-per layer by radix select, the GPU path) keeps its residuals (and DGC velocities) as views
-of one flat double buffer laid out by the bucket's ``Segments``, so the compensation is one
-``radix_select.compensate`` launch, fused with the selection's first histogram.
+A bucket kept flat on the device (exactly k per layer: ``exchange/planned.py``) keeps its
+residuals and velocities itself, as views of flat double buffers; ``flat_terms`` says what it
+needs to keep for its layers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 import torch
 
-from ..core import radix_select as rs
 from ..core.passes import Compensated, ScanRequest, compensate_scan
 
 
@@ -37,77 +32,18 @@ def double_buffer(current: dict, spare: dict, name: str, like: torch.Tensor):
     return cur, new
 
 
-@dataclass
-class FlatPair:
-    """One bucket's per-layer buffers (residuals or velocities) as views of one flat tensor,
-    double-buffered like the per-layer ones: the step writes ``spare``, commit swaps. Padding
-    between layers (``Segments`` alignment) stays zero in both."""
-    cur: torch.Tensor
-    spare: torch.Tensor
-    cur_views: tuple
-    spare_views: tuple
-
-    def swap(self) -> None:
-        self.cur, self.spare = self.spare, self.cur
-        self.cur_views, self.spare_views = self.spare_views, self.cur_views
-
-
-def layer_views(flat: torch.Tensor, seg) -> tuple:
-    """Each layer's slice of a flat buffer laid out by ``seg`` (``seg.offsets``, ``seg.sizes``)."""
-    return tuple(flat[o:o + n] for o, n in zip(seg.offsets, seg.sizes))
-
-
-def flat_double_buffer(current: dict, spare: dict, flats: dict, key, names: list, seg, device) -> FlatPair:
-    """The bucket's ``FlatPair``, with ``current[name]`` and ``spare[name]`` its views.
-
-    1. First use: zeros. 2. A layer whose current buffer is not its view (first use, a
-    restored checkpoint, a resize) has it copied in; zeros where it has none. 3. The spare
-    views become the layers' spare buffers, for ``commit`` to swap in."""
-    pair = flats.get(key)
-    if pair is None or pair.cur.device != torch.device(device) or pair.cur.numel() != seg.n:
-        cur = torch.zeros(seg.n, dtype=torch.float32, device=device)                       # 1.
-        new = torch.zeros(seg.n, dtype=torch.float32, device=device)
-        pair = flats[key] = FlatPair(cur, new, layer_views(cur, seg), layer_views(new, seg))
-    for name, view in zip(names, pair.cur_views):                                          # 2.
-        held = current.get(name)
-        if held is not view:
-            if held is not None:
-                view.copy_(held.reshape(-1))
-            else:
-                view.zero_()
-            current[name] = view
-    spare.update(zip(names, pair.spare_views))                                              # 3.
-    return pair
-
-
-@dataclass
-class FlatStep:
-    """A flat bucket's buffers for one step: the residual pair, and DGC's velocity pair with its
-    momentum, Nesterov flag and masking where the memory keeps one."""
-    residual: FlatPair
-    velocity: Optional[FlatPair] = None
-    momentum: float = 0.0
-    nesterov: bool = False
-    masking: bool = False
-
-
 class NoMemory:
     """Methods without error feedback: x is the gradient itself and nothing is kept."""
     corrects_momentum = False
+    keeps = False
 
     def compensate(self, name: str, grad: torch.Tensor, want: ScanRequest | None = None) -> Compensated:
         return Compensated(grad)
 
-    def flat_step(self, names: list, seg, device) -> None:
-        return None
-
-    def compensate_flat(self, fs, seg, grad: torch.Tensor, want) -> Compensated:
-        return Compensated(grad.float())
+    def flat_terms(self, names: list) -> dict:
+        return {"residual": False}
 
     def update(self, layer, x: torch.Tensor, message, compressor) -> None:
-        pass
-
-    def update_flat(self, layers, c: Compensated, message, compressor) -> None:
         pass
 
     def update_aggregate(self, name: str, x: torch.Tensor, average: torch.Tensor) -> None:
@@ -133,14 +69,13 @@ class ResidualMemory:
     """Error feedback. Dense layers never pass through a memory: they send everything, so a
     residual would stay zero."""
     corrects_momentum = False   # True: dense layers' averages get momentum (dense_momentum)
+    keeps = True
 
     def __init__(self, fuse: bool = True) -> None:
         self.fuse = fuse   # compensate and the selection's first pass in one native pass (CPU)
         self.residual: dict[str, torch.Tensor] = {}
         self._spare: dict[str, torch.Tensor] = {}
         self._pending: dict[str, torch.Tensor] = {}
-        self._flats: dict = {}            # (kind, layer names) -> FlatPair: buckets kept flat
-        self._pending_flats: list = []    # their pairs written this step, swapped on commit
 
     def compensate(self, name: str, grad: torch.Tensor, want: ScanRequest | None = None) -> Compensated:
         """x = residual + grad in a spare buffer; ``update`` then subtracts the sent part from it.
@@ -152,48 +87,16 @@ class ResidualMemory:
         self._pending[name] = spare
         return Compensated(spare, scan if want is not None else None)
 
-    def flat_step(self, names: list, seg, device) -> FlatStep:
-        """The buffers a bucket compressed flat reads and writes this step (host bookkeeping only:
-        a step replayed from a CUDA graph makes this call and replays the device work, which
-        ``compensate_flat`` and ``update_flat`` do): 1. its residuals as views of a flat double
-        buffer laid out by ``seg``; 2. DGC's velocities likewise (``MomentumCorrectionMemory``);
-        3. the spare views pending until commit."""
-        r = flat_double_buffer(self.residual, self._spare, self._flats, ("r", tuple(names)), names, seg, device)  # 1.
-        velocity = self._flat_velocity(names, seg, device)                                               # 2.
-        self._pending.update(zip(names, r.spare_views))                                                  # 3.
-        self._pending_flats.append(r)
-        return FlatStep(r, *velocity)
-
-    def compensate_flat(self, fs: FlatStep, seg, grad: torch.Tensor, want: rs.BucketRequest) -> Compensated:
-        """x = r + g over the bucket (DGC: the velocity too) in one ``rs.compensate``, fused with the
-        selection's first histogram; the step's velocity comes along, to be masked."""
-        u = fs.velocity
-        extra = {} if u is None else {"velocity": u.cur, "velocity_out": u.spare, "momentum": fs.momentum,
-                                      "nesterov": fs.nesterov}
-        hist = rs.compensate(seg, fs.residual.cur, grad, fs.residual.spare, sign=want.sign, backend=want.backend,
-                             **extra)
-        return Compensated(fs.residual.spare, hist, u.spare if u is not None and fs.masking else None)
-
-    def _flat_velocity(self, names: list, seg, device) -> tuple:
-        """(velocity pair, momentum, nesterov, masking) of a bucket kept flat; none here."""
-        return ()
-
-    def flat_ok(self, layers) -> bool:
-        """Whether one compensate call can serve these layers (one momentum for all of them)."""
-        return True
+    def flat_terms(self, names: list) -> dict | None:
+        """What a bucket kept flat keeps for ``names`` (``exchange/planned.py``: ``FlatMemory``'s
+        arguments), or None where one flat compensation cannot serve them all."""
+        return {"residual": True}
 
     def update(self, layer, x: torch.Tensor, message, compressor) -> None:
         """x (this step's compensated buffer) -= what receivers will decode from ``message``:
         quantisation error stays in the residual."""
         compressor.decompress_add(x, message.tensors, layer, alpha=-1.0, ctx=message.ctx)
         self.mask(layer.name, message.positions)
-
-    def update_flat(self, layers, c: Compensated, message, compressor) -> None:
-        """``update`` for a bucket compressed flat: nothing when the compressor subtracted what it
-        sent while it wrote the message (``message.updated``), else one decode of the bucket's own
-        message with alpha = -1, zeroing the step's velocity there (masking)."""
-        if not message.updated:
-            compressor.decompress_bucket(None, [message.tensors], layers, alpha=-1.0, flat=c.x, zero=c.velocity)
 
     def update_aggregate(self, name: str, x: torch.Tensor, average: torch.Tensor) -> None:
         """x -= the decoded average of every rank's message (PowerSGD's error feedback)."""
@@ -218,13 +121,9 @@ class ResidualMemory:
         for name, buf in self._pending.items():
             self._spare[name], self.residual[name] = self.residual[name], buf
         self._pending.clear()
-        for pair in self._pending_flats:
-            pair.swap()
-        self._pending_flats.clear()
 
     def rollback(self) -> None:
         self._pending.clear()
-        self._pending_flats.clear()
 
     def state_dict(self) -> dict:
         return {"residual": {k: v.detach().clone() for k, v in self.residual.items()}}
@@ -233,5 +132,3 @@ class ResidualMemory:
         self.residual = {k: v.detach().clone().float() for k, v in state["residual"].items()}
         self._spare.clear()
         self._pending.clear()
-        self._flats.clear()
-        self._pending_flats.clear()

@@ -213,6 +213,13 @@ class LayerPolicy:
             return int(round(w.epochs * self.steps_per_epoch))
         return 0
 
+    def layout_key(self, step: int) -> tuple:
+        """Changes whenever some layer's density may have (a warm-up stage, a budget's choice):
+        what a bucket kept flat builds its layout once for."""
+        total = self.warmup_steps()
+        stage = math.floor(step / total * self.config.warmup.stages) if total and step < total else -1
+        return stage, self.revision
+
     def density(self, layer, step: int) -> float:
         if not layer.compressed:
             return 1.0

@@ -267,7 +267,7 @@ def register(ddp_model, compression=None, process_group=None, optimizer=None) ->
         state = DDPCompressionState(config, comm, named)
         ddp_model.register_comm_hook(state, _allreduce_hook)
         return state
-    built = build_exchange(compression, layers, comm, engine="ddp", grads_writable=True,
+    built = build_exchange(compression, layers, comm, engine="ddp",
                            take_momentum=_momentum_taker(optimizer, named))
     decay = built.momentum.weight_decay if built.momentum else {}
     state = DDPCompressionState(built.config, comm, named, built.exchange, decay)

@@ -30,7 +30,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         named = resolve_names(named_parameters, self.param_groups)
         self._params = dict(named)
         self._names = {p: n for n, p in named}
-        built = build_exchange(compression, layers_of(named), comm, grads_writable=True,
+        built = build_exchange(compression, layers_of(named), comm,
                                take_momentum=lambda: take_momentum(self.param_groups, self._names))
         self._exchange, self.compression_config = built.exchange, built.config
         if getattr(built.config, "residual_lr", "send") == "own":

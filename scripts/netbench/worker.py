@@ -127,7 +127,7 @@ def _train(spec, compression, rank, rhvd, comm_only=False):
         out["layer_decisions"] = opt.layer_decisions()
         ex = getattr(opt, "exchange", None)   # none for the decentralized optimizer
         # how compressed layers were grouped into allgathers (one header + one payload each)
-        out["buckets"] = [[l.name for l in b.layers] for b in (ex.transport.buckets if ex is not None else [])]
+        out["buckets"] = [[l.name for l in b.layers] for b in (ex.buckets if ex is not None else [])]
         out["compression_ratio"] = stats["compression_ratio"]
     del opt, model
     return out

@@ -18,14 +18,14 @@ for step in range(4):
         loss = loss * float("nan")
     loss.backward()
     before_w = model.weight.detach().clone()
-    before_r = {k: v.clone() for k, v in opt.exchange.memory.residual.items()}
+    before_r = {k: v.clone() for k, v in opt.exchange.residuals().items()}
     try:
         opt.step()
     except NonFiniteGradientError as exc:
         assert step == 2, f"unexpected error at step {step}: {exc}"
         assert "non-finite" in str(exc) and "residuals were left" in str(exc), exc
         assert torch.equal(model.weight, before_w), "weights changed on a failed step"
-        after_r = opt.exchange.memory.residual
+        after_r = opt.exchange.residuals()
         assert all(torch.equal(before_r[k], after_r[k]) for k in before_r), "residual changed on a failed step"
         print(f"rank {rank}: raised at step {step}: {str(exc)[:80]}")
         continue

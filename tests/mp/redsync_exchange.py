@@ -11,7 +11,7 @@ import torch
 import redsync_hvd.torch as rhvd
 from redsync_hvd.comm import HorovodCommunicator
 from redsync_hvd.compressors import build_compressor
-from redsync_hvd.compressors.base import Layer, Message
+from redsync_hvd.compressors.base import Layer
 from redsync_hvd.exchange import GradientExchange
 from redsync_hvd.memory import ResidualMemory
 from redsync_hvd.policy import LayerPolicy
@@ -41,7 +41,7 @@ def main(options):
         # for a bucket: layer by layer, or (selection.scope: bucket, radix) the layers at once
         sent = {}
         for r in range(size):
-            for bucket in ex.transport.buckets:
+            for bucket in ex.buckets:
                 if bucket.kind != "gather":
                     continue
                 layers_b = list(bucket.layers)
@@ -64,11 +64,11 @@ def main(options):
             m.commit()
         for layer in layers:
             if layer.compressed:
-                assert torch.allclose(ex.memory.residual[layer.name], mems[rank].residual[layer.name])
+                assert torch.allclose(ex.residuals()[layer.name], mems[rank].residual[layer.name])
     everyone = rhvd.allgather_object(out["big"].tolist())
     assert all(o == everyone[0] for o in everyone), "ranks ended with different gradients"
     assert radix or len(set(counts)) > 1, "expected uneven selection counts (radix: exactly k, checked above)"
-    by_bucket = any(ex.units[l.name].together for b in ex.transport.buckets for l in b.layers)
+    by_bucket = any(b in ex.planned or getattr(b, "together", False) for b in ex.buckets)
     assert by_bucket == (cfg.selection.scope == "bucket" or radix)
     headers = ex.communication_stats().get("bytes_headers", 0)
     assert (headers == 0) == radix, f"header bytes {headers}: radix sends none, the others do"
@@ -76,19 +76,8 @@ def main(options):
 
 
 def messages_of(comp, mem, layers, grads, step) -> list:
-    """One rank's messages for a bucket, by the exchange's four steps: over the bucket's flat
-    buffer where the compressor keeps it flat (radix), else layer by layer."""
-    if comp.compresses_flat(layers):
-        seg = comp.segments(layers)
-        g = torch.zeros(seg.n)
-        for layer, offset in zip(layers, seg.offsets):
-            g[offset:offset + layer.numel] = grads[layer.name]
-        fs = mem.flat_step([l.name for l in layers], seg, g.device)
-        c = mem.compensate_flat(fs, seg, g, comp.first_pass_flat(seg, step))
-        msg = comp.compress_flat(c, seg, step)
-        mem.update_flat(layers, c, msg, comp)
-        return [Message(part, (), selected=layer.k, k=layer.k, nonfinite=bool(msg.nonfinite[i]))
-                for i, (layer, part) in enumerate(zip(layers, comp.split_bucket(layers, msg.tensors)))]
+    """One rank's messages for a bucket, by the exchange's four steps layer by layer (radix: the
+    exchange runs them over the bucket's flat buffer, which must give the same messages)."""
     cs = [mem.compensate(l.name, grads[l.name], comp.first_pass(l, step)) for l in layers]
     msgs = comp.compress_bucket([c.x for c in cs], layers, step, [c.first for c in cs])
     for layer, c, msg in zip(layers, cs, msgs):

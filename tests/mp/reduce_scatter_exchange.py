@@ -43,8 +43,8 @@ def exchange(comm, codec: str, density: float, aggregation: str = "sparse_reduce
     layers = [Layer(n, (m,), m, i) for i, (n, m) in enumerate(SPEC)]
     ex = build_exchange({**BASE, **CODECS[codec], "density": density, "aggregation": aggregation},
                         layers, comm).exchange
-    assert len(ex.transport.buckets) >= 2, "the test wants several buckets"
-    assert all(b.aggregation == aggregation for b in ex.transport.buckets)
+    assert len(ex.buckets) >= 2, "the test wants several buckets"
+    assert all(b.aggregation == aggregation for b in ex.buckets)
     return ex
 
 
@@ -67,7 +67,7 @@ def dense_equals_allreduce(comm) -> None:
         got, expect = step(ex, g), step(dense, g)
         for name, _ in SPEC:
             assert torch.allclose(got[name], expect[name], atol=1e-6, rtol=1e-6), (t, name)
-    assert all(float(r.abs().max()) == 0.0 for r in ex.memory.residual.values())
+    assert all(float(r.abs().max()) == 0.0 for r in ex.residuals().values())
 
 
 def curvature(rank: int) -> dict:
@@ -122,7 +122,7 @@ def model_equals_reference(comm, codec: str, steps: int = 20, density: float = 0
     for name, _ in SPEC:
         assert torch.allclose(weights[name], ref_w[name], atol=1e-4, rtol=1e-4), \
             (codec, name, float((weights[name] - ref_w[name]).abs().max()))
-        assert torch.allclose(ex.memory.residual[name], ref_res[comm.rank][name], atol=1e-4, rtol=1e-4), name
+        assert torch.allclose(ex.residuals()[name], ref_res[comm.rank][name], atol=1e-4, rtol=1e-4), name
 
 
 def conserves(comm, codec: str, steps: int = 12, density: float = 0.02) -> None:
@@ -132,7 +132,7 @@ def conserves(comm, codec: str, steps: int = 12, density: float = 0.02) -> None:
         avg = step(ex, gradients(comm.rank, t))
         for name in applied:
             applied[name] += comm.size * avg[name].double()
-    mine = {n: r.double() for n, r in ex.memory.residual.items()}
+    mine = {n: r.double() for n, r in ex.residuals().items()}
     everyone = comm.allgather_object(mine, name=f"conserve.{codec}")
     for name, m in SPEC:
         inputs = sum(gradients(r, t)[name].double() for r in range(comm.size) for t in range(steps))

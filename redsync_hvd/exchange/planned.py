@@ -1,0 +1,304 @@
+"""A bucket kept flat: exactly k per layer on the device, laid out once, run or replayed every step.
+
+RedSync with ``selection.method: radix`` (``compressors/exact_k.py``) sends exactly k elements per
+layer, so every shape of a bucket's step is known once each layer's k is: offsets, message sizes,
+kernel grids. Such a bucket owns its gradient buffer (each layer's gradient is a view of it; the
+Horovod adapter makes these views the parameters' ``.grad``, so backward writes them in place),
+its residuals and DGC velocities (views of flat double buffers, :class:`FlatMemory`), and runs
+its step as device work only, with no host read and no per-layer call:
+
+    0. gradients   into ``self.grad``, copied only where they did not land there
+    1. compensate  x = r + g (DGC: u = m u + g, x = r + u) and the first histogram   rs.compensate
+    2. compress    exactly k per layer: positions, values or one mean per layer;     rs.select
+                   x -= what receivers decode and u zeroed there, in the same write (3. update)
+    4. send        [positions | values or means | count of non-finite layers]: one allgather,
+                   whose size every rank knows (no header)
+    finish         every rank's message decoded, in rank order, into ``self.grad``  rs.decode_add
+
+On CUDA, steps 1-4 of a layout that has run eagerly twice are captured into a CUDA graph and
+replayed with one launch (``graph.py``). A change of any layer's k (the density warm-up's stages,
+a budget's choice: ``LayerPolicy.layout_key``) is a new layout, built once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..comm.packing import pack, unpack_fixed
+from ..compressors.base import Message
+from ..core import radix_select as rs
+from ..core.segments import VECTOR, Segments
+from ..core.stats import CommStats
+from .buckets import account
+from .graph import CapturedSteps
+from .step import Arrived, StepState
+
+MAX_LAYOUTS = 16   # layouts (k per layer) kept with their device tables and workspaces
+
+
+@dataclass
+class FlatPair:
+    """Per-layer buffers (residuals or velocities) as views of one flat tensor, double-buffered:
+    the step writes ``spare``; ``swap`` on commit makes it current. Padding stays zero in both."""
+    cur: torch.Tensor
+    spare: torch.Tensor
+
+    def swap(self) -> None:
+        self.cur, self.spare = self.spare, self.cur
+
+
+class FlatMemory:
+    """A planned bucket's residuals (``residual``) and DGC velocities (``momentum`` not None), laid out
+    by the bucket's frame. A step writes the spare halves; ``commit`` swaps them in, ``rollback``
+    leaves them, so a failed step loses nothing. Saved and restored per layer name, in the format
+    of ``memory/residual.py``'s ``state_dict`` (the exchange merges the two)."""
+
+    def __init__(self, names: list, frame: Segments, *, residual: bool, momentum: float | None = None,
+                 nesterov: bool = False, masking: bool = True):
+        self.names, self.frame = names, frame
+        self.residual, self.momentum, self.nesterov, self.masking = residual, momentum, nesterov, masking
+        self.pairs: dict = {}        # "r" / "u" -> FlatPair
+        self.loaded: dict = {}       # what a checkpoint held, copied in when the buffers are made
+        self.written = False
+
+    def ready(self, device) -> None:
+        if self.pairs and self.pairs["r"].cur.device == torch.device(device):
+            return
+        kinds = (["r"] if self.residual else []) + (["u"] if self.momentum is not None else [])
+        for kind in kinds:
+            pair = FlatPair(*(torch.zeros(self.frame.n, dtype=torch.float32, device=device) for _ in range(2)))
+            for view, name in zip(self.frame.views(pair.cur), self.names):
+                held = self.loaded.get(kind, {}).get(name)
+                if held is not None:
+                    view.copy_(held.reshape(-1))
+            self.pairs[kind] = pair
+
+    def state(self, kind: str) -> dict:
+        pair = self.pairs.get(kind)
+        if pair is None:
+            return {n: t.clone() for n, t in self.loaded.get(kind, {}).items()}
+        return {n: v.detach().clone() for n, v in zip(self.names, self.frame.views(pair.cur))}
+
+    def load(self, residual: dict, velocity: dict) -> None:
+        """Take this bucket's layers out of a checkpoint's dicts (the rest is the memory's)."""
+        self.loaded = {"r": {n: residual.pop(n) for n in self.names if n in residual},
+                       "u": {n: velocity.pop(n) for n in self.names if n in velocity}}
+        device = self.pairs["r"].cur.device if self.pairs else None
+        self.pairs = {}
+        if device is not None:
+            self.ready(device)
+
+    def scale(self, factor: float) -> None:
+        for pair in self.pairs.values():
+            pair.cur.mul_(factor)
+
+    def commit(self) -> None:
+        if self.written:
+            for pair in self.pairs.values():
+                pair.swap()
+        self.written = False
+
+    def rollback(self) -> None:
+        self.written = False
+
+
+class PlannedBucket:
+    """One flat bucket of exactly-k layers; see the module docstring.
+
+    codec: the compressor's message codec (``MessageCodec``: sign rule, sign_mean or values, the
+        values' wire dtype); backend: the kernels' ("auto", "triton", "torch");
+    memory: its :class:`FlatMemory`, or None without error feedback (x is the gradient itself);
+    graphs: "auto" | "on" | "off" (``compression.cuda_graph``)."""
+    kind = "gather"
+    aggregation = "allgather"
+
+    def __init__(self, index: int, layers: tuple, codec, backend: str, memory: FlatMemory | None, comm, stats,
+                 policy, buffers, *, clip: float | None, graphs: str = "auto"):
+        self.index, self.layers = index, tuple(layers)
+        self.names = [l.name for l in self.layers]
+        self.codec, self.backend, self.memory = codec, backend, memory
+        self.comm, self.stats, self.policy, self.buffers, self.clip = comm, stats, policy, buffers, clip
+        self.frame = Segments([l.numel for l in self.layers], [0] * len(self.layers), align=VECTOR)
+        self.dtypes = [torch.int32, codec.value_dtype, torch.int32]
+        cuda = self.layers[0].device.type == "cuda"
+        self.graphs = CapturedSteps(graphs) if cuda else None
+        self.grad: torch.Tensor | None = None
+        self.views: dict = {}
+        self._layouts: dict = {}       # layout key -> (Segments, its stats, its per-layer stats)
+        self.clear()
+
+    @property
+    def name(self) -> str:
+        return f"rsync.gather{self.index}"
+
+    @property
+    def control_bytes(self) -> int:
+        return 4
+
+    @property
+    def path(self) -> str:
+        """Which path runs the step, for the logs: eager, or replayed from a CUDA graph."""
+        return "eager" if self.graphs is None else self.graphs.describe()
+
+    def clear(self) -> None:
+        self._inputs: dict = {}
+        self._handle = self._flags = self._seg = None
+
+    def gradient_views(self, dtype: torch.dtype, device) -> dict:
+        """{name: the layer's view of the flat gradient buffer} (made on first use, or for another
+        dtype or device): where gradients should land."""
+        if self.grad is None or self.grad.dtype != dtype or self.grad.device != torch.device(device):
+            self.grad = torch.zeros(self.frame.n, dtype=dtype, device=device)
+            self.views = dict(zip(self.names, self.frame.views(self.grad)))
+        return self.views
+
+    # -- the step ----------------------------------------------------------------------------
+    def add(self, layer, grad: torch.Tensor, st: StepState) -> None:
+        self._inputs[layer.name] = grad
+        if len(self._inputs) == len(self.layers):
+            with self.stats.timer("select", "sparse"):
+                payload = self._run(st)
+            self._handle = self.comm.allgather_async(payload, name=self.name,
+                                                     sizes=[payload.numel()] * self.comm.size)        # 4.
+
+    def _run(self, st: StepState) -> torch.Tensor:
+        grad = self._load([self._inputs[n] for n in self.names], st.grad_scale)                       # 0.
+        seg, figures, layer_figures = self._layout(st.step)
+        if self.memory is not None:
+            self.memory.ready(grad.device)
+            self.memory.written = True
+        args = (seg, grad, st.step)
+        if self.policy.observes(st.step):   # the budget's statistics: an eager step that shows x
+            payload, flags = self._device_step(*args, observe=True)
+        else:
+            payload, flags = self._replayed(args, seg, st.step)
+        self._seg, self._flags = seg, flags
+        self.stats.add_many(figures)
+        self.stats.layers.update(layer_figures)
+        return payload
+
+    def _load(self, grads: list, scale) -> torch.Tensor:
+        """Step 0: the gradients in ``self.grad``; those that landed there are not copied, the others
+        in one ``torch._foreach_copy_``. With a GradScaler's scale or local clipping the buffer is
+        fp32 and both apply here."""
+        same = all(g.dtype == grads[0].dtype for g in grads) and scale is None and self.clip is None
+        views = self.gradient_views(grads[0].dtype if same else torch.float32, grads[0].device)
+        moves = [(views[n], g) for n, g in zip(self.names, grads) if g.data_ptr() != views[n].data_ptr()]
+        if moves:
+            torch._foreach_copy_([v for v, _ in moves], [g.detach().reshape(-1) for _, g in moves])
+        if scale is not None:   # residuals and the wire keep unscaled values
+            self.grad.div_(scale)
+        if self.clip is not None:    # a factor of 1.0 leaves the values bit for bit
+            for v in views.values():
+                v.mul_((self.clip / v.norm().clamp(min=1e-30)).clamp(max=1.0))
+        return self.grad
+
+    def _replayed(self, args: tuple, seg: Segments, step: int) -> tuple:
+        """Steps 1-4 replayed from this layout's CUDA graph, captured now if it is due, or eagerly."""
+        if self.graphs is None:
+            return self._device_step(*args)
+        key = self._key(seg, step)
+        out = self.graphs.replay(key)
+        if out is None and self.graphs.due(key):
+            out = self.graphs.capture(self._device_step, args, key)
+        return out if out is not None else self._device_step(*args)
+
+    def _device_step(self, seg: Segments, grad: torch.Tensor, step: int, observe: bool = False) -> tuple:
+        """Steps 1-4 as device work only (what a CUDA graph captures): (payload, per-layer flags)."""
+        sign, m = self.codec.sign(step), self.memory
+        if m is None:   # no error feedback: x is the gradient itself, and nothing is updated
+            x, hist, velocity = grad.float(), None, None
+        else:                                                                                         # 1.
+            r, u = m.pairs["r"], m.pairs.get("u")
+            extra = {} if u is None else {"velocity": u.cur, "velocity_out": u.spare, "momentum": m.momentum,
+                                          "nesterov": m.nesterov}
+            hist = rs.compensate(seg, r.cur, grad, r.spare, sign=sign, backend=self.backend, **extra)
+            x, velocity = r.spare, (u.spare if u is not None and m.masking else None)
+        if observe:
+            self.policy.observe(list(self.layers), seg.views(x), step, [self.views[n] for n in self.names])
+        sel = rs.select(seg, x, sign=sign, mean=self.codec.mean, hist=hist, index_dtype=torch.int32,          # 2.-3.
+                        value_dtype=self.codec.value_dtype, update=m is not None, velocity=velocity,
+                        backend=self.backend)
+        flag = sel.nonfinite.sum(dtype=torch.int32).reshape(1)
+        return pack([sel.positions, sel.means if self.codec.mean else sel.values, flag], grad.device)[1], \
+            sel.nonfinite
+
+    def _key(self, seg: Segments, step: int) -> tuple:
+        """What a captured step depends on besides its inputs' values: the layout, the kept sign and
+        which buffers are current (they swap at every commit)."""
+        pairs = () if self.memory is None else tuple(p.cur.data_ptr() for p in self.memory.pairs.values())
+        return seg.serial, self.codec.sign(step), pairs, self.grad.data_ptr()
+
+    def _layout(self, step: int) -> tuple:
+        """This step's layout and its per-step figures, built once per layout (``policy.layout_key``
+        changes whenever some layer's k may have)."""
+        key = self.policy.layout_key(step)
+        got = self._layouts.get(key)
+        if got is None:
+            seg = Segments([l.numel for l in self.layers], [l.k for l in self.layers], align=VECTOR)
+            got = self._layouts[key] = (seg, *self._figures(seg))
+            if len(self._layouts) > MAX_LAYOUTS:   # a budget policy picks new k's every few steps
+                self._layouts.pop(next(iter(self._layouts)))
+        return got
+
+    def _figures(self, seg: Segments) -> tuple:
+        """One step's bytes by kind and its per-layer figures at this layout (the same every step)."""
+        scratch = CommStats()
+        kinds = self.codec.kinds
+        for layer, k in zip(self.layers, seg.ks):
+            second = torch.empty(1 if self.codec.mean else k, dtype=self.codec.value_dtype, device="meta")
+            account(scratch, layer, Message([torch.empty(k, dtype=torch.int32, device="meta"), second], kinds,
+                                            selected=k, k=k))
+        scratch.add_bytes({"scalars": 4})   # the bucket's count of non-finite layers
+        return dict(scratch.step), scratch.layers
+
+    def _counts(self, seg: Segments) -> list:
+        return [seg.k_total, len(seg) if self.codec.mean else seg.k_total, 1]
+
+    # -- finish ----------------------------------------------------------------------------------
+    def finish(self, into: dict, apply: dict) -> Arrived:
+        """1. every rank's message, cut by the sizes known in advance; 2. layers to apply to the
+        weights become updates; 3. the rest decoded in rank order into ``self.grad`` (fp32), whose
+        views are the averages (the Horovod adapter's ``.grad``: nothing is copied)."""
+        seg, size = self._seg, self.comm.size
+        with self.stats.timer("communicate", "allgather"):
+            per_rank = unpack_fixed(self.comm.wait(self._handle), self._counts(seg), self.dtypes, size)    # 1.
+        with self.stats.timer("decompress", "allgather"):
+            got = Arrived(flags=torch.cat([p[-1] for p in per_rank]))
+            exact = size & (size - 1) == 0
+            alpha = 1.0 / size if exact else 1.0
+            if any(n in apply for n in self.names):                                                  # 2.
+                self._updates(seg, per_rank, into, apply, exact, got)
+            else:                                                                                    # 3.
+                flat = self.grad if self.grad.dtype == torch.float32 else \
+                    self.buffers.get(("planned", self.index), self.frame.n, torch.float32, self.grad.device)
+                pos = per_rank[0][0][None] if size == 1 else torch.stack([p[0] for p in per_rank])
+                second = per_rank[0][1][None] if size == 1 else torch.stack([p[1] for p in per_rank])
+                wire = {"means": second} if self.codec.mean else {"values": second}
+                rs.decode_add(seg, flat.zero_(), pos, alpha=alpha, backend=self.backend, **wire)
+                if not exact:
+                    flat.div_(size)
+                got.averages.update(zip(self.names, self.frame.views(flat)))
+        return got
+
+    def _updates(self, seg: Segments, per_rank: list, into: dict, apply: dict, exact: bool, got: Arrived) -> None:
+        """Layer by layer: updates for the applied layers, decodes into zeroed buffers for the rest."""
+        k, alpha = seg.kofs, 1.0 / self.comm.size if exact else 1.0
+        out = {l.name: self.buffers.zeroed(l, into) for l in self.layers if l.name not in apply}
+        for pos, second, _ in per_rank:
+            for i, layer in enumerate(self.layers):
+                part = [pos[k[i]:k[i + 1]], second[i:i + 1] if self.codec.mean else second[k[i]:k[i + 1]]]
+                if layer.name in apply:
+                    got.updates.append((layer, part, -apply[layer.name][1] / self.comm.size))
+                else:
+                    self.codec.decode_add(out[layer.name], part, layer, alpha)
+        if not exact:
+            for t in out.values():
+                t.div_(self.comm.size)
+        got.averages.update(out)
+
+    def flagged(self) -> list:
+        if self._flags is None:
+            return []
+        return [n for n, bad in zip(self.names, self._flags.tolist()) if bad]
