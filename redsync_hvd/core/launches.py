@@ -25,7 +25,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _NO_KERNEL = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty",
               "aten::new_empty_strided", "aten::lift_fresh", "aten::detach", "aten::alias",
               "aten::_local_scalar_dense", "aten::is_nonzero", "aten::sym_size", "aten::sym_stride",
-              "aten::sym_numel", "aten::sym_storage_offset"}
+              "aten::sym_numel", "aten::sym_storage_offset",
+              # the optimizer's profiler ranges: bookkeeping on the host
+              "profiler::_record_function_enter_new", "profiler::_record_function_exit"}
 
 
 def _inside_triton() -> bool:

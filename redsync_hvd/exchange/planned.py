@@ -142,7 +142,7 @@ class PlannedBucket:
         return "eager" if self.graphs is None else self.graphs.describe()
 
     def clear(self) -> None:
-        self._inputs: dict = {}
+        self._grads, self._moves, self._dtypes = [], [], set()
         self._handle = self._flags = self._seg = None
 
     def gradient_views(self, dtype: torch.dtype, device) -> dict:
@@ -155,15 +155,20 @@ class PlannedBucket:
 
     # -- the step ----------------------------------------------------------------------------
     def add(self, layer, grad: torch.Tensor, st: StepState) -> None:
-        self._inputs[layer.name] = grad
-        if len(self._inputs) == len(self.layers):
+        """A layer's gradient: noted only where it did not land in ``self.grad`` (step 0 copies it)."""
+        view = self.views.get(layer.name)
+        if view is None or grad.data_ptr() != view.data_ptr() or grad.dtype != view.dtype:
+            self._moves.append((layer.name, grad))
+        self._dtypes.add(grad.dtype)
+        self._grads.append((layer.name, grad))
+        if len(self._grads) == len(self.layers):
             with self.stats.timer("select", "sparse"):
                 payload = self._run(st)
             self._handle = self.comm.allgather_async(payload, name=self.name,
                                                      sizes=[payload.numel()] * self.comm.size)        # 4.
 
     def _run(self, st: StepState) -> torch.Tensor:
-        grad = self._load([self._inputs[n] for n in self.names], st.grad_scale)                       # 0.
+        grad = self._load(st.grad_scale)                                                              # 0.
         seg, figures, layer_figures = self._layout(st.step)
         if self.memory is not None:
             self.memory.ready(grad.device)
@@ -178,15 +183,19 @@ class PlannedBucket:
         self.stats.layers.update(layer_figures)
         return payload
 
-    def _load(self, grads: list, scale) -> torch.Tensor:
+    def _load(self, scale) -> torch.Tensor:
         """Step 0: the gradients in ``self.grad``; those that landed there are not copied, the others
-        in one ``torch._foreach_copy_``. With a GradScaler's scale or local clipping the buffer is
-        fp32 and both apply here."""
-        same = all(g.dtype == grads[0].dtype for g in grads) and scale is None and self.clip is None
-        views = self.gradient_views(grads[0].dtype if same else torch.float32, grads[0].device)
-        moves = [(views[n], g) for n, g in zip(self.names, grads) if g.data_ptr() != views[n].data_ptr()]
-        if moves:
-            torch._foreach_copy_([v for v, _ in moves], [g.detach().reshape(-1) for _, g in moves])
+        (``add`` noted them) in one ``torch._foreach_copy_``. With a GradScaler's scale or local
+        clipping the buffer is fp32 and both apply here."""
+        dtype = next(iter(self._dtypes)) if len(self._dtypes) == 1 and scale is None and self.clip is None \
+            else torch.float32
+        device = self._moves[0][1].device if self._moves else self.grad.device
+        if self.grad is None or self.grad.dtype != dtype or self.grad.device != torch.device(device):
+            self.gradient_views(dtype, device)
+            self._moves = self._grads   # a new buffer: every gradient is copied in
+        views = self.views
+        if self._moves:
+            torch._foreach_copy_([views[n] for n, _ in self._moves], [g.detach().reshape(-1) for _, g in self._moves])
         if scale is not None:   # residuals and the wire keep unscaled values
             self.grad.div_(scale)
         if self.clip is not None:    # a factor of 1.0 leaves the values bit for bit
@@ -279,7 +288,7 @@ class PlannedBucket:
                 rs.decode_add(seg, flat.zero_(), pos, alpha=alpha, backend=self.backend, **wire)
                 if not exact:
                     flat.div_(size)
-                got.averages.update(zip(self.names, self.frame.views(flat)))
+                got.averages.update(self.views if flat is self.grad else zip(self.names, self.frame.views(flat)))
         return got
 
     def _updates(self, seg: Segments, per_rank: list, into: dict, apply: dict, exact: bool, got: Arrived) -> None:
