@@ -10,8 +10,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from redsync_hvd.config import RunConfig
-from redsync_hvd.config.compression import _METHODS, MOVED, SHORTHANDS, BudgetConfig, CompressionConfig, LayerOverride
+from redsync_hvd.config import RunConfig, registry
+from redsync_hvd.config.compression import MOVED, SHORTHANDS, BudgetConfig, CompressionConfig, LayerOverride
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
@@ -78,7 +78,8 @@ def _compression() -> list[str]:
              + ".", ""]
     groups: dict = {}
     by_class: dict = {}
-    for method, cls in sorted(_METHODS.items()):
+    for method in registry.method_names():
+        cls = registry.config_class(method)
         by_class.setdefault(cls, []).append(method)
     for cls, methods in by_class.items():
         method = methods[0]

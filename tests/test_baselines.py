@@ -7,11 +7,11 @@ from launch import run_torch_script
 from pydantic import ValidationError
 
 from redsync_hvd.comm import LocalCommunicator
-from redsync_hvd.compressors import COMPRESSORS
 from redsync_hvd.compressors.base import Layer
 from redsync_hvd.compressors.powersgd import PowerSGDCompressor, PowerSGDConfig, gram_schmidt, orthogonalize
 from redsync_hvd.compressors.qsgd import QSGDCompressor, QSGDConfig, levels, rounding_seed
 from redsync_hvd.compressors.signsgd import SignSGDCompressor, SignSGDConfig
+from redsync_hvd.config.registry import METHODS as COMPRESSORS
 from redsync_hvd.core import bitpack
 
 

@@ -266,7 +266,7 @@ def test_probe_compute_measures_selection_cost_and_feeds_the_policy():
     )
     net = Network(1e-5, 1.25e8)   # 10 us, 1 Gbit/s: dense costs ~32 ns per element at N=2
     for c1, expect in ((1e-12, True), (1e-6, False)):   # cheap selection pays, dear does not
-        policy = LayerPolicy(cfg)
+        policy = LayerPolicy(cfg, build_compressor(cfg)[0])
         policy.compute = ComputeModel(select_c1=c1)
         layer = Layer("w", (1 << 20,), 1 << 20, 0)
         policy.setup([layer], 2, net)
@@ -290,7 +290,7 @@ def test_policy_weighs_a_layer_against_its_share_of_the_fused_dense_allreduce():
     assert cm.decide(20000, 0.001, 2, net, compute=free) and not cm.decide(20000, 0.001, 2, net, fused=True,
                                                                             compute=free)
     for n, expect in ((20000, False), (1 << 22, True)):
-        policy = LayerPolicy(cfg)
+        policy = LayerPolicy(cfg, build_compressor(cfg)[0])
         policy.compute = free
         layer = Layer("w", (n,), n, 0)
         policy.setup([layer], 2, net)
@@ -313,7 +313,7 @@ def test_policy_prices_the_dense_alternative_at_fp16_when_dense_layers_travel_as
     for dense_values, expect in (("fp32", True), ("fp16", False)):
         _, cfg = build_compressor({"method": "redsync", "density": 0.001, "policy": {
             "mode": "cost_model", "min_compress_numel": 0, "dense_values": dense_values}})
-        policy = LayerPolicy(cfg)
+        policy = LayerPolicy(cfg, build_compressor(cfg)[0])
         policy.compute = free
         layer = Layer("w", (n,), n, 0)
         policy.setup([layer], 2, net)

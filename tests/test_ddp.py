@@ -11,8 +11,8 @@ import torch.distributed as dist
 from launch import REPO, plain, run_torch_script, summary, train
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from redsync_hvd.compressors import COMPRESSORS
 from redsync_hvd.config import load_config
+from redsync_hvd.config.registry import METHODS as COMPRESSORS
 
 
 def test_communicator_uneven_allgather_and_every_collective():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from redsync_hvd.comm import LocalCommunicator
-from redsync_hvd.compressors import COMPRESSORS
+from redsync_hvd.config.registry import METHODS as COMPRESSORS
 from redsync_hvd.engine import MomentumSpec, build_exchange
 from redsync_hvd.torch import DistributedOptimizer
 from redsync_hvd.torch.params import layers_of

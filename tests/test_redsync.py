@@ -151,7 +151,7 @@ def test_cost_model_policy_compresses_only_where_it_pays():
         {"method": "redsync", "density": 0.001, "policy": {"mode": "cost_model", "min_compress_numel": 0}}
     )
     sizes = [64, 4096, 1 << 20, 1 << 24]
-    slow, fast = LayerPolicy(cfg), LayerPolicy(cfg)
+    slow, fast = (LayerPolicy(cfg, build_compressor(cfg)[0]) for _ in range(2))
     slow.setup([layer(n, 1, f"l{n}") for n in sizes], size=8, network=Network(alpha=1e-4, bandwidth=1.25e7))
     fast.setup([layer(n, 1, f"l{n}") for n in sizes], size=8, network=Network(alpha=1e-6, bandwidth=1e14))
     assert [d["compressed"] for d in slow.decisions][-2:] == [True, True]     # big layers on a slow link
@@ -351,7 +351,6 @@ def test_dense_values_fp16_halves_the_dense_layers_bytes_and_rounds_only_them(me
     is the one an fp32 run sends, an Inf or NaN in a dense layer still fails the step, and a
     budget counts the dense layers at 2 bytes."""
     from redsync_hvd.exchange import NonFiniteGradientError
-    from redsync_hvd.policy.budget import Budget
     gen = torch.Generator().manual_seed(3)
     grads = [{"bias": torch.randn(10, generator=gen) / 3, "w": torch.randn(5000, generator=gen)} for _ in range(3)]
 
@@ -387,7 +386,8 @@ def test_dense_values_fp16_halves_the_dense_layers_bytes_and_rounds_only_them(me
     for values in ("fp32", "fp16"):
         _, cfg = build_compressor({"method": "redsync", "density": 0.01, "selection": {"method": "radix"}, "policy": {
             "mode": "budget", "min_compress_numel": 100, "dense_values": values, "budget": {"bytes_per_step": 2000}}})
-        policy, budget_layers = LayerPolicy(cfg), layers()
+        policy, budget_layers = LayerPolicy(cfg, build_compressor(cfg)[0]), layers()
         policy.setup(budget_layers, size=2)
-        budgets[values] = Budget(cfg, budget_layers, {}, lambda: 0).capacity
+        policy.start_budget(budget_layers, 4)
+        budgets[values] = policy.budget.capacity
     assert budgets["fp16"] - budgets["fp32"] == 2 * 10                 # the bytes fp16 frees go to w

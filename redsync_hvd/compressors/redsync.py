@@ -28,6 +28,7 @@ from ..core.golomb import expected_bits
 from ..core.selection import SelectionState, scan_request, select_topk
 from .base import Compressor, Layer, Message, Wire
 from .codec import VALUE_DTYPES, MessageCodec
+from .exact_k import ExactKCompressor
 
 CAPACITY = 2   # a capped message's positions per layer, in units of k (``bucket_capacity``)
 
@@ -145,3 +146,11 @@ def golomb_bytes(k: int, numel: int) -> int:
     """Expected bytes of k Golomb-Rice coded positions among numel (``core/golomb.py``)."""
     p = min(max(k / max(numel, 1), 1e-12), 1 - 1e-12)
     return math.ceil(k * expected_bits(p) / 8)
+
+
+def build(config, comm=None) -> Compressor:
+    """RedSync's compressor for ``config``: exactly k per layer of a bucket on the device
+    (``selection.method: radix``, exact_k.py), else the per-layer selections here."""
+    if config.selection.method == "radix":
+        return ExactKCompressor(config, comm)
+    return RedSyncCompressor(config, comm)

@@ -1,15 +1,14 @@
-"""The incumbent baselines' configs (compressors/powersgd.py, signsgd.py, qsgd.py), registered
-beside the project's own methods so every adapter and engine takes them by name."""
+"""The incumbent baselines' configs (compressors/powersgd.py, signsgd.py, qsgd.py), in the method
+registry (registry.py) beside the project's own, so every adapter and engine takes them by name."""
 from __future__ import annotations
 
 from typing import Literal
 
 from pydantic import ConfigDict, Field
 
-from .compression import CompressionConfig, register_method
+from .compression import CompressionConfig
 
 
-@register_method("powersgd")
 class PowerSGDConfig(CompressionConfig):
     """PowerSGD: each matrix as a rank-r product P Q^T, two allreduces per layer, error feedback."""
     model_config = ConfigDict(extra="forbid")
@@ -46,7 +45,6 @@ class PowerSGDConfig(CompressionConfig):
         return self.residual
 
 
-@register_method("signsgd")
 class SignSGDConfig(CompressionConfig):
     """EF-signSGD: one bit per element plus one scale per layer, with error feedback."""
     model_config = ConfigDict(extra="forbid")
@@ -62,7 +60,6 @@ class SignSGDConfig(CompressionConfig):
         return self.residual
 
 
-@register_method("qsgd")
 class QSGDConfig(CompressionConfig):
     """QSGD: s-level stochastic rounding per bucket, unbiased; norms plus packed codes by allgather."""
     model_config = ConfigDict(extra="forbid")

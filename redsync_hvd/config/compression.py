@@ -18,11 +18,11 @@ is refused with the name it moved to.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-_METHODS: dict[str, type["MethodConfig"]] = {}
+from . import registry
 
 Selection = Literal["exact", "trimmed", "tbs", "sampled"]          # per layer (core/selection.py)
 SelectionMethod = Literal["exact", "trimmed", "tbs", "sampled", "radix"]   # radix: by bucket only
@@ -57,15 +57,8 @@ def expand_shorthands(section: dict) -> dict:
     return out
 
 
-def register_method(name: str) -> Callable[[type], type]:
-    def deco(cls: type) -> type:
-        _METHODS[name] = cls
-        return cls
-    return deco
-
-
 def method_names() -> list[str]:
-    return sorted(_METHODS)
+    return registry.method_names()
 
 
 def check_density(value: float, field: str = "density") -> float:
@@ -337,12 +330,10 @@ class CompressionConfig(MethodConfig):
         return self
 
 
-@register_method("none")
 class NoneConfig(CompressionConfig):
     """Dense fp32 allreduce (Horovod's default): the baseline everything is compared to."""
 
 
-@register_method("fp16")
 class FP16Config(CompressionConfig):
     """Dense allreduce in half precision: 2x fewer bytes, no residual."""
 
@@ -420,7 +411,6 @@ class AllgatherConfig(ResidualConfig):
         return self
 
 
-@register_method("topk")
 class TopKConfig(AllgatherConfig):
     """Exact top-k by magnitude (torch.topk), sent as (int32 index, fp32 value) pairs over allgather."""
 
@@ -428,13 +418,11 @@ class TopKConfig(AllgatherConfig):
         return None
 
 
-@register_method("randomk")
 class RandomKConfig(ResidualConfig):
     """k random positions drawn from a seed shared by all ranks, so only values travel, by allreduce."""
     seed: int = Field(0, description="shared seed; the positions change every step")
 
 
-@register_method("redsync")
 class RedSyncConfig(AllgatherConfig):
     """RedSync: residual gradient compression with fast selection and quantised messages.
     See docs/redsync.md for each knob's trade-off."""
@@ -491,7 +479,6 @@ class RedSyncConfig(AllgatherConfig):
         return self
 
 
-@register_method("iwp")
 class IWPConfig(ResidualConfig):
     """Importance-weighted pruning (Cheng & Xu): a leader picks the top |residual|/(|w|+eps)
     positions, broadcasts them, and every rank's values there are summed by one plain allreduce."""
@@ -516,7 +503,6 @@ class IWPConfig(ResidualConfig):
         return self
 
 
-@register_method("sbc")
 class SBCConfig(ResidualConfig):
     """Sparse Binary Compression (Sattler et al.): n local steps, then the accumulated model
     delta plus residual is sparsified, binarised (one mean, one sign) and its positions
@@ -575,8 +561,6 @@ class DecentralizedConfig(MethodConfig):
 
 
 DECENTRALIZED = ("dcd", "ecd", "dpsgd", "naive")
-for _name in DECENTRALIZED:
-    register_method(_name)(DecentralizedConfig)
 
 
 # -- parsing ------------------------------------------------------------------------------
@@ -588,9 +572,9 @@ def parse_compression(value: Any) -> MethodConfig:
     if not isinstance(value, dict):
         raise ValueError(f"compression must be a mapping like {{'method': 'topk', 'density': 0.01}}, got {value!r}")
     method = value.get("method", "none")
-    if method not in _METHODS:
+    if method not in registry.METHODS:
         raise ValueError(f"compression.method={method!r} is unknown; choose one of {method_names()}")
-    cls = _METHODS[method]
+    cls = registry.config_class(method)
     moved = [k for k in value if k in MOVED and k not in cls.model_fields]
     if moved:
         raise ValueError("; ".join(f"compression.{k} moved to compression.{MOVED[k]} "

@@ -130,7 +130,7 @@ def build_exchange(compression: Any, layers: list, comm, *, framework: str = "to
                              "decay move into the memory), or set dgc: {momentum_correction: false}")
         momentum = take_momentum()
     memory = build_memory(config, momentum, fuse)
-    policy = LayerPolicy(config)                                                    # 5.
+    policy = LayerPolicy(config, compressor)                                        # 5.
     if config.policy.decisions is not None:
         network, policy.compute = pin(policy, config, comm)
     else:

@@ -36,7 +36,7 @@ def _fastest(numel: int, device, size: int, repeats: int) -> float:
     comp, cfg = build_compressor({"method": "redsync", "density": 0.001, "selection": "tbs",
                                   "policy": {"min_compress_numel": 0}, "dgc": {"momentum_correction": False}}, comm)
     layer = Layer("probe", (numel,), numel, 0, torch.device(device))
-    ex = GradientExchange([layer], comp, comm, LayerPolicy(cfg), ResidualMemory())
+    ex = GradientExchange([layer], comp, comm, LayerPolicy(cfg, comp), ResidualMemory())
     g = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(device)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     times = []

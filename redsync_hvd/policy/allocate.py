@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -55,16 +56,11 @@ class Cost:
         return self.per_element * k + self.fixed
 
 
-def message_cost(config, quantize: str | None = None) -> Cost:
-    """What the compressor puts on the wire per layer (compressors/redsync.py, topk.py, exact_k.py):
-    int32 positions, and fp32/fp16 values or one fp32 mean (``quantize``: a layer's own, else
-    the config's); without ``selection.method: radix`` the bucket header carries two int32
-    counts per layer."""
-    quantize = quantize or getattr(getattr(config, "message", None), "quantize", "none")
-    header = 0 if getattr(getattr(config, "selection", None), "method", None) == "radix" else 8
-    if quantize == "sign_mean":
-        return Cost(4, 4 + header)
-    return Cost(4 + (2 if quantize == "fp16" else 4), header)
+def message_cost(bytes_at: Callable[[int], float]) -> Cost:
+    """A layer's message bytes as a line in k, from what its compressor says it sends at k = 1 and
+    k = 2 (``bytes_at``: ``Compressor.wire(...).nbytes()``, the bucket's header of counts included)."""
+    one, two = bytes_at(1), bytes_at(2)
+    return Cost(int(two - one), int(2 * one - two))
 
 
 def density_of(numel: int, k: int) -> float:

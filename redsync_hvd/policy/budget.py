@@ -39,13 +39,14 @@ from .allocate import (
     grid_size,
     layer_curve,
     magnitude_curve,
-    message_cost,
 )
 
 
 class Budget:
     def __init__(self, config, layers: list, own_density: dict, warmup_steps: Callable[[], int],
-                 pinned: dict | None = None, quantize: dict | None = None, control_bytes: int = 4):
+                 pinned: dict | None = None, messages: dict | None = None, control_bytes: int = 4):
+        """``messages``: {layer name: (its message's Cost, whether it is one sign and one mean)}, from
+        the compressor (``LayerPolicy.start_budget``)."""
         b = config.policy.budget
         self.method, self.every, self.spread, self.response = b.method, b.every, b.spread, b.response
         self.objective = b.objective
@@ -54,10 +55,9 @@ class Budget:
             raise ValueError("policy.mode=budget has no layer to share the budget between: no layer is compressed "
                              "or every compressed one has a density of its own (policy.layers[].density); "
                              "use policy.mode: static")
-        quantize = quantize or {}
-        cost_of = {l.name: message_cost(config, quantize.get(l.name)) for l in layers}
+        cost_of = {name: cost for name, (cost, _) in messages.items()}
         self.costs = [cost_of[l.name] for l in self.shared]
-        self.sign_means = [_quantize(config, quantize.get(l.name)) == "sign_mean" for l in self.shared]
+        self.sign_means = [messages[l.name][1] for l in self.shared]
         self.width = grid_size(self.spread)
         self.stats_bytes = len(self.shared) * (4 * self._row_len() + 8) if self.every else 0
         dense_each = 2 if config.policy.dense_values == "fp16" else 4
@@ -197,10 +197,6 @@ class Budget:
         self.history = [dict(h) for h in state.get("history", [])]
         self.revision = int(state.get("revision", 0))
         self._set([int(state["k"][n]) for n in names], 0, None)
-
-
-def _quantize(config, override: str | None) -> str:
-    return override or getattr(getattr(config, "message", None), "quantize", "none")
 
 
 def log_lines(record: dict, since: int = 0) -> list:

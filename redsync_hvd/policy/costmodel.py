@@ -273,6 +273,50 @@ def predict_layer(n: int, density: float, N: int, net: Network, method: str = "s
                      comm_time(n, density, N, net, m, allgather, aggregation), dec, dense)
 
 
+def predict_message(n: int, wire, collective: str, N: int, net: Network, compute: ComputeModel | None = None,
+                    allgather: str = "ring", aggregation: str = "allgather") -> LayerCost:
+    """Predicted cost of one compressed layer of n elements whose message is ``wire`` (what its
+    compressor says it sends: ``Compressor.wire``, duck-typed here) over ``collective``: select,
+    the collective of the message (allgather of every rank's, or allreduce of the same-shaped ones;
+    the sparse reduce-scatter where ``aggregation`` says so and the message is position-value pairs
+    or sign-mean), the compressor's own collectives (``wire.extra``: a broadcast, an allreduce),
+    and the decode of what arrived (every rank's k, or the one averaged message)."""
+    fmt = scatter_format(wire)
+    k = int(wire.counts[0]) if wire.counts else 0
+    if aggregation == "auto":   # the cheaper path, as the exchange's auto picks per bucket
+        return min((predict_message(n, wire, collective, N, net, compute, allgather, a)
+                    for a in ("allgather", "sparse_reduce_scatter")), key=lambda c: c.total_s)
+    cm = compute or ComputeModel()
+    dense = ring_allreduce(N, dense_bytes(n), net)
+    message = wire.nbytes(max(N, 1)) - sum(b / max(N, 1) if kind == "broadcast" else b for kind, b in wire.extra)
+    if N <= 1:
+        return LayerCost("wire", n, k, wire.nbytes(1), 0.0, 0.0, 0.0, dense)
+    sel, dec = cm.select_c0 + cm.select_c1 * n, cm.decompress_c0 + cm.decompress_c1 * k
+    if collective == "allreduce":
+        comm = ring_allreduce(N, message, net)
+    elif aggregation == "sparse_reduce_scatter" and fmt in REDUCE_SCATTER_METHODS:
+        comm, dec = reduce_scatter_time([(n, k / n, fmt)], N, net, allgather), 2 * cm.decompress_c0 + 3 * k * \
+            cm.decompress_c1
+    else:
+        gather = ring_allgather if allgather == "ring" else recursive_doubling_allgather
+        comm, dec = gather(N, message, net), cm.decompress_c0 + cm.decompress_c1 * N * k
+    for kind, nbytes in wire.extra:
+        comm += tree_broadcast(N, nbytes, net) if kind == "broadcast" else ring_allreduce(N, nbytes, net)
+    return LayerCost("wire", n, k, wire.nbytes(N), sel, comm, dec, dense)
+
+
+def scatter_format(wire) -> str:
+    """The message format of ``wire`` as the reduce-scatter's pricing knows it: position-value pairs
+    (fp32 or fp16 values), or positions with one mean (sign-mean); "golomb" for anything else
+    (it travels by allgather only)."""
+    dtypes = [str(d).replace("torch.", "") for d in wire.dtypes]
+    if tuple(wire.kinds) == ("indices", "scalars") and wire.counts[-1] == 1:
+        return "sign_mean"
+    if tuple(wire.kinds) == ("indices", "values"):
+        return "pairs_fp16" if dtypes[-1] == "float16" else "pairs"
+    return "golomb"
+
+
 def decide(n: int, density: float, N: int, net: Network, method: str = "sign_mean",
            fused: bool = False, **kw) -> bool:
     """Compress this layer? True iff the compressed path's predicted time is below

@@ -29,13 +29,17 @@ import fnmatch
 import math
 
 from ..config.compression import CompressionConfig, ResidualConfig
+from .allocate import density_of, message_cost
 from .budget import Budget
-from .costmodel import Network, choose_aggregation, fused_dense_share, predict_layer
+from .costmodel import Network, choose_aggregation, fused_dense_share, predict_message, scatter_format
 
 
 class LayerPolicy:
-    def __init__(self, config: CompressionConfig):
-        self.config = config
+    """``compressor``: what the layers compressed by the method send (its ``wire``), which the cost
+    model and the byte budget price; None where neither runs (``policy.mode: static``)."""
+
+    def __init__(self, config: CompressionConfig, compressor=None):
+        self.config, self.compressor = config, compressor
         self.steps_per_epoch: int | None = None
         self.decisions: list[dict] = []
         self.compute = None   # costmodel.ComputeModel; None: the model's default figures
@@ -94,10 +98,24 @@ class LayerPolicy:
             return
         overrides = {l.name: self._override(l.name) for l in layers}
         own = {n: o.density for n, o in overrides.items() if o is not None and o.density is not None}
-        quantize = {n: getattr(o, "quantize", None) for n, o in overrides.items()}   # a layer's own message
-        self.budget = Budget(self.config, layers, own, self.warmup_steps, self.pinned_record, quantize,
+        messages = {l.name: self._message_cost(l) for l in layers if l.compressed}
+        self.budget = Budget(self.config, layers, own, self.warmup_steps, self.pinned_record, messages,
                              control_bytes)
         self._note_budget()
+
+    def _wire(self, layer, density: float):
+        """What the compressor sends for ``layer`` at ``density``."""
+        if self.compressor is None:
+            raise ValueError("LayerPolicy: pricing layers (policy.mode cost_model or budget, aggregation auto) needs "
+                             "the compressor: LayerPolicy(config, compressor)")
+        return self.compressor.wire(dataclasses.replace(layer, density=density))
+
+    def _message_cost(self, layer) -> tuple:
+        """(the layer's message bytes as a line in k, whether it is one sign and one mean)."""
+        def bytes_at(k: int) -> float:
+            return self._wire(layer, density_of(layer.numel, k)).nbytes(self.size)
+        wire = self._wire(layer, layer.base_density)
+        return message_cost(bytes_at), wire.kinds[-1] == "scalars" and wire.counts[-1] == 1
 
     def _message(self, layer) -> dict:
         """A compressed layer's message format where the method has a choice (RedSync, SBC)."""
@@ -165,8 +183,9 @@ class LayerPolicy:
             self._note_budget()
 
     def _pays(self, layer, size: int, network) -> tuple[bool, str]:
-        pred = predict_layer(layer.numel, layer.base_density, size, network, self.config.wire_format(),
-                             compute=self.compute, aggregation=getattr(self.config, "aggregation", "allgather"))
+        pred = predict_message(layer.numel, self._wire(layer, layer.base_density), self.compressor.collective, size,
+                               network, compute=self.compute,
+                               aggregation=getattr(self.config, "aggregation", "allgather"))
         # a dense layer rides in Horovod's fusion buffer: its marginal cost is the bandwidth
         # term, the latency is paid once for all of them
         dense = fused_dense_share(layer.numel, size, network, self.config.policy.dense_values == "fp16")
@@ -195,7 +214,7 @@ class LayerPolicy:
         network, assumed = self.network, ""
         if network is None:
             network, assumed = Network.from_config(), " (assumed network: 25 us, 10 Gbit/s)"
-        shapes = [(l.numel, l.base_density, self.config.wire_format()) for l in layers]
+        shapes = [(l.numel, l.base_density, scatter_format(self._wire(l, l.base_density))) for l in layers]
         pick, times = choose_aggregation(shapes, self.size, network, self.compute)
         return pick, (f"cost model: allgather {times['allgather'] * 1e3:.3f} ms, sparse_reduce_scatter "
                       f"{times['sparse_reduce_scatter'] * 1e3:.3f} ms for the bucket at N={self.size}{assumed}")

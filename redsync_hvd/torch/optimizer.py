@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import torch
 
 from ..comm import HorovodCommunicator
+from ..compressors.base import Compressor
 from ..config.compression import AllgatherConfig
 from ..engine import build_exchange, parse
 from .decentralized import DecentralizedOptimizer
@@ -252,4 +253,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         return DecentralizedOptimizer(optimizer, named_parameters, config)
     comm = communicator or HorovodCommunicator()
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
-    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, comm)
+    # the parsed config, so the build does not parse it again (a Compressor object as it is)
+    given = compression if isinstance(compression, Compressor) else config
+    return cls(optimizer.param_groups, named_parameters, given, backward_passes_per_step, comm)
