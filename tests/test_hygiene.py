@@ -51,3 +51,94 @@ def test_no_citation_of_documents_outside_the_repository():
                 if pattern.search(line) and "hexdigest" not in line and path.name != "test_hygiene.py":
                     hits.append(f"{path.relative_to(REPO)}:{i}: {line.strip()[:100]}")
     assert not hits, "\n".join(hits[:30])
+
+
+# -- which compressor is this? ---------------------------------------------------------------
+# The answer belongs in the compressor or in the registry (config/registry.py, the method's own
+# config class). Counted outside compressors/ and outside the methods' config classes: an
+# isinstance/type() test against a compressor or method-config class (the bases Compressor and
+# MethodConfig only tell an object from a dict), and a comparison of a ``method`` (attribute, key
+# or .get) or of a method's name with a literal.
+MAX_KIND_BRANCHES = 10
+METHOD_WORDS = {"none", "fp16", "topk", "randomk", "redsync", "iwp", "sbc", "powersgd", "signsgd", "qsgd",
+                "threshold", "dcd", "ecd", "dpsgd", "naive", "radix"}
+
+
+def _classes(folder: str, suffixes: tuple) -> dict:
+    """{class name: [base names]} of the classes under ``folder`` whose names end with ``suffixes``."""
+    out = {}
+    for path in (REPO / "redsync_hvd" / folder).glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name.endswith(suffixes):
+                out[node.name] = [getattr(b, "id", "") for b in node.bases]
+    return out
+
+
+def _method_configs() -> set:
+    configs, found = {**_classes("config", ("Config",)), **_classes("compressors", ("Config",))}, {"MethodConfig"}
+    while True:
+        more = {n for n, bases in configs.items() if set(bases) & found} - found
+        if not more:
+            return found
+        found |= more
+
+
+def _is_method_ref(node) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "method") or \
+        (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value == "method") or \
+        (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+         and bool(node.args) and isinstance(node.args[0], ast.Constant) and node.args[0].value == "method")
+
+
+def _words(node) -> set:
+    items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return {e.value for e in items if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+
+
+def _kind_test(node, kinds: set) -> str | None:
+    if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("isinstance", "issubclass") \
+            and len(node.args) == 2:
+        arg = node.args[1]
+        names = {e.id for e in (arg.elts if isinstance(arg, ast.Tuple) else [arg]) if isinstance(e, ast.Name)}
+        return f"isinstance {sorted(names & kinds)}" if names & kinds else None
+    if isinstance(node, ast.Compare):
+        sides = [node.left, *node.comparators]
+        if any(isinstance(s, ast.Call) and getattr(s.func, "id", None) == "type" for s in sides) \
+                and any(getattr(s, "id", "") in kinds for s in sides):
+            return "type() is"
+        if any(_words(s) & METHOD_WORDS for s in sides) and (any(_is_method_ref(s) for s in sides)
+                                                             or any(_words(s) & {"iwp", "radix", "sbc"} for s in sides)):
+            return "compares a method's name"
+    return None
+
+
+def kind_branches() -> list:
+    configs = _method_configs()
+    kinds = (configs | set(_classes("compressors", ("Compressor",)))) - {"MethodConfig", "Compressor"}
+    hits = []
+    for path in sorted((REPO / "redsync_hvd").rglob("*.py")):
+        if path.parent.name == "compressors":
+            continue
+        tree = ast.parse(path.read_text())
+        own = {id(n) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name in configs for n in ast.walk(c)}
+        for node in ast.walk(tree):
+            why = None if id(node) in own else _kind_test(node, kinds)
+            if why:
+                hits.append(f"{path.relative_to(REPO)}:{node.lineno}: {why}")
+    return hits
+
+
+def test_few_branches_ask_which_compressor_they_hold():
+    hits = kind_branches()
+    assert len(hits) <= MAX_KIND_BRANCHES, "move these answers into the compressor or the registry:\n" + "\n".join(hits)
+    # the check sees what it counts: a branch of each kind, written here, is found
+    probe = ast.parse("isinstance(c, RedSyncCompressor)\nif cfg.method == 'iwp': pass\ntype(c) is NoneConfig")
+    assert sum(_kind_test(n, {"RedSyncCompressor", "NoneConfig"}) is not None for n in ast.walk(probe)) == 3
+
+
+def test_the_compressor_contract_is_small():
+    """GRACE's contract: at most 10 methods on ``Compressor`` besides its constructor."""
+    tree = ast.parse((REPO / "redsync_hvd/compressors/base.py").read_text())
+    base = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "Compressor")
+    methods = [n.name for n in base.body if isinstance(n, ast.FunctionDef) and n.name != "__init__"]
+    assert len(methods) <= 10, methods

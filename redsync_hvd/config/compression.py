@@ -52,7 +52,7 @@ def expand_shorthands(section: dict) -> dict:
     (IWP's selection is a plain choice and stays as it is)."""
     out = dict(section)
     for key, main in SHORTHANDS.items():
-        if isinstance(out.get(key), str) and not (key == "selection" and out.get("method") == "iwp"):
+        if isinstance(out.get(key), str):
             out[key] = {main: out[key]}
     return out
 
@@ -260,6 +260,35 @@ class MethodConfig(BaseModel):
     frameworks: ClassVar[tuple] = ("torch", "tensorflow")
     engines: ClassVar[tuple] = ("horovod", "ddp")
     delayed: ClassVar[bool] = False     # local steps between exchanges: the optimizer owns the timing
+    weighs_by_weights: ClassVar[bool] = False   # the compressor reads the parameters (IWP's |w|)
+    dense_fast_path: ClassVar[bool] = False     # nothing to compress: a DDP hook may use DDP's own reduction
+    per_layer_quantize: ClassVar[bool] = False  # policy.layers[].quantize chooses a layer's message
+
+    # what the engines read of a method's knobs, the same question for every method
+    @property
+    def corrects_momentum(self) -> bool:
+        """DGC's momentum correction: the optimizer's momentum moves into the memory."""
+        return False
+
+    @property
+    def local_clip(self) -> Optional[float]:
+        """DGC's local clipping norm, or None."""
+        return None
+
+    @property
+    def follows_own_lr(self) -> bool:
+        """``residual_lr: own``: residuals are rescaled when the learning rate changes."""
+        return False
+
+    @property
+    def updates_in_step(self) -> bool:
+        """``sparse_update``: compressed layers are decoded into the weights inside step()."""
+        return False
+
+    @property
+    def warmup_schedule(self) -> Optional["WarmupConfig"]:
+        """The density warm-up, where the method has one."""
+        return None
 
     def limits(self) -> str:
         """Why the method runs only where ``frameworks`` and ``engines`` say, for error messages."""
@@ -312,7 +341,7 @@ class CompressionConfig(MethodConfig):
 
     @model_validator(mode="after")
     def _quantize_overrides_are_redsyncs(self):
-        if self.method != "redsync" and any(o.quantize for o in self.policy.layers):
+        if not self.per_layer_quantize and any(o.quantize for o in self.policy.layers):
             raise ValueError(f"policy.layers[].quantize chooses a RedSync message per layer; method {self.method!r} "
                              "has one message format: remove quantize from the override")
         return self
@@ -332,6 +361,7 @@ class CompressionConfig(MethodConfig):
 
 class NoneConfig(CompressionConfig):
     """Dense fp32 allreduce (Horovod's default): the baseline everything is compared to."""
+    dense_fast_path: ClassVar[bool] = True
 
 
 class FP16Config(CompressionConfig):
@@ -369,6 +399,22 @@ class ResidualConfig(CompressionConfig):
     def layer_density(self) -> float:
         return self.density
 
+    @property
+    def corrects_momentum(self) -> bool:
+        return self.dgc.momentum_correction
+
+    @property
+    def local_clip(self) -> Optional[float]:
+        return self.dgc.clip_norm
+
+    @property
+    def follows_own_lr(self) -> bool:
+        return self.residual_lr == "own"
+
+    @property
+    def warmup_schedule(self) -> Optional[WarmupConfig]:
+        return self.warmup
+
 
 _SPARSE_UPDATE = ("PyTorch, plain SGD only: apply each compressed layer's averaged sparse gradient straight to its "
                   "weights inside step(), instead of writing a dense .grad that is almost all zeros and updating "
@@ -395,6 +441,10 @@ class AllgatherConfig(ResidualConfig):
     sparse_update: bool = Field(False, description=_SPARSE_UPDATE)
     aggregation: Literal["allgather", "sparse_reduce_scatter", "auto"] = Field("allgather",
                                                                                 description=_AGGREGATION)
+
+    @property
+    def updates_in_step(self) -> bool:
+        return self.sparse_update
 
     @model_validator(mode="after")
     def _reduce_scatter_needs_pairs(self):
@@ -426,6 +476,7 @@ class RandomKConfig(ResidualConfig):
 class RedSyncConfig(AllgatherConfig):
     """RedSync: residual gradient compression with fast selection and quantised messages.
     See docs/redsync.md for each knob's trade-off."""
+    per_layer_quantize: ClassVar[bool] = True
     density: float = Field(0.001, description="fraction of each compressed layer sent per step, in (0, 1]")
     selection: SelectionConfig = Field(default_factory=SelectionConfig, description="how k elements are found")
     message: MessageConfig = Field(default_factory=MessageConfig, description="what travels")
@@ -488,6 +539,12 @@ class IWPConfig(ResidualConfig):
                                                                           "are needed)")
     policy: PolicyConfig = Field(default_factory=lambda: PolicyConfig(min_compress_numel=4096),
                                  description="which layers compress (min_compress_numel 4096 unless given)")
+    weighs_by_weights: ClassVar[bool] = True
+
+    @field_validator("selection", mode="before")
+    @classmethod
+    def _plain_selection(cls, v):
+        return v.get("method") if isinstance(v, dict) and set(v) == {"method"} else v
 
     @field_validator("policy", mode="before")
     @classmethod

@@ -21,10 +21,8 @@ from typing import Any, Callable, Optional
 
 from ..compressors import Compressor, build_compressor
 from ..config.compression import (
-    AllgatherConfig,
     CompressionConfig,
     MethodConfig,
-    ResidualConfig,
     method_names,
     parse_compression,
 )
@@ -57,8 +55,7 @@ class Built:
 def parse(compression: Any) -> MethodConfig:
     """The config of a dict, a config object or a Compressor (dense fp32 for None)."""
     if isinstance(compression, Compressor):
-        return compression.config if isinstance(compression.config, CompressionConfig) \
-            else parse_compression({"method": "none"})
+        return build_compressor(compression)[1]
     return parse_compression(compression if compression is not None else {"method": "none"})
 
 
@@ -69,13 +66,12 @@ def refuse(config: MethodConfig, framework: str, engine: str) -> None:
         raise UnsupportedMethodError(f"compression.method={config.method!r} {config.limits()}; the {framework} "
                                      f"adapter exchanges gradients. Use framework: torch for {config.method}, or "
                                      f"one of {', '.join(able)}")
-    if isinstance(config, AllgatherConfig) and config.sparse_update and (framework, engine) != ("torch", "horovod"):
+    if config.updates_in_step and (framework, engine) != ("torch", "horovod"):
         where = f"the {framework} adapter" + (f" under engine: {engine}" if engine != "horovod" else "")
         raise ValueError("compression.sparse_update updates the weights inside "
                          f"redsync_hvd.torch.DistributedOptimizer's step(); {where} writes dense averaged "
                          "gradients. Set sparse_update: false")
-    own_lr = isinstance(config, ResidualConfig) and config.residual_lr == "own"
-    if own_lr and (framework, engine) != ("torch", "horovod"):
+    if config.follows_own_lr and (framework, engine) != ("torch", "horovod"):
         raise ValueError("compression.residual_lr: own follows the learning rate of "
                          "redsync_hvd.torch.DistributedOptimizer's param_groups (PyTorch under horovodrun); "
                          f"the {framework} adapter under engine: {engine} does not pass it: set residual_lr: send")
@@ -102,7 +98,7 @@ def check_same_everywhere(comm, config: CompressionConfig, layers: list) -> None
 def build_memory(config: CompressionConfig, momentum: Optional[MomentumSpec], fuse: bool = True):
     if not config.uses_memory:
         return None
-    if isinstance(config, ResidualConfig) and config.dgc.momentum_correction:
+    if config.corrects_momentum:
         return MomentumCorrectionMemory(momentum.momentum, nesterov=momentum.nesterov,
                                         masking=config.dgc.momentum_masking, fuse=fuse)
     return ResidualMemory(fuse=fuse)
@@ -116,14 +112,14 @@ def build_exchange(compression: Any, layers: list, comm, *, framework: str = "to
     config asks for momentum correction; it takes momentum and weight decay out of the optimizer."""
     config = parse(compression)                                                     # 1.
     refuse(config, framework, engine)                                               # 2.
-    if not isinstance(config, CompressionConfig):
+    if config.strategy != "exchange":
         raise ValueError(f"compression.method={config.method!r} {config.limits()}: build it with "
                          "redsync_hvd.torch.DecentralizedOptimizer (DistributedOptimizer does so for you)")
     compressor, config = build_compressor(compression if isinstance(compression, Compressor) else config, comm)
     if agree:
         check_same_everywhere(comm, config, layers)                                 # 3.
     momentum = None
-    if isinstance(config, ResidualConfig) and config.dgc.momentum_correction:       # 4.
+    if config.corrects_momentum:                                                    # 4.
         if take_momentum is None:
             raise ValueError("compression.dgc.momentum_correction keeps the optimizer's momentum in the compression "
                              "memory: pass optimizer=<the optimizer that steps the model> (its momentum and weight "
@@ -137,8 +133,7 @@ def build_exchange(compression: Any, layers: list, comm, *, framework: str = "to
         network = network_for(config, comm)
         if network is not None:
             policy.compute = probe_compute(comm, layers[0].device if layers else "cpu")
-    clip = config.dgc.clip_norm if isinstance(config, ResidualConfig) else None
     exchange = GradientExchange(layers, compressor, comm, policy, memory, check_finite=config.check_finite,  # 6.
-                                fusion_bytes=config.fusion_bytes, clip_norm=clip, network=network,
+                                fusion_bytes=config.fusion_bytes, clip_norm=config.local_clip, network=network,
                                 cuda_graph=config.cuda_graph, **options)
     return Built(exchange, config, momentum)

@@ -28,7 +28,7 @@ import dataclasses
 import fnmatch
 import math
 
-from ..config.compression import CompressionConfig, ResidualConfig
+from ..config.compression import CompressionConfig
 from .allocate import density_of, message_cost
 from .budget import Budget
 from .costmodel import Network, choose_aggregation, fused_dense_share, predict_message, scatter_format
@@ -220,9 +220,9 @@ class LayerPolicy:
                       f"{times['sparse_reduce_scatter'] * 1e3:.3f} ms for the bucket at N={self.size}{assumed}")
 
     def warmup_steps(self) -> int:
-        if not isinstance(self.config, ResidualConfig):
+        w = self.config.warmup_schedule
+        if w is None:
             return 0
-        w = self.config.warmup
         if w.steps:
             return w.steps
         if w.epochs:
@@ -236,7 +236,7 @@ class LayerPolicy:
         """Changes whenever some layer's density may have (a warm-up stage, a budget's choice):
         what a bucket kept flat builds its layout once for."""
         total = self.warmup_steps()
-        stage = math.floor(step / total * self.config.warmup.stages) if total and step < total else -1
+        stage = math.floor(step / total * self.config.warmup_schedule.stages) if total and step < total else -1
         return stage, self.revision
 
     def density(self, layer, step: int) -> float:
@@ -245,7 +245,7 @@ class LayerPolicy:
         final, total = layer.base_density, self.warmup_steps()
         if not total or step >= total:
             return final
-        w = self.config.warmup
+        w = self.config.warmup_schedule
         start = max(w.start_density, final)
         frac = math.floor(step / total * w.stages) / w.stages
         return start * (final / start) ** frac

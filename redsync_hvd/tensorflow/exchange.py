@@ -25,7 +25,6 @@ import torch
 
 from ..comm import HorovodCommunicator
 from ..compressors.base import Layer
-from ..config.compression import ResidualConfig
 from ..engine import MomentumSpec, build_exchange, parse, refuse
 from .dlpack import to_tf, to_torch, torch_device
 
@@ -109,11 +108,11 @@ class TFGradientExchange:
                                # the step: fresh buffers each step
                                reuse_buffers=False)
         self.exchange, self.config = built.exchange, built.config
-        self._needs_params = config.method == "iwp"     # IWP weighs residuals by |w|
+        self._needs_params = config.weighs_by_weights   # IWP weighs residuals by |w|
         self.last_error: BaseException | None = None
 
     def _momentum(self, config, momentum, nesterov):
-        if isinstance(config, ResidualConfig) and config.dgc.momentum_correction and momentum is None:
+        if config.corrects_momentum and momentum is None:
             raise ValueError(
                 "compression.dgc.momentum_correction keeps the optimizer's momentum in the compression memory: "
                 "pass optimizer=<your tf.keras.optimizers.SGD> (its momentum is moved into the memory and set "
@@ -251,7 +250,7 @@ def exchange_for(sources, compression=None, named_variables=None, optimizer=None
         named = resolve_named_variables(named_variables, flat)
         mom, nest = momentum, False
         config = build_for_tf(compression)
-        if optimizer is not None and isinstance(config, ResidualConfig) and config.dgc.momentum_correction:
+        if optimizer is not None and config.corrects_momentum:
             mom, nest = take_momentum(optimizer)
         ex = _CACHE[key] = TFGradientExchange(named, compression, communicator, momentum=mom, nesterov=nest)
     return ex

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 
 import tensorflow as tf
 
-from ..config.compression import ResidualConfig
 from .exchange import TFGradientExchange, build_for_tf, resolve_named_variables
 
 
@@ -75,7 +74,7 @@ def DistributedOptimizer(optimizer, compression=None, named_variables=None, comm
     config = build_for_tf(compression)   # a bad compression dict fails here, before training
     conf = optimizer.get_config()
     momentum, nesterov = None, False
-    if isinstance(config, ResidualConfig) and config.dgc.momentum_correction:
+    if config.corrects_momentum:
         if "momentum" not in conf:
             raise ValueError(f"compression.dgc.momentum_correction=true needs an SGD-type optimizer with a momentum; "
                              f"{type(optimizer).__name__} has none. Set dgc: {{momentum_correction: false}}")

@@ -17,7 +17,6 @@ import tensorflow as tf
 import torch
 
 from ..config import RunConfig
-from ..config.compression import ResidualConfig
 from ..schedule import lr_factor
 from .models import build_keras_model
 
@@ -63,7 +62,7 @@ class TFTrainer:
         variables = [v for _, v in self.named]
         o = cfg.optimizer
         self.lr0 = o.lr * (size if o.scale_lr_by_workers else 1)
-        mc = isinstance(cfg.compression, ResidualConfig) and cfg.compression.dgc.momentum_correction
+        mc = cfg.compression.corrects_momentum
         self.opt = TorchStyleOptimizer(variables, o.name, momentum=0.0 if mc else o.momentum, nesterov=o.nesterov,
                                        weight_decay=0.0 if mc else o.weight_decay)
         self.exchange = rhvd.TFGradientExchange(self.named, cfg.compression.model_dump(),

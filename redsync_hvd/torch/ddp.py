@@ -64,7 +64,6 @@ import torch.distributed as dist
 
 from ..comm.torch_dist import TorchDistCommunicator
 from ..compressors.base import Compressor
-from ..config.compression import NoneConfig
 from ..core.stats import CommStats
 from ..engine import build_exchange, check_same_everywhere, parse, refuse
 from ..exchange import NonFiniteGradientError
@@ -262,7 +261,7 @@ def register(ddp_model, compression=None, process_group=None, optimizer=None) ->
                                  else getattr(ddp_model, "process_group", None))
     named = _reduced_parameters(ddp_model)
     layers = layers_of(named)
-    if type(config) is NoneConfig and not isinstance(compression, Compressor):
+    if config.dense_fast_path and not isinstance(compression, Compressor):
         check_same_everywhere(comm, config, layers)
         state = DDPCompressionState(config, comm, named)
         ddp_model.register_comm_hook(state, _allreduce_hook)

@@ -16,7 +16,6 @@ import torch
 
 from ..comm import HorovodCommunicator
 from ..compressors.base import Compressor
-from ..config.compression import AllgatherConfig
 from ..engine import build_exchange, parse
 from .decentralized import DecentralizedOptimizer
 from .params import check_plain_sgd, layers_of, resolve_names, take_momentum
@@ -34,11 +33,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         built = build_exchange(compression, layers_of(named), comm,
                                take_momentum=lambda: take_momentum(self.param_groups, self._names))
         self._exchange, self.compression_config = built.exchange, built.config
-        if getattr(built.config, "residual_lr", "send") == "own":
+        if built.config.follows_own_lr:
             self._exchange.lr_of = lambda: self.param_groups[0]["lr"]
         self._weight_decay = built.momentum.weight_decay if built.momentum else {}
         config = built.config
-        self._sparse_update = isinstance(config, AllgatherConfig) and config.sparse_update
+        self._sparse_update = config.updates_in_step
         if self._sparse_update:
             check_plain_sgd(self)
         self._passes = {n: 0 for n, _ in named}
