@@ -106,8 +106,8 @@ def _kind_test(node, kinds: set) -> str | None:
         if any(isinstance(s, ast.Call) and getattr(s.func, "id", None) == "type" for s in sides) \
                 and any(getattr(s, "id", "") in kinds for s in sides):
             return "type() is"
-        if any(_words(s) & METHOD_WORDS for s in sides) and (any(_is_method_ref(s) for s in sides)
-                                                             or any(_words(s) & {"iwp", "radix", "sbc"} for s in sides)):
+        named = any(_is_method_ref(s) for s in sides) or any(_words(s) & {"iwp", "radix", "sbc"} for s in sides)
+        if named and any(_words(s) & METHOD_WORDS for s in sides):
             return "compares a method's name"
     return None
 
