@@ -30,7 +30,7 @@ from .base import Compressor, Layer, Message, Wire
 from .codec import VALUE_DTYPES, MessageCodec
 from .exact_k import ExactKCompressor
 
-CAPACITY = 2   # a capped message's positions per layer, in units of k (``bucket_capacity``)
+CAPACITY = 2   # a capped message's positions per layer, in units of k (``Wire.capacity``)
 
 
 class RedSyncCompressor(Compressor):

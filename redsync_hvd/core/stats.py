@@ -32,10 +32,13 @@ class CommStats:
         try:
             yield
         finally:
-            dt = time.perf_counter() - t0
-            self.add(f"time_{phase}", dt)
-            if group:
-                self.add(f"time_{phase}[{group}]", dt)
+            self.add_time(phase, group, time.perf_counter() - t0)
+
+    def add_time(self, phase: str, group: str | None, seconds: float) -> None:
+        """``seconds`` of ``phase`` (what ``timer`` adds), measured elsewhere."""
+        self.add(f"time_{phase}", seconds)
+        if group:
+            self.add(f"time_{phase}[{group}]", seconds)
 
     def add(self, key: str, value: float) -> None:
         self.step[key] += value

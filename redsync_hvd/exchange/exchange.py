@@ -93,6 +93,7 @@ class GradientExchange:
                                key=lambda b: max(l.index for l in b.layers))
         self.carrier = next((b for b in self.buckets if b.kind == "reduce"), None)
         self.state = StepState()
+        self._density_key = None
 
     # -- 1. the buckets, each with its route -----------------------------------------------------
     def _build(self, layers: list, fusion_bytes: int, cuda_graph: str) -> list:
@@ -187,6 +188,8 @@ class GradientExchange:
             raise RuntimeError(f"gradient of {name!r} submitted twice in one step; call step() or "
                                "synchronize() between backward passes, or raise backward_passes_per_step")
         if not st.submitted:   # the step's first gradient
+            self._set_densities()
+            st.observe = self.policy.observes(self.step)
             if self.scaler is not None:
                 st.grad_scale = self.scaler.scale(torch.ones((), device=grad.device))
             if self.lr_of is not None:
@@ -194,8 +197,16 @@ class GradientExchange:
             if self.carry is not None:
                 st.carry = [float(v) for v in self.carry()]
         st.submitted.add(name)
-        layer.density = self.policy.density(layer, self.step)
         self.bucket_of[name].add(layer, grad, st)
+
+    def _set_densities(self) -> None:
+        """Each layer's density for this step (``LayerPolicy.density``), set again only where the
+        policy's layout key says some may have changed (a warm-up stage, a budget's choice)."""
+        key = self.state.layout = self.policy.layout_key(self.step)
+        if key != self._density_key:
+            for layer in self.layers.values():
+                layer.density = self.policy.density(layer, self.step)
+            self._density_key = key
 
     # -- 3. per step ---------------------------------------------------------------------------
     def missing(self) -> list:
@@ -342,6 +353,7 @@ class GradientExchange:
     def set_steps_per_epoch(self, steps: int) -> None:
         """Needed by epoch-based schedules such as ``warmup.epochs``."""
         self.policy.steps_per_epoch = int(steps)
+        self._density_key = None
 
     def residuals(self, kind: str = "residual") -> dict:
         """{name: this rank's current residual} of every compressed layer that keeps one (``kind``
@@ -380,3 +392,4 @@ class GradientExchange:
             self.stats.load_state_dict(state["stats"])
         if state.get("policy"):
             self.policy.load_state_dict(state["policy"])
+        self._density_key = None

@@ -21,6 +21,7 @@ a budget's choice: ``LayerPolicy.layout_key``) is a new layout, built once.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -118,6 +119,7 @@ class PlannedBucket:
         self.index, self.layers = index, tuple(layers)
         self.names = [l.name for l in self.layers]
         self.codec, self.backend, self.memory = codec, backend, memory
+        self.signs = (codec.sign(0), codec.sign(1))   # the kept sign alternates with the step's parity, or not
         self.comm, self.stats, self.policy, self.buffers, self.clip = comm, stats, policy, buffers, clip
         self.frame = Segments([l.numel for l in self.layers], [0] * len(self.layers), align=VECTOR)
         self.dtypes = [torch.int32, codec.value_dtype, torch.int32]
@@ -144,6 +146,7 @@ class PlannedBucket:
     def clear(self) -> None:
         self._grads, self._moves, self._dtypes = [], [], set()
         self._handle = self._flags = self._seg = None
+        self._step_figures, self._seconds = None, 0.0
 
     def gradient_views(self, dtype: torch.dtype, device) -> dict:
         """{name: the layer's view of the flat gradient buffer} (made on first use, or for another
@@ -162,25 +165,24 @@ class PlannedBucket:
         self._dtypes.add(grad.dtype)
         self._grads.append((layer.name, grad))
         if len(self._grads) == len(self.layers):
-            with self.stats.timer("select", "sparse"):
-                payload = self._run(st)
+            t0 = time.perf_counter()
+            payload = self._run(st)
+            self._seconds = time.perf_counter() - t0   # its figures go to the stats in finish()
             self._handle = self.comm.allgather_async(payload, name=self.name,
                                                      sizes=[payload.numel()] * self.comm.size)        # 4.
 
     def _run(self, st: StepState) -> torch.Tensor:
         grad = self._load(st.grad_scale)                                                              # 0.
-        seg, figures, layer_figures = self._layout(st.step)
+        seg, figures, layer_figures = self._layout(st.layout)
         if self.memory is not None:
             self.memory.ready(grad.device)
             self.memory.written = True
         args = (seg, grad, st.step)
-        if self.policy.observes(st.step):   # the budget's statistics: an eager step that shows x
+        if st.observe:   # the budget's statistics: an eager step that shows x
             payload, flags = self._device_step(*args, observe=True)
         else:
             payload, flags = self._replayed(args, seg, st.step)
-        self._seg, self._flags = seg, flags
-        self.stats.add_many(figures)
-        self.stats.layers.update(layer_figures)
+        self._seg, self._flags, self._step_figures = seg, flags, (figures, layer_figures)
         return payload
 
     def _load(self, scale) -> torch.Tensor:
@@ -215,7 +217,7 @@ class PlannedBucket:
 
     def _device_step(self, seg: Segments, grad: torch.Tensor, step: int, observe: bool = False) -> tuple:
         """Steps 1-4 as device work only (what a CUDA graph captures): (payload, per-layer flags)."""
-        sign, m = self.codec.sign(step), self.memory
+        sign, m = self.signs[step % 2], self.memory
         if m is None:   # no error feedback: x is the gradient itself, and nothing is updated
             x, hist, velocity = grad.float(), None, None
         else:                                                                                         # 1.
@@ -237,12 +239,11 @@ class PlannedBucket:
         """What a captured step depends on besides its inputs' values: the layout, the kept sign and
         which buffers are current (they swap at every commit)."""
         pairs = () if self.memory is None else tuple(p.cur.data_ptr() for p in self.memory.pairs.values())
-        return seg.serial, self.codec.sign(step), pairs, self.grad.data_ptr()
+        return seg.serial, self.signs[step % 2], pairs, self.grad.data_ptr()
 
-    def _layout(self, step: int) -> tuple:
-        """This step's layout and its per-step figures, built once per layout (``policy.layout_key``
-        changes whenever some layer's k may have)."""
-        key = self.policy.layout_key(step)
+    def _layout(self, key: tuple) -> tuple:
+        """This step's layout and its per-step figures, built once per layout (``policy.layout_key``,
+        taken with the step's first gradient, changes whenever some layer's k may have)."""
         got = self._layouts.get(key)
         if got is None:
             seg = Segments([l.numel for l in self.layers], [l.k for l in self.layers], align=VECTOR)
@@ -271,6 +272,9 @@ class PlannedBucket:
         weights become updates; 3. the rest decoded in rank order into ``self.grad`` (fp32), whose
         views are the averages (the Horovod adapter's ``.grad``: nothing is copied)."""
         seg, size = self._seg, self.comm.size
+        self.stats.add_time("select", "sparse", self._seconds)
+        self.stats.add_many(self._step_figures[0])
+        self.stats.layers.update(self._step_figures[1])
         with self.stats.timer("communicate", "allgather"):
             per_rank = unpack_fixed(self.comm.wait(self._handle), self._counts(seg), self.dtypes, size)    # 1.
         with self.stats.timer("decompress", "allgather"):

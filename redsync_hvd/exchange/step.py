@@ -17,10 +17,13 @@ import torch
 class StepState:
     """The step's shared figures, taken with its first gradient: its index, a GradScaler's scale
     (a device tensor: gradients arrive multiplied by it), the caller's carry values (summed over
-    ranks by the first reduce bucket) and which layers are in."""
+    ranks by the first reduce bucket), the policy's layout key (changes where some layer's k may
+    have) and whether the budget observes this step, and which layers are in."""
     step: int = 0
     grad_scale: Optional[torch.Tensor] = None
     carry: Optional[list] = None
+    layout: tuple = ()
+    observe: bool = False
     submitted: set = field(default_factory=set)
 
 

@@ -1,0 +1,177 @@
+"""docs/architecture.md is the code: the path it names from each hook to the collective is the path
+a gradient takes, and every ``file.py:function`` it names exists.
+
+The path is traced with ``sys.setprofile`` in a steady-state step of RedSync with exactly k per
+layer (``selection.method: radix``, the GPU path, here on the CPU), from the gradient hook that
+completes the planned bucket to the start of its allgather. A file counts where a file of the
+path calls into it; what a kernel or a communicator does inside (``core/``, ``comm/``) is that
+leaf's own business. A file is entered twice where a call goes back into a file that is still
+on the call stack beneath its caller (A calls B calls A).
+"""
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from redsync_hvd.comm import LocalCommunicator
+
+REPO = Path(__file__).resolve().parent.parent
+PKG = REPO / "redsync_hvd"
+DOC = REPO / "docs/architecture.md"
+LEAVES = ("core/", "comm/")
+SPEC = {"method": "redsync", "density": 0.01, "selection": "radix", "dgc": {"momentum_correction": True},
+        "policy": {"min_compress_numel": 1000}}
+
+
+class PathTrace:
+    """Project files entered from the path, in order, until a collective named ``until`` starts."""
+
+    def __init__(self, until: str = "allgather_async"):
+        self.until, self.files, self.reentered, self.done = until, [], [], False
+
+    @staticmethod
+    def _project(frame):
+        name = frame.f_code.co_filename
+        return str(Path(name).resolve().relative_to(PKG)) if name.startswith(str(PKG)) else None
+
+    def _callers(self, frame) -> list:
+        out, f = [], frame.f_back
+        while f is not None:
+            rel = self._project(f)
+            if rel is not None and (not out or out[-1] != rel):
+                out.append(rel)
+            f = f.f_back
+        return out
+
+    def __call__(self, frame, event, arg):
+        if event != "call" or self.done:
+            return
+        callee = self._project(frame)
+        if callee is None:
+            return
+        callers = self._callers(frame)
+        caller = callers[0] if callers else None
+        if caller is None or caller.startswith(LEAVES) or caller == callee:
+            return
+        if callee in callers[1:]:
+            self.reentered.append(f"{caller} -> {callee}")
+        if callee not in self.files:
+            self.files.append(callee)
+        if callee.startswith("comm/") and frame.f_code.co_name == self.until:
+            self.done = True
+
+    def __enter__(self):
+        sys.setprofile(self)
+        return self
+
+    def __exit__(self, *exc):
+        sys.setprofile(None)
+
+
+def net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 10))
+
+
+def traced_submit(ex, trace: PathTrace):
+    """``ex.submit``, traced for the gradient that completes the planned bucket."""
+    (planned,) = ex.planned
+    submit = ex.submit
+
+    def traced(name, grad):
+        if name in planned.names and len(planned._grads) == len(planned.names) - 1:
+            return trace_call(trace, submit, name, grad)
+        return submit(name, grad)
+    return traced
+
+
+def horovod_path() -> PathTrace:
+    """The path in DistributedOptimizer's gradient hooks, in the fourth step."""
+    import redsync_hvd.torch as rhvd
+    model = net()
+    opt = rhvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                    named_parameters=model.named_parameters(), compression=SPEC,
+                                    communicator=LocalCommunicator(2))
+    ex, x, trace = opt.exchange, torch.randn(8, 64), PathTrace()
+    for step in range(4):
+        if step == 3:
+            ex.submit = traced_submit(ex, trace)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    return trace
+
+
+def ddp_path(tmp_path) -> PathTrace:
+    """The path in the DDP communication hook (gloo, one process), in the fourth step."""
+    import torch.distributed as dist
+
+    import redsync_hvd.torch.ddp as rddp
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(net())
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        state = rddp.register(model, compression=SPEC, optimizer=sgd)
+        x, trace = torch.randn(8, 64), PathTrace()
+        for step in range(4):
+            if step == 3:
+                state.exchange.submit = traced_submit(state.exchange, trace)
+            sgd.zero_grad()
+            model(x).square().mean().backward()
+            sgd.step()
+    finally:
+        dist.destroy_process_group()
+    return trace
+
+
+def trace_call(trace, fn, *args):
+    with trace:
+        return fn(*args)
+
+
+def documented_path(name: str) -> list:
+    """The files docs/architecture.md lists between ``<!-- path: name -->`` and ``<!-- /path -->``."""
+    text = DOC.read_text()
+    block = text.split(f"<!-- path: {name} -->", 1)[1].split("<!-- /path -->", 1)[0]
+    return re.findall(r"^\d+\. \*\*`([\w/]+\.py)`\*\*", block, re.MULTILINE)
+
+
+def test_the_optimizers_hook_reaches_the_collective_through_the_documented_files():
+    trace = horovod_path()
+    assert trace.done, trace.files
+    path = ["torch/optimizer.py"] + trace.files
+    assert len(path) <= 6 and not trace.reentered, (path, trace.reentered)
+    # the last file is the communicator: here the one-process stand-in for comm/horovod.py
+    assert path[:-1] + ["comm/horovod.py"] == documented_path("horovod") and path[-1] == "comm/local.py", path
+
+
+def test_the_ddp_hook_reaches_the_collective_through_the_documented_files(tmp_path):
+    trace = ddp_path(tmp_path)
+    assert trace.done, trace.files
+    path = ["torch/ddp.py"] + trace.files
+    assert len(path) <= 6 and not trace.reentered, (path, trace.reentered)
+    assert path == documented_path("ddp"), path
+
+
+def test_every_function_the_document_names_exists():
+    """`file.py:Name.attr` references in docs/architecture.md name real functions and classes."""
+    import ast
+    refs = re.findall(r"`([\w/]+\.py):([\w.]+)`", DOC.read_text())
+    assert len(refs) >= 20, refs
+    missing = []
+    for file, qualname in refs:
+        path = PKG / file
+        if not path.exists():
+            missing.append(f"{file} (no such file)")
+            continue
+        scope = ast.parse(path.read_text())
+        for part in qualname.split("."):
+            scope = next((n for n in getattr(scope, "body", []) if getattr(n, "name", None) == part
+                          or (isinstance(n, (ast.Assign, ast.AnnAssign)) and part in ast.unparse(n).split("=")[0])),
+                         None)
+            if scope is None:
+                missing.append(f"{file}:{qualname}")
+                break
+    assert not missing, missing
