@@ -4,7 +4,8 @@ CNN under ``horovodrun -np 2``: each method trains 12 steps of digits with ``Dis
 its collectives per step (``communication_stats``, averaged over the steps and the ranks)
 is compared with what the policy's pricing says a step sends: each compressed layer's
 ``compressor.wire(layer).nbytes(N)``, each dense layer's values and every bucket's control bytes.
-Prints one JSON line per method: {"method", "measured", "predicted"}."""
+Every method also leaves every rank with the same weights. Prints one JSON line per method:
+{"method", "measured", "predicted"}."""
 import json
 
 import torch
@@ -51,6 +52,9 @@ def run(label: str, spec: dict, data, size: int) -> dict:
         opt.step()
         per_step.append(opt.communication_stats()["last_step"].get("wire_bytes", 0.0))
     mine = sum(per_step) / len(per_step)
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    same = all(torch.equal(weights, torch.tensor(w)) for w in rhvd.allgather_object(weights.tolist()))
+    assert same, f"{label}: the ranks' weights differ after {len(per_step)} steps"
     measured = sum(rhvd.allgather_object(mine)) / size
     guess = sum(rhvd.allgather_object(predicted(opt, size))) / size   # each rank prices its own messages
     return {"method": label, "measured": measured, "predicted": guess}
