@@ -421,16 +421,18 @@ class GatherBucket(Bucket):
         payload = torch.cat([rows[r, width:width + payload_bytes(c, self.dtypes)] for r, c in enumerate(counts)])
         return header, payload
 
-    def _arrived(self) -> list:
+    def _wait(self) -> tuple:
+        """(the gathered headers or None, or "rows"; the gathered payload or rows)."""
+        header, data = self._handles
+        if header is not None and header != "rows" and not isinstance(header, torch.Tensor):
+            header = self.comm.wait(header)
+        return header, self.comm.wait(data)
+
+    def _arrived(self, header, payload) -> list:
         """Every rank's wire tensors, cut out of the gathered payload (by its header, or by the sizes
         known in advance)."""
-        header, data = self._handles
         if header == "rows":
-            header, payload = self._open_rows(self.comm.wait(data))
-        else:
-            if header is not None and not isinstance(header, torch.Tensor):
-                header = self.comm.wait(header)
-            payload = self.comm.wait(data)
+            header, payload = self._open_rows(payload)
         if header is None:
             return unpack_fixed(payload, self._counts(), self.dtypes, self.comm.size)
         return unpack_gathered(header, payload, self.dtypes, self.comm.size)
@@ -439,8 +441,9 @@ class GatherBucket(Bucket):
         """1. every rank's message and non-finite count; 2. layers to apply to the weights become
         updates; 3. the others decoded into zeroed buffers (``into``'s where given), rank by rank."""
         with self.stats.timer("communicate", "allgather"):
-            per_rank = self._arrived()                                                              # 1.
+            gathered = self._wait()
         with self.stats.timer("decompress", "allgather"):
+            per_rank = self._arrived(*gathered)                                                     # 1.
             got = Arrived(flags=torch.cat([p[-1] for p in per_rank]))
             size = self.comm.size
             # a power-of-two size scales each term exactly (subnormals aside), so adding v/size

@@ -276,8 +276,9 @@ class PlannedBucket:
         self.stats.add_many(self._step_figures[0])
         self.stats.layers.update(self._step_figures[1])
         with self.stats.timer("communicate", "allgather"):
-            per_rank = unpack_fixed(self.comm.wait(self._handle), self._counts(seg), self.dtypes, size)    # 1.
+            payload = self.comm.wait(self._handle)
         with self.stats.timer("decompress", "allgather"):
+            per_rank = unpack_fixed(payload, self._counts(seg), self.dtypes, size)                   # 1.
             got = Arrived(flags=torch.cat([p[-1] for p in per_rank]))
             exact = size & (size - 1) == 0
             alpha = 1.0 / size if exact else 1.0
