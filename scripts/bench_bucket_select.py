@@ -19,7 +19,6 @@ one step: on CUDA every synchronising torch call (torch.cuda.set_sync_debug_mode
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import warnings
@@ -30,6 +29,7 @@ from redsync_hvd.core import radix_select as rs
 from redsync_hvd.core.segments import Segments
 from redsync_hvd.experiments import machine
 from redsync_hvd.experiments.stats import graphed, sync, timed_ms
+from redsync_hvd.experiments.tables import write_result
 from redsync_hvd.models import build_model
 
 MODELS = {   # as in scripts/bench_overhead.py
@@ -145,11 +145,7 @@ def main():
     md = markdown(rows, info)
     print(md)
     if args.out:
-        with open(args.out, "w") as f:
-            if args.out.endswith(".json"):
-                json.dump({"machine": info, "rows": rows}, f, indent=1)
-            else:
-                f.write(md + "\n")
+        write_result(args.out, info, rows, md)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ and --wait-idle S waits for an idle CPU before each case.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -34,6 +33,7 @@ from redsync_hvd.core.segments import Segments
 from redsync_hvd.core.selection import native_available, select_topk
 from redsync_hvd.experiments import machine
 from redsync_hvd.experiments.stats import graphed, timed_ms
+from redsync_hvd.experiments.tables import write_result
 
 EXACT_K = ("torch", "triton", "triton-graph")
 
@@ -189,11 +189,7 @@ def main() -> None:
 
 def save(rows, info, args) -> None:
     if args.out:
-        with open(args.out, "w") as f:
-            if args.out.endswith(".json"):
-                json.dump({"machine": info, "rows": rows}, f, indent=1)
-            else:
-                f.write(markdown(rows, info) + "\n")
+        write_result(args.out, info, rows, markdown(rows, info))
 
 
 if __name__ == "__main__":

@@ -171,17 +171,19 @@ def build(args) -> Sweep:
     sweep = load_sweep(args.sweep) if args.sweep else Sweep(name="configs", rows={})
     for config in args.configs:
         sweep.rows[Path(config).stem] = _row({Path(config).stem: {"config": config}}, Path(config).stem, "--config")
-    if args.only:
-        missing = [k for k in args.only if k not in sweep.rows]
-        if missing:
-            raise SweepError(f"--only: no rows {missing}; the rows are: {', '.join(sweep.rows)}")
-        sweep.rows = {k: sweep.rows[k] for k in args.only}
-    if args.parts:
-        missing = [p for p in args.parts if p not in sweep.parts]
-        if missing:
-            raise SweepError(f"--parts: no parts {missing}; the parts are: {', '.join(sweep.parts)}")
-        sweep.parts = {p: sweep.parts[p] for p in args.parts}
+    sweep.rows = _pick("--only", "rows", sweep.rows, args.only)
+    sweep.parts = _pick("--parts", "parts", sweep.parts, args.parts)
     return sweep
+
+
+def _pick(option: str, what: str, have: dict, names: list | None) -> dict:
+    """``have`` restricted to ``names`` (all of it without), in the order given."""
+    if not names:
+        return have
+    missing = [n for n in names if n not in have]
+    if missing:
+        raise SweepError(f"{option}: no {what} {missing}; the {what} are: {', '.join(have)}")
+    return {n: have[n] for n in names}
 
 
 def plan(sweep: Sweep, args) -> list:

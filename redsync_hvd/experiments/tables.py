@@ -52,6 +52,15 @@ def write_json(path: Path, obj) -> None:
     Path(path).write_text(json.dumps(obj, indent=1, default=str) + "\n")
 
 
+def write_result(path: str, info: dict, rows: list, text: str) -> None:
+    """A benchmark's ``--out``: {"machine": info, "rows": rows} where the name ends in .json,
+    else the markdown ``text``."""
+    if path.endswith(".json"):
+        write_json(Path(path), {"machine": info, "rows": rows})
+    else:
+        Path(path).write_text(text + "\n")
+
+
 def command_line(argv=None, program: str | None = None) -> str:
     """The invocation as a user types it from the repository root (for a result's command.txt);
     ``program``: what follows ``python`` (default: the script run)."""
