@@ -56,6 +56,8 @@ def test_quick_sweep_dense_under_horovod_torchrun_and_ddp_train_the_same_and_res
     ("rows: {a b: {config: configs/digits/dense.yaml}, a_b: {config: configs/digits/dense.yaml}}",
      "share a run folder name"),
     ("seed: [0]\nrows: {a: {config: configs/digits/dense.yaml}}", "keys from"),
+    ("columns: [ratio, acc]\nrows: {a: {config: configs/digits/dense.yaml}}", "unknown columns or plots ['acc']"),
+    ("rows: {a: {config: configs/digits/dense.yaml, reference: b}}", "reference ['b'] is not a row"),
 ])
 def test_a_bad_sweep_file_is_refused_with_what_to_fix(tmp_path, text, message):
     path = tmp_path / "s.yaml"

@@ -151,17 +151,38 @@ def load_sweep(path) -> Sweep:
     for name, part in parts.items():
         if not isinstance(part, dict) or set(part) - PART_KEYS:
             raise SweepError(f"{path}: part {name!r}: expected a mapping with keys from {sorted(PART_KEYS)}")
+        part["set"] = _strings(part.get("set"), f"part {name!r}: set")
+        part["quick"] = _strings(part.get("quick"), f"part {name!r}: quick")
     sweep = Sweep(name=raw.get("name", Path(path).stem), rows=rows, parts=parts, sets=_strings(raw.get("set"), "set"),
                   quick=_strings(raw.get("quick"), "quick"),
                   **{k: raw[k] for k in ("seeds", "launcher", "np", "timeout_s", "metric", "reference", "columns",
                                          "plots") if raw.get(k) is not None})
-    names = [folder_name(k) for k in rows]
+    _check(sweep, path)
+    return sweep
+
+
+def _check(sweep: Sweep, path) -> None:
+    """What would otherwise fail only after the runs: the table's and plots' names, references."""
+    names = [folder_name(k) for k in sweep.rows]
     clash = sorted({n for n in names if names.count(n) > 1})
     if clash:
         raise SweepError(f"{path}: rows {clash} share a run folder name; rename one of them")
-    if sweep.reference is not None and sweep.reference not in rows:
-        raise SweepError(f"{path}: reference {sweep.reference!r} is not a row of the sweep")
-    return sweep
+    refs = [sweep.reference] + [r.get("reference") for r in sweep.rows.values()]
+    bad = sorted({r for r in refs if r is not None and r not in sweep.rows})
+    if bad:
+        raise SweepError(f"{path}: reference {bad} is not a row of the sweep")
+    if sweep.metric not in sweep_report.METRICS:
+        raise SweepError(f"{path}: metric must be one of {', '.join(sweep_report.METRICS)}, got {sweep.metric!r}")
+    if sweep.launcher not in LAUNCHERS or not isinstance(sweep.np, int) or not all(
+            isinstance(s, int) for s in sweep.seeds):
+        raise SweepError(f"{path}: launcher must be one of {', '.join(LAUNCHERS)}, np a whole number and seeds "
+                         "a list of whole numbers")
+    for where in [sweep.__dict__, *sweep.parts.values()]:
+        unknown = set(where.get("columns") or []) - set(sweep_report.COLUMNS)
+        unknown |= set(where.get("plots") or []) - {"bytes", "steps"}
+        if unknown:
+            raise SweepError(f"{path}: unknown columns or plots {sorted(unknown)}; columns: "
+                             f"{', '.join(sweep_report.COLUMNS)}; plots: bytes, steps")
 
 
 def build(args) -> Sweep:

@@ -27,6 +27,8 @@ from .tables import cell, command_line, markdown, write_csv, write_json
 
 METRICS = {"final_accuracy": ("accuracy", ".4f"), "final_perplexity": ("test perplexity", ".2f"),
            "final_loss": ("test loss", ".4f")}
+COLUMNS = ("metric", "per_seed", "vs_reference", "ratio", "ratio_vs_reference", "wire_mb", "sparse_mb", "budget_mb",
+           "steps", "step_s", "wall_s")
 DEFAULT_COLUMNS = ["metric", "per_seed", "vs_reference", "ratio", "wire_mb", "steps"]
 CSV_COLUMNS = ["part", "row", "launch", "seed", "status", "final_accuracy", "final_perplexity", "final_loss",
                "wire_bytes", "dense_bytes", "ratio", "steps", "wall_s", "step_s", "load_before", "load_after"]
