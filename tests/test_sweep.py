@@ -66,6 +66,19 @@ def test_a_bad_sweep_file_is_refused_with_what_to_fix(tmp_path, text, message):
         load_sweep(path)
 
 
+def test_every_row_of_every_sweep_file_is_a_valid_run_config():
+    """A sweep stops at its first bad row only when it reaches it: check them all here."""
+    from redsync_hvd.config import load_config
+    files = sorted((REPO / "configs/sweeps").glob("*.yaml"))
+    assert len(files) >= 6
+    for f in files:
+        sweep = load_sweep(f)
+        for key, row in sweep.rows.items():
+            for part in sweep.parts.values():
+                for quick in ([], sweep.quick + part["quick"] + row["quick"]):
+                    load_config(REPO / row["config"], row["set"] + sweep.sets + part["set"] + quick)
+
+
 def test_a_row_takes_its_base_rows_config_and_overrides_first():
     sweep = load_sweep(REPO / "configs/sweeps/pydoc.yaml")
     base, row = sweep.rows["redsync-compact60-fp16"], sweep.rows["redsync-fp16-70"]
