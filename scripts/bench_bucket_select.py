@@ -27,7 +27,7 @@ import torch
 
 from redsync_hvd.core import radix_select as rs
 from redsync_hvd.core.segments import Segments
-from redsync_hvd.experiments import machine
+from redsync_hvd.experiments import machine, tables
 from redsync_hvd.experiments.stats import graphed, sync, timed_ms
 from redsync_hvd.experiments.tables import write_result
 from redsync_hvd.models import build_model
@@ -107,17 +107,14 @@ def bench_model(name, args):
 
 
 def markdown(rows, info):
-    out = ["Device: %s; torch %s; triton %s; density %g; world %d." % (
-        info["device"], info["torch"], info["triton"], info["density"], info["world"]), "",
-        "| model | compressed layers | elements | compute ms | backend | stages ms | stages / compute | host waits |",
-        "|---|---:|---:|---:|---|---:|---:|---:|"]
-    for r in rows:
-        for b in BACKENDS:
-            if b in r:
-                out.append("| %s | %d | %.2fM | %.2f | %s | %.3f | %.1f%% | %s |" % (
-                    r["model"], r["layers"], r["elements"] / 1e6, r["compute_ms"], b, r[b]["stages_ms"],
-                    100 * r[b]["share"], r[b]["host_waits"]))
-    return "\n".join(out)
+    head = ["model", "compressed layers", "elements", "compute ms", "backend", "stages ms", "stages / compute",
+            "host waits"]
+    cells = [[r["model"], r["layers"], "%.2fM" % (r["elements"] / 1e6), "%.2f" % r["compute_ms"], b,
+              "%.3f" % r[b]["stages_ms"], "%.1f%%" % (100 * r[b]["share"]), r[b]["host_waits"]]
+             for r in rows for b in BACKENDS if b in r]
+    return ("Device: %s; torch %s; triton %s; density %g; world %d.\n\n" % (
+        info["device"], info["torch"], info["triton"], info["density"], info["world"])
+        + tables.markdown(head, cells, "lrrrlrrr").rstrip())
 
 
 def main():

@@ -31,7 +31,7 @@ import torch
 from redsync_hvd.core import radix_select
 from redsync_hvd.core.segments import Segments
 from redsync_hvd.core.selection import native_available, select_topk
-from redsync_hvd.experiments import machine
+from redsync_hvd.experiments import machine, tables
 from redsync_hvd.experiments.stats import graphed, timed_ms
 from redsync_hvd.experiments.tables import write_result
 
@@ -138,16 +138,13 @@ def markdown(rows, info) -> str:
     out = ["Machine: %s, %s cores, %d torch threads, torch %s, device %s%s, native kernel: %s."
            % (info["cpu"], info["cores"], info["threads"], info["torch"], info["device"],
               " (%s)" % info["gpu"] if "gpu" in info else "", info["native"]),
-           "Load average before/after: %s / %s." % (info.get("load_before"), info.get("load_after")),
-           "",
-           "| elements | dist | density | k | method | median ms | best ms | speedup vs topk (median) | selected / k |",
-           "|---:|---|---:|---:|---|---:|---:|---:|---:|"]
-    for r in rows:
-        size = "%gM" % (r["n"] / 2 ** 20) if r["n"] >= 2 ** 20 else "%gK" % (r["n"] / 2 ** 10)
-        out.append("| %s | %s | %g | %d | %s | %.2f | %.2f | %.1fx | %.3f |" % (
-            size, r["dist"], r["density"], r["k"], r["method"], r["ms"], r["best_ms"],
-            r["speedup"], r["count_over_k"]))
-    return "\n".join(out)
+           "Load average before/after: %s / %s." % (info.get("load_before"), info.get("load_after")), ""]
+    head = ["elements", "dist", "density", "k", "method", "median ms", "best ms", "speedup vs topk (median)",
+            "selected / k"]
+    cells = [["%gM" % (r["n"] / 2 ** 20) if r["n"] >= 2 ** 20 else "%gK" % (r["n"] / 2 ** 10), r["dist"],
+              "%g" % r["density"], r["k"], r["method"], "%.2f" % r["ms"], "%.2f" % r["best_ms"],
+              "%.1fx" % r["speedup"], "%.3f" % r["count_over_k"]] for r in rows]
+    return "\n".join(out) + "\n" + tables.markdown(head, cells, "rlrrlrrrr").rstrip()
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from redsync_hvd.config.compression import DECENTRALIZED
 from redsync_hvd.policy import costmodel as cm
 
+from ..tables import markdown as markdown_table
 from ..tables import short
 from .predict import fusion_bytes, plan_from_run, predict
 from .predict import network as cm_network
@@ -105,12 +106,7 @@ def markdown(rows: list[dict]) -> str:
     cols = ["model", "method", "hosts", "bandwidth_mbit", "latency_ms", "step_time_s", "speedup_vs_dense",
             "wire_bytes_per_step", "compute_s", "select_s", "communicate_s", "decompress_s",
             "overhead_pct_of_compute", "predicted_step_time_s", "prediction_error_pct"]
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        if not r.get("step_time_s"):
-            continue
-        out.append("| " + " | ".join(short(r.get(c), 3) for c in cols) + " |")
-    return "\n".join(out)
+    return markdown_table(cols, [[short(r.get(c), 3) for c in cols] for r in rows if r.get("step_time_s")]).rstrip()
 
 
 def _save(plt, fig, path: Path) -> Path:
