@@ -19,46 +19,24 @@ one step: on CUDA every synchronising torch call (torch.cuda.set_sync_debug_mode
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import statistics
 import sys
-import time
 import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_selection import graphed  # noqa: E402  (scripts/ is sys.path[0])
-
-from redsync_hvd.core import radix_select as rs  # noqa: E402
-from redsync_hvd.core.segments import Segments  # noqa: E402
-from redsync_hvd.models import build_model  # noqa: E402
+from redsync_hvd.core import radix_select as rs
+from redsync_hvd.core.segments import Segments
+from redsync_hvd.experiments import machine, tables
+from redsync_hvd.experiments.stats import graphed, sync, timed_ms
+from redsync_hvd.experiments.tables import write_result
+from redsync_hvd.models import build_model
 
 MODELS = {   # as in scripts/bench_overhead.py
     "vgg_fc4096": dict(model="vgg", options={"fc_width": 4096, "width": 0.25}, batch=16),
     "resnet20": dict(model="resnet20", options={}, batch=16),
 }
 BACKENDS = ("torch", "triton", "triton-graph")
-
-
-def sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def median_ms(fn, steps, warmup, device):
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    ts = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
 
 
 class Stages:
@@ -110,15 +88,15 @@ def bench_model(name, args):
         model.zero_grad(set_to_none=True)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-    compute = median_ms(step, args.steps, args.warmup, args.device)
+    compute = timed_ms(step, args.steps, args.device, args.warmup)[0]
     sizes = [p.numel() for p in model.parameters() if p.numel() >= args.min_numel]
     row = dict(model=name, compute_ms=compute, layers=len(sizes), elements=sum(sizes))
     for backend in args.backends.split(","):
         stages = Stages(sizes, args.density, args.world, args.device, "torch" if backend == "torch" else "triton")
         try:
             waits = host_waits(stages, args.device)
-            ms = median_ms(graphed(stages) if backend == "triton-graph" else stages, args.steps, args.warmup,
-                           args.device)
+            ms = timed_ms(graphed(stages) if backend == "triton-graph" else stages, args.steps, args.device,
+                          args.warmup)[0]
         except Exception as e:  # report it and go on: the other rows still count
             print("  %s %s failed: %s: %s" % (name, backend, type(e).__name__, e), file=sys.stderr)
             ms, waits = float("nan"), None
@@ -129,17 +107,14 @@ def bench_model(name, args):
 
 
 def markdown(rows, info):
-    out = ["Device: %s; torch %s; triton %s; density %g; world %d." % (
-        info["device"], info["torch"], info["triton"], info["density"], info["world"]), "",
-        "| model | compressed layers | elements | compute ms | backend | stages ms | stages / compute | host waits |",
-        "|---|---:|---:|---:|---|---:|---:|---:|"]
-    for r in rows:
-        for b in BACKENDS:
-            if b in r:
-                out.append("| %s | %d | %.2fM | %.2f | %s | %.3f | %.1f%% | %s |" % (
-                    r["model"], r["layers"], r["elements"] / 1e6, r["compute_ms"], b, r[b]["stages_ms"],
-                    100 * r[b]["share"], r[b]["host_waits"]))
-    return "\n".join(out)
+    head = ["model", "compressed layers", "elements", "compute ms", "backend", "stages ms", "stages / compute",
+            "host waits"]
+    cells = [[r["model"], r["layers"], "%.2fM" % (r["elements"] / 1e6), "%.2f" % r["compute_ms"], b,
+              "%.3f" % r[b]["stages_ms"], "%.1f%%" % (100 * r[b]["share"]), r[b]["host_waits"]]
+             for r in rows for b in BACKENDS if b in r]
+    return ("Device: %s; torch %s; triton %s; density %g; world %d.\n\n" % (
+        info["device"], info["torch"], info["triton"], info["density"], info["world"])
+        + tables.markdown(head, cells, "lrrrlrrr").rstrip())
 
 
 def main():
@@ -161,22 +136,13 @@ def main():
     if any(b not in BACKENDS for b in args.backends.split(",")) or \
             ("triton-graph" in args.backends and args.device != "cuda"):
         p.error("--backends: choose from %s (triton-graph needs --device cuda)" % ", ".join(BACKENDS))
-    try:
-        import triton
-        tv = triton.__version__
-    except ImportError:
-        tv = None
-    info = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "CPU", torch=torch.__version__,
-                triton=tv, density=args.density, world=args.world)
+    info = machine.describe(args.device, ("triton",), density=args.density, world=args.world)
+    info["device"] = info.get("gpu", "CPU")
     rows = [bench_model(m, args) for m in args.models.split(",")]
     md = markdown(rows, info)
     print(md)
     if args.out:
-        with open(args.out, "w") as f:
-            if args.out.endswith(".json"):
-                json.dump({"machine": info, "rows": rows}, f, indent=1)
-            else:
-                f.write(md + "\n")
+        write_result(args.out, info, rows, md)
 
 
 if __name__ == "__main__":

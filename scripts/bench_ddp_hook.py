@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -32,9 +31,9 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from redsync_hvd.models import build_model  # noqa: E402
-from redsync_hvd.torch import ddp as rddp  # noqa: E402
+from redsync_hvd.experiments import machine
+from redsync_hvd.models import build_model
+from redsync_hvd.torch import ddp as rddp
 
 MODELS = {
     # the digits peer workload (1x8x8 images, batch 32)
@@ -151,21 +150,9 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def machine(device) -> str:
-    """What ran it: host, CPU (model name from /proc/cpuinfo where there is one), cores, GPU."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    gpu = f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
-    return f"{platform.node()}: {cpu}, {os.cpu_count()} cores{gpu}"
-
-
 def table(rows: list, args, device) -> list:
     """Every variant's median step time and ratio to plain DDP, then the ratios the set is judged by."""
-    lines = [f"machine: {machine(device)}; torch {torch.__version__}, {dist.get_backend()} on {device.type}, "
+    lines = [f"machine: {machine.line(machine.describe(device.type))}; {dist.get_backend()} on {device.type}, "
              f"{dist.get_world_size()} ranks, {args.rounds} rounds x {args.steps} steps (after {args.warmup})",
              "",
              "| model | clock | variant | ms/step | / plain DDP (median, IQR over rounds) |",

@@ -5,9 +5,9 @@
 
 For every network setting of the sweep (hosts, bandwidth, added latency) it builds the
 hosts as network namespaces behind a bridge with tc-shaped links
-(``scripts/netbench/netns.py``), measures what the links carry (TCP goodput, RTT),
-and starts one Horovod worker per host (``scripts/netbench/launcher.py``). Each worker
-(``scripts/netbench/worker.py``) trains every model with every method on the same
+(``redsync_hvd/experiments/netbench/netns.py``), measures what the links carry (TCP goodput, RTT),
+and starts one Horovod worker per host (``redsync_hvd/experiments/netbench/launcher.py``). Each worker
+(``redsync_hvd/experiments/netbench/worker.py``) trains every model with every method on the same
 synthetic data for the same number of steps, methods interleaved over ``rounds``.
 Before that, each model's compute time is measured with no communication, by one
 process and by N processes at once (the CPU sharing of an N-worker run).
@@ -18,7 +18,7 @@ Output, in ``<output_dir>/<name>-<timestamp>/``:
   steps; mean for SBC), speedup vs dense at the same setting, wire bytes per step and
   per worker, the time split (compute / select / communicate / decompress), the
   compression overhead in % of compute, the cost model's predicted step time and its
-  error (``scripts/netbench/predict.py``) with three sets of inputs: the link's nominal
+  error (``redsync_hvd/experiments/netbench/predict.py``) with three sets of inputs: the link's nominal
   rate and latency with compute-only compute (``predicted_step_time_s``); Horovod's
   probed alpha and B (``predicted_calibrated_s``); those and each step's slowest rank's
   own local work (``predicted_in_run_s``, see ``netbench/report.py:in_run_work``);
@@ -44,16 +44,17 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from redsync_hvd.config import ConfigError, read_yaml
+from redsync_hvd.config.compression import DECENTRALIZED, expand_shorthands
+from redsync_hvd.experiments.jobs import REPO
+from redsync_hvd.experiments.netbench import allocator, netns
+from redsync_hvd.experiments.netbench.launcher import LaunchError, launch
+from redsync_hvd.experiments.netbench.mpi_launcher import launch_mpi
+from redsync_hvd.experiments.netbench.report import MPI_DENSE, build_rows, markdown, plots, skipped_rows
+from redsync_hvd.experiments.tables import write_csv
+from redsync_hvd.policy import costmodel as cm
 
-from redsync_hvd.config import ConfigError, read_yaml  # noqa: E402
-from redsync_hvd.config.compression import DECENTRALIZED, expand_shorthands  # noqa: E402
-from redsync_hvd.policy import costmodel as cm  # noqa: E402
-from scripts.netbench import allocator, netns  # noqa: E402
-from scripts.netbench.launcher import LaunchError, launch  # noqa: E402
-from scripts.netbench.mpi_launcher import launch_mpi  # noqa: E402
-from scripts.netbench.report import MPI_DENSE, build_rows, markdown, plots, skipped_rows, write_csv  # noqa: E402
+WORKER = "redsync_hvd.experiments.netbench.worker"
 
 COLUMNS = ["model", "method", "hosts", "bandwidth_mbit", "latency_ms", "step_time_s", "speedup_vs_dense",
            "wire_bytes_per_step", "dense_bytes_per_step", "compression_ratio", "compute_s", "select_s",
@@ -62,6 +63,8 @@ COLUMNS = ["model", "method", "hosts", "bandwidth_mbit", "latency_ms", "step_tim
            "predicted_in_run_s", "in_run_error_pct", "predicted_overlap_s", "predicted_comm_s",
            "compressed_layers", "goodput_mbit", "rtt_ms", "hvd_alpha_ms", "hvd_bandwidth_mbit", "loadavg_1min",
            "status"]
+MODEL_COLUMNS = ["model", "parameters", "dense_mbytes", "hosts", "bandwidth_mbit", "latency_ms", "compute_alone_s",
+                 "compute_nproc_s", "dense_allreduce_model_s", "compute_to_comm", "dense_step_measured_s"]
 TOP_KEYS = {"name", "output_dir", "steps", "warmup", "rounds", "threads", "timeout_s", "seed", "lr",
             "models", "methods", "networks", "compute_steps", "base_latency_s", "comm_only", "keep_large_allocations",
             "horovod_cycle_time_ms", "pin_workers"}
@@ -104,7 +107,7 @@ def load_config(path: str) -> dict:
     cfg.setdefault("base_latency_s", None)
     cfg.setdefault("comm_only", [])   # methods also run without forward/backward: "<method>/comm"
     # glibc keeps freed >32 MB blocks for the next step instead of page-faulting them in again
-    # (scripts/netbench/allocator.py); false measures with glibc's defaults
+    # (redsync_hvd/experiments/netbench/allocator.py); false measures with glibc's defaults
     cfg.setdefault("keep_large_allocations", True)
     # Horovod's background thread wakes every cycle (HOROVOD_CYCLE_TIME); null keeps Horovod's
     # default. With every worker on one shared 2-core machine its polling takes CPU from the
@@ -193,9 +196,9 @@ def measure_compute(cfg: dict, model: dict, procs: int, run_dir: Path) -> dict:
         env["NETBENCH_INDEX"] = str(i)   # which CPU with pin_workers, as HOROVOD_RANK in a distributed run
         out = run_dir / f"compute-{model['name']}-p{procs}-{i}.json"
         log = open(run_dir / f"compute-{model['name']}-p{procs}-{i}.log", "w")
-        ps.append((subprocess.Popen([sys.executable, "-m", "scripts.netbench.worker", "--spec", json.dumps(spec),
-                                     "--out", str(out)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True), log))
+        ps.append((subprocess.Popen([sys.executable, "-m", WORKER, "--spec", json.dumps(spec), "--out", str(out)],
+                                    cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True),
+                   log))
         outs.append(out)
     try:
         for p, log in ps:
@@ -227,7 +230,7 @@ def run_setting(cfg, net_cfg, models, methods, run_dir: Path, log) -> tuple[list
     probe_bytes = (2 << 20) if (bw or 1e9) < 500 else (32 << 20)
     with netns.ShapedNetwork(hosts=hosts, bandwidth_mbit=bw, latency_ms=lat) as net:
         log(f"[{tag}] network up: {net.describe()}")
-        from scripts.netbench.probe import measure_link
+        from redsync_hvd.experiments.netbench.probe import measure_link
         probe = measure_link(net, nbytes=(8 << 20) if (bw or 1e9) < 500 else (64 << 20)) if hosts > 1 else {}
         log(f"[{tag}] probe: goodput {probe.get('goodput_mbit', 0):.0f} Mbit/s, RTT {probe.get('rtt_ms', 0):.3f} ms")
         for model in models:
@@ -264,7 +267,7 @@ def _launch_model(cfg, net, model, methods, tag, run_dir, log, probe_bytes, laun
     t0 = time.time()
     for attempt in (1, 2):
         try:
-            launcher(net, ["python", "-m", "scripts.netbench.worker", "--spec", json.dumps(spec), "--out", str(out)],
+            launcher(net, ["python", "-m", WORKER, "--spec", json.dumps(spec), "--out", str(out)],
                      timeout=cfg["timeout_s"], log_dir=run_dir / f"logs-{model['name']}-{tag}{suffix}-try{attempt}",
                      env=worker_vars(cfg))
             break
@@ -395,25 +398,9 @@ def main(argv=None) -> int:
                                   compute_nproc_s=c.get(str(n), c["1"])["compute_s"], dense_allreduce_model_s=comm,
                                   compute_to_comm=c["1"]["compute_s"] / comm if comm else None,
                                   dense_step_measured_s=measured["step_time_s"] if measured else None))
-        write_csv(
-            run_dir / "models.csv",
-            mrows,
-            [
-                "model",
-                "parameters",
-                "dense_mbytes",
-                "hosts",
-                "bandwidth_mbit",
-                "latency_ms",
-                "compute_alone_s",
-                "compute_nproc_s",
-                "dense_allreduce_model_s",
-                "compute_to_comm",
-                "dense_step_measured_s",
-            ],
-        )
+        write_csv(run_dir / "models.csv", mrows, MODEL_COLUMNS, digits=4)
         csv_path = run_dir / "results.csv"
-        write_csv(csv_path, rows, COLUMNS)
+        write_csv(csv_path, rows, COLUMNS, digits=4)
         (run_dir / "results.json").write_text(json.dumps({"rows": rows, "models": mrows, **raw}, default=str))
         if any(r.get("step_time_s") for r in rows):
             try:

@@ -18,20 +18,18 @@ Times are the best of --repeats runs (wall clock, single process).
 """
 import argparse
 import os
-import platform
-import sys
 import time
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from redsync_hvd.core.golomb import (  # noqa: E402
+from redsync_hvd.core.golomb import (
     decode_positions,
     encode_positions,
     expected_bits,
     optimal_b,
 )
+from redsync_hvd.experiments.machine import cpu_name
 
 
 def best_time(fn, repeats):
@@ -60,7 +58,7 @@ def main(argv=None):
 
     rng = np.random.default_rng(args.seed)
     print(
-        f"# Golomb-Rice position coding: {platform.processor() or platform.machine()}, "
+        f"# Golomb-Rice position coding: {cpu_name()}, "
         f"{os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads), "
         f"numpy {np.__version__}, best of {args.repeats}\n"
     )

@@ -36,13 +36,15 @@ import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from redsync_hvd.comm import LocalCommunicator  # noqa: E402
-from redsync_hvd.compressors.base import Layer  # noqa: E402
-from redsync_hvd.core.host_reads import HostReads  # noqa: E402
-from redsync_hvd.engine import MomentumSpec, build_exchange  # noqa: E402
-from redsync_hvd.models import build_model  # noqa: E402
-from scripts.netbench import allocator  # noqa: E402
+from redsync_hvd.comm import LocalCommunicator
+from redsync_hvd.compressors.base import Layer
+from redsync_hvd.core.host_reads import HostReads
+from redsync_hvd.engine import MomentumSpec, build_exchange
+from redsync_hvd.experiments.machine import cpu_name
+from redsync_hvd.experiments.netbench import allocator
+from redsync_hvd.experiments.stats import sync
+from redsync_hvd.experiments.tables import markdown
+from redsync_hvd.models import build_model
 
 MODELS = {
     # the end-to-end benchmark's communication-bound model (configs/bench/quick.yaml)
@@ -131,11 +133,6 @@ METHODS = {
 METHODS["redsync_mc_exact_k_graph"] = {**METHODS["redsync_mc_exact_k"], "cuda_graph": "on"}
 
 AGREEMENT = "redsync_hvd.exchange.pipeline:_read"   # the one read finish() makes
-
-
-def sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def count_reads(step, device) -> dict:
@@ -290,14 +287,15 @@ def main():
     p.add_argument("--json", default="", help="also write every row here (JSON)")
     p.add_argument("--default-malloc", action="store_true",
                    help="leave glibc's malloc as it is (default: keep large freed blocks for the next "
-                        "step, as the end-to-end benchmark does; scripts/netbench/allocator.py)")
+                        "step, as the end-to-end benchmark does; redsync_hvd/experiments/netbench/allocator.py)")
     args = p.parse_args()
     kept = False if args.default_malloc else allocator.apply_in_process()
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but CUDA is not available")
     if args.threads:
         torch.set_num_threads(args.threads)
-    dev = torch.cuda.get_device_name() if args.device == "cuda" else "CPU, %d torch threads" % torch.get_num_threads()
+    dev = (torch.cuda.get_device_name() if args.device == "cuda"
+           else "%s, %d torch threads" % (cpu_name(), torch.get_num_threads()))
     head = ("Device: %s; torch %s; world %d; load average %.2f; large blocks kept by malloc: %s."
             % (dev, torch.__version__, args.world, os.getloadavg()[0], "yes" if kept else "no"))
     rows = []
@@ -307,44 +305,26 @@ def main():
 
 
 def write(rows, head, args, last):
-    lines = [head, "",
-             "| model | params | batch | method | compressed layers | compute ms | exchange ms | select ms "
-             "| decompress ms "
-             "| exchange / compute | r + g alone, ms | r + g alone / compute | host reads / step (+ finite check) "
-             "| device syncs / step |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        floor = r["floor_ms"]
-        lines.append(
-            "| %s | %.2fM | %d | %s | %d/%d | %.2f | %.2f | %.2f | %.2f | %.1f%% | %s | %s | %d (+%d) | %s |"
-            % (
-                r["model"],
-                r["params"] / 1e6,
-                r["batch"],
-                r["method"],
-                r["compressed"],
-                r["layers"],
-                r["compute_ms"],
-                r["exchange_ms"],
-                r["select_ms"],
-                r["decompress_ms"],
-                100 * r["ratio"],
-                "" if floor is None else "%.2f" % floor,
-                "" if floor is None else "%.1f%%" % (100 * floor / r["compute_ms"]),
-                r["host_reads"],
-                r["agreement_reads"],
-                "-" if r["device_syncs"] is None else r["device_syncs"],
-            )
-        )
-    md = "\n".join(lines)
+    cols = ["model", "params", "batch", "method", "compressed layers", "compute ms", "exchange ms", "select ms",
+            "decompress ms", "exchange / compute", "r + g alone, ms", "r + g alone / compute",
+            "host reads / step (+ finite check)", "device syncs / step"]
+    cells = [[r["model"], "%.2fM" % (r["params"] / 1e6), r["batch"], r["method"],
+              "%d/%d" % (r["compressed"], r["layers"]),
+              *("%.2f" % r[k] for k in ("compute_ms", "exchange_ms", "select_ms", "decompress_ms")),
+              "%.1f%%" % (100 * r["ratio"]), "" if r["floor_ms"] is None else "%.2f" % r["floor_ms"],
+              "" if r["floor_ms"] is None else "%.1f%%" % (100 * r["floor_ms"] / r["compute_ms"]),
+              "%d (+%d)" % (r["host_reads"], r["agreement_reads"]),
+              "-" if r["device_syncs"] is None else r["device_syncs"]] for r in rows]
+    md = head + "\n\n" + markdown(cols, cells, "lrrlrrrrrrrrrr")
     if last:
-        print(md)
+        print(md, end="")
     if args.out:
         with open(args.out, "w") as f:
-            f.write(md + "\n")
+            f.write(md)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": head, "world": args.world, "rows": rows}, f, indent=1)
+
 
 if __name__ == "__main__":
     main()

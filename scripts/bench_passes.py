@@ -32,13 +32,11 @@ if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cpu":
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_selection import graphed  # noqa: E402  (scripts/ is sys.path[0])
-
 from redsync_hvd.core import radix_select as rs  # noqa: E402
 from redsync_hvd.core import triton_kernels as tk  # noqa: E402
 from redsync_hvd.core import triton_select as ts  # noqa: E402
 from redsync_hvd.core.segments import Segments  # noqa: E402
+from redsync_hvd.experiments.stats import graphed  # noqa: E402
 
 
 @triton.jit

@@ -22,19 +22,18 @@ and --wait-idle S waits for an idle CPU before each case.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import statistics
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from redsync_hvd.core import radix_select  # noqa: E402
-from redsync_hvd.core.segments import Segments  # noqa: E402
-from redsync_hvd.core.selection import native_available, select_topk  # noqa: E402
+from redsync_hvd.core import radix_select
+from redsync_hvd.core.segments import Segments
+from redsync_hvd.core.selection import native_available, select_topk
+from redsync_hvd.experiments import machine, tables
+from redsync_hvd.experiments.stats import graphed, timed_ms
+from redsync_hvd.experiments.tables import write_result
 
 EXACT_K = ("torch", "triton", "triton-graph")
 
@@ -52,20 +51,6 @@ def make(dist: str, n: int, device: str) -> torch.Tensor:
         chi2 = sum(torch.randn(n, generator=g) ** 2 for _ in range(3))
         z = z / torch.sqrt(chi2 / 3)
     return z.to(device)
-
-
-def timeit(fn, repeats: int, device: str):
-    """(median ms, best ms) after one warm-up call."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    fn()
-    sync()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3, min(ts) * 1e3
 
 
 def cpu_idle(seconds: float = 2.0) -> float:
@@ -91,21 +76,6 @@ def wait_idle(limit_s: float) -> None:
         ok = ok + 1 if cpu_idle() > 0.85 else 0
 
 
-def graphed(fn):
-    """fn's launches captured once in a CUDA graph (after two warm-up calls on a side stream,
-    which compile and allocate); returns the replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def exact_k_row(x, k, backend, base, args):
     """Time radix_select.select on x as a one-layer bucket; check its k-th key against topk."""
     seg = Segments([x.numel()], [k], align=16 if x.numel() % 16 == 0 else 1)   # 16: 128-bit loads
@@ -114,7 +84,7 @@ def exact_k_row(x, k, backend, base, args):
     try:
         kth = fn().kth.view(torch.float32)[0]
         ok = bool(kth == torch.topk(x.abs(), k).values.min())
-        ms, best = timeit(graphed(fn) if backend == "triton-graph" else fn, args.repeats, args.device)
+        ms, best = timed_ms(graphed(fn) if backend == "triton-graph" else fn, args.repeats, args.device)
     except Exception as e:  # report and go on: the other rows still count
         print("  exact-k %s failed: %s: %s" % (backend, type(e).__name__, e), file=sys.stderr)
         return dict(method="exact-k %s (FAILED)" % backend, ms=float("nan"), best_ms=float("nan"),
@@ -127,7 +97,7 @@ def method_row(x, k, m, base, args) -> dict:
     """Time select_topk's method m on x; a failure loses this row only."""
     opts = {} if m == "exact" else {"backend": args.backend}
     try:
-        ms, best = timeit(lambda: select_topk(x, k, m, **opts), args.repeats, args.device)
+        ms, best = timed_ms(lambda: select_topk(x, k, m, **opts), args.repeats, args.device)
         cnt = select_topk(x, k, m, **opts).numel()
     except Exception as e:  # report and go on: the other rows still count
         print("  %s failed: %s: %s" % (m, type(e).__name__, e), file=sys.stderr)
@@ -147,7 +117,7 @@ def run(args, info) -> dict:
                 k = max(1, int(n * density))
                 if args.wait_idle:
                     wait_idle(args.wait_idle)
-                base, base_best = timeit(lambda: torch.topk(x.abs(), k), args.repeats, args.device)
+                base, base_best = timed_ms(lambda: torch.topk(x.abs(), k), args.repeats, args.device)
                 rows.append(dict(n=n, dist=dist, density=density, k=k, method="torch.topk",
                                  ms=base, best_ms=base_best, speedup=1.0, count_over_k=1.0))
                 for b in [b for b in args.exact_k.split(",") if b]:     # the exact-k rows first
@@ -164,39 +134,17 @@ def run(args, info) -> dict:
     return rows
 
 
-def machine(args) -> dict:
-    info = dict(torch=torch.__version__, python=platform.python_version(), device=args.device,
-                threads=torch.get_num_threads(), native=native_available(), backend=args.backend,
-                cpu=platform.processor() or platform.machine(), cores=os.cpu_count())
-    try:
-        with open("/proc/cpuinfo") as f:
-            info["cpu"] = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    if args.device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
-    for mod in ("triton", "cupy"):
-        try:
-            info[mod] = __import__(mod).__version__
-        except ImportError:
-            info[mod] = None
-    return info
-
-
 def markdown(rows, info) -> str:
     out = ["Machine: %s, %s cores, %d torch threads, torch %s, device %s%s, native kernel: %s."
            % (info["cpu"], info["cores"], info["threads"], info["torch"], info["device"],
               " (%s)" % info["gpu"] if "gpu" in info else "", info["native"]),
-           "Load average before/after: %s / %s." % (info.get("load_before"), info.get("load_after")),
-           "",
-           "| elements | dist | density | k | method | median ms | best ms | speedup vs topk (median) | selected / k |",
-           "|---:|---|---:|---:|---|---:|---:|---:|---:|"]
-    for r in rows:
-        size = "%gM" % (r["n"] / 2 ** 20) if r["n"] >= 2 ** 20 else "%gK" % (r["n"] / 2 ** 10)
-        out.append("| %s | %s | %g | %d | %s | %.2f | %.2f | %.1fx | %.3f |" % (
-            size, r["dist"], r["density"], r["k"], r["method"], r["ms"], r["best_ms"],
-            r["speedup"], r["count_over_k"]))
-    return "\n".join(out)
+           "Load average before/after: %s / %s." % (info.get("load_before"), info.get("load_after")), ""]
+    head = ["elements", "dist", "density", "k", "method", "median ms", "best ms", "speedup vs topk (median)",
+            "selected / k"]
+    cells = [["%gM" % (r["n"] / 2 ** 20) if r["n"] >= 2 ** 20 else "%gK" % (r["n"] / 2 ** 10), r["dist"],
+              "%g" % r["density"], r["k"], r["method"], "%.2f" % r["ms"], "%.2f" % r["best_ms"],
+              "%.1fx" % r["speedup"], "%.3f" % r["count_over_k"]] for r in rows]
+    return "\n".join(out) + "\n" + tables.markdown(head, cells, "rlrrlrrrr").rstrip()
 
 
 def main() -> None:
@@ -227,7 +175,8 @@ def main() -> None:
                 % (", ".join(EXACT_K), args.exact_k))
     if args.threads:
         torch.set_num_threads(args.threads)
-    info = machine(args)
+    info = machine.describe(args.device, ("triton", "cupy"), threads=torch.get_num_threads(),
+                            native=native_available(), backend=args.backend)
     info["load_before"] = "%.2f" % os.getloadavg()[0]
     rows = run(args, info)
     info["load_after"] = "%.2f" % os.getloadavg()[0]
@@ -237,11 +186,7 @@ def main() -> None:
 
 def save(rows, info, args) -> None:
     if args.out:
-        with open(args.out, "w") as f:
-            if args.out.endswith(".json"):
-                json.dump({"machine": info, "rows": rows}, f, indent=1)
-            else:
-                f.write(markdown(rows, info) + "\n")
+        write_result(args.out, info, rows, markdown(rows, info))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ import sys
 import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)    # the kernels must be decorated for compilation
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 TILE = {"tile_seg": "*i32", "tile_lo": "*i64", "tile_hi": "*i64"}
 CANDS = {"cand_bits": "*i32", "cand_pos": "*i32", "cand_lo": "*i64", "cand_n": "*i32"}

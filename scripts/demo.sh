@@ -4,7 +4,7 @@
 # compression ratio, bytes and wall time. Everything the runs print (Horovod's and
 # TensorFlow's start-up lines, the per-layer decisions, errors) goes to runs/demo/<run>.log.
 # One seed: the accuracies of the compressed runs move by about a point from seed to seed;
-# scripts/compare_baselines.py gives the mean over seeds (docs/benchmarks.md).
+# configs/sweeps/baselines.yaml gives the mean over seeds (docs/benchmarks.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NP=${1:-2}

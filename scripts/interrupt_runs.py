@@ -18,25 +18,22 @@ uninterrupted run. ``--compare-at S`` compares the step-S copies instead of the 
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from stop_timeline import BIN, REPO, job_env, processes, wait_for_training
 
-sys.path.insert(0, str(REPO))
-from redsync_hvd import checkpoint  # noqa: E402 (the repository, not an installed copy)
+from redsync_hvd import checkpoint
+from redsync_hvd.experiments.jobs import start, train_command
+from redsync_hvd.experiments.signals import LAUNCHER, signal_group, wait_for_end, wait_for_training
 
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--launcher", choices=["mpirun", "gloo", "torchrun"], default="mpirun")
+    ap.add_argument("--launcher", choices=list(LAUNCHER), default="mpirun")
     ap.add_argument("--configs", nargs="+", default=["dense", "powersgd", "redsync", "sbc"])
     ap.add_argument("--signals", nargs="+", default=["SIGINT", "SIGTERM", "SIGKILL"])
     ap.add_argument("--set", dest="overrides", action="append", default=[])
@@ -46,56 +43,24 @@ def parse(argv=None):
     return ap.parse_args(argv)
 
 
-def launch(args, config: str, out: Path, name: str, *extra: str) -> subprocess.Popen:
+def launch(args, config: str, out: Path, name: str, *extra: str):
     every = [f"training.checkpoint_every={args.compare_at}"] if args.compare_at else []
     sets = [f"output.dir={out}", f"output.name={name}", "training.progress=false", *every, *args.overrides, *extra]
-    train = ["-m", "redsync_hvd.train", "--config", f"configs/digits/{config}.yaml",
-             *sum((["--set", s] for s in sets), [])]
-    if args.launcher == "torchrun":
-        cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", *train, "--set", "engine=ddp"]
-    else:
-        gloo = ["--gloo"] if args.launcher == "gloo" else []
-        cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", *gloo, sys.executable, *train]
-    env = job_env()
-    log = open(out / f"{name}.log", "a")
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return start(train_command(LAUNCHER[args.launcher], 2, f"configs/digits/{config}.yaml", sets),
+                 open(out / f"{name}.log", "a"))
 
 
-def end_of(proc: subprocess.Popen, job: set | None = None, timeout: float = 900) -> int:
-    """Wait for the launcher and every process of ``job`` (pids taken before a signal: ranks that
-    outlive a killed launcher are no longer its descendants)."""
-    deadline = time.time() + timeout
-
-    def alive() -> bool:
-        return proc.poll() is None or any(os.path.exists(f"/proc/{pid}") and not _zombie(pid) for pid in job or ())
-    while time.time() < deadline and alive():
-        time.sleep(0.05)
-    if alive():
-        raise SystemExit(f"the job did not end within {timeout} s")
-    return proc.returncode
-
-
-def to_the_end(args, proc: subprocess.Popen, run: Path) -> int:
+def to_the_end(args, proc, run: Path) -> int:
     """The launch trained to its end (0), or with ``--compare-at``: until both ranks saved that
     step's copy, then stopped with SIGTERM."""
     if not args.compare_at:
-        return end_of(proc)
+        return wait_for_end(proc)
     copies = [checkpoint.step_path(run, r, args.compare_at) for r in (0, 1)]
     while proc.poll() is None and not all(c.exists() for c in copies):
         time.sleep(0.2)
     if proc.poll() is None:
-        job = set(processes(proc.pid))
-        os.killpg(proc.pid, signal.SIGTERM)
-        end_of(proc, job)
+        wait_for_end(proc, signal_group(proc, "SIGTERM"))
     return 0 if all(c.exists() for c in copies) else 1
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 def interrupted(args, config: str, out: Path, rng: random.Random) -> list:
@@ -109,9 +74,7 @@ def interrupted(args, config: str, out: Path, rng: random.Random) -> list:
         if proc.poll() is not None:
             raise SystemExit(f"{config}: the run ended before the {name}; give it more steps "
                              "(--set training.epochs=...)")
-        job = set(processes(proc.pid))
-        os.killpg(proc.pid, getattr(signal, name))
-        code = end_of(proc, job)
+        code = wait_for_end(proc, signal_group(proc, name))
         steps = [checkpoint.load(run, r)["step"] for r in (0, 1)]
         lines.append((name, steps, code))
     if to_the_end(args, launch(args, config, out, "run", f"training.resume={run}"), run) != 0:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -34,15 +33,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from redsync_hvd.compressors import build_compressor  # noqa: E402
-from redsync_hvd.compressors.base import Layer  # noqa: E402
-from redsync_hvd.config import load_config  # noqa: E402
-from redsync_hvd.data import build_datasets  # noqa: E402
-from redsync_hvd.memory import ResidualMemory  # noqa: E402
-from redsync_hvd.models import build_model  # noqa: E402
+from redsync_hvd.compressors import build_compressor
+from redsync_hvd.compressors.base import Layer
+from redsync_hvd.config import load_config
+from redsync_hvd.data import build_datasets
+from redsync_hvd.experiments.jobs import REPO
+from redsync_hvd.experiments.machine import cpu_name
+from redsync_hvd.experiments.stats import mean, median
+from redsync_hvd.experiments.tables import cell, command_line, markdown
+from redsync_hvd.memory import ResidualMemory
+from redsync_hvd.models import build_model
 
 
 def one_mean_figures(vals: torch.Tensor, idx: torch.Tensor, shape: tuple, positive: bool) -> dict | None:
@@ -93,7 +93,7 @@ def train(cfg, density: float, steps: int, skip: int) -> dict:
             if name not in layers:
                 continue
             layer = layers[name]
-            x = memory.compensate(name, p.grad.reshape(-1))
+            x = memory.compensate(name, p.grad.reshape(-1)).x
             msg = comp.compress(x, layer, step)
             if step >= skip:
                 got = one_mean_figures(msg.tensors[-1], msg.positions, layer.shape, positive=step % 2 == 0)
@@ -108,24 +108,17 @@ def train(cfg, density: float, steps: int, skip: int) -> dict:
     return {n: (layers[n], figs) for n, figs in figures.items()}
 
 
-def mean(xs):
-    return sum(xs) / len(xs) if xs else float("nan")
-
-
-def median(xs):
-    return sorted(xs)[len(xs) // 2] if xs else float("nan")
-
-
 def table(results: dict) -> str:
-    lines = ["| layer | shape | k | rel err (mean) | max/mean (median) | rows (mean) | top row share | "
-             "row spread (median) |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    head = ["layer", "shape", "k", "rel err (mean)", "max/mean (median)", "rows (mean)", "top row share",
+            "row spread (median)"]
+    lines = []
     for name, (layer, figs) in results.items():
-        rows = [f["rows"] for f in figs if "rows" in f]
-        lines.append(f"| {name} | {'x'.join(map(str, layer.shape))} | {layer.k} | "
-                     f"{mean([f['rel_err'] for f in figs]):.3f} | {median([f['max_over_mean'] for f in figs]):.1f} | "
-                     + (f"{mean(rows):.1f} | {mean([f['top_row_share'] for f in figs]):.2f} | "
-                        f"{median([f['row_spread'] for f in figs]):.1f} |" if rows else "- | - | - |"))
-    return "\n".join(lines) + "\n"
+        def of(key):
+            return [f[key] for f in figs if key in f]
+        lines.append([name, "x".join(map(str, layer.shape)), layer.k, cell(mean(of("rel_err")), ".3f"),
+                      cell(median(of("max_over_mean")), ".1f"), cell(mean(of("rows")), ".1f"),
+                      cell(mean(of("top_row_share")), ".2f"), cell(median(of("row_spread")), ".1f")])
+    return markdown(head, lines, "llrrrrrr")
 
 
 def main(argv=None) -> int:
@@ -140,11 +133,9 @@ def main(argv=None) -> int:
     cfg = load_config(str(REPO / args.config) if not Path(args.config).is_absolute() else args.config, args.overrides)
     t0 = time.time()
     results = train(cfg, args.density, args.steps, args.skip)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.machine())
-    text = (f"`python {' '.join(shlex.quote(a) for a in ['scripts/lm_message_stats.py', *(argv or sys.argv[1:])])}`\n\n"
+    text = (f"`{command_line(argv, 'scripts/lm_message_stats.py')}`\n\n"
             f"{cfg.model.name} on {cfg.data.name}, density {args.density}, steps {args.skip}-{args.steps}, "
-            f"one process, {cpu}, torch {torch.__version__}, Python {platform.python_version()}, "
+            f"one process, {cpu_name()}, torch {torch.__version__}, Python {platform.python_version()}, "
             f"{time.time() - t0:.0f} s\n\n" + table(results))
     print(text)
     if args.out:

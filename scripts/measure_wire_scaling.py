@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from redsync_hvd.experiments.jobs import command, job_env, launch
+from redsync_hvd.experiments.tables import markdown
 
 REDSYNC = {"method": "redsync", "density": 0.001, "selection": {"method": "tbs", "threshold_reuse": 5},
            "message": {"quantize": "sign_mean"}, "dgc": {"momentum_correction": False}}
@@ -74,8 +71,8 @@ class Counting:
         self._ring(tensor)
         return self.inner.allreduce_async_(tensor, name, average)
 
-    def allgather_async(self, tensor, name):
-        return ("allgather", tensor.numel() * tensor.element_size(), self.inner.allgather_async(tensor, name))
+    def allgather_async(self, tensor, name, sizes=None):
+        return ("allgather", tensor.numel() * tensor.element_size(), self.inner.allgather_async(tensor, name, sizes))
 
     def alltoall_async(self, tensor, splits, name):
         row = tensor[:1].numel() * tensor.element_size() if tensor.shape[0] else 0
@@ -127,27 +124,24 @@ def worker(steps: int, warmup: int, out: str) -> None:
         Path(out).write_text(json.dumps(result))
 
 
-def launch(n: int, steps: int, warmup: int) -> dict:
-    bindir = Path(sys.executable).parent
+def measure(n: int, steps: int, warmup: int) -> dict:
+    """Every method's bytes at ``n`` workers: one ``horovodrun --gloo -np n`` job of this script."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "bytes.json"
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
-        subprocess.run([str(bindir / "horovodrun"), "--gloo", "-np", str(n), "-H", f"localhost:{n}", sys.executable,
-                        __file__, "--worker", "--steps", str(steps), "--warmup", str(warmup), "--json", str(out)],
-                       cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL, timeout=1800)
+        out, log = Path(tmp) / "bytes.json", Path(tmp) / "job.log"
+        cmd = command("horovodrun-gloo", n, [__file__, "--worker", "--steps", steps, "--warmup", warmup,
+                                             "--json", out])
+        status = launch(cmd, log, timeout=1800, env=job_env(OMP_NUM_THREADS="1"))
+        if status != "ok":
+            raise SystemExit(f"N={n}: the job {status}:\n{log.read_text()[-3000:]}")
         return json.loads(out.read_text())
 
 
 def table(results: dict) -> str:
     ns = sorted(results)
-    head = "| method | " + " | ".join(f"N={n} received (sent) KB" for n in ns) + \
-        f" | received N={ns[-1]} / N={ns[0]} |"
-    lines = [head, "|" + "---|" * (len(ns) + 2)]
-    for label in METHODS:
-        cells = [f"{results[n][label][1] / 1e3:,.1f} ({results[n][label][0] / 1e3:,.1f})" for n in ns]
-        growth = results[ns[-1]][label][1] / results[ns[0]][label][1]
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {growth:.2f}x |")
-    return "\n".join(lines)
+    head = ["method", *(f"N={n} received (sent) KB" for n in ns), f"received N={ns[-1]} / N={ns[0]}"]
+    rows = [[label, *(f"{results[n][label][1] / 1e3:,.1f} ({results[n][label][0] / 1e3:,.1f})" for n in ns),
+             f"{results[ns[-1]][label][1] / results[ns[0]][label][1]:.2f}x"] for label in METHODS]
+    return markdown(head, rows)
 
 
 def main() -> None:
@@ -164,11 +158,11 @@ def main() -> None:
         return
     results = {}
     for n in a.np:
-        results[n] = launch(n, a.steps, a.warmup)
+        results[n] = measure(n, a.steps, a.warmup)
         print(f"N={n}: " + ", ".join(f"{k} {v[1] / 1e3:.1f} KB received" for k, v in results[n].items()), flush=True)
     text = (f"Bytes per worker and step, vgg_fc4096, mean of {a.steps} steps after {a.warmup} and of the ranks "
             f"(`python scripts/measure_wire_scaling.py --np {' '.join(map(str, a.np))} --steps {a.steps}`)\n\n"
-            + table(results) + "\n")
+            + table(results))
     print("\n" + text)
     if a.out:
         Path(a.out).write_text(text)

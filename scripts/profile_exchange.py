@@ -22,21 +22,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")       # before triton is imported
+import bench_overhead as bench  # noqa: E402  (this script's folder: the models and methods of bench_overhead.py)
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import scripts.bench_overhead as bench  # noqa: E402
 from redsync_hvd.core import radix_select  # noqa: E402
 from redsync_hvd.core.launches import Launches  # noqa: E402
 from redsync_hvd.core.segments import Segments  # noqa: E402
+from redsync_hvd.experiments.stats import sync, timed_ms  # noqa: E402
 
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 METHODS = ("redsync_mc_exact_k", "redsync_mc_exact_k_graph")
@@ -44,8 +42,7 @@ METHODS = ("redsync_mc_exact_k", "redsync_mc_exact_k_graph")
 
 def measure(fn, steps, cuda):
     """(device ms per step, launches per step, top device rows, top host rows) of ``steps`` calls."""
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    sync()
+    sync("cuda" if cuda else "cpu")
     if not cuda:                      # no device to profile: count what would launch
         with Launches() as counted:
             for _ in range(steps):
@@ -54,7 +51,7 @@ def measure(fn, steps, cuda):
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             fn()
-        sync()
+        sync("cuda")
     events = prof.key_averages()
     dev = sorted(events, key=lambda e: -e.self_device_time_total)
     host = sorted(events, key=lambda e: -e.self_cpu_time_total)
@@ -76,18 +73,6 @@ def report(label, result):
         print("   cpu %8.3f ms  n/step %6.1f  %s" % (ms, count, key))
 
 
-def median_ms(fn, repeats, cuda):
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    times = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
 def model_rows(mname, args, cuda):
     """Rows of one model: per batch size and method, compute, exchange, share, device time, launches."""
     spec = bench.MODELS[mname]
@@ -107,8 +92,8 @@ def model_rows(mname, args, cuda):
                 compute()
                 for _ in range(args.warmup):
                     variant.exchange()
-                exchange_ms = median_ms(variant.exchange, args.repeats, cuda)
-                compute_ms = median_ms(compute, args.repeats, cuda)
+                exchange_ms = timed_ms(variant.exchange, args.repeats, args.device, warmup=0)[0]
+                compute_ms = timed_ms(compute, args.repeats, args.device, warmup=0)[0]
                 result = measure(variant.exchange, 3, cuda)
             except Exception as e:   # noqa: BLE001 - report it and go on: the other rows still count
                 print("  %s batch %d %s cannot run: %s: %s" % (mname, batch, method, type(e).__name__, e),

@@ -42,8 +42,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from redsync_hvd.policy import costmodel as cm  # noqa: E402
+from redsync_hvd.policy import costmodel as cm
 
 DEFAULT_COMPUTE_S = {"alexnet": 0.04, "vgg16": 0.28, "resnet50": 0.17, "lstm_lm": 0.05,
                      # compute_alone_s of docs/results/cpu-2cores-2026-11-26/costmodel-20261126-110529

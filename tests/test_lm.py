@@ -1,5 +1,5 @@
 """Language models: per-layer RedSync messages (values for an embedding, sign-mean elsewhere), and
-the LM figures of a real 2-worker run on the pydoc text through scripts/compare_lm.py."""
+the LM figures of a real 2-worker run on the pydoc text through the sweep of configs/sweeps/pydoc.yaml."""
 import json
 import math
 import platform
@@ -79,15 +79,15 @@ def test_quantize_overrides_are_refused_where_they_cannot_apply():
 
 
 def test_pydoc_runs_report_perplexity_and_the_text_they_read(tmp_path):
-    """scripts/compare_lm.py --quick: real `horovodrun -np 2` runs of configs/pydoc/dense.yaml and
+    """The pydoc sweep --quick: real `horovodrun -np 2` runs of configs/pydoc/dense.yaml and
     redsync.yaml; each summary.json has the test loss and perplexity and names the Python and the
     text; the table and plots are written, and a second invocation reruns nothing."""
-    cmd = [sys.executable, str(REPO / "scripts/compare_lm.py"), "--quick", "--only", "dense", "redsync",
-           "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--timeout", "240"]
+    cmd = [sys.executable, "-m", "redsync_hvd.experiments.sweep", "configs/sweeps/pydoc.yaml", "--quick", "--only",
+           "dense", "redsync", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--timeout", "240"]
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     logs = "".join(f"\n--- {f.name}\n" + f.read_text()[-2000:] for f in sorted((tmp_path / "runs").rglob("*.log")))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:] + logs
-    for name in ("dense-s0", "redsync-s0"):
+    for name in ("dense-hvd2-s0", "redsync-hvd2-s0"):
         s = json.loads((tmp_path / "runs" / name / "summary.json").read_text())
         assert s["steps"] == 6 and math.isfinite(s["final_loss"]) and s["final_loss"] > 0
         assert s["final_perplexity"] == pytest.approx(math.exp(s["final_loss"]))
@@ -99,11 +99,11 @@ def test_pydoc_runs_report_perplexity_and_the_text_they_read(tmp_path):
                  if "test_perplexity" in line]
         assert [e["step"] for e in evals] == [3, 6] and evals[-1]["test_perplexity"] == pytest.approx(
             s["final_perplexity"])
-    redsync = json.loads((tmp_path / "runs" / "redsync-s0" / "summary.json").read_text())
+    redsync = json.loads((tmp_path / "runs" / "redsync-hvd2-s0" / "summary.json").read_text())
     assert redsync["compression_ratio"] > 1.5
     table = (tmp_path / "out" / "table.md").read_text()
     assert "| dense fp32 |" in table and "RedSync" in table and "vs dense" in table
-    for png in ("perplexity_vs_bytes.png", "perplexity_vs_steps.png"):
+    for png in ("perplexity_vs_bytes.png", "perplexity_vs_steps.png"):   # one part: no part in the names
         assert (tmp_path / "out" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and ": ok" not in again.stdout and (tmp_path / "out" / "table.md").read_text() == table
@@ -146,33 +146,29 @@ def test_residual_lr_own_is_refused_where_no_learning_rate_is_passed():
         build_exchange({"method": "redsync", "residual_lr": "own"}, layers, LocalCommunicator(2), engine="ddp")
 
 
-def test_redsync_compact_yaml_is_the_compare_lm_row_it_names():
-    """configs/pydoc/redsync-compact.yaml and compare_lm.py's redsync-compact60 row (redsync.yaml
+def test_redsync_compact_yaml_is_the_pydoc_sweep_row_it_names():
+    """configs/pydoc/redsync-compact.yaml and configs/sweeps/pydoc.yaml's redsync-compact60 row (redsync.yaml
     with overrides) resolve to the same run config, so the row's results are the file's."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    from compare_lm import ROWS
-
     from redsync_hvd.config.run import load_config
+    from redsync_hvd.experiments.sweep import load_sweep
 
-    _, config, sets = ROWS["redsync-compact60"]
-    row = load_config(REPO / config, list(sets))
+    row = load_sweep(REPO / "configs/sweeps/pydoc.yaml").rows["redsync-compact60"]
+    row = load_config(REPO / row["config"], row["set"])
     compact = load_config(REPO / "configs/pydoc/redsync-compact.yaml")
     assert compact.model_dump(exclude={"output"}) == row.model_dump(exclude={"output"})   # names differ
     assert compact.compression.density == 0.006
     assert compact.compression.message.index_coding == "golomb"
 
 
-def test_redsync_fp16_yaml_is_the_compare_lm_row_it_names():
-    """configs/pydoc/redsync-fp16.yaml and compare_lm.py's redsync-fp16-emb30-flat row resolve to
+def test_redsync_fp16_yaml_is_the_pydoc_sweep_row_it_names():
+    """configs/pydoc/redsync-fp16.yaml and configs/sweeps/pydoc.yaml's redsync-fp16-emb30-flat row resolve to
     the same run config: fp16 values for every compressed layer, fp16 biases, 0.3% of the
     embedding and 0.94% of the other compressed layers from the first step."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    from compare_lm import ROWS
-
     from redsync_hvd.config.run import load_config
+    from redsync_hvd.experiments.sweep import load_sweep
 
-    _, config, sets = ROWS["redsync-fp16-emb30-flat"]
-    row = load_config(REPO / config, list(sets))
+    row = load_sweep(REPO / "configs/sweeps/pydoc.yaml").rows["redsync-fp16-emb30-flat"]
+    row = load_config(REPO / row["config"], row["set"])
     fp16 = load_config(REPO / "configs/pydoc/redsync-fp16.yaml")
     assert fp16.model_dump(exclude={"output"}) == row.model_dump(exclude={"output"})
     c = fp16.compression

@@ -1,4 +1,4 @@
-"""Emulated-network bench (scripts/netbench): two namespaces, two Horovod workers, teardown.
+"""Emulated-network bench (redsync_hvd/experiments/netbench): two namespaces, two Horovod workers, teardown.
 
 Needs root and iproute2 (``ip``, ``tc``); skipped cleanly otherwise. The unit part
 (cost-model prediction from a run's measured messages, config checks) runs anywhere.
@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from redsync_hvd.experiments.netbench import netns
+from redsync_hvd.experiments.netbench.predict import plan_from_run, predict, wire_method
+from redsync_hvd.policy import costmodel as cm
 
-from redsync_hvd.policy import costmodel as cm  # noqa: E402
-from scripts.netbench import netns  # noqa: E402
-from scripts.netbench.predict import plan_from_run, predict, wire_method  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+WORKER = "redsync_hvd.experiments.netbench.worker"
 
 
 def _can_build() -> str | None:
@@ -66,7 +66,7 @@ def test_prediction_uses_measured_message_sizes():
 
 
 def test_in_run_work_takes_each_steps_slowest_rank():
-    from scripts.netbench.report import in_run_work
+    from redsync_hvd.experiments.netbench.report import in_run_work
     # rank 0 is slower in steps 0 and 2, rank 1 in step 1: the per-step maxima are 5, 6, 7
     ranks = [{"steps_s": [9, 8, 9], "phases_s": {"communicate": [4, 4, 2]}},
              {"steps_s": [9, 8, 9], "phases_s": {"communicate": [5, 2, 5]}}]
@@ -127,7 +127,7 @@ def test_allocator_and_cycle_time_reach_the_worker_environment(tmp_path):
     sys.path.insert(0, str(REPO / "scripts"))
     import bench_end_to_end as bench
 
-    from scripts.netbench import allocator
+    from redsync_hvd.experiments.netbench import allocator
     base = "name: x\nmodels: [{name: m, model: mlp}]\nmethods: {dense: {method: none}}\nnetworks: [{hosts: 2}]\n"
     path = tmp_path / "ok.yaml"
     path.write_text(base + "horovod_cycle_time_ms: 20\n")
@@ -151,7 +151,7 @@ def test_pinned_worker_runs_on_its_ranks_cpu():
     """pin_workers: rank r runs on the (r mod #CPUs)-th allowed CPU, and so do the threads
     torch starts afterwards. In a child process: pinning pytest itself would skew the suite."""
     allowed = sorted(os.sched_getaffinity(0))
-    code = ("import os\nfrom scripts.netbench.worker import pin_to_cpu\ncpu = pin_to_cpu()\n"
+    code = ("import os\nfrom redsync_hvd.experiments.netbench.worker import pin_to_cpu\ncpu = pin_to_cpu()\n"
             "import torch\ntorch.set_num_threads(2)\ntorch.ones(1 << 20).sum()\n"
             "tids = os.listdir('/proc/self/task')\n"
             "print(cpu, sorted({c for t in tids for c in os.sched_getaffinity(int(t))}))")
@@ -162,7 +162,7 @@ def test_pinned_worker_runs_on_its_ranks_cpu():
         want = allowed[rank % len(allowed)]
         assert out.stdout.strip().split(maxsplit=1) == [str(want), f"[{want}]"]
     env = {k: v for k, v in os.environ.items() if k != "NETBENCH_PIN_WORKERS"}
-    out = subprocess.run([sys.executable, "-c", "from scripts.netbench.worker import pin_to_cpu; print(pin_to_cpu())"],
+    out = subprocess.run([sys.executable, "-c", f"from {WORKER} import pin_to_cpu; print(pin_to_cpu())"],
                          env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "None"
 
@@ -173,7 +173,7 @@ def test_kept_allocations_stop_page_faulting_a_large_buffer_anew():
     import resource
     import subprocess
     code = ("import resource, sys\n"
-            "from scripts.netbench import allocator\n"
+            "from redsync_hvd.experiments.netbench import allocator\n"
             "if sys.argv[1] == 'keep': assert allocator.apply_in_process()\n"
             "import torch\n"
             "for _ in range(20): torch.ones(16 << 20)   # the heap settles into reusing its blocks\n"
@@ -193,7 +193,7 @@ def test_kept_allocations_stop_page_faulting_a_large_buffer_anew():
 # -- root + iproute2 -----------------------------------------------------------------------
 @needs_netns
 def test_two_namespaces_two_workers_then_nothing_left(tmp_path):
-    from scripts.netbench.launcher import launch
+    from redsync_hvd.experiments.netbench.launcher import launch
     net = netns.ShapedNetwork(hosts=2, bandwidth_mbit=1000, latency_ms=0)
     prefix = net.prefix
     out = tmp_path / "result.json"
@@ -206,7 +206,7 @@ def test_two_namespaces_two_workers_then_nothing_left(tmp_path):
             assert len(names) == 3 and f"{prefix}-sw" in names
             qd = net.qdiscs()
             assert qd.count("tbf") == 4, qd        # both directions of both links shaped
-            launch(net, ["python", "-m", "scripts.netbench.worker", "--spec", json.dumps(spec), "--out", str(out)],
+            launch(net, ["python", "-m", WORKER, "--spec", json.dumps(spec), "--out", str(out)],
                    timeout=50, log_dir=tmp_path / "logs", env={"OMP_NUM_THREADS": "1"})
     finally:
         left = netns.list_namespaces(prefix)
@@ -230,7 +230,7 @@ def test_two_namespaces_two_workers_then_nothing_left(tmp_path):
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun (openmpi-bin) is not installed")
 def test_mpi_launch_runs_dcd_across_namespaces_then_nothing_left(tmp_path):
     """DCD's mpi4py neighbour exchange, one MPI rank per namespace, over the shaped links."""
-    from scripts.netbench.mpi_launcher import launch_mpi
+    from redsync_hvd.experiments.netbench.mpi_launcher import launch_mpi
     net = netns.ShapedNetwork(hosts=2, bandwidth_mbit=1000, latency_ms=0)
     prefix = net.prefix
     out = tmp_path / "result.json"
@@ -239,7 +239,7 @@ def test_mpi_launch_runs_dcd_across_namespaces_then_nothing_left(tmp_path):
                      {"label": "dcd", "compression": {"method": "dcd", "quantizer": "minmax", "bits": 8}}]}
     try:
         with net:
-            launch_mpi(net, ["python", "-m", "scripts.netbench.worker", "--spec", json.dumps(spec), "--out", str(out)],
+            launch_mpi(net, ["python", "-m", WORKER, "--spec", json.dumps(spec), "--out", str(out)],
                        timeout=90, log_dir=tmp_path / "logs", env={"OMP_NUM_THREADS": "1"})
             pids = [subprocess.run(["ip", "netns", "pids", net.host_ns(i)], capture_output=True, text=True).stdout
                     for i in range(2)]

@@ -53,7 +53,7 @@ def _seed_mean(runs_dir, name):
 def test_redsync_converges_close_to_dense(digits_runs, density):
     """RedSync's accuracy target: within 0.5 point of dense at the same epochs (40), on the mean
     over seeds 0-2 of paired runs (same seed, same split). The measured gaps over seeds 0-4
-    (scripts/digits_sweep.py) are in docs/redsync.md."""
+    (configs/sweeps/digits.yaml) are in docs/redsync.md."""
     dense, _ = _seed_mean(digits_runs, "dense-40")
     rs, runs = _seed_mean(digits_runs, f"redsync-{density}")
     assert rs >= dense - 0.005, (rs, dense)

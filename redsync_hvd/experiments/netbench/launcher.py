@@ -27,9 +27,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..jobs import REPO
 from .rendezvous import slot_plan
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -88,6 +87,23 @@ def worker_env(net, slot, port: int, extra: dict | None = None) -> dict:
     return env
 
 
+def _wait(procs, deadline: float) -> bool:
+    """Until every worker ended, 10 s after the first failure, or the deadline; True if that passed."""
+    failed_at = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            break
+        if failed_at is None and any(c not in (None, 0) for c in codes):
+            failed_at = time.time()     # the others would block in a collective: give them a moment
+        if failed_at is not None and time.time() - failed_at > 10:
+            break
+        if time.time() > deadline:
+            break
+        time.sleep(0.05)
+    return any(p.poll() is None for p in procs) and time.time() > deadline
+
+
 def launch(net, command: list, timeout: float = 600, log_dir: str | Path | None = None,
            env: dict | None = None, slots_per_host: int = 1, check: bool = True) -> list[WorkerResult]:
     """Run ``command`` once per slot of ``net``'s hosts as one Horovod job; return per-rank results.
@@ -102,8 +118,8 @@ def launch(net, command: list, timeout: float = 600, log_dir: str | Path | None 
     plan = slot_plan(hosts)
     host_of = {net.host_addr(i): i for i in range(net.hosts)}
     argv = [sys.executable if c == "python" else str(c) for c in command]
-    rdv = subprocess.Popen(net.exec_prefix(None) + [sys.executable, "-m", "scripts.netbench.rendezvous",
-                                                    "--hosts", hosts],
+    server = [sys.executable, "-m", f"{__package__}.rendezvous", "--hosts", hosts]
+    rdv = subprocess.Popen(net.exec_prefix(None) + server,
                            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                            stderr=open(log_dir / "rendezvous.log", "w"), text=True, start_new_session=True,
                            env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -123,19 +139,7 @@ def launch(net, command: list, timeout: float = 600, log_dir: str | Path | None 
             procs.append(subprocess.Popen(net.exec_prefix(i) + argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
                                           env=worker_env(net, slot, port, env), start_new_session=True))
             results.append(WorkerResult(slot.rank, i, None, log))
-        failed_at = None
-        while True:
-            codes = [p.poll() for p in procs]
-            if all(c is not None for c in codes):
-                break
-            if failed_at is None and any(c not in (None, 0) for c in codes):
-                failed_at = time.time()     # the others would block in a collective: give them a moment
-            if failed_at is not None and time.time() - failed_at > 10:
-                break
-            if time.time() > deadline:
-                break
-            time.sleep(0.05)
-        timed_out = any(p.poll() is None for p in procs) and time.time() > deadline
+        timed_out = _wait(procs, deadline)
     finally:
         _stop(procs)
         for f in files:

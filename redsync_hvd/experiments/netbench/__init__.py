@@ -10,7 +10,7 @@
 * ``worker.py``     bench worker: synthetic data, S steps, per-step time split (JSON)
 * ``predict.py``    the cost model's prediction for a measured run
 * ``report.py``     result rows (measured and predicted), CSV and markdown tables, plots
-* ``__main__.py``   CLI: ``python -m scripts.netbench check|probe|run|cleanup``
+* ``__main__.py``   CLI: ``python -m redsync_hvd.experiments.netbench check|probe|run|cleanup``
 
 Driven by ``scripts/bench_end_to_end.py --config configs/bench/quick.yaml``.
 Needs root and iproute2 (``ip``, ``tc``); see ``netns.missing_prerequisites()``.

@@ -1,10 +1,10 @@
 """netbench command line (run from the repository root, as root).
 
-    python -m scripts.netbench check                      # root? iproute2? tbf? netem?
-    python -m scripts.netbench probe --hosts 2 --bandwidth-mbit 1000 [--latency-ms 0]
-    python -m scripts.netbench run --hosts 2 --bandwidth-mbit 1000 -- \\
+    python -m redsync_hvd.experiments.netbench check                      # root? iproute2? tbf? netem?
+    python -m redsync_hvd.experiments.netbench probe --hosts 2 --bandwidth-mbit 1000 [--latency-ms 0]
+    python -m redsync_hvd.experiments.netbench run --hosts 2 --bandwidth-mbit 1000 -- \\
         python -m redsync_hvd.train --config configs/digits/topk.yaml --set training.epochs=1
-    python -m scripts.netbench cleanup                    # delete leftover rsnb* namespaces
+    python -m redsync_hvd.experiments.netbench cleanup                    # delete leftover rsnb* namespaces
 
 ``run`` builds the network, starts the command once per host as one Horovod job
 (Gloo, rendezvous in the switch namespace), prints each rank's log tail and tears
@@ -24,8 +24,8 @@ def _terminate(signum, frame):   # SIGTERM/SIGHUP -> unwind through the context 
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m scripts.netbench", description=__doc__,
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m redsync_hvd.experiments.netbench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("check", help="report whether the emulated network can be built here")
@@ -40,6 +40,11 @@ def main(argv=None) -> int:
             p.add_argument("--timeout", type=float, default=600)
             p.add_argument("--log-dir", default=None)
             p.add_argument("command", nargs=argparse.REMAINDER, help="-- command run once per host")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     a = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGHUP, _terminate)

@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """A YAML config trained under DDP and ``torchrun``, for comparisons with the Horovod runner.
 
-    torchrun --standalone --nproc_per_node 2 scripts/ddp_worker.py --config configs/digits/dense.yaml \
+    torchrun --standalone --nproc_per_node 2 -m redsync_hvd.experiments.ddp_worker --config configs/digits/dense.yaml \
         --hook torch_powersgd --powersgd-rank 2 --powersgd-start 2 [--set training.seed=1 ...]
 
 The same work as ``horovodrun -np 2 python -m redsync_hvd.train --config ...``: the loop is
@@ -26,16 +25,14 @@ the same weights.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 from torch.nn.parallel import DistributedDataParallel
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from redsync_hvd.config import ConfigError, load_config  # noqa: E402
-from redsync_hvd.torch.training import DDPAdapter  # noqa: E402
-from redsync_hvd.train import launch  # noqa: E402
+from ..config import ConfigError, load_config
+from ..torch.training import DDPAdapter
+from ..train import launch
 
 HOOKS = ("none", "torch_powersgd", "ours")
 
@@ -64,7 +61,8 @@ class ByteCounter:
         return {"wire": self.wire, "dense": self.dense, "steps": self.steps}
 
     def load_state_dict(self, state: dict) -> None:
-        raise NotImplementedError("scripts/ddp_worker.py does not resume torch's hooks; start the run again")
+        raise NotImplementedError("redsync_hvd.experiments.ddp_worker does not resume torch's hooks; "
+                                  "start the run again")
 
 
 def plain_hook(counter: ByteCounter):

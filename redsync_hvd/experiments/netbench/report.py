@@ -2,27 +2,18 @@
 predictions, the CSV and markdown tables, and the plots (``bench_end_to_end.py``)."""
 from __future__ import annotations
 
-import csv
-import math
 import statistics
 from pathlib import Path
 
 from redsync_hvd.config.compression import DECENTRALIZED
 from redsync_hvd.policy import costmodel as cm
-from scripts.netbench.predict import fusion_bytes, plan_from_run, predict
-from scripts.netbench.predict import network as cm_network
+
+from ..tables import markdown as markdown_table
+from ..tables import short
+from .predict import fusion_bytes, plan_from_run, predict
+from .predict import network as cm_network
 
 MPI_DENSE = "dense/mpi"   # dense Horovod, launched with the decentralized methods under mpirun
-
-
-def _fmt(v, nd=4):
-    if v is None or v == "":
-        return ""
-    if isinstance(v, float):
-        if math.isnan(v) or math.isinf(v):
-            return ""
-        return f"{v:.{nd}g}" if abs(v) < 1e4 else f"{v:.0f}"
-    return str(v)
 
 
 def build_rows(cfg, setting, model, result, methods, probe, compute) -> list[dict]:
@@ -111,24 +102,11 @@ def skipped_rows(setting, models, methods, why) -> list[dict]:
             for m in models for name, _ in methods]
 
 
-def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
-        w.writeheader()
-        for row in rows:
-            w.writerow({c: _fmt(row.get(c)) if isinstance(row.get(c), float) else row.get(c, "") for c in columns})
-
-
 def markdown(rows: list[dict]) -> str:
     cols = ["model", "method", "hosts", "bandwidth_mbit", "latency_ms", "step_time_s", "speedup_vs_dense",
             "wire_bytes_per_step", "compute_s", "select_s", "communicate_s", "decompress_s",
             "overhead_pct_of_compute", "predicted_step_time_s", "prediction_error_pct"]
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        if not r.get("step_time_s"):
-            continue
-        out.append("| " + " | ".join(_fmt(r.get(c), 3) for c in cols) + " |")
-    return "\n".join(out)
+    return markdown_table(cols, [[short(r.get(c), 3) for c in cols] for r in rows if r.get("step_time_s")]).rstrip()
 
 
 def _save(plt, fig, path: Path) -> Path:
@@ -143,8 +121,11 @@ def plots(run_dir: Path, rows: list[dict]) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     ok = [r for r in rows if r.get("step_time_s")]
-    files = []
-    # speedup vs bandwidth, one line per (model, method, hosts), at the smallest latency
+    return [draw(plt, ok, run_dir) for draw in (_speedup, _breakdown, _prediction)]
+
+
+def _speedup(plt, ok: list, run_dir: Path) -> Path:
+    """Speedup against bandwidth, one line per (model, method, hosts), at the smallest latency."""
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     keys = sorted({(r["model"], r["method"], r["hosts"]) for r in ok
                    if r["method"] != "dense" and not r["method"].endswith("/comm")})
@@ -159,10 +140,13 @@ def plots(run_dir: Path, rows: list[dict]) -> list[Path]:
     ax.set_ylabel("speedup vs dense (step time)")
     ax.set_title("End-to-end speedup on the shaped network")
     ax.legend(fontsize=7)
-    files.append(_save(plt, fig, run_dir / "speedup_vs_bandwidth.png"))
-    # time breakdown bars
+    return _save(plt, fig, run_dir / "speedup_vs_bandwidth.png")
+
+
+def _breakdown(plt, ok: list, run_dir: Path) -> Path:
+    """Where a step's time goes: stacked bars, the prediction as a tick."""
     fig, ax = plt.subplots(figsize=(max(6.4, 0.8 * len(ok) + 2), 5.2))
-    labels = [f"{r['model']} N={r['hosts']} {_fmt(r['bandwidth_mbit'])}M\n{r['method']}" for r in ok]
+    labels = [f"{r['model']} N={r['hosts']} {short(r['bandwidth_mbit'])}M\n{r['method']}" for r in ok]
     bottom = [0.0] * len(ok)
     for part, color in (("compute_s", "#4c72b0"), ("select_s", "#dd8452"), ("communicate_s", "#55a868"),
                         ("decompress_s", "#c44e52")):
@@ -176,8 +160,11 @@ def plots(run_dir: Path, rows: list[dict]) -> list[Path]:
     ax.set_ylabel("seconds per step (rank 0)")
     ax.set_title("Where a step's time goes")
     ax.legend(fontsize=7)
-    files.append(_save(plt, fig, run_dir / "time_breakdown.png"))
-    # predicted vs measured: nominal link (tbf rate) and Horovod-probed alpha/B
+    return _save(plt, fig, run_dir / "time_breakdown.png")
+
+
+def _prediction(plt, ok: list, run_dir: Path) -> Path:
+    """Predicted against measured: nominal link (tbf rate) and Horovod-probed alpha/B."""
     fig, ax = plt.subplots(figsize=(5.2, 4.6))
     pts = [r for r in ok if r.get("predicted_step_time_s")]
     if pts:
@@ -203,5 +190,4 @@ def plots(run_dir: Path, rows: list[dict]) -> list[Path]:
     ax.set_xlabel("measured step time (s)")
     ax.set_ylabel("predicted step time (s)")
     ax.set_title("Cost model vs measurement")
-    files.append(_save(plt, fig, run_dir / "predicted_vs_measured.png"))
-    return files
+    return _save(plt, fig, run_dir / "predicted_vs_measured.png")

@@ -1,7 +1,7 @@
 """What the emulated links really carry: TCP goodput and round-trip time between two hosts.
 
 No iperf/ping needed: a tiny socket server runs in one host namespace and a client in
-another (``python -m scripts.netbench.probe serve|client``); :func:`measure_link`
+another (``python -m redsync_hvd.experiments.netbench.probe serve|client``); :func:`measure_link`
 drives both and returns ``{"goodput_mbit", "rtt_ms", ...}``. Everything is bounded by
 timeouts and uses only the addresses of our own namespaces.
 """
@@ -14,9 +14,9 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from ..jobs import REPO
+
 CHUNK = 1 << 20
 
 
@@ -104,14 +104,14 @@ def measure_link(net, src: int = 0, dst: int = 1, nbytes: int = 64 << 20, pings:
                  port: int = 5299, timeout: float = 60.0) -> dict:
     """TCP goodput src -> dst and RTT, through the shaped links of ``net`` (a ShapedNetwork)."""
     py = sys.executable
-    srv = subprocess.Popen(net.exec_prefix(dst) + [py, "-m", "scripts.netbench.probe", "serve", "--port", str(port),
+    srv = subprocess.Popen(net.exec_prefix(dst) + [py, "-m", __name__, "serve", "--port", str(port),
                                                    "--timeout", str(timeout)],
                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            start_new_session=True)
     try:
         if srv.stdout.readline().strip() != "READY":
             raise RuntimeError(f"probe server failed: {srv.stderr.read()[-2000:]}")
-        out = subprocess.run(net.exec_prefix(src) + [py, "-m", "scripts.netbench.probe", "client",
+        out = subprocess.run(net.exec_prefix(src) + [py, "-m", __name__, "client",
                                                      "--host", net.host_addr(dst), "--port", str(port),
                                                      "--bytes", str(nbytes), "--pings", str(pings),
                                                      "--timeout", str(timeout)],

@@ -28,7 +28,7 @@ from pathlib import Path
 from .launcher import REPO, LaunchError, WorkerResult
 
 _AGENT = """#!/bin/sh
-# rsh agent for mpirun (written by scripts/netbench/mpi_launcher.py): $1 is a host address,
+# rsh agent for mpirun (written by redsync_hvd/experiments/netbench/mpi_launcher.py): $1 is a host address,
 # the rest its command line; run it inside that host's network namespace instead of over ssh
 host="$1"; shift
 ns=$(awk -v h="$host" '$1 == h {{print $2}}' "{map}")

@@ -1,7 +1,7 @@
 """Bench worker: train a reference model on synthetic data for a fixed number of steps and
 time every step.
 
-    python -m scripts.netbench.worker --spec '{"model": "vgg", "model_options": {"fc_width": 4096},
+    python -m redsync_hvd.experiments.netbench.worker --spec '{"model": "vgg", "model_options": {"fc_width": 4096},
         "batch_size": 16, "steps": 8, "warmup": 3, "compression": {"method": "none"}}' --out r.json
 
 Modes (``spec["mode"]``):

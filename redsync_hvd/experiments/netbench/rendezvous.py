@@ -1,6 +1,6 @@
 """Horovod's Gloo rendezvous server as a process of its own (run inside the switch namespace).
 
-    ip netns exec <prefix>-sw python -m scripts.netbench.rendezvous --hosts 10.77.0.1:1,10.77.0.2:1
+    ip netns exec <prefix>-sw python -m redsync_hvd.experiments.netbench.rendezvous --hosts 10.77.0.1:1,10.77.0.2:1
 
 It does what ``horovodrun --gloo`` does before it ssh-es anywhere
 (``horovod/runner/gloo_run.py: launch_gloo``): builds the slot plan with
