@@ -132,7 +132,7 @@ METHODS = {
 # (compression.cuda_graph, exchange/graph.py); redsync_mc_exact_k itself runs with cuda_graph: off
 METHODS["redsync_mc_exact_k_graph"] = {**METHODS["redsync_mc_exact_k"], "cuda_graph": "on"}
 
-AGREEMENT = "redsync_hvd.exchange.pipeline:_read"   # the one read finish() makes
+AGREEMENT = "redsync_hvd.exchange.exchange:_read"   # the one read finish() makes
 
 
 def count_reads(step, device) -> dict:
