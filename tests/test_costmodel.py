@@ -72,7 +72,7 @@ def test_message_sizes():
     assert cm.message_bytes(n, 1, "dense_fp16") == 2 * n
     assert cm.message_bytes(n, 0.001, "pairs") == 1000 * 8 + 8
     assert cm.message_bytes(n, 0.001, "pairs_fp16") == 1000 * 6 + 8
-    assert cm.message_bytes(n, 0.001, "redsync") == 1000 * 4 + 4
+    assert cm.message_bytes(n, 0.001, "sign_mean") == 1000 * 4 + 4
     assert cm.iwp_bytes(n, 0.01) == (40000, 40000)
     assert cm.message_bytes(n, 0.01, "golomb") == math.ceil(10000 * cm.golomb_bits_per_position(0.01) / 8) + 4
     assert cm.num_selected(1000, 0.001) == 1 and cm.num_selected(1001, 0.001) == 2
@@ -174,7 +174,7 @@ def test_paper_models_and_projection():
     assert tot["vgg16"] == pytest.approx(138.4e6, rel=0.01)
     assert tot["resnet50"] == pytest.approx(25.6e6, rel=0.01)
     assert tot["lstm_lm"] == pytest.approx(66.0e6, rel=0.01)
-    rows = cm.project_speedup(cm.PAPER_MODELS, [8, 64, 1024], [10, 100], "redsync", 0.001,
+    rows = cm.project_speedup(cm.PAPER_MODELS, [8, 64, 1024], [10, 100], "sign_mean", 0.001,
                               {"alexnet": 0.04, "vgg16": 0.3, "resnet50": 0.18, "lstm_lm": 0.05})
     assert len(rows) == 4 * 2 * 3
     for r in rows:

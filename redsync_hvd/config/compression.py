@@ -206,11 +206,6 @@ class MessageConfig(_Group):
         "raw", description="raw (int32) | golomb (Golomb-Rice coded gaps: 8-12 bits each instead of 32, "
                            "for a sort and a CPU encode per layer)")
 
-    def wire_format(self) -> str:
-        if self.index_coding == "golomb":
-            return "golomb"
-        return {"sign_mean": "sign_mean", "fp16": "pairs_fp16"}.get(self.quantize, "pairs")
-
 
 class SBCMessageConfig(_Group):
     """Sparse Binary Compression's message."""
@@ -222,9 +217,6 @@ class SBCMessageConfig(_Group):
     @property
     def quantize(self) -> str:
         return "sign_mean" if self.binarize else "none"
-
-    def wire_format(self) -> str:
-        return "golomb" if self.index_coding == "golomb" else "sign_mean" if self.binarize else "pairs"
 
 
 class DGCConfig(_Group):
@@ -301,10 +293,6 @@ class MethodConfig(BaseModel):
     def layer_density(self) -> float:
         """Fraction of a compressed layer sent per step (1.0: everything)."""
         return 1.0
-
-    def wire_format(self) -> str:
-        """The message kind the cost model prices (policy/costmodel.py ``message_bytes``)."""
-        return "pairs"
 
 
 def policy_with_floor(value: Any, floor: int) -> Any:
@@ -454,7 +442,7 @@ class AllgatherConfig(ResidualConfig):
             raise ValueError(f"aggregation={self.aggregation!r} with sparse_update: a reduce-scatter bucket is "
                              "decoded into dense averages, not applied to the weights in step(); set "
                              "sparse_update: false, or aggregation: allgather")
-        if self.wire_format() == "golomb":
+        if getattr(getattr(self, "message", None), "index_coding", "raw") == "golomb":
             raise ValueError(f"aggregation={self.aggregation!r} sends (position, value) pairs or sign-mean: "
                              "Golomb-coded positions travel by allgather only. Set message.index_coding: raw, "
                              "or aggregation: allgather")
@@ -493,9 +481,6 @@ class RedSyncConfig(AllgatherConfig):
     @classmethod
     def _policy_floor(cls, v):
         return policy_with_floor(v, 4096)
-
-    def wire_format(self) -> str:
-        return self.message.wire_format()
 
     def budget_refusal(self) -> Optional[str]:
         methods = {self.selection.method} | {o.selection for o in self.policy.layers if o.selection}
@@ -570,9 +555,6 @@ class SBCConfig(ResidualConfig):
     frameworks: ClassVar[tuple] = ("torch",)
     engines: ClassVar[tuple] = ("horovod",)
     delayed: ClassVar[bool] = True
-
-    def wire_format(self) -> str:
-        return self.message.wire_format()
 
     def limits(self) -> str:
         return ("exchanges model deltas after local steps (communication delay, local_steps), which needs the "

@@ -146,16 +146,25 @@ def quantized_bytes(n: int, bits: int = 8) -> int:
     return math.ceil(n * bits / 8) + 8
 
 
-ALIASES = {"topk": "pairs", "redsync": "sign_mean", "sbc": "golomb", "fp16": "dense_fp16",
-           "neighbor": "decentralized", "dcd": "decentralized"}
+# The message formats the model prices where no compressor is at hand (the scaling projection of
+# paper-scale models, the network benchmark's predictions): what a method's compressor sends is
+# named by ``message_format`` from its ``wire``; the exchange's own decisions price the wire itself.
 METHODS = ("dense", "dense_fp16", "pairs", "pairs_fp16", "sign_mean", "golomb", "iwp", "decentralized")
 
 
 def canonical(method: str) -> str:
-    m = ALIASES.get(method, method)
-    if m not in METHODS:
-        raise ValueError(f"unknown method {method!r}; one of {METHODS + tuple(ALIASES)}")
-    return m
+    if method not in METHODS:
+        raise ValueError(f"unknown message format {method!r}; one of {METHODS}")
+    return method
+
+
+def message_format(wire, collective: str) -> str:
+    """The format of ``METHODS`` a compressor's ``wire`` (one layer's message) and ``collective`` have."""
+    if any(kind == "broadcast" for kind, _ in wire.extra):
+        return "iwp"
+    if collective == "allreduce" and tuple(wire.kinds) == ("values",):
+        return "dense_fp16" if "float16" in str(wire.dtypes[0]) else "dense"
+    return scatter_format(wire)
 
 
 def message_bytes(n: int, density: float, method: str) -> float:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import os
 
+from redsync_hvd.compressors import Layer, build_compressor
 from redsync_hvd.config import parse_compression
 from redsync_hvd.policy import costmodel as cm
 
@@ -46,12 +47,14 @@ def fusion_bytes(env: dict | None = None) -> int:
 
 
 def wire_method(compression: dict | None) -> str:
-    """The cost model's name for what a compressed layer of this method puts on the wire."""
+    """The cost model's message format of what a compressed layer of this method puts on the wire,
+    from its compressor's ``wire`` (``costmodel.message_format``)."""
     config = parse_compression(compression or {"method": "none"})
-    named = {"none": "dense", "fp16": "dense_fp16", "iwp": "iwp"}
     if config.strategy == "decentralized":
         return "decentralized"
-    return named.get(config.method) or config.wire_format()
+    compressor, _ = build_compressor(config)
+    layer = Layer("probe", (1 << 20,), 1 << 20, 0, density=config.layer_density())
+    return cm.message_format(compressor.wire(layer), compressor.collective)
 
 
 def _density_for_bytes(n: int, nbytes: float, method: str) -> float:
