@@ -46,7 +46,8 @@ class GradientExchange:
         cost-model policy plans for, None for the static policy), and its config's
         ``policy.dense_values`` how the dense ones do (fp32, or fp16).
     memory: residual memory for compressed layers (None: no error feedback).
-    check_finite: agree across ranks that the step was finite (else every rank raises).
+    check_finite: agree across ranks that the step was finite (else every rank raises). Off, a
+        step whose inputs held NaN/Inf passes them through instead (``_pass_nonfinite``).
     on_nonfinite: "raise" (NonFiniteGradientError) | "skip": roll back and return gradients
         filled with inf, so a GradScaler skips the step (fp16 training; :meth:`use_grad_scaler`
         sets it).
@@ -256,7 +257,8 @@ class GradientExchange:
         try:
             return [comp.compress(c.x, layer, self.step, c.first)]
         except NonFiniteError:
-            # keep the collectives well formed: compress the residual alone; finish() fails the step
+            # keep the collectives well formed: compress the residual alone; finish() fails the
+            # step (check_finite) or passes NaN through for the layer
             self._mark_bad(layer.name)
             cs[0] = memory.compensate(layer.name, torch.zeros_like(grads[0]))
             msg = comp.compress(cs[0].x, layer, self.step)
@@ -289,8 +291,9 @@ class GradientExchange:
         # a compressed layer whose compressor does not check for NaN/Inf itself gets one pass for
         # its largest magnitude (a sum would overflow on huge finite values), carried by its
         # bucket's collective (dense layers: one norm over the whole bucket, unless they travel
-        # as fp16, whose clamp to the finite range would hide an Inf)
-        if self.check_finite and (layer.compressed or type(comp) is not NoneCompressor) and not comp.checks_finite:
+        # as fp16, whose clamp to the finite range would hide an Inf). With check_finite off too:
+        # a step that passes NaN through must know which layers to pass it through
+        if (layer.compressed or type(comp) is not NoneCompressor) and not comp.checks_finite:
             self._evidence(layer.name, finite_evidence(flat))
         if self.clip is not None:
             # on the device, no host read: a factor of 1.0 leaves the values bit for bit
@@ -304,9 +307,14 @@ class GradientExchange:
         self.state.evidence.setdefault(self.transport.bucket_of[name].index, []).append(value)
 
     def _mark_bad(self, name: str) -> None:
-        if not self.check_finite:
-            raise NonFiniteError(f"non-finite gradient values in {name} (NaN or Inf): refusing to select")
         self.state.bad.append(name)
+
+    def veto(self, names: list) -> None:
+        """Fail this step as a non-finite one, for inputs the caller exchanged itself and found
+        NaN/Inf in (the torch adapter's sparse gradients): ``finish`` then rolls back and raises
+        (or, with a GradScaler, skips) as for the exchange's own. Every rank must veto alike: call
+        it with what every rank received, not with this rank's own inputs."""
+        self.state.vetoed = list(names)
 
     # -- per step ------------------------------------------------------------------------------
     def missing(self) -> list:
@@ -334,14 +342,22 @@ class GradientExchange:
             out, updates, flags, carried = self.transport.collect(self.state, lambda l: self.parts(l)[0],
                                                                   into or {}, apply)
             bad, carried = self._read(carry, flags, carried)
-            if bad:
+            passed = bad and not self.check_finite and not self.state.vetoed
+            if (bad or self.state.vetoed) and not passed:
                 return self._nonfinite(out, carried)   # raises, or (on_nonfinite="skip") rolls back
+            if passed:
+                self._pass_nonfinite(out, apply)
             applied = self._after_average(out, updates, apply)
+            if passed:
+                self.memory.keep_finite()
         except BaseException:
             self.abort()
             raise
         self.memory.commit()
-        self.compressor.commit()
+        if passed:
+            self.compressor.rollback()   # its state (PowerSGD's warm Q) must not take in the NaN
+        else:
+            self.compressor.commit()
         self.stats.add_bytes(self.policy.after_step(self.step, self.comm))   # policy.mode budget: may choose
         self._end_step()
         self.last = StepResult(out, applied, carried)
@@ -360,7 +376,7 @@ class GradientExchange:
         """The step's one host read: every bucket's summed or gathered count of non-finite inputs
         and the carried sums, gathered on one device first. Returns (any non-finite, carried sums
         or None)."""
-        counts = list(flags) if self.check_finite else []
+        counts = list(flags)   # read with check_finite off too: a step that holds NaN passes it through
         if carry is not None:
             carried = self.comm.wait(carry)
         if self.state.carry is None:
@@ -373,10 +389,33 @@ class GradientExchange:
         n = sum(t.numel() for t in counts)
         return any(v > 0 for v in values[:n]), (values[n:n + len(self.state.carry)] if carried is not None else None)
 
-    def _nonfinite(self, out: dict, carried) -> StepResult:
+    def _flagged(self) -> list:
+        """The layers this rank found NaN/Inf in this step (host reads of the step's evidence)."""
         def flagged(v):   # a flag (bool: set where bad), or evidence (a sum or norm: not finite where bad)
             return v.reshape(-1) if v.dtype == torch.bool else ~torch.isfinite(v.reshape(-1).float())
-        bad = self.state.bad + [n for names, v in self.state.trace for n, b in zip(names, flagged(v).tolist()) if b]
+        return self.state.bad + [n for names, v in self.state.trace for n, b in zip(names, flagged(v).tolist()) if b]
+
+    def _pass_nonfinite(self, out: dict, apply: dict) -> None:
+        """check_finite off, and some rank's inputs held NaN/Inf: pass them on as an uncompressed
+        average does. Dense fp32 layers hold them already (their sum carries them, element by
+        element); a layer that travelled compressed or as fp16 (whose clamp hides an Inf) is NaN
+        on every rank where any rank flagged it, agreed by one allreduce of per-layer flags (on
+        such steps only). ``finish`` then zeroes what is not finite in the pending memories, after
+        the average's own updates, and keeps the compressor's state as it was."""
+        names = [n for n in self.order if type(self.parts(self.layers[n])[0]) is not NoneCompressor]
+        if not names:
+            return
+        mine = set(self._flagged())
+        flags = torch.tensor([float(n in mine) for n in names], device=self.layers[names[0]].device)
+        agreed = self.comm.wait(self.comm.allreduce_async(flags, name="rsync.nonfinite_layers", average=False))
+        for name, count in zip(names, agreed.tolist()):
+            if count > 0 and name in out:
+                out[name].fill_(math.nan)
+            elif count > 0 and name in apply:   # sparse_update: the step would write NaN into it
+                apply[name][0].fill_(math.nan)
+
+    def _nonfinite(self, out: dict, carried) -> StepResult:
+        bad = self._flagged() + self.state.vetoed
         if self.on_nonfinite == "skip":
             self.abort()
             for t in out.values():
@@ -388,7 +427,7 @@ class GradientExchange:
             + (f" in {bad[:5]} on this rank" if bad else " (on this or another rank)")
             + ". No update was applied and the residuals were left as they were. "
               "Lower the learning rate, clip gradients, or check the input data; "
-              "compression.check_finite=false disables this check.")
+              "compression.check_finite=false passes NaN/Inf through instead (as an uncompressed average does).")
 
     def _after_average(self, out: dict, updates: list, apply: dict) -> list:
         """What needs the average: PowerSGD's residual, DGC momentum of dense layers, and (last:

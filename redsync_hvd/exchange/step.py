@@ -73,3 +73,4 @@ class StepState:
     momentum_after: list = field(default_factory=list)   # dense layers whose average gets DGC momentum
     kept: dict = field(default_factory=dict)        # name -> x: the residual a reduce-scatter returns entries to
     carry: Optional[list] = None                    # the caller's carry values, taken once per step
+    vetoed: list = field(default_factory=list)      # names the caller failed the step for (``veto``)
