@@ -265,6 +265,9 @@ def keywords(impl, _sets):
             opt.step()
         if impl != "horovod" and label == "groups=2":
             assert len(opt.exchange.buckets) == 2, opt.exchange.buckets
+        # test_optimizer_no_named_parameters: names unique, the same on every rank
+        names = opt._parameter_names.values()
+        assert len(set(names)) == len(names) and len(set(map(tuple, hvd.allgather_object(sorted(names))))) == 1
         out.update({f"{label} {n}": p.detach() for n, p in model.named_parameters()})
     return out
 
