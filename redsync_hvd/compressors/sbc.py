@@ -18,6 +18,10 @@ from .redsync import RedSyncCompressor
 
 
 class SBCCompressor(RedSyncCompressor):
+    # torch.topk ranks NaN without a word (RedSync's select_topk refuses it): the exchange takes
+    # each layer's finite evidence instead, so a NaN delta fails the step or is passed on
+    checks_finite = False
+
     def first_pass(self, layer: Layer, step: int):
         return None   # torch.topk on both signs below: nothing to fuse
 

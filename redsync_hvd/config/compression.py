@@ -311,7 +311,11 @@ class CompressionConfig(MethodConfig):
     check_finite: bool = Field(
         True, description="stop with a clear error on NaN/Inf gradients (all ranks agree, residuals untouched); "
                           "costs one reduction per bucket (per layer for compressors that do not check "
-                          "themselves), carried in the bucket's own collective, and one read per step")
+                          "themselves), carried in the bucket's own collective, and one read per step. false: "
+                          "the same reductions, and NaN/Inf passes on into the averaged gradients (as an "
+                          "uncompressed average does: per element for dense fp32 layers, the whole layer for "
+                          "compressed or fp16 ones) while residuals, velocities and compressor state stay finite "
+                          "(docs/horovod_api.md)")
     fusion_bytes: int = Field(
         16 << 20, gt=0, description="layers are packed into buckets of at most this many dense bytes; one bucket "
                                     "= one allreduce or allgather (fewer collectives, later start)")

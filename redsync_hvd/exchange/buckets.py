@@ -99,12 +99,12 @@ class Bucket:
     aggregation = "allgather"
 
     def __init__(self, index: int, layers: tuple, compressor, memory, comm, stats, policy, buffers: Buffers, *,
-                 evidence: bool, clip: float | None, together: bool = False, check_finite: bool = True):
+                 evidence: bool, clip: float | None, together: bool = False):
         self.index, self.layers = index, tuple(layers)
         self.names = [l.name for l in self.layers]
         self.compressor, self.memory = compressor, memory
         self.comm, self.stats, self.policy, self.buffers = comm, stats, policy, buffers
-        self.evidence, self.clip, self.check_finite = evidence, clip, check_finite
+        self.evidence, self.clip = evidence, clip
         self.blocking = compressor.blocking
         self.together = together or self.blocking
         self.group = "sparse" if self.layers[0].compressed else "dense"
@@ -186,6 +186,7 @@ class Bucket:
             return [comp.compress(c.x, layer, st.step, c.first)]
         except NonFiniteError:
             # keep the collective well formed: compress the residual alone; finish() fails the step
+            # (check_finite) or passes NaN on for the layer
             self._mark_bad(layer.name)
             cs[0] = self.memory.compensate(layer.name, torch.zeros_like(grads[0]))
             msg = comp.compress(cs[0].x, layer, st.step)
@@ -209,8 +210,6 @@ class Bucket:
         return flat
 
     def _mark_bad(self, name: str) -> None:
-        if not self.check_finite:
-            raise NonFiniteError(f"non-finite gradient values in {name} (NaN or Inf): refusing to select")
         self._bad.append(name)
 
     def _count(self, messages: list) -> torch.Tensor:

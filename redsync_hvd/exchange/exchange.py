@@ -41,7 +41,8 @@ class GradientExchange:
         cost-model policy plans for, None for the static policy), and its config's
         ``policy.dense_values`` how the dense ones do (fp32, or fp16).
     memory: residual memory for compressed layers (None: no error feedback).
-    check_finite: agree across ranks that the step was finite (else every rank raises).
+    check_finite: agree across ranks that the step was finite (else every rank raises). Off, a
+        step whose inputs held NaN/Inf passes them on instead (``_pass_nonfinite``).
     on_nonfinite: "raise" (NonFiniteGradientError) | "skip": roll back and return gradients
         filled with inf, so a GradScaler skips the step (fp16 training; :meth:`use_grad_scaler`).
     clip_norm: DGC's local clipping; each worker's share of the norm is clip_norm * N**-0.5.
@@ -118,8 +119,8 @@ class GradientExchange:
         compressed = group[0].compressed
         comp = self._compressor_of(group[0])
         memory = self.memory if compressed else NoMemory()
-        common = dict(evidence=self.check_finite and not comp.checks_finite and (compressed or self.dense_fp16),
-                      clip=self.clip, check_finite=self.check_finite)
+        # a step that passes NaN on (check_finite off) must know its layers too: evidence either way
+        common = dict(evidence=not comp.checks_finite and (compressed or self.dense_fp16), clip=self.clip)
         args = (index, group, comp, memory, self.comm, self.stats, self.policy, self.buffers)
         if collective == "allreduce":
             return ReduceBucket(*args, carrier=first_reduce, passthrough=comp.passthrough,
@@ -237,13 +238,16 @@ class GradientExchange:
                 arrived += got if isinstance(got, list) else [got]
             out = {n: t for a in arrived for n, t in a.averages.items()}
             bad, carried = self._read(carry, arrived)
-            if bad:
+            passed = bad and not self.check_finite and not self.state.vetoed
+            if (bad or self.state.vetoed) and not passed:
                 return self._nonfinite(out, carried)   # raises, or (on_nonfinite="skip") rolls back
+            if passed:
+                self._pass_nonfinite(out, apply)
             applied = self._after_average(arrived, out, apply)
         except BaseException:
             self.abort()
             raise
-        self._settle(commit=True)
+        self._settle(commit=True, passed=passed)
         self.stats.add_bytes(self.policy.after_step(self.step, self.comm))   # policy.mode budget: may choose
         self.stats.end_step()
         self.step += 1
@@ -263,7 +267,7 @@ class GradientExchange:
     def _read(self, carry, arrived: list) -> tuple[bool, list | None]:
         """The step's one host read: every bucket's count of non-finite inputs and the carried sums,
         gathered on one device first. Returns (any non-finite, carried sums or None)."""
-        counts = [a.flags for a in arrived if a.flags is not None] if self.check_finite else []
+        counts = [a.flags for a in arrived if a.flags is not None]   # with check_finite off too: NaN passes on
         carried = next((a.carried for a in arrived if a.carried is not None), None)
         if carry is not None:
             carried = self.comm.wait(carry)
@@ -277,8 +281,34 @@ class GradientExchange:
         n = sum(t.numel() for t in counts)
         return any(v > 0 for v in values[:n]), (values[n:n + len(self.state.carry)] if carried is not None else None)
 
+    def veto(self, names: list) -> None:
+        """Fail this step as a non-finite one, for inputs the caller exchanged itself and found
+        NaN/Inf in (the torch adapter's sparse gradients): ``finish`` then rolls back and raises
+        (or, with a GradScaler, skips) as for the exchange's own. Every rank must veto alike: call
+        it with what every rank received, not with this rank's own inputs."""
+        self.state.vetoed = list(names)
+
+    def _pass_nonfinite(self, out: dict, apply: dict) -> None:
+        """check_finite off, and some rank's inputs held NaN/Inf: pass them on as an uncompressed
+        average does. Dense fp32 layers hold them already (their sum carries them, element by
+        element); a layer that travelled compressed or as fp16 (whose clamp hides an Inf) is NaN
+        on every rank where any rank flagged it, agreed by one allreduce of per-layer flags (on
+        such steps only). The memories then zero what is not finite, and the compressor's state
+        stays as it was (``_settle``)."""
+        names = [n for b in self.buckets if not getattr(b, "passthrough", False) for n in b.names]
+        if not names:
+            return
+        mine = {n for b in self.buckets for n in b.flagged()}
+        flags = torch.tensor([float(n in mine) for n in names], device=self.layers[names[0]].device)
+        agreed = self.comm.wait(self.comm.allreduce_async(flags, name="rsync.nonfinite_layers", average=False))
+        for name, count in zip(names, agreed.tolist()):
+            if count > 0 and name in out:
+                out[name].fill_(math.nan)
+            elif count > 0 and name in apply:   # sparse_update: the step would write NaN into it
+                apply[name][0].fill_(math.nan)
+
     def _nonfinite(self, out: dict, carried) -> StepResult:
-        bad = [n for b in self.buckets for n in b.flagged()]
+        bad = [n for b in self.buckets for n in b.flagged()] + self.state.vetoed
         if self.on_nonfinite == "skip":
             self.abort()
             for t in out.values():
@@ -290,7 +320,7 @@ class GradientExchange:
             + (f" in {bad[:5]} on this rank" if bad else " (on this or another rank)")
             + ". No update was applied and the residuals were left as they were. "
               "Lower the learning rate, clip gradients, or check the input data; "
-              "compression.check_finite=false disables this check.")
+              "compression.check_finite=false passes NaN/Inf through instead (as an uncompressed average does).")
 
     def _after_average(self, arrived: list, out: dict, apply: dict) -> list:
         """What needs the checked average: DGC momentum of dense layers, the GradScaler's scale, and
@@ -310,13 +340,22 @@ class GradientExchange:
                     self.compressor.decompress_add(apply[layer.name][0], tensors, layer, alpha=alpha)
         return sorted({layer.name for layer, _, _ in updates})
 
-    def _settle(self, commit: bool) -> None:
-        """Every memory and the compressor's state keep this step (commit) or forget it."""
-        for part in [self.memory, self.compressor] + [b.memory for b in self.planned if b.memory is not None]:
+    def _settle(self, commit: bool, passed: bool = False) -> None:
+        """Every memory and the compressor's state keep this step (commit) or forget it. A step that
+        passed NaN on keeps the memories with what is not finite zeroed, and the compressor's state
+        (PowerSGD's warm Q) as it was."""
+        memories = [self.memory] + [b.memory for b in self.planned if b.memory is not None]
+        for memory in memories:
+            if passed:
+                memory.keep_finite()
             if commit:
-                part.commit()
+                memory.commit()
             else:
-                part.rollback()
+                memory.rollback()
+        if commit and not passed:
+            self.compressor.commit()
+        else:
+            self.compressor.rollback()
         for bucket in self.buckets:
             bucket.clear()
 

@@ -103,6 +103,13 @@ class FlatMemory:
     def rollback(self) -> None:
         self.written = False
 
+    def keep_finite(self) -> None:
+        """Zero what is not finite in this step's (spare) halves: a step that passed NaN on
+        (``check_finite: false``) must not leave it in what outlives the step."""
+        if self.written:
+            for pair in self.pairs.values():
+                torch.nan_to_num_(pair.spare, nan=0.0, posinf=0.0, neginf=0.0)
+
 
 class PlannedBucket:
     """One flat bucket of exactly-k layers; see the module docstring.

@@ -25,6 +25,7 @@ class StepState:
     layout: tuple = ()
     observe: bool = False
     submitted: set = field(default_factory=set)
+    vetoed: list = field(default_factory=list)   # names the caller failed the step for (``veto``)
 
 
 @dataclass

@@ -94,6 +94,9 @@ class MomentumCorrectionMemory(ResidualMemory):
     def _carried(self) -> list:
         return [self.residual, self.velocity]
 
+    def _pending_buffers(self) -> list:
+        return [self._pending, self._pending_u]
+
     def mask(self, name: str, indices: torch.Tensor) -> None:
         """Zero the (pending) velocity at the positions that were sent."""
         if self.masking and indices is not None and indices.numel():

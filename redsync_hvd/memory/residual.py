@@ -49,6 +49,9 @@ class NoMemory:
     def update_aggregate(self, name: str, x: torch.Tensor, average: torch.Tensor) -> None:
         pass
 
+    def keep_finite(self) -> None:
+        pass
+
     def scale(self, factor: float) -> None:
         pass
 
@@ -104,6 +107,17 @@ class ResidualMemory:
 
     def mask(self, name: str, positions) -> None:
         """Hook for memories that react to which positions were sent (momentum masking)."""
+
+    def keep_finite(self) -> None:
+        """Zero what is not finite in this step's pending buffers: a step that passed NaN/Inf on
+        (``check_finite: false``) must not leave it in state that outlives the step, or every later
+        step would send it again. One pass over them, on such steps only."""
+        for pending in self._pending_buffers():
+            for buf in pending.values():
+                torch.nan_to_num_(buf, nan=0.0, posinf=0.0, neginf=0.0)
+
+    def _pending_buffers(self) -> list:
+        return [self._pending]
 
     def scale(self, factor: float) -> None:
         """Multiply what is carried (residuals; DGC's velocities too) by ``factor``, in place: the

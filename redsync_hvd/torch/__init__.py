@@ -15,7 +15,8 @@ from .optimizer import DistributedOptimizer
 
 # horovod.torch's functions and constants, re-exported under the same names
 _HOROVOD_NAMES = ("init", "rank", "size", "local_rank", "local_size", "broadcast_parameters", "broadcast_object",
-                  "allgather_object", "allreduce", "mpi_enabled", "shutdown", "Sum", "Average")
+                  "allgather_object", "allreduce", "allgather", "broadcast", "mpi_enabled", "shutdown", "Sum",
+                  "Average", "Adasum", "add_process_set", "remove_process_set", "ProcessSet", "global_process_set")
 
 
 def _horovod():
@@ -35,22 +36,50 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def broadcast_optimizer_state(optimizer, root_rank: int = 0) -> None:
+def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None, *, initialize: bool = True) -> None:
     """Broadcast the wrapped optimizer's state (momentum buffers, step counts, lr) from ``root_rank``.
 
-    Residuals and other compression state are per-worker and are *not* broadcast:
-    copying rank 0's residual to everyone would send it N times. To resume, let
-    every rank load its own checkpoint (``train.py`` writes one per rank).
+    As horovod.torch's: an optimizer whose state is still empty first takes one step on zero
+    gradients (sparse ones under SparseAdam, and for ``model``'s sparse embeddings), with the
+    wrapped optimizer alone (no exchange), so the state exists on every rank; trainable
+    parameters keep those zero gradients. That step moves the weights where the optimizer
+    decays them: ``initialize=False`` leaves an empty state empty (only the param groups
+    travel), as the YAML runner and :class:`~redsync_hvd.torch.elastic.ElasticState` do.
+
+    Residuals and other compression state are per-worker and are *not* broadcast: copying
+    rank 0's residual to everyone would send it N times. To resume, let every rank load its
+    own checkpoint (``train.py`` writes one per rank).
     """
     hvd = _horovod()
-    if not (hasattr(optimizer, "_exchange") or hasattr(optimizer, "_algo")):
-        hvd.broadcast_optimizer_state(optimizer, root_rank=root_rank)
+    ours = hasattr(optimizer, "_exchange") or hasattr(optimizer, "_algo")
+    if not ours and initialize:
+        hvd.broadcast_optimizer_state(optimizer, root_rank=root_rank, model=model)
         return
-    # The whole dict as one object: simpler than Horovod's per-tensor broadcast, which would
-    # initialise empty state by calling step() (a full exchange) on our optimizer.
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    if initialize and not optimizer.state:
+        _first_state(optimizer, model)
+    # The whole dict as one object: simpler than Horovod's per-tensor broadcast, same values
     base = torch.optim.Optimizer.state_dict(optimizer)
     base = hvd.broadcast_object(base, root_rank=root_rank, name="rsync.optimizer_state")
     torch.optim.Optimizer.load_state_dict(optimizer, base)
+
+
+def _first_state(optimizer, model) -> None:
+    """One step of the wrapped optimizer alone on zero gradients, as horovod.torch initialises an
+    empty state (a step of ours would start an exchange, which other ranks might not join)."""
+    sparse = {id(p) for m in (model.modules() if model is not None else ())
+              if isinstance(m, torch.nn.Embedding) and m.sparse for p in m.parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+                if isinstance(optimizer, torch.optim.SparseAdam) or \
+                        (isinstance(optimizer, torch.optim.SGD) and id(p) in sparse):
+                    p.grad = p.grad.to_sparse()
+    super(optimizer.__class__, optimizer).step()
+    if hasattr(optimizer, "_attach"):
+        optimizer._attach()   # the zeros move into the exchange's buffers, where backward writes
 
 
 __all__ = [*_HOROVOD_NAMES, "broadcast_optimizer_state", "DistributedOptimizer", "DecentralizedOptimizer"]

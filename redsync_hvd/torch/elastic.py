@@ -84,7 +84,7 @@ class ResidualKeepingOptimizerHandler(StateHandler):
 
     def sync(self):
         from . import broadcast_optimizer_state  # the wrapped optimizer's state only, not the residuals
-        broadcast_optimizer_state(self.value, root_rank=0)
+        broadcast_optimizer_state(self.value, root_rank=0, initialize=False)   # no step before the first
         ex = self.value.exchange   # its step drives density schedules: the same on every rank
         ex.step = hvd.broadcast_object(ex.step, root_rank=0, name="rsync.elastic.step")
 

@@ -7,9 +7,15 @@ Like Horovod, it subclasses the user's optimizer class on the fly, so LR schedul
 (after ``backward_passes_per_step`` passes), so communication overlaps backward.
 ``step()`` waits for the exchange, writes the averaged gradients into ``.grad``
 and runs the wrapped optimizer's update.
+
+horovod.torch's keywords (``op``, ``gradient_predivide_factor``, ``groups``, ``sparse_as_dense``,
+``process_set``) and methods (``synchronize``, ``skip_synchronize``,
+``set_backward_passes_per_step``) behave as there; docs/horovod_api.md says how each maps
+onto the exchange. Sparse gradients travel beside it (``sparse.py``).
 """
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -18,19 +24,42 @@ from ..comm import HorovodCommunicator
 from ..compressors.base import Compressor
 from ..engine import build_exchange, parse
 from .decentralized import DecentralizedOptimizer
+from .options import (
+    HorovodOptions,
+    OutsideProcessSet,
+    check_passes,
+    refuse_for_decentralized,
+    resolve,
+    with_group_hint,
+)
 from .params import check_plain_sgd, layers_of, resolve_names, take_momentum
+from .sparse import SparseRows, makes_sparse_grads
+
+STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
+                   "optimizer.synchronize(): step() uses the gradients synchronize() wrote (horovod.torch would "
+                   "exchange them again); wrap step() in `with optimizer.skip_synchronize():`")
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
-    def __init__(self, params, named_parameters, compression, backward_passes_per_step, comm):
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step, comm,
+                 options: HorovodOptions):
         super(self.__class__, self).__init__(params)
-        if backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
+        check_passes(backward_passes_per_step)
         self.backward_passes_per_step = backward_passes_per_step
         named = resolve_names(named_parameters, self.param_groups)
         self._params = dict(named)
         self._names = {p: n for n, p in named}
-        built = build_exchange(compression, layers_of(named), comm,
+        self._parameter_names = self._names   # horovod.torch's name for it
+        spec = parse(compression)
+        self._horovod_options(options, comm, spec)
+        sparse = {n for n, p in named if makes_sparse_grads(self, p)}
+        rows = {n: p for n, p in named if n in sparse and not (options.sparse_as_dense or self._delayed)}
+        exchanged = [(n, p) for n, p in named if n not in rows]
+        if rows and spec.corrects_momentum:
+            raise ValueError("compression.dgc.momentum_correction takes the optimizer's momentum into the exchange, "
+                             f"which the sparse gradients of {sorted(rows)[:3]} travel beside: pass "
+                             "sparse_as_dense=True, or set dgc: {momentum_correction: false}")
+        built = build_exchange(compression, layers_of(exchanged), comm,
                                take_momentum=lambda: take_momentum(self.param_groups, self._names))
         self._exchange, self.compression_config = built.exchange, built.config
         if built.config.follows_own_lr:
@@ -40,6 +69,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sparse_update = config.updates_in_step
         if self._sparse_update:
             check_plain_sgd(self)
+            if options.op != "average" or options.predivide != 1.0:
+                raise ValueError("compression.sparse_update applies the average straight to the weights, which "
+                                 "op=hvd.Sum and gradient_predivide_factor would have to scale: set sparse_update: "
+                                 "false, or leave op and gradient_predivide_factor at their defaults")
+        self._rows = SparseRows(comm, rows, options.op == "average", self._exchange.stats) if rows else None
+        self._arrived_sparse: set = set()   # this step's layers whose gradient came sparse and went dense
+        self._warned_sparse: set = set()
         self._passes = {n: 0 for n, _ in named}
         self._synchronized = False
         self._skip_sync = False
@@ -48,8 +84,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._snapshot, self._local = None, 0
         self._hooks = [] if self._local_steps else \
             [p.register_post_accumulate_grad_hook(self._make_hook(n)) for n, p in named]
-        self._landing = {} if self._local_steps else self._grad_views(named)
+        # sparse gradients must stay sparse for their optimizer: no dense buffer for them to land in
+        self._landing = {} if self._local_steps else self._grad_views([(n, p) for n, p in exchanged if n not in sparse])
         self._attach()
+
+    def _horovod_options(self, options: HorovodOptions, comm, spec) -> None:
+        """horovod.torch's attributes, and what the exchange does with them: a gradient
+        prescale and an average postscale (op=Sum, gradient_predivide_factor)."""
+        self.op, self.gradient_predivide_factor = options.op, options.predivide
+        self.sparse_as_dense, self.process_set = options.sparse_as_dense, options.process_set
+        self._prescale, self._postscale = options.prescale, options.postscale(comm.size)
+        self._delayed = bool(getattr(spec, "delayed", False))
+        if self._delayed and (self._prescale or self._postscale):
+            raise ValueError("SBC (local_steps) averages model deltas after local steps, not gradients: "
+                             "op=hvd.Sum and gradient_predivide_factor do not apply; leave them at their defaults")
 
     def _grad_views(self, named) -> dict:
         """{param: its view of an exchange bucket's flat buffer}, for fp32 contiguous parameters:
@@ -83,19 +131,48 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         def hook(p):
             self._passes[name] += 1
             if self._passes[name] == self.backward_passes_per_step:
-                self._exchange.submit(name, self._grad(name, p))
+                if self._rows is not None and name in self._rows.params:
+                    self._rows.start(name, p.grad)
+                else:
+                    self._exchange.submit(name, self._grad(name, p))
         return hook
 
     def _grad(self, name, p):
-        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        """The gradient the exchange takes: zeros where there is none (another rank may have one),
+        dense where it came sparse (sparse_as_dense), with DGC's weight decay and the prescale."""
+        g, own = p.grad, True   # own: free to change in place (ours, or a bucket's buffer)
+        if g is None:
+            g = torch.zeros_like(p)
+        elif g.is_sparse:
+            g = self._densify(name, g)
+        else:
+            view = self._landing.get(p)
+            own = view is not None and g.data_ptr() == view.data_ptr()
         wd = self._weight_decay.get(name, 0.0)
-        if not wd:
-            return g
-        # with momentum correction, weight decay joins the gradient before it enters the velocity;
-        # in place in a bucket's buffer (what it holds is replaced by the average anyway)
-        view = self._landing.get(p)
-        return g.add_(p.detach(), alpha=wd) if view is not None and g.data_ptr() == view.data_ptr() \
-            else g.add(p.detach(), alpha=wd)
+        if wd:
+            # with momentum correction, weight decay joins the gradient before it enters the velocity;
+            # in place in a bucket's buffer (what it holds is replaced by the average anyway)
+            g, own = (g.add_(p.detach(), alpha=wd) if own else g.add(p.detach(), alpha=wd)), True
+        if self._prescale is not None:   # in the gradient's dtype, as Horovod scales an fp32 buffer
+            g = g.mul_(self._prescale) if own else g * self._prescale
+        return g
+
+    def _densify(self, name: str, g: torch.Tensor) -> torch.Tensor:
+        """A sparse gradient entering the exchange: made dense, and sparse again after (``_write``)."""
+        self._arrived_sparse.add(name)
+        if not self.sparse_as_dense and name not in self._warned_sparse:
+            self._warned_sparse.add(name)
+            warnings.warn(f"parameter {name!r} has a sparse gradient, which DistributedOptimizer only allgathers as "
+                          "rows for parameters known sparse when it is built (SparseAdam's, or with a sparse .grad "
+                          "then): it is averaged dense here, as sparse_as_dense=True does", stacklevel=3)
+        return g.to_dense()
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """As horovod.torch's: from now on gradients of ``passes`` backward passes accumulate before
+        they are exchanged (the passes counted so far in this step start again)."""
+        check_passes(passes)
+        self.backward_passes_per_step = passes
+        self._passes = dict.fromkeys(self._passes, 0)
 
     @property
     def exchange(self):
@@ -106,7 +183,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Forget a step that failed half way (a collective interrupted by a lost worker): the
         exchange rolls back, gradients already counted as passes are forgotten."""
         self._exchange.abort()
+        if self._rows is not None:
+            self._rows.abort()
         self._passes = dict.fromkeys(self._passes, 0)
+        self._arrived_sparse = set()
         self._synchronized = False
 
     def set_steps_per_epoch(self, steps: int) -> None:
@@ -141,27 +221,53 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _synchronize(self, apply_sparse: bool):
         """``apply_sparse`` (``sparse_update``, from ``step()``): layers that travelled sparse are
         decoded straight into their weights as p -= lr * average; their ``.grad`` becomes None
-        so the wrapped SGD leaves them alone."""
-        for name in self._exchange.missing():
-            p = self._params[name]
-            self._exchange.submit(name, self._grad(name, p))
-        # sparse layers are decoded straight into .grad (no layer-sized copy per step)
-        into = {n: p.grad.view(-1) for n, p in self._params.items()
-                if p.grad is not None and p.grad.dtype == torch.float32 and p.grad.is_contiguous()
-                and not p.grad.is_sparse}
+        so the wrapped SGD leaves them alone. Sparse gradients' rows are gathered first: NaN/Inf
+        in them fails the step as the exchange's own would (with check_finite)."""
+        ex = self._exchange
+        for name in ex.missing():
+            ex.submit(name, self._grad(name, self._params[name]))
+        # layers compressed sparse are decoded straight into .grad (no layer-sized copy per step)
+        into = {n: self._params[n].grad.view(-1) for n in ex.order if self._dense_fp32_grad(self._params[n])}
         apply = None
         if apply_sparse:
             apply = {self._names[p]: (p.detach().view(-1), group["lr"]) for group in self.param_groups
-                     for p in group["params"] if p in self._names
+                     for p in group["params"] if p in self._names and self._names[p] in ex.layers
                      and p.dtype == torch.float32 and p.is_contiguous()}
         try:
-            result = self._exchange.finish(into=into, apply=apply)
+            rows = self._rows.finish() if self._rows is not None else {}
+            if ex.check_finite and SparseRows.nonfinite(rows):
+                ex.veto(SparseRows.nonfinite(rows))
+            result = ex.finish(into=into, apply=apply)
+        except BaseException:
+            ex.abort()   # (a no-op where finish already rolled back)
+            raise
         finally:
             self._passes = dict.fromkeys(self._passes, 0)
+            arrived, self._arrived_sparse = self._arrived_sparse, set()
+        self._write(result, arrived)
+        if self._rows is not None:
+            self._rows.write(rows)
+        self._synchronized = True
+
+    @staticmethod
+    def _dense_fp32_grad(p) -> bool:
+        g = p.grad
+        return g is not None and not g.is_sparse and g.dtype == torch.float32 and g.is_contiguous()
+
+    def _write(self, result, arrived: set) -> None:
+        """The exchange's averages into ``.grad``: scaled for op=Sum or a predivide factor (one fp32
+        multiply: Horovod's postscale f/N after the sum, where N is a power of two), and sparse
+        again where the gradient came sparse (``p.grad.zero_().add_(average.to_sparse())``, as
+        horovod.torch's sparse_as_dense)."""
         for name in result.applied:
             self._params[name].grad = None
+        if self._postscale is not None:
+            torch._foreach_mul_(list(result.averages.values()), self._postscale)
         for name, flat in result.averages.items():
             p = self._params[name]
+            if name in arrived:
+                p.grad.zero_().add_(flat.view(p.shape).to(p.dtype).to_sparse())
+                continue
             if p.grad is not None and flat.data_ptr() == p.grad.data_ptr():
                 continue   # already there: decoded or reduced in place
             g = flat.view(p.shape).to(p.dtype)
@@ -169,7 +275,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 p.grad = g.clone()   # the exchange reuses its buffers next step
             else:
                 p.grad.copy_(g)
-        self._synchronized = True
 
     @contextmanager
     def skip_synchronize(self):
@@ -206,8 +311,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if self._local_steps:
             return self._delayed_step(closure)
-        if not (self._synchronized or self._skip_sync):
-            self._synchronize(apply_sparse=self._sparse_update)
+        if not self._skip_sync:
+            if self._synchronized:
+                warnings.warn(STEP_AFTER_SYNC, stacklevel=2)
+            else:
+                self._synchronize(apply_sparse=self._sparse_update)
         self._synchronized = False
         return super(self.__class__, self).step(closure)
 
@@ -236,7 +344,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step=1,
-                         communicator=None):
+                         op=None, gradient_predivide_factor=1.0, num_groups=0, groups=None, sparse_as_dense=False,
+                         process_set=None, communicator=None):
     """Wrap ``optimizer`` so gradients are compressed and averaged across workers.
 
     compression: a dict like the YAML ``compression:`` section, e.g.
@@ -244,14 +353,28 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         Decentralized methods (dcd, ecd, dpsgd, naive) return a :class:`DecentralizedOptimizer`.
     backward_passes_per_step: gradients of that many backward passes accumulate
         (summed, as PyTorch does) before they are exchanged.
+    op, gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set: as in
+        ``horovod.torch.DistributedOptimizer`` (hvd.Average or hvd.Sum; Adasum is refused), in
+        the same positions; docs/horovod_api.md says what each does here.
+    communicator: the transport (default Horovod's, over ``process_set``), for tests and benchmarks.
     """
+    options = resolve(op, gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set)
     config = parse(compression)
     if config.strategy == "decentralized":
         if backward_passes_per_step != 1:
             raise ValueError("backward_passes_per_step must be 1 for decentralized methods")
+        refuse_for_decentralized(options, config.method)
         return DecentralizedOptimizer(optimizer, named_parameters, config)
-    comm = communicator or HorovodCommunicator()
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
+    if options.process_set is not None and communicator is not None:
+        raise ValueError("pass process_set or communicator, not both: a communicator brings its own ranks")
+    name = optimizer.__class__.__name__
+    if options.process_set is not None and not options.process_set.included():
+        cls = type(name, (optimizer.__class__,), dict(OutsideProcessSet.__dict__))
+        return cls(optimizer.param_groups, backward_passes_per_step)
+    comm = communicator or HorovodCommunicator(process_set=options.process_set)
+    trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     # the parsed config, so the build does not parse it again (a Compressor object as it is)
     given = compression if isinstance(compression, Compressor) else config
-    return cls(optimizer.param_groups, named_parameters, given, backward_passes_per_step, comm)
+    given = with_group_hint(given, options.groups, trainable)
+    cls = type(name, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
+    return cls(optimizer.param_groups, named_parameters, given, backward_passes_per_step, comm, options)

@@ -89,7 +89,7 @@ class HorovodAdapter:
         opt = self.rhvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                              compression=cfg.compression.model_dump())
         self.rhvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        self.rhvd.broadcast_optimizer_state(opt, root_rank=0)
+        self.rhvd.broadcast_optimizer_state(opt, root_rank=0, initialize=False)   # no step before the first
         return model, opt, opt
 
     def optimizer_step(self, opt, scaler) -> None:
