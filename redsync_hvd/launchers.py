@@ -88,6 +88,87 @@ def window_note(environ, step_s: float, save_s: float, relayed: bool = True) -> 
             f"Safe: {MORE_TIME[launcher]}")
 
 
+# -- a rank's own start and end -----------------------------------------------------------------
+# the global rank, as each launcher gives it to its workers before they start
+_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "HOROVOD_RANK", "PMIX_RANK", "PMI_RANK")
+_startup: dict = {}
+
+
+def rank(environ=os.environ) -> int | None:
+    """This worker's global rank from its launcher's variables (torchrun: RANK), or None (a plain
+    process): what decides, before any framework starts, which rank prints a shared error."""
+    names = ("RANK",) if "TORCHELASTIC_RUN_ID" in environ else _RANK_VARS
+    for name in names:
+        if environ.get(name, "").isdigit():
+            return int(environ[name])
+    return None
+
+
+def says(environ=os.environ) -> bool:
+    """Whether this process prints what every rank would print alike: rank 0, or a plain process."""
+    return rank(environ) in (None, 0)
+
+
+def guard_startup(environ=os.environ) -> None:
+    """Until :func:`end_startup_guard` (the training loop's own handlers take over): Ctrl-C or
+    SIGTERM ends this process at once with one line from rank 0 and exit code 128 + signal,
+    instead of a KeyboardInterrupt traceback from whatever import or collective it was in.
+    Nothing is lost: no step has been trained yet."""
+    def interrupted(signum, frame):
+        if says(environ):
+            line = (f"interrupted ({signal.Signals(signum).name}) while starting, before the first step: nothing was "
+                    "trained or saved\n")
+            try:
+                os.write(2, line.encode())
+            except OSError:
+                pass
+        os._exit(128 + signum)
+    for s in RELAYED:
+        _startup[s] = signal.signal(s, interrupted)
+
+
+def end_startup_guard() -> None:
+    for s, previous in _startup.items():
+        signal.signal(s, previous)
+    _startup.clear()
+
+
+def exit_quietly(code: int, environ=os.environ, wait_s: float = 10.0) -> None:
+    """End this worker with ``code`` after an error it has printed (the same on every rank),
+    without a launcher's report of it. torchrun answers any worker's non-zero exit with a
+    40-line ChildFailedError traceback, and keeps quiet only if it is gone first: local rank 0
+    ends its torchrun agent (SIGKILL; the shell reports the exit as 137), the other local
+    ranks wait until it is gone. Under mpirun the other ranks wait a second (mpirun ends them
+    when rank 0 exits), so that rank 0's line comes before mpirun's report, which names the
+    first rank to exit."""
+    if kind(environ) == "mpirun" and not says(environ):
+        time.sleep(1.0)
+    if kind(environ) == "torchrun":
+        agent = os.getppid()
+        if environ.get("LOCAL_RANK", "0") == "0" and _is_torchrun(agent):
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            os.kill(agent, signal.SIGKILL)
+        deadline = time.monotonic() + wait_s
+        while os.getppid() == agent and _is_torchrun(agent) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _is_torchrun(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except OSError:
+        return False
+    return b"torchrun" in cmdline or b"torch.distributed.run" in cmdline or b"torch.distributed.launch" in cmdline
+
+
 # -- the relay: the launcher's signal, passed on to a rank at once ---------------------------------
 def start_relay(environ=os.environ) -> subprocess.Popen | None:
     """Under mpirun, when this rank leads a process group of its own in its launcher's session:
