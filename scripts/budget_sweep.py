@@ -76,7 +76,8 @@ def run(cfg: str, sets: list, out: str, name: str, seed: int, np_: int, resume: 
         bindir = Path(sys.executable).parent
         cmd = [str(bindir / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", sys.executable, "-m",
                "redsync_hvd.train", "--config", cfg, "--set", f"output.dir={out}", "--set", f"output.name={name}",
-               "--set", "training.progress=false", "--set", f"training.seed={seed}"]
+               "--set", "training.progress=false", "--set", f"training.seed={seed}",
+               "--set", "output.overwrite=true"]   # a run not kept (no --resume, or unfinished): again
         for o in sets:
             cmd += ["--set", o]
         env = job_env(OMPI_MCA_mpi_yield_when_idle="1")

@@ -168,7 +168,7 @@ def run_one(args, part: str, key: str, seed: int) -> dict:
     summary = folder / "summary.json"
     if not summary.is_file():
         extra = [f"output.dir={Path(args.runs) / part}", f"output.name={name}", "training.progress=false",
-                 f"training.seed={seed}"]
+                 f"training.seed={seed}", "output.overwrite=true"]   # an unfinished run of this row: again
         if part == "digits":
             extra += ["training.steps=8"] if args.quick else []
         else:

@@ -141,6 +141,8 @@ def run_one(args, key: str, seed: int) -> dict:
         extra += QUICK if args.quick else [f"training.steps={args.steps}"] if args.steps else []
         if (folder / "checkpoint-rank0.pt").is_file():   # an invocation stopped mid-run: go on from its last save
             extra.append(f"training.resume={folder}")
+        else:   # none, or one stopped before its first save: the row again, from the start
+            extra.append("output.overwrite=true")
         if args.quick and key in ("sbc",):
             extra.append("compression.local_steps=2")
         cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", sys.executable, "-m", "redsync_hvd.train",

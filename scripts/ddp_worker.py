@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from redsync_hvd.config import ConfigError, load_config  # noqa: E402
 from redsync_hvd.torch.training import DDPAdapter  # noqa: E402
-from redsync_hvd.train import launch  # noqa: E402
+from redsync_hvd.train import folder_problem, launch  # noqa: E402
 
 HOOKS = ("none", "torch_powersgd", "ours")
 
@@ -141,6 +141,10 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, args.overrides + ["engine=ddp"])
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    problem = folder_problem(cfg)   # the runner's own check: no run folder holds two runs
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     return launch(cfg, CountedDDPAdapter(args))
 

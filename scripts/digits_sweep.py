@@ -238,7 +238,8 @@ def main() -> None:
             run = run_name(name, seed)
             cmd = [str(bindir / "horovodrun"), "-np", str(args.np), "-H", f"localhost:{args.np}", sys.executable,
                    "-m", "redsync_hvd.train", "--config", cfg, "--set", f"output.dir={args.out}", "--set",
-                   f"output.name={run}", "--set", "training.progress=false", "--set", f"training.seed={seed}"]
+                   f"output.name={run}", "--set", "training.progress=false", "--set", f"training.seed={seed}",
+                   "--set", "output.overwrite=true"]   # a run not kept (no --resume, or unfinished): again
             for o in sets + args.overrides:
                 cmd += ["--set", o]
             summary = REPO / args.out / run / "summary.json"

@@ -47,6 +47,7 @@ def parse(argv=None):
 
 def command(args, out: str) -> list:
     train = ["-m", "redsync_hvd.train", "--config", args.config, "--set", f"output.dir={out}",
+             "--set", "output.overwrite=true",   # each timeline a run of its own, also in a given --out
              *sum((["--set", o] for o in args.overrides), [])]
     if args.launcher == "torchrun":
         return [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", *train, "--set", "engine=ddp"]
