@@ -231,3 +231,62 @@ def test_clearing_a_run_folder_takes_every_ranks_checkpoints_and_only_the_runs_f
     assert not (tmp_path / "checkpoint-rank1.pt").exists() and (tmp_path / "checkpoint-rank12.pt").exists()
     assert clear_run(tmp_path, 0) == len(names) - 4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def _cell_defaults(cell: str, methods: list) -> dict:
+    """A default cell of docs/configuration.md -> {method: repr}: "`V`" or "`V`; m1, m2: `W`; ..."."""
+    first, *others = cell.split("; ")
+    out = {m: first.strip("`") for m in methods}
+    for part in others:
+        names, _, value = part.partition(": ")
+        out.update({m.strip(): value.strip("`") for m in names.split(",")})
+    return out
+
+
+def _lookup(obj, dotted: str):
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def test_every_default_in_the_configuration_reference_is_the_models():
+    """docs/configuration.md read as a user reads it: each row's default, for each method its table or
+    cell names, is what the schema builds for that method (RedSync's momentum correction and size
+    floor included); a key without a default says "required"."""
+    import re
+
+    from redsync_hvd.config import RunConfig, method_names, parse_compression
+    from redsync_hvd.config.compression import CompressionConfig, LayerOverride
+    built = {m: parse_compression({"method": m}) for m in method_names()}
+    exchange = [m for m, c in built.items() if isinstance(c, CompressionConfig)]
+    run, methods, checked = RunConfig(), [], 0
+    for line in (REPO / "docs/configuration.md").read_text().splitlines():
+        if line.startswith("#"):
+            named = re.search(r"`method: ([^`]+)`|\(([a-z0-9_, ]+)\)$", line)
+            methods = ([m.strip() for m in re.split(r"[|,]", named.group(1) or named.group(2))] if named
+                       else exchange)
+            continue
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        if len(cells) != 4 or not cells[0].startswith("`"):
+            continue
+        key, cell = cells[0].strip("`"), cells[2]
+        if key.startswith("layers[]."):
+            found = {"": LayerOverride(pattern="x")}
+            path, methods_here = key.removeprefix("layers[]."), [""]
+        elif key.startswith("compression."):
+            found, path, methods_here = built, key.removeprefix("compression."), methods
+        else:
+            found, path, methods_here = {"": run}, key, [""]
+        if cell == "required":
+            model = type(_lookup(found[methods_here[0]], path.rpartition(".")[0])) if "." in path else \
+                type(found[methods_here[0]])
+            assert model.model_fields[path.rpartition(".")[2]].is_required(), key
+            continue
+        for method, shown in _cell_defaults(cell, methods_here).items():
+            assert shown == repr(_lookup(found[method], path)), (key, method, shown)
+            checked += 1
+    assert checked > 150, checked
+    text = (REPO / "docs/configuration.md").read_text()
+    assert "PydanticUndefined" not in text
+    assert "| `compression.dgc.momentum_correction` | bool | `False`; redsync: `True` |" in text
+    assert "| `compression.policy.min_compress_numel` | int | `0`; iwp, redsync: `4096` |" in text
