@@ -34,7 +34,9 @@ keys override it; changing `compression.method` replaces the whole
 `compression` section. On the command line, `--set section.key=value` uses the
 same dotted names (values are parsed as YAML: `--set compression.policy.layers='[{pattern: "fc*", dense: true}]'`).
 In Python, `DistributedOptimizer(compression={...})` takes the `compression`
-section as a dict. Unknown keys and out-of-range values are errors that name the field.
+section as a dict. Unknown keys and out-of-range values are errors: one line that names where
+the value came from (the file, a `base:` file, or `--set`), the field and the fix; an unknown key
+comes with its section's valid keys and the closest one.
 """
 
 
