@@ -29,7 +29,7 @@ class LineProgress:
         self.total, self.n, self.desc, self.stream = total, initial, desc, stream
         self.every_s, self.clock = every_s, clock
         self.start_n, self.start = initial, clock()
-        self.last = self.start
+        self.last, self.shown = self.start, initial
         self.postfix = ""
         self.closed = False
 
@@ -45,12 +45,12 @@ class LineProgress:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            if self.n > self.start_n:
+            if self.n != self.shown:
                 self._line()
 
     def _line(self) -> None:
         now = self.clock()
-        self.last = now
+        self.last, self.shown = now, self.n
         elapsed = now - self.start
         rate = (self.n - self.start_n) / elapsed if elapsed > 0 else 0.0
         left = f", {_clock(max(0, self.total - self.n) / rate)} left" if rate > 0 and self.n < self.total else ""
