@@ -348,8 +348,9 @@ class Run:
         if self.rank == 0:
             suffix = "" if self.trainer.framework == "torch" else f" (framework {self.trainer.framework})"
             ppl = f" perplexity={summary['final_perplexity']:.2f}" if "final_perplexity" in summary else ""
-            print(f"done: {self.log.dir} accuracy={summary['final_accuracy']:.4f}{ppl} "
-                  f"wire_bytes={summary['wire_bytes']} ratio={summary['compression_ratio']:.1f}{suffix}")
+            sys.stdout.write(f"done: {self.log.dir} accuracy={summary['final_accuracy']:.4f}{ppl} "   # one write:
+                             f"wire_bytes={summary['wire_bytes']} ratio={summary['compression_ratio']:.1f}{suffix}\n")
+            sys.stdout.flush()   # mpirun tags each write it forwards
         return summary
 
     def finish_stopped(self) -> int:
