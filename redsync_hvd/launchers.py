@@ -18,8 +18,14 @@ then has 2 T from the signal (its step, the agreement, its save and its exit; di
 the 2-core test machine: well under 1 s). :func:`stop_window` is that time per launcher,
 which the runner compares with what a stop of its run takes (:func:`window_note`).
 
+It also holds what a rank and its launcher do around that: the start-up guard (one line for a
+Ctrl-C before the first step), a refusal's quiet exit under torchrun, and horovodrun's own
+process (:func:`hook_horovodrun`, :func:`supervise`: it waits for its job's ranks).
+
 This module imports nothing outside the standard library: ``python -I -S launchers.py`` is
-the relay process (``relay``), started before anything heavy is imported.
+the relay process (``relay``), started before anything heavy is imported, and
+``python -I -S launchers.py supervise ...`` is horovodrun's process: one file, so that both run
+from its path alone.
 """
 from __future__ import annotations
 
