@@ -139,7 +139,8 @@ EXTRAS="dev"
 # every Python of the venv imports redsync_hvd._startup as it starts: TensorFlow's C++ start-up lines
 # hidden unless TF_CPP_MIN_LOG_LEVEL is set, and horovodrun's process waiting for its job's ranks
 SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-echo 'import importlib.util; importlib.util.find_spec("redsync_hvd") and __import__("redsync_hvd._startup")' \
+# (a checkout without redsync_hvd/_startup.py, or none at all, is skipped without a word)
+echo 'import importlib.util as u; u.find_spec("redsync_hvd") and u.find_spec("redsync_hvd._startup") and __import__("redsync_hvd._startup")' \
   > "$SITE/redsync_hvd.pth"
 
 # Optional native selection kernel (fused count); built here so the hot path never compiles.
