@@ -142,7 +142,7 @@ def guard_startup(environ=os.environ) -> None:
     relay, which says it at once: this handler waits for the C call in progress (loading
     torch's libraries takes seconds on a loaded machine), and mpirun's SIGKILL may come first."""
     def interrupted(signum, frame):
-        if says(environ) and not _relays:
+        if says(environ) and not any(r.says_startup for r in _relays):
             try:
                 os.write(2, startup_line(signum).encode())
                 note("said", environ)
@@ -204,11 +204,13 @@ def _is_torchrun(pid: int) -> bool:
 
 
 # -- the relay: the launcher's signal, passed on to a rank at once ---------------------------------
-def start_relay(environ=os.environ) -> subprocess.Popen | None:
+def start_relay(environ=os.environ, says_startup: bool = False) -> subprocess.Popen | None:
     """Under mpirun, when this rank leads a process group of its own in its launcher's session:
     start :func:`relay` (a separate Python, no imports) in the launcher's process group. Else
     (other launchers signal their workers themselves; a rank already in the launcher's group
-    hears the signal directly; ``REDSYNC_RELAY=0`` in the environment) None."""
+    hears the signal directly; ``REDSYNC_RELAY=0`` in the environment) None. ``says_startup``:
+    rank 0's relay says :func:`guard_startup`'s line on a signal until :func:`end_startup_guard`
+    (the runner's; a loop of your own that does not call it leaves this off)."""
     if kind(environ) != "mpirun" or environ.get("REDSYNC_RELAY", "1") == "0":
         return None
     parent = os.getppid()
@@ -223,10 +225,12 @@ def start_relay(environ=os.environ) -> subprocess.Popen | None:
     hold_launcher_stderr()
     # without the launcher's variables it is no rank to anyone who looks (tests find ranks by them)
     env = {k: v for k, v in environ.items() if not k.startswith(("OMPI_", "PMIX_", "HOROVOD_"))}
-    _relays.append(subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()),
-                                     str(group), "1" if says(environ) else "0"],
-                                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env))
-    return _relays[0]
+    speaks = says_startup and says(environ)
+    process = subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()), str(group),
+                                "1" if speaks else "0"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env)
+    process.says_startup = speaks
+    _relays.append(process)
+    return process
 
 
 def relay(rank_pid: int, group: int, speaks: bool = False) -> None:

@@ -55,7 +55,7 @@ def main(argv=None, framework: str | None = None) -> int:
     args = parse_args(argv)
     # before the framework starts (no threads, no MPI yet): Ctrl-C and SIGTERM to mpirun's process
     # group reach this rank at once, not 1 s later from mpirun, 1 s before its SIGKILL
-    relay = launchers.start_relay(os.environ)
+    relay = launchers.start_relay(os.environ, says_startup=True)
     from .config import ConfigError, load_config
     from .config.errors import Sources
     sources = Sources()
