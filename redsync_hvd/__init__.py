@@ -3,6 +3,12 @@
 Framework adapters live in ``redsync_hvd.torch`` (and ``redsync_hvd.tensorflow``);
 this top level holds only the framework-neutral pieces, so importing it needs no Horovod.
 """
+import os
+
+# TensorFlow's C++ start-up lines, unless the user asked for them (redsync_hvd/_startup.py does the
+# same for every Python of the project's virtualenv, horovodrun's launcher included)
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
 __version__ = "0.1.0"
 
 

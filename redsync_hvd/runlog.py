@@ -2,9 +2,11 @@
 checkpoints are written by redsync_hvd/checkpoint.py)."""
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import yaml
@@ -18,6 +20,53 @@ def _clean(value):
     if isinstance(value, (list, tuple)):
         return [_clean(v) for v in value]
     return value
+
+
+# what a run writes into its folder (rank 0 the shared files, every rank its checkpoints, with
+# their .prev, step copies and hidden temporaries): another run's files there would mix with a new one's
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "decisions.json", "layers.log", ".metrics.jsonl.tmp")
+CHECKPOINT_FILES = ("checkpoint-*.pt", "checkpoint-*.pt.prev", ".checkpoint-*")
+
+
+def run_dir(root: str, name: str | None) -> Path:
+    """The folder of run ``name`` under ``output.dir`` (RunLog's)."""
+    return Path(root) / (name or "run")
+
+
+def run_files(folder, rank: int | None = None) -> list:
+    """The names of the run files in ``folder``, sorted (``rank``: only that rank's checkpoints)."""
+    folder = Path(folder)
+    names = [n for n in RUN_FILES if (folder / n).exists()] if rank is None else []
+    for pattern in CHECKPOINT_FILES:
+        found = (os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(str(folder)), pattern)))
+        names += [n for n in found if rank is None or re.search(rf"-rank{rank}\.pt(\.|$)", n)]
+    return sorted(set(names))
+
+
+def foreign_files(folder, resume: str | None = None) -> list | None:
+    """The files of another run in ``folder`` ([]: none), or None when ``resume`` is this folder
+    or a checkpoint in it: the run goes on in its own folder."""
+    folder = Path(folder)
+    if resume:
+        target = Path(str(resume)).resolve()
+        if target == folder.resolve() or folder.resolve() in target.parents:
+            return None
+    return run_files(folder) if folder.is_dir() else []
+
+
+def clear_run(folder, rank: int) -> int:
+    """``output.overwrite``: delete the previous run's files; rank 0 all of them (the checkpoints
+    of every rank of that run included, whatever its number of workers), every other rank its own
+    checkpoints (a folder that is not shared between hosts). The number of files deleted."""
+    folder = Path(folder)
+    removed = 0
+    for name in run_files(folder, None if rank == 0 else rank):
+        try:
+            (folder / name).unlink()
+            removed += 1
+        except FileNotFoundError:
+            pass   # another rank's, deleted by that rank first
+    return removed
 
 
 class RunLog:

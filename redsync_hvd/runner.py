@@ -25,7 +25,7 @@ from typing import Callable, Protocol
 import torch
 from torch.utils.data import DataLoader
 
-from . import checkpoint, launchers, resize
+from . import checkpoint, launchers, progress, resize
 from .config import RunConfig, validate
 from .config.run import RESUMABLE
 from .policy.budget import log_lines as budget_log_lines
@@ -262,8 +262,8 @@ class Run:
             self.bar.close()
             self.bar = None
         if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.3f}")
         if step % cfg.training.log_every == 0 or step == self.total:
             self._log_train(loss, correct / n)
         if eval_due(cfg, step, self.steps_per_epoch, self.total):                 # 4.
@@ -348,8 +348,9 @@ class Run:
         if self.rank == 0:
             suffix = "" if self.trainer.framework == "torch" else f" (framework {self.trainer.framework})"
             ppl = f" perplexity={summary['final_perplexity']:.2f}" if "final_perplexity" in summary else ""
-            print(f"done: {self.log.dir} accuracy={summary['final_accuracy']:.4f}{ppl} "
-                  f"wire_bytes={summary['wire_bytes']} ratio={summary['compression_ratio']:.1f}{suffix}")
+            sys.stdout.write(f"done: {self.log.dir} accuracy={summary['final_accuracy']:.4f}{ppl} "   # one write:
+                             f"wire_bytes={summary['wire_bytes']} ratio={summary['compression_ratio']:.1f}{suffix}\n")
+            sys.stdout.flush()   # mpirun tags each write it forwards
         return summary
 
     def finish_stopped(self) -> int:
@@ -358,7 +359,8 @@ class Run:
         1. one allgather of every rank's save (file, seconds, when it heard the signal): every
            rank has saved before rank 0 says so;
         2. rank 0 records the stop in metrics.jsonl (summary.json's ``stops`` lists them) and
-           prints the resume hint (to a closed stderr: nowhere, quietly);
+           prints the resume hint (into the launcher's stderr if mpirun is gone; to a closed
+           stderr: nowhere, quietly);
         3. a barrier: rank 0 has said so before any rank exits (a launcher tears the job down
            at the first non-zero exit). No summary (unfinished)."""
         mine = {**self.last_save, "heard_at": self.ctl.heard_at, "agreed_at": getattr(self, "agreed_at", None)}
@@ -368,8 +370,9 @@ class Run:
                           "heard_at": [r["heard_at"] for r in ranks], "agreed_at": [r["agreed_at"] for r in ranks],
                           "saved_at": [r.get("saved_at") for r in ranks]})
         self.log.close()
-        if self.rank == 0:
-            say(f"{self.ctl.message(self.step, self.log.dir)} (exit code {EXIT_STOPPED}: saved, not finished)")
+        if self.rank == 0:   # into the launch's log even when mpirun is already gone (launchers.tell)
+            launchers.tell(f"{self.ctl.message(self.step, self.log.dir)} (exit code {EXIT_STOPPED}: saved, not "
+                           "finished)")
         self.ctl.barrier()                                                                  # 3.
         return EXIT_STOPPED
 
@@ -436,8 +439,8 @@ def set_global_rng(state: dict | None) -> None:
 
 
 def progress_bar(loop: Run):
+    """Rank 0's (``training.progress``): a bar on a terminal, a line every few seconds into a pipe
+    or a file (redsync_hvd/progress.py)."""
     if loop.rank != 0 or not loop.cfg.training.progress:
         return None
-    from tqdm import tqdm
-    return tqdm(total=loop.total, initial=loop.step, desc=loop.cfg.output.name, unit="step",
-                file=QuietStream(sys.stderr))
+    return progress.progress_bar(loop.total, loop.step, loop.cfg.output.name, QuietStream(sys.stderr))

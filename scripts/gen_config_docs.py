@@ -11,7 +11,14 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from redsync_hvd.config import RunConfig, registry
-from redsync_hvd.config.compression import MOVED, SHORTHANDS, BudgetConfig, CompressionConfig, LayerOverride
+from redsync_hvd.config.compression import (
+    MOVED,
+    SHORTHANDS,
+    BudgetConfig,
+    CompressionConfig,
+    LayerOverride,
+    parse_compression,
+)
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
@@ -26,7 +33,9 @@ keys override it; changing `compression.method` replaces the whole
 `compression` section. On the command line, `--set section.key=value` uses the
 same dotted names (values are parsed as YAML: `--set compression.policy.layers='[{pattern: "fc*", dense: true}]'`).
 In Python, `DistributedOptimizer(compression={...})` takes the `compression`
-section as a dict. Unknown keys and out-of-range values are errors that name the field.
+section as a dict. Unknown keys and out-of-range values are errors: one line that names where
+the value came from (the file, a `base:` file, or `--set`), the field and the fix; an unknown key
+comes with its section's valid keys and the closest one.
 """
 
 
@@ -36,29 +45,68 @@ def _type(field) -> str:
     return name.replace("typing.", "").replace("NoneType", "None")
 
 
-def _table(model: type[BaseModel], prefix: str, skip=()) -> list[str]:
+def _default(field) -> str:
+    """The class default as the table shows it; a field without one is "required"."""
+    if field.is_required():
+        return "required"
+    return f"`{(field.default if field.default_factory is None else field.default_factory())!r}`"
+
+
+def _cell(values: dict) -> str:
+    """Per-method defaults {method: value} in one cell: the most common value, then the methods
+    that differ (``False``; redsync: ``True``)."""
+    by_value: dict = {}
+    for method, value in values.items():
+        by_value.setdefault(repr(value), []).append(method)
+    common = max(by_value, key=lambda v: len(by_value[v]))
+    others = [f"{', '.join(sorted(ms))}: `{v}`" for v, ms in sorted(by_value.items()) if v != common]
+    return "; ".join([f"`{common}`", *others])
+
+
+# what the schema leaves without a description
+NOTES = {
+    "compression.method": "the method, one of the sections below: " + ", ".join(registry.method_names()),
+    "layers[].pattern": "the parameters this entry is for: an fnmatch pattern of their names (`embedding.*`, "
+                        "`*fc*.weight`)",
+}
+
+
+def _row(key: str, field, default: str) -> str:
+    desc = (field.description or NOTES.get(key, "")).replace("|", "\\|").replace("\n", " ")
+    default = default.replace("|", "\\|")
+    return f"| `{key}` | {_type(field)} | {default} | {desc} |"
+
+
+def _table(model: type[BaseModel], prefix: str, skip=(), instances: dict | None = None) -> list[str]:
+    """A table of ``model``'s keys (groups left out). ``instances`` {method: the model as that method
+    builds it}: each key's default per method, from those, so a method's own defaults show."""
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for name, field in model.model_fields.items():
         if name in skip or (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
             continue
-        default = field.default if field.default_factory is None else field.default_factory()
-        desc = (field.description or "").replace("|", "\\|").replace("\n", " ")
-        rows.append(f"| `{prefix}{name}` | {_type(field)} | `{default!r}` | {desc} |")
+        if instances and not field.is_required():
+            default = _cell({m: getattr(obj, name) for m, obj in instances.items()})
+        else:
+            default = _default(field)
+        rows.append(_row(f"{prefix}{name}", field, default))
     return rows
 
 
 def render() -> str:
     lines = [HEADER]
+    defaults = RunConfig()
     for section, field in RunConfig.model_fields.items():
         ann = field.annotation
         if section == "compression":
             continue
         if isinstance(ann, type) and issubclass(ann, BaseModel):
-            lines += [f"## `{section}`", "", *_table(ann, f"{section}."), ""]
+            own = getattr(defaults, section)
+            lines += [f"## `{section}`", "", *_table(ann, f"{section}.", instances={"": own}), ""]
             for sub, subfield in ann.model_fields.items():
                 sann = subfield.annotation
                 if isinstance(sann, type) and issubclass(sann, BaseModel):
-                    lines += [f"### `{section}.{sub}`", "", *_table(sann, f"{section}.{sub}."), ""]
+                    lines += [f"### `{section}.{sub}`", "",
+                              *_table(sann, f"{section}.{sub}.", instances={"": getattr(own, sub)}), ""]
         else:
             desc = f": {field.description}" if field.description else ""
             lines += [f"## `{section}`", "", f"`{section}`: {_type(field)}, default `{field.default!r}`{desc}", ""]
@@ -72,7 +120,13 @@ def _group(field):
 
 def _compression() -> list[str]:
     common = set(CompressionConfig.model_fields)
-    lines = ["## `compression`", "", "Keys every method accepts:", "", *_table(CompressionConfig, "compression."), "",
+    built = {m: parse_compression({"method": m}) for m in registry.method_names()}   # each method's own defaults
+    exchange = {m: c for m, c in built.items() if isinstance(c, CompressionConfig)}
+    lines = ["## `compression`", "",
+             "Each method's own defaults are listed; where methods differ, a cell gives the most common value "
+             "first, then the methods that differ (`False`; redsync: `True`).", "",
+             "Keys every method of the gradient exchange accepts:", "",
+             *_table(CompressionConfig, "compression.", instances=exchange), "",
              "Groups (nested mappings) are listed after the methods. "
              + ", ".join(f"`{k}: <value>` is short for `{k}: {{{v}: <value>}}`" for k, v in SHORTHANDS.items())
              + ".", ""]
@@ -82,25 +136,27 @@ def _compression() -> list[str]:
         cls = registry.config_class(method)
         by_class.setdefault(cls, []).append(method)
     for cls, methods in by_class.items():
-        method = methods[0]
         doc = " ".join((cls.__doc__ or "").split())
         lines += [f"### `method: {' | '.join(methods)}`", "", doc, ""]
         own = [n for n, f in cls.model_fields.items() if n not in common and not _group(f)]
         if not issubclass(cls, CompressionConfig):
             lines += ["Not a gradient exchange: none of the keys above apply.", ""]
-        lines += (_table(cls, "compression.", skip=common | {n for n, f in cls.model_fields.items() if _group(f)})
+        skip = common | {n for n, f in cls.model_fields.items() if _group(f)}
+        lines += (_table(cls, "compression.", skip=skip, instances={m: built[m] for m in methods})
                   if own else ["No keys beyond the common ones."]) + [""]
         mine = [n for n, f in cls.model_fields.items() if _group(f)]
         if mine:
             lines += [f"Groups: {', '.join(f'`{n}`' for n in mine)}.", ""]
         for n in mine:
-            groups.setdefault((n, _group(cls.model_fields[n])), []).append(method)
+            groups.setdefault((n, _group(cls.model_fields[n])), []).extend(methods)
     for (name, model), methods in groups.items():
-        lines += [f"### `compression.{name}` ({', '.join(methods)})", "", " ".join((model.__doc__ or "").split()), "",
-                  *_table(model, f"compression.{name}."), ""]
+        doc = " ".join((model.__doc__ or "").split())
+        lines += [f"### `compression.{name}` ({', '.join(sorted(methods))})", "", doc, "",
+                  *_table(model, f"compression.{name}.", instances={m: getattr(built[m], name) for m in methods}), ""]
+    budgets = {m: c.policy.budget for m, c in exchange.items()}
     lines += ["### `compression.policy.layers[]` (per-layer overrides)", "", *_table(LayerOverride, "layers[]."), "",
               "### `compression.policy.budget` (`policy.mode: budget`)", "", " ".join(BudgetConfig.__doc__.split()), "",
-              *_table(BudgetConfig, "compression.policy.budget."), "",
+              *_table(BudgetConfig, "compression.policy.budget.", instances=budgets), "",
               "### Keys that moved into groups", "",
               "A config with one of these keys at the top of `compression` stops with the new name.", "",
               "| old key | new key |", "|---|---|", *[f"| `{k}` | `{v}` |" for k, v in MOVED.items()], ""]

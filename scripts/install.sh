@@ -136,6 +136,12 @@ EXTRAS="dev"
 # Triton for the selection kernels, unless torch already brought one (CUDA wheels pin theirs)
 "$PY" -c "import triton" 2>/dev/null || EXTRAS="$EXTRAS,kernels"
 "${PIP[@]}" -e "$ROOT[$EXTRAS]"
+# every Python of the venv imports redsync_hvd._startup as it starts: TensorFlow's C++ start-up lines
+# hidden unless TF_CPP_MIN_LOG_LEVEL is set, and horovodrun's process waiting for its job's ranks
+SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+# (a checkout without redsync_hvd/_startup.py, or none at all, is skipped without a word)
+echo 'import importlib.util as u; u.find_spec("redsync_hvd") and u.find_spec("redsync_hvd._startup") and __import__("redsync_hvd._startup")' \
+  > "$SITE/redsync_hvd.pth"
 
 # Optional native selection kernel (fused count); built here so the hot path never compiles.
 if [ -f "$ROOT/redsync_hvd/core/_native/build.py" ]; then

@@ -67,7 +67,8 @@ def interrupted(args, config: str, out: Path, rng: random.Random) -> list:
     """The run, interrupted by every signal in turn and resumed; [(signal, steps of the checkpoints)]."""
     run, lines = out / "run", []
     for name in args.signals:
-        resume = (f"training.resume={run}",) if (run / "checkpoint-rank0.pt").exists() else ()
+        # no checkpoint yet (a SIGKILL before the first save): start that run again
+        resume = (f"training.resume={run}",) if (run / "checkpoint-rank0.pt").exists() else ("output.overwrite=true",)
         proc = launch(args, config, out, "run", *resume)
         wait_for_training(proc)
         time.sleep(rng.uniform(1.0, 6.0))
@@ -112,7 +113,7 @@ def main(argv=None) -> int:
     for config in args.configs:
         out = root / config
         out.mkdir(parents=True, exist_ok=True)
-        if to_the_end(args, launch(args, config, out, "ref"), out / "ref") != 0:
+        if to_the_end(args, launch(args, config, out, "ref", "output.overwrite=true"), out / "ref") != 0:
             raise SystemExit(f"{config}: the uninterrupted run failed; see {out / 'ref.log'}")
         for name, steps, code in interrupted(args, config, out, rng):
             print(f"  {config:9s} {name:8s} exit {code:4d}  checkpoints of steps {steps}"

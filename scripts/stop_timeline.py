@@ -66,8 +66,8 @@ def main(argv=None) -> int:
     Path(out).mkdir(parents=True, exist_ok=True)
     env = job_env(**({"REDSYNC_RELAY": "0"} if args.relay == "off" else {}))
     mpi = [f"--mpi-args={args.mpi_args}"] if args.mpi_args and args.launcher != "torchrun" else []
-    cmd = train_command(LAUNCHER[args.launcher], 2, args.config, [f"output.dir={out}", *args.overrides],
-                        launcher_args=mpi)
+    sets = [f"output.dir={out}", "output.overwrite=true", *args.overrides]   # each timeline a run of its own
+    cmd = train_command(LAUNCHER[args.launcher], 2, args.config, sets, launcher_args=mpi)
     with open(Path(out) / "launcher.log", "w") as log:
         proc = start(cmd, log, env)
         wait_for_training(proc)

@@ -125,3 +125,168 @@ def test_a_partial_policy_keeps_the_methods_size_floor():
             .policy.min_compress_numel == 0
     assert parse_compression({"method": "redsync", "policy": "cost_model"}).policy.min_compress_numel == 0
     assert parse_compression({"method": "topk", "policy": layers}).policy.min_compress_numel == 0
+
+
+@pytest.mark.parametrize("override, key, guess", [
+    ("modle.name=cnn", "modle", "model"),
+    ("model.nme=cnn", "model.nme", "model.name"),
+    ("data.nam=digits", "data.nam", "data.name"),
+    ("optimizer.momentm=0.5", "optimizer.momentm", "optimizer.momentum"),
+    ("optimizer.schedule.gama=0.5", "optimizer.schedule.gama", "optimizer.schedule.gamma"),
+    ("training.epoch=3", "training.epoch", "training.epochs"),
+    ("output.nam=x", "output.nam", "output.name"),
+    ("compression.densty=0.1", "compression.densty", "compression.density"),
+    ("compression.selection.methd=tbs", "compression.selection.methd", "compression.selection.method"),
+    ("compression.policy.layers=[{patern: fc}]", "compression.policy.layers[0].patern",
+     "compression.policy.layers[0].pattern"),
+])
+def test_unknown_keys_in_every_section_list_the_valid_ones_and_the_closest(override, key, guess):
+    with pytest.raises(ConfigError) as info:
+        load_config(REPO / "configs/digits/redsync.yaml", [override])
+    text = str(info.value)
+    assert text.startswith(f"invalid configuration in --set {override}: {key}: unknown key; did you mean {guess}? "
+                           "Valid keys of "), text
+    section = guess.rpartition(".")[2]
+    assert section in text.split("Valid keys of ", 1)[1] and "\n" not in text, text
+
+
+def test_the_header_names_the_file_the_base_file_or_the_set_that_gave_the_value(tmp_path):
+    (tmp_path / "base.yaml").write_text("model: {name: cnn}\ntraining: {epochz: 3}\n")
+    (tmp_path / "run.yaml").write_text("base: base.yaml\ntraining: {batch_sise: 8}\n")
+    (tmp_path / "own.yaml").write_text("training: {batch_sise: 8}\n")
+    for path, overrides, origin in [
+            (tmp_path / "base.yaml", [], f"{tmp_path / 'base.yaml'}: training.epochz"),
+            (tmp_path / "run.yaml", [], f"{tmp_path / 'base.yaml'} (the base: of {tmp_path / 'run.yaml'}): "
+                                        "training.epochz"),
+            (tmp_path / "own.yaml", [], f"{tmp_path / 'own.yaml'}: training.batch_sise"),
+            (tmp_path / "own.yaml", ["training.batch_sise=4"], "--set training.batch_sise=4: training.batch_sise")]:
+        with pytest.raises(ConfigError) as info:
+            load_config(path, overrides)
+        assert str(info.value).startswith(f"invalid configuration in {origin}: unknown key; did you mean"), info.value
+    (tmp_path / "orphan.yaml").write_text("base: ../nowhere/base.yaml\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "orphan.yaml")
+    assert str(info.value).startswith(f"{tmp_path / 'orphan.yaml'}: its base: file not found: "
+                                      f"{tmp_path.parent / 'nowhere' / 'base.yaml'}. Point base: at"), info.value
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["model.name=lstm_lm"], ["--set model.name=lstm_lm and ", "'lstm_lm' is a language model", "'digits' holds images",
+                              "pydoc", "cnn"]),
+    (["data.name=pydoc"], ["and --set data.name=pydoc:", "'cnn' is an image model", "'pydoc' holds token ids",
+                           "lstm_lm", "digits"]),
+])
+def test_a_model_that_cannot_read_the_data_stops_before_training(overrides, words):
+    with pytest.raises(ConfigError) as info:
+        load_config(REPO / "configs/digits/redsync.yaml", overrides)
+    for w in words:
+        assert w in str(info.value), str(info.value)
+    load_config(REPO / "configs/digits/redsync.yaml", ["model.name=lstm_lm", "data.name=synthetic_lm"])
+
+
+def test_the_task_of_each_dataset_name_is_the_one_its_builder_gives():
+    """LM_DATASETS (what the config check calls token data) against the builders themselves, on the
+    datasets that need no files."""
+    from redsync_hvd.config.run import LM_DATASETS
+    from redsync_hvd.data import build_datasets
+    for name in ("digits", "synthetic", "synthetic_lm", "pydoc"):
+        assert (build_datasets(name).task == "lm") == (name in LM_DATASETS), name
+
+
+def test_a_run_folder_of_another_run_stops_the_launch_with_the_three_ways_on(tmp_path, capsys):
+    """Before any framework starts: one line that names resume, another name and overwrite; a
+    resume of that folder goes on; overwrite with a resume of the same folder is refused."""
+    from redsync_hvd.train import main
+    run = tmp_path / "redsync"
+    run.mkdir()
+    for name in ("config.yaml", "metrics.jsonl", "checkpoint-rank0.pt", "checkpoint-rank1.pt", "notes.txt"):
+        (run / name).write_text("x")
+    argv = ["--config", str(REPO / "configs/digits/redsync.yaml"), "--set", f"output.dir={tmp_path}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "notes.txt" not in err, err
+    assert err.startswith(f"error: {run} holds the files of another run (checkpoint-rank0.pt, checkpoint-rank1.pt, "
+                          "config.yaml, metrics.jsonl)"), err
+    for way in (f"--set training.resume={run}", "--set output.name=", "--set output.overwrite=true"):
+        assert way in err, err
+    assert main(argv + ["--set", f"training.resume={run}", "--set", "output.overwrite=true"]) == 2
+    assert "output.overwrite=true would delete the checkpoints that training.resume" in capsys.readouterr().err
+    from redsync_hvd.train import folder_problem
+    assert folder_problem(load_config(REPO / "configs/digits/redsync.yaml",
+                                      [f"output.dir={tmp_path}", f"training.resume={run}"])) is None
+    assert folder_problem(load_config(REPO / "configs/digits/redsync.yaml",
+                                      [f"output.dir={tmp_path}", "output.overwrite=true"])) is None
+    assert folder_problem(load_config(REPO / "configs/digits/redsync.yaml",
+                                      [f"output.dir={tmp_path}", "output.name=other"])) is None
+
+
+def test_clearing_a_run_folder_takes_every_ranks_checkpoints_and_only_the_runs_files(tmp_path):
+    from redsync_hvd.runlog import clear_run
+    names = ["config.yaml", "metrics.jsonl", "summary.json", "decisions.json", "layers.log", "checkpoint-rank0.pt",
+             "checkpoint-rank0.pt.prev", "checkpoint-rank1.pt", "checkpoint-step6-rank1.pt", "checkpoint-rank12.pt",
+             ".checkpoint-rank1.pt.x1.tmp", "notes.txt"]
+    for name in names:
+        (tmp_path / name).write_text("x")
+    assert clear_run(tmp_path, 1) == 3          # another rank: its own checkpoints only
+    assert not (tmp_path / "checkpoint-rank1.pt").exists() and (tmp_path / "checkpoint-rank12.pt").exists()
+    assert clear_run(tmp_path, 0) == len(names) - 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def _cell_defaults(cell: str, methods: list) -> dict:
+    """A default cell of docs/configuration.md -> {method: repr}: "`V`" or "`V`; m1, m2: `W`; ..."."""
+    first, *others = cell.split("; ")
+    out = {m: first.strip("`") for m in methods}
+    for part in others:
+        names, _, value = part.partition(": ")
+        out.update({m.strip(): value.strip("`") for m in names.split(",")})
+    return out
+
+
+def _lookup(obj, dotted: str):
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def test_every_default_in_the_configuration_reference_is_the_models():
+    """docs/configuration.md read as a user reads it: each row's default, for each method its table or
+    cell names, is what the schema builds for that method (RedSync's momentum correction and size
+    floor included); a key without a default says "required"."""
+    import re
+
+    from redsync_hvd.config import RunConfig, method_names, parse_compression
+    from redsync_hvd.config.compression import CompressionConfig, LayerOverride
+    built = {m: parse_compression({"method": m}) for m in method_names()}
+    exchange = [m for m, c in built.items() if isinstance(c, CompressionConfig)]
+    run, methods, checked = RunConfig(), [], 0
+    for line in (REPO / "docs/configuration.md").read_text().splitlines():
+        if line.startswith("#"):
+            named = re.search(r"`method: ([^`]+)`|\(([a-z0-9_, ]+)\)$", line)
+            methods = ([m.strip() for m in re.split(r"[|,]", named.group(1) or named.group(2))] if named
+                       else exchange)
+            continue
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        if len(cells) != 4 or not cells[0].startswith("`"):
+            continue
+        key, cell = cells[0].strip("`"), cells[2]
+        if key.startswith("layers[]."):
+            found = {"": LayerOverride(pattern="x")}
+            path, methods_here = key.removeprefix("layers[]."), [""]
+        elif key.startswith("compression."):
+            found, path, methods_here = built, key.removeprefix("compression."), methods
+        else:
+            found, path, methods_here = {"": run}, key, [""]
+        if cell == "required":
+            model = type(_lookup(found[methods_here[0]], path.rpartition(".")[0])) if "." in path else \
+                type(found[methods_here[0]])
+            assert model.model_fields[path.rpartition(".")[2]].is_required(), key
+            continue
+        for method, shown in _cell_defaults(cell, methods_here).items():
+            assert shown == repr(_lookup(found[method], path)), (key, method, shown)
+            checked += 1
+    assert checked > 150, checked
+    text = (REPO / "docs/configuration.md").read_text()
+    assert "PydanticUndefined" not in text
+    assert "| `compression.dgc.momentum_correction` | bool | `False`; redsync: `True` |" in text
+    assert "| `compression.policy.min_compress_numel` | int | `0`; iwp, redsync: `4096` |" in text

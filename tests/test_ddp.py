@@ -290,9 +290,13 @@ def test_runner_without_a_launcher_trains_one_process_in_fp16(tmp_path):
 
 
 def test_a_config_started_by_the_other_launcher_stops_with_the_command(tmp_path):
+    """One line from rank 0 and a non-zero exit, with no torchrun traceback after it (the ranks end
+    torchrun's agent first: launchers.exit_quietly)."""
     res = train(tmp_path, "configs/digits/dense.yaml", launcher="torchrun", check=False, timeout=120)
     assert res.returncode != 0 and res.stdout.count("says engine: horovod, but this process was started by torchrun") \
-        == 2 and "horovodrun -np N python -m redsync_hvd.train" in res.stdout, res.stdout[-3000:]
+        == 1 and "horovodrun -np N python -m redsync_hvd.train" in res.stdout, res.stdout[-3000:]
+    assert "Traceback" not in res.stdout and "ChildFailedError" not in res.stdout, res.stdout[-3000:]
+    assert res.stdout.rstrip().endswith("(--set engine=ddp) to train under torchrun"), res.stdout[-3000:]
 
 
 @pytest.mark.parametrize("overrides, environ, words", [

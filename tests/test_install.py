@@ -22,3 +22,17 @@ def test_mpi4py_and_native_kernel_import():
 
     from redsync_hvd.core.selection import native_available
     assert native_available(), "the native selection kernel was not built by scripts/install.sh"
+
+
+def test_every_python_of_the_venv_runs_the_projects_startup():
+    """scripts/install.sh's redsync_hvd.pth: a Python that imports nothing of the project has
+    TF_CPP_MIN_LOG_LEVEL=2 (TensorFlow's C++ start-up lines hidden), unless the user set it, and
+    horovodrun's process is the one that waits for its job (launchers.hook_horovodrun)."""
+    import os
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    code = "import os, sys; print(os.environ.get('TF_CPP_MIN_LOG_LEVEL'), 'redsync_hvd._startup' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert res.stdout.split() == ["2", "True"], (res.stdout, res.stderr, "rerun scripts/install.sh")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**env, "TF_CPP_MIN_LOG_LEVEL": "0"})
+    assert res.stdout.split() == ["0", "True"], res.stdout

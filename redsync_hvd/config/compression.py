@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from . import registry
+from .errors import closest, dotted, plain, relevant, unknown_key
 
 Selection = Literal["exact", "trimmed", "tbs", "sampled"]          # per layer (core/selection.py)
 SelectionMethod = Literal["exact", "trimmed", "tbs", "sampled", "radix"]   # radix: by bucket only
@@ -607,25 +608,40 @@ DECENTRALIZED = ("dcd", "ecd", "dpsgd", "naive")
 
 
 # -- parsing ------------------------------------------------------------------------------
+class CompressionError(ValueError):
+    """A bad ``compression`` section; ``paths``: the dotted keys it is about, so the message can
+    name where each came from (the YAML file, a base: file, or --set)."""
+
+    def __init__(self, message: str, paths=()):
+        super().__init__(message)
+        self.paths = list(paths)
+
+
 def parse_compression(value: Any) -> MethodConfig:
     """dict (YAML section) or config object -> validated config object: a CompressionConfig for the
     gradient exchange's methods, a DecentralizedConfig for dcd, ecd, dpsgd and naive."""
     if isinstance(value, MethodConfig):
         return value
     if not isinstance(value, dict):
-        raise ValueError(f"compression must be a mapping like {{'method': 'topk', 'density': 0.01}}, got {value!r}")
+        raise CompressionError(f"compression must be a mapping like {{'method': 'topk', 'density': 0.01}}, "
+                               f"got {value!r}", ["compression"])
     method = value.get("method", "none")
     if method not in registry.METHODS:
-        raise ValueError(f"compression.method={method!r} is unknown; choose one of {method_names()}")
+        guess = closest(str(method), method_names())
+        hint = f"; did you mean {guess!r}?" if guess else ";"
+        raise CompressionError(f"compression.method={method!r} is unknown{hint} choose one of "
+                               f"{', '.join(method_names())}", ["compression.method"])
     cls = registry.config_class(method)
     moved = [k for k in value if k in MOVED and k not in cls.model_fields]
     if moved:
-        raise ValueError("; ".join(f"compression.{k} moved to compression.{MOVED[k]} "
-                                   f"(write {_nested_example(MOVED[k], value[k])})" for k in moved))
+        raise CompressionError("; ".join(f"compression.{k} moved to compression.{MOVED[k]} "
+                                         f"(write {_nested_example(MOVED[k], value[k])})" for k in moved),
+                               [f"compression.{k}" for k in moved])
     try:
         return cls.model_validate({**value, "method": method})
     except ValidationError as exc:
-        raise ValueError("; ".join(_problem(err, cls, method) for err in exc.errors())) from None
+        problems = [_problem(err, cls, method) for err, _ in relevant(exc.errors())]
+        raise CompressionError("; ".join(text for text, _ in problems), [path for _, path in problems]) from None
 
 
 def _nested_example(path: str, value: Any) -> str:
@@ -633,25 +649,30 @@ def _nested_example(path: str, value: Any) -> str:
     return f"{group}: {{{key}: {value!r}}}"
 
 
-def _problem(err: dict, cls: type, method: str) -> str:
+def _problem(err: dict, cls: type, method: str) -> tuple:
+    """(one error's text, the dotted key it is about)."""
     path = [str(p) for p in err["loc"] if not str(p).startswith("function-")]
-    loc = "compression." + ".".join(path)
+    loc = ".".join(["compression", *path])
     if err["type"] == "extra_forbidden":
-        return f"{loc}: unknown key for method {method!r}{_valid_keys(cls, path[:-1])}"
-    return f"{loc}: {err['msg']}"
+        group = dotted(["compression", *path[:-1]])
+        owner = f"{group} with method: {method}"
+        return unknown_key(group, path[-1], _valid_keys(cls, path[:-1]), owner=owner), loc
+    if err["type"] == "missing":
+        return f"{dotted(['compression', *path])}: required, and not given", loc.rpartition(".")[0]
+    return f"{dotted(['compression', *path])}: {plain(err['msg'])}", loc
 
 
-def _valid_keys(cls: type, path: list) -> str:
-    """'; valid keys: [...]' of the group at ``path`` (a key of a list entry: its element type)."""
+def _valid_keys(cls: type, path: list) -> list:
+    """The keys of the group at ``path`` (a key of a list entry: its element type's)."""
     for part in path:
         field = cls.model_fields.get(part) if isinstance(cls, type) and issubclass(cls, BaseModel) else None
         if field is None:
             if part.isdigit():
                 continue
-            return ""
+            return []
         cls = field.annotation
         args = [a for a in getattr(cls, "__args__", ()) if isinstance(a, type) and issubclass(a, BaseModel)]
         cls = args[0] if args else cls
     if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
-        return ""
-    return f"; valid keys: {sorted(cls.model_fields)}"
+        return []
+    return sorted(cls.model_fields)

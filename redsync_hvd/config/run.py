@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator
 
 from .compression import SHORTHANDS, MethodConfig, expand_shorthands, parse_compression
+from .errors import DEFAULTS, Sources, describe, shown
 
 
 class ConfigError(ValueError):
@@ -29,6 +30,11 @@ class ConfigError(ValueError):
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+# what a language model reads (token ids), by name; every other model and dataset is images
+LM_MODELS = ("lstm_lm",)
+LM_DATASETS = ("synthetic_lm", "ptb", "pydoc")
 
 
 class ModelConfig(_Section):
@@ -92,6 +98,10 @@ class TrainingConfig(_Section):
 class OutputConfig(_Section):
     dir: str = Field("runs", description="parent folder of run folders")
     name: Optional[str] = Field(None, description="run folder name; default <config stem>")
+    overwrite: bool = Field(False, description="a run folder that holds another run's files: delete them (config, "
+                                               "metrics, summary, decisions, layers.log and every rank's checkpoints) "
+                                               "and start afresh; false: stop before training with the ways on "
+                                               "(resume that run, another output.name, or this)")
 
 
 class RunConfig(_Section):
@@ -163,27 +173,36 @@ def _deep_merge(base: dict, override: dict) -> dict:
     return out
 
 
-def read_yaml(path: Path, seen: tuple = ()) -> dict:
+def read_yaml(path: Path, seen: tuple = (), sources: Sources | None = None, referrer: str | None = None) -> dict:
     """A YAML mapping; ``base: other.yaml`` (relative to it) is loaded first and deep-merged under it.
+    ``sources`` records which file gave each key; ``referrer``: the file whose ``base:`` this is.
     Also used by the benchmark configs."""
+    origin = shown(path) if referrer is None else f"{shown(path)} (the base: of {referrer})"
     if not path.is_file():
         what = "is a folder, not a YAML file" if path.is_dir() else "not found"
+        if referrer is not None:
+            raise ConfigError(f"{referrer}: its base: file {what}: {shown(path)}. Point base: at an existing YAML "
+                              f"file (a path relative to {referrer})")
         raise ConfigError(f"config {what}: {path}. Pass an existing YAML file, e.g. configs/digits/dense.yaml")
     if path.resolve() in seen:
         raise ConfigError(f"config 'base' chain loops back to {path}")
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {yaml_problem(exc)}. Fix that line (indent with spaces, "
+        raise ConfigError(f"{origin} is not valid YAML: {yaml_problem(exc)}. Fix that line (indent with spaces, "
                           "close brackets and quotes)") from None
     except (UnicodeDecodeError, OSError) as exc:
-        raise ConfigError(f"cannot read {path} as a YAML text file: {exc}") from None
+        raise ConfigError(f"cannot read {origin} as a YAML text file: {exc}") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path} must hold a mapping of sections (model, data, ...), got {type(raw).__name__}")
+        raise ConfigError(f"{origin} must hold a mapping of sections (model, data, ...), got {type(raw).__name__}")
     base = raw.pop("base", None)
     if base is None:
+        if sources is not None:
+            sources.record(raw, origin)
         return raw
-    parent = read_yaml((path.parent / base).resolve(), seen + (path.resolve(),))
+    parent = read_yaml((path.parent / base).resolve(), seen + (path.resolve(),), sources, shown(path))
+    if sources is not None:
+        sources.record(raw, origin)
     return _deep_merge(parent, raw)
 
 
@@ -216,7 +235,7 @@ def yaml_problem(exc: yaml.YAMLError, line: bool = True) -> str:
     return f"{problem} at {where}" + (f" ({context})" if context else "")
 
 
-def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+def apply_overrides(raw: dict, overrides: list[str], sources: Sources | None = None) -> dict:
     raw = copy.deepcopy(raw)
     if isinstance(raw.get("compression"), dict):
         raw["compression"] = expand_shorthands(raw["compression"])   # --set compression.selection.scope=...
@@ -233,40 +252,54 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         if parts[:1] == ["compression"] and len(parts) == 2 and isinstance(value, str) \
                 and isinstance(node.get(parts[1]), dict) and parts[1] in SHORTHANDS:
             node[parts[1]][SHORTHANDS[parts[1]]] = value   # --set compression.selection=trimmed keeps the group
-            continue
-        node[parts[-1]] = value
+        else:
+            node[parts[-1]] = value
+        if sources is not None:
+            sources.set(parts, value, f"--set {item}")
     return raw
 
 
-def _format_errors(exc: ValidationError, source: str) -> str:
-    lines = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
-        if err["type"] == "extra_forbidden":
-            lines.append(f"  {loc}: unknown key. Check the spelling; valid keys are listed in docs/configuration.md")
-        elif err["type"] == "value_error" and loc == "compression":   # parse_compression's own message
-            lines.append(f"  {err['ctx']['error']}")
-        elif err["type"] == "literal_error":
-            choices = err["ctx"]["expected"].replace("'", "").replace(" or ", ", ")
-            lines.append(f"  {loc}: {err.get('input')!r} is not one of: {choices}")
-        else:
-            lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r})")
-    return f"invalid configuration in {source}:\n" + "\n".join(lines)
-
-
-def validate(raw: dict, source: str = "<dict>") -> RunConfig:
+def validate(raw: dict, source: str = "<dict>", sources: Sources | None = None) -> RunConfig:
+    """``raw`` as a RunConfig, or ConfigError: one line that names where each bad value came from
+    (``sources``, else ``source``), what is wrong and the fix."""
     try:
-        return RunConfig.model_validate(raw)
+        cfg = RunConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(_format_errors(exc, source)) from None
+        raise ConfigError(describe(exc, RunConfig, sources, source)) from None
     except ValueError as exc:  # raised by parse_compression with its own message
         raise ConfigError(f"invalid configuration in {source}: {exc}") from None
+    problem = task_problem(cfg)
+    if problem:
+        places = dict.fromkeys(sources.origin(k) if sources is not None else source
+                               for k in (("model", "name"), ("data", "name")))
+        raise ConfigError(f"invalid configuration in {' and '.join(p if p != DEFAULTS else source for p in places)}: "
+                          f"{problem}")
+    return cfg
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    raw = read_yaml(Path(path)) if path else {}
-    raw = apply_overrides(raw, overrides or [])
-    cfg = validate(raw, str(path or "<defaults>"))
+def task_problem(cfg: RunConfig) -> str | None:
+    """A language model on images, or an image model on tokens: what to change (None: they fit)."""
+    model, data = cfg.model.name, cfg.data.name
+    if (model in LM_MODELS) == (data in LM_DATASETS):
+        return None
+    images = [n for n in DataConfig.model_fields["name"].annotation.__args__ if n not in LM_DATASETS]
+    image_models = [n for n in ModelConfig.model_fields["name"].annotation.__args__ if n not in LM_MODELS]
+    if model in LM_MODELS:
+        return (f"model.name: {model!r} is a language model (it reads token ids), but data.name: {data!r} holds "
+                f"images. Train it on {', '.join(sorted(LM_DATASETS))}, or pick an image model for {data}: "
+                f"{', '.join(image_models)}")
+    return (f"model.name: {model!r} is an image model, but data.name: {data!r} holds token ids (a language model's "
+            f"data). Use model.name: {', '.join(sorted(LM_MODELS))} with it, or an image dataset: {', '.join(images)}")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                sources: Sources | None = None) -> RunConfig:
+    """The config of ``path`` with ``overrides`` (``--set`` items); ``sources`` (if given) is
+    filled with where each key came from, for later messages."""
+    sources = Sources() if sources is None else sources
+    raw = read_yaml(Path(path), sources=sources) if path else {}
+    raw = apply_overrides(raw, overrides or [], sources)
+    cfg = validate(raw, shown(path) if path else "<defaults>", sources)
     if cfg.output.name is None and path:
         cfg.output.name = Path(path).stem
     return cfg

@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..config import ConfigError, load_config
 from ..torch.training import DDPAdapter
-from ..train import launch
+from ..train import folder_problem, launch
 
 HOOKS = ("none", "torch_powersgd", "ours")
 
@@ -139,6 +139,10 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, args.overrides + ["engine=ddp"])
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    problem = folder_problem(cfg)   # the runner's own check: no run folder holds two runs
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     return launch(cfg, CountedDDPAdapter(args))
 

@@ -252,6 +252,8 @@ def run_job(job: Job, runs: Path, timeout: float) -> dict:
                  f"training.seed={job.seed}"]
         if job.module == "redsync_hvd.train" and (folder / "checkpoint-rank0.pt").is_file():
             extra.append(f"training.resume={folder}")
+        else:   # none, or a launch stopped before its first save: the row again, from the start
+            extra.append("output.overwrite=true")
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "job.json").write_text(json.dumps(job.identity(), indent=1) + "\n")
         config = REPO / job.config if (REPO / job.config).is_file() else Path(job.config).resolve()

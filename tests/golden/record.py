@@ -45,7 +45,7 @@ def run(config: Path, seed: int, out: Path) -> dict:
     name = f"{config.stem}-s{seed}"
     cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", sys.executable, "-m", "redsync_hvd.train",
            "--config", str(config), "--set", f"training.seed={seed}", "--set", f"output.dir={out}",
-           "--set", f"output.name={name}", "--set", "training.progress=false"]
+           "--set", f"output.name={name}", "--set", "training.progress=false", "--set", "output.overwrite=true"]
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
            "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2", "OMPI_MCA_mpi_yield_when_idle": "1",
            "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
