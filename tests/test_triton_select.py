@@ -408,7 +408,7 @@ def test_exchange_with_the_kernels_equals_the_reference(quantize):
     for n in ref_r:
         assert same(ref_r[n], got_r[n]) if quantize == "none" else torch.allclose(ref_r[n], got_r[n], rtol=1e-5,
                                                                                   atol=1e-7), n
-    assert reads == [("tolist", "redsync_hvd.exchange.pipeline:_read")], reads
+    assert reads == [("tolist", "redsync_hvd.exchange.exchange:_read")], reads
     if CUDA:
         assert syncs == 1, syncs
 
