@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..comm.packing import pack, payload_bytes, unpack_fixed, unpack_gathered
+from ..compressors.base import Message
 from ..core.selection import NonFiniteError
 from ..core.wire import finite_evidence
 from .step import Arrived, StepState
@@ -257,6 +258,12 @@ class ReduceBucket(Bucket):
         super().clear()
         self._flats, self._started, self._sent = [], [], []
 
+    def encode(self, layers: tuple, grads: list, st: StepState) -> list:
+        """A passthrough bucket's messages are its gradients (no memory, nothing to compress)."""
+        if self.passthrough:
+            return [Message([g], ("values",)) for g in grads]
+        return super().encode(layers, grads, st)
+
     def gradient_views(self, device) -> dict:
         """{name: the layer's view of the bucket's fused fp32 buffer}: where a passthrough bucket's
         gradients should land, so ``_start`` copies nothing in."""
@@ -423,7 +430,7 @@ class GatherBucket(Bucket):
     def _wait(self) -> tuple:
         """(the gathered headers or None, or "rows"; the gathered payload or rows)."""
         header, data = self._handles
-        if header is not None and header != "rows" and not isinstance(header, torch.Tensor):
+        if header is not None and not isinstance(header, (str, torch.Tensor)):
             header = self.comm.wait(header)
         return header, self.comm.wait(data)
 
