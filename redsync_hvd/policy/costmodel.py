@@ -283,17 +283,19 @@ def predict_layer(n: int, density: float, N: int, net: Network, method: str = "s
 
 
 def predict_message(n: int, wire, collective: str, N: int, net: Network, compute: ComputeModel | None = None,
-                    allgather: str = "ring", aggregation: str = "allgather") -> LayerCost:
+                    allgather: str = "ring", aggregation: str = "allgather", shared: bool = False) -> LayerCost:
     """Predicted cost of one compressed layer of n elements whose message is ``wire`` (what its
     compressor says it sends: ``Compressor.wire``, duck-typed here) over ``collective``: select,
     the collective of the message (allgather of every rank's, or allreduce of the same-shaped ones;
     the sparse reduce-scatter where ``aggregation`` says so and the message is position-value pairs
     or sign-mean), the compressor's own collectives (``wire.extra``: a broadcast, an allreduce),
-    and the decode of what arrived (every rank's k, or the one averaged message)."""
+    and the decode of what arrived (every rank's k, or the one averaged message). ``shared``: the
+    layer's marginal cost in a bucket whose collective it shares with other layers (the collective's
+    latency is paid once for the bucket; the compressor's own collectives keep theirs)."""
     fmt = scatter_format(wire)
     k = int(wire.counts[0]) if wire.counts else 0
     if aggregation == "auto":   # the cheaper path, as the exchange's auto picks per bucket
-        return min((predict_message(n, wire, collective, N, net, compute, allgather, a)
+        return min((predict_message(n, wire, collective, N, net, compute, allgather, a, shared)
                     for a in ("allgather", "sparse_reduce_scatter")), key=lambda c: c.total_s)
     cm = compute or ComputeModel()
     dense = ring_allreduce(N, dense_bytes(n), net)
@@ -301,14 +303,15 @@ def predict_message(n: int, wire, collective: str, N: int, net: Network, compute
     if N <= 1:
         return LayerCost("wire", n, k, wire.nbytes(1), 0.0, 0.0, 0.0, dense)
     sel, dec = cm.select_c0 + cm.select_c1 * n, cm.decompress_c0 + cm.decompress_c1 * k
+    bucket = Network(0.0, net.bandwidth) if shared else net
     if collective == "allreduce":
-        comm = ring_allreduce(N, message, net)
+        comm = ring_allreduce(N, message, bucket)
     elif aggregation == "sparse_reduce_scatter" and fmt in REDUCE_SCATTER_METHODS:
-        comm, dec = reduce_scatter_time([(n, k / n, fmt)], N, net, allgather), 2 * cm.decompress_c0 + 3 * k * \
+        comm, dec = reduce_scatter_time([(n, k / n, fmt)], N, bucket, allgather), 2 * cm.decompress_c0 + 3 * k * \
             cm.decompress_c1
     else:
         gather = ring_allgather if allgather == "ring" else recursive_doubling_allgather
-        comm, dec = gather(N, message, net), cm.decompress_c0 + cm.decompress_c1 * N * k
+        comm, dec = gather(N, message, bucket), cm.decompress_c0 + cm.decompress_c1 * N * k
     for kind, nbytes in wire.extra:
         comm += tree_broadcast(N, nbytes, net) if kind == "broadcast" else ring_allreduce(N, nbytes, net)
     return LayerCost("wire", n, k, wire.nbytes(N), sel, comm, dec, dense)

@@ -183,15 +183,18 @@ class LayerPolicy:
             self._note_budget()
 
     def _pays(self, layer, size: int, network) -> tuple[bool, str]:
+        """Compress a layer where its marginal cost compressed is below its marginal cost dense: a
+        layer rides in a bucket either way (a compressed bucket's allgather, Horovod's fusion buffer),
+        whose collective's latency is paid once for all its layers, so both sides are priced
+        without it (a compressed layer keeps the fixed cost of its selection and decode, and the
+        latency of collectives its compressor runs per layer, IWP's broadcast)."""
         pred = predict_message(layer.numel, self._wire(layer, layer.base_density), self.compressor.collective, size,
                                network, compute=self.compute,
-                               aggregation=getattr(self.config, "aggregation", "allgather"))
-        # a dense layer rides in Horovod's fusion buffer: its marginal cost is the bandwidth
-        # term, the latency is paid once for all of them
+                               aggregation=getattr(self.config, "aggregation", "allgather"), shared=True)
         dense = fused_dense_share(layer.numel, size, network, self.config.policy.dense_values == "fp16")
         return pred.total_s < dense, (f"cost model: compressed {pred.total_s * 1e3:.3f} ms (select "
-                                      f"{pred.select_s * 1e3:.3f}) vs its share of the fused dense allreduce "
-                                      f"{dense * 1e3:.3f} ms")
+                                      f"{pred.select_s * 1e3:.3f}) vs dense {dense * 1e3:.3f} ms, both its "
+                                      "share of a bucket's collective")
 
     def aggregation(self, layers) -> str:
         """How one bucket of compressed layers meets (``aggregation``): allgather, the sparse
