@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -276,6 +277,17 @@ def _wait(condition, what: str, timeout: float = 120) -> None:
         time.sleep(0.02)
 
 
+def logged_past(path: Path, step: int, old_inode: int) -> bool:
+    """Whether ``path`` is a new file (not inode ``old_inode``) with a loss logged after ``step``."""
+    try:
+        if path.stat().st_ino == old_inode:
+            return False
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return False
+    return any('"loss"' in l and json.loads(l)["step"] > step for l in lines if l.endswith("}"))
+
+
 @pytest.fixture(scope="module")
 def runner_runs(tmp_path_factory):
     """Four launches shared by the tests below. ``ref``: uninterrupted, decisions probed.
@@ -296,9 +308,15 @@ def runner_runs(tmp_path_factory):
     got["killed"] = finish(proc, timeout=60, check=False)
     got["killed_exit_s"] = time.time() - t_kill
     got["pinned"] = json.loads((run / "decisions.json").read_text())
+    metrics = run / "metrics.jsonl"
+    killed_log = metrics.stat().st_ino
     proc = start(train_args(out, CONFIG, *same, f"training.resume={run}/checkpoint-step20-rank{{rank}}.pt"))  # (2)
     pids = rank_pids(proc, 2)
-    _wait(lambda: proc.poll() is not None or catches(pids[1], signal.SIGTERM), "rank 1's SIGTERM handler")
+    # The start-up guard catches SIGTERM too (launchers.guard_startup: a launch stopped before its
+    # first step ends as "nothing trained"), so a handler is not enough: wait for a step of this
+    # launch (the resume rewrites metrics.jsonl, then logs step 30), when the loop's handler is in.
+    _wait(lambda: proc.poll() is not None or (logged_past(metrics, 20, killed_log)
+                                             and catches(pids[1], signal.SIGTERM)), "a step of the resumed launch")
     os.kill(pids[1], signal.SIGTERM)
     got["stopped"] = finish(proc, timeout=120, check=False)
     got["stopped_steps"] = [checkpoint.load(run, r)["step"] for r in (0, 1)]
