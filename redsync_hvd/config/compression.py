@@ -340,6 +340,7 @@ class CompressionConfig(MethodConfig):
 @register_method("none")
 class NoneConfig(CompressionConfig):
     """Dense fp32 allreduce (Horovod's default): the baseline everything is compared to."""
+    engines: ClassVar[tuple] = ("horovod", "ddp", "fsdp")
 
 
 @register_method("fp16")
@@ -400,10 +401,15 @@ _AGGREGATION = ("how a bucket's (position, value) messages meet. allgather: ever
 
 class AllgatherConfig(ResidualConfig):
     """Sparse methods whose messages (own positions, own values) travel by allgather, or by a sparse
-    reduce-scatter (``aggregation``)."""
+    reduce-scatter (``aggregation``); under FSDP (``engine: fsdp``) through FSDP's reduce-scatter."""
     sparse_update: bool = Field(False, description=_SPARSE_UPDATE)
     aggregation: Literal["allgather", "sparse_reduce_scatter", "auto"] = Field("allgather",
                                                                                 description=_AGGREGATION)
+    residual_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="engine: fsdp: how residuals and velocities are stored between steps: fp32 | bf16 "
+                            "(half the memory; each step still adds and selects in fp32, and the rounding to bf16 "
+                            "is not fed back; docs/fsdp.md). The other engines keep fp32")
+    engines: ClassVar[tuple] = ("horovod", "ddp", "fsdp")
 
     @model_validator(mode="after")
     def _reduce_scatter_needs_pairs(self):

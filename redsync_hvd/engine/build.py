@@ -81,11 +81,56 @@ def refuse(config: MethodConfig, framework: str, engine: str) -> None:
                          f"the {framework} adapter under engine: {engine} does not pass it: set residual_lr: send")
     if engine not in config.engines:
         able = [m for m in method_names() if engine in parse_compression({"method": m}).engines]
+        if engine == "fsdp":
+            raise UnsupportedMethodError(
+                f"compression.method={config.method!r} {FSDP_LIMITS.get(config.method, config.limits())}, which FSDP's "
+                "reduce-scatter (one sum per shard, once per step) cannot carry: run it with engine: "
+                f"{' or engine: '.join(config.engines)}. Under engine: fsdp use one of {', '.join(able)}")
         raise UnsupportedMethodError(f"compression.method={config.method!r} {config.limits()}, which a "
                                      f"{engine} communication hook cannot run: use the Horovod engine "
                                      "(redsync_hvd.torch.DistributedOptimizer under horovodrun, or engine: horovod "
                                      f"in python -m redsync_hvd.train). Under engine: {engine} use one of "
                                      f"{', '.join(able)}")
+    if engine == "fsdp" or getattr(config, "residual_dtype", "fp32") != "fp32":
+        refuse_sharded(config, engine)
+
+
+# why a method's messages cannot become FSDP's reduce-scatter (engine: fsdp)
+FSDP_LIMITS = {
+    "powersgd": "sends each layer as two allreduces, P and then Q from the reduced P",
+    "randomk": "allreduces values at positions drawn from a shared seed",
+    "iwp": "allreduces values at positions a leader broadcasts",
+    "fp16": "is a dense fp16 allreduce (under FSDP: MixedPrecisionPolicy(reduce_dtype=torch.float16))",
+    "qsgd": "allgathers quantised gradients that only decode whole",
+    "signsgd": "allgathers signs and scales that only decode whole",
+}
+
+
+def refuse_sharded(config: MethodConfig, engine: str) -> None:
+    """What engine: fsdp's compressed reduce-scatter (exchange/sharded.py) does not do, and
+    ``residual_dtype: bf16`` anywhere else."""
+    if engine != "fsdp":
+        raise ValueError(f"compression.residual_dtype: {config.residual_dtype} stores the residuals of engine: fsdp; "
+                         f"engine: {engine} keeps them in fp32: set residual_dtype: fp32")
+    if not isinstance(config, ResidualConfig):
+        return
+    problems = {
+        "message.index_coding: golomb": getattr(getattr(config, "message", None), "index_coding", "raw") == "golomb",
+        "policy.mode: budget": config.policy.mode == "budget",
+        "dgc.clip_norm": config.dgc.clip_norm is not None,
+        "residual: false": not config.residual,
+    }
+    fixes = {"message.index_coding: golomb": "Golomb-coded positions travel by allgather only; set "
+                                             "message.index_coding: raw",
+             "policy.mode: budget": "the budget observes the exchange's buckets; set policy.mode: static or "
+                                    "cost_model",
+             "dgc.clip_norm": "clip the sharded gradients with torch.nn.utils.clip_grad_norm_ instead; remove "
+                              "dgc.clip_norm",
+             "residual: false": "FSDP's compressed reduce-scatter keeps what it does not send; set residual: true"}
+    for what, bad in problems.items():
+        if bad:
+            raise UnsupportedMethodError(f"compression.{what} under engine: fsdp: {fixes[what]}, or train with "
+                                         "engine: ddp")
 
 
 def check_same_everywhere(comm, config: CompressionConfig, layers: list) -> None:
