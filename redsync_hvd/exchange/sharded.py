@@ -5,15 +5,16 @@ N rows: row o holds, for every parameter j of the group, the o-th of its N equal
 (``s_j`` elements, zero-padded), and rank o receives the sum of row o over ranks: the gradient
 of the shard its optimizer updates. Here the same buffer travels compressed (``ShardedGroup``):
 
-    1. compensate  x = r + g (DGC: r + u, u = m u + g) over the whole buffer, fused with the
-                   first histogram of x                                  rs.compensate
-    2. select      exactly k of every piece (o, j) that goes to another rank (k = ceil(d * the
-                   piece's real elements)); x -= what the owner decodes, the velocity zeroed
-                   there (DGC's masking)                                 rs.select(update=True)
+    1. compensate  x = r + g (DGC: r + u, u = m u + g) of every other rank's row, fused with the
+                   row's first histogram                                 rs.compensate
+    2. select      exactly k of every piece (o, j) of those rows (k = ceil(d * the piece's real
+                   elements)); x -= what the owner decodes, the velocity zeroed there (DGC's
+                   masking)                                              rs.select(update=True)
     3. route       the selected entries to their owners by the sparse reduce-scatter's alltoall,
                    with FSDP's contiguous shards as the owners (reduce_scatter.py: ``Shards``);
                    each owner adds up what it received                   SparseReduceScatter
-    4. own row     this rank's own row needs no wire: the owner adds all of its x, and x = 0 there
+    4. own row     this rank's own row needs no wire and no selection: the owner adds all of
+                   r + g (DGC: r + u, the velocity unmasked), and its residual becomes 0
     5. dense       parameters the policy leaves dense (biases) travel in one dense reduce-scatter
                    of their pieces; x = 0 there
 
@@ -63,17 +64,20 @@ class ShardLayout:
     def real(self, owner: int, j: int) -> int:
         return max(0, min(self.shards[j], self.numels[j] - owner * self.shards[j]))
 
-    def segments(self, densities: list) -> Segments:
-        """Every piece in flat order, with k = ceil(d_j * real elements) for pieces of compressed
-        parameters (``densities[j]`` None: dense) that go to another rank, else 0 (cached)."""
-        ks = tuple(0 if o == self.rank or d is None else k_of(self.real(o, j), d)
-                   for o in range(self.size) for j, d in enumerate(densities))
+    def segments(self, owner: int, densities: list) -> Segments:
+        """Owner ``owner``'s row: parameter j's piece with k = ceil(d_j * its real elements) for a
+        compressed parameter (``densities[j]`` None: dense, k = 0); cached per k."""
+        ks = tuple(0 if d is None else k_of(self.real(owner, j), d) for j, d in enumerate(densities))
         seg = self._segments.get(ks)
         if seg is None:
-            seg = self._segments[ks] = Segments(self.shards * self.size, ks)
+            seg = self._segments[ks] = Segments(self.shards, ks)
             if len(self._segments) > MAX_LAYOUTS:
                 self._segments.pop(next(iter(self._segments)))
         return seg
+
+    def rows(self) -> list:
+        """(owner, its row's slice of the flat buffer) for every other rank."""
+        return [(o, slice(o * self.row, (o + 1) * self.row)) for o in range(self.size) if o != self.rank]
 
     def own(self) -> slice:
         return slice(self.rank * self.row, (self.rank + 1) * self.row)
@@ -197,23 +201,24 @@ class ShardedGroup:
         if not self.compressed:
             return self._dense(out, grad, average, factor, decay)
         lay, s = self.layout, self.settings
+        grad = grad.reshape(-1)
         if decay is not None:
             grad = grad.float() if grad.dtype != torch.float32 else grad
             grad[lay.own()] += decay * factor
         acc = out if out.dtype == torch.float32 else torch.empty(lay.row, dtype=torch.float32, device=out.device)
-        seg = lay.segments([l.density if l.compressed else None for l in self.layers])
-        x, u, hist = self._compensate(seg, grad, step, scratch)
-        sel = rs.select(seg, x, sign=self.codec.sign(step), mean=self.codec.mean, hist=hist,
-                        value_dtype=self.codec.value_dtype, update=True,
-                        velocity=u if s.masking and u is not None else None, backend=s.backend)
-        pending = self._send(seg, sel)
-        acc.copy_(x[lay.own()])                                       # 4. the own row, all of it
-        dense = self._start_dense(x)
-        x[lay.own()] = 0.0
+        r_in, x, u_in, u = self._buffers(scratch)
+        sels = self._select(grad, r_in, x, u_in, u, step)             # 1.-2. every other rank's row
+        pending = self._send(sels)                                    # 3. to their owners
+        self._own_row(acc, grad, r_in, x, u_in, u)                    # 4. the own row, all of it
+        dense = self._start_dense(x)                                  # 5. dense parameters
         keys, sums = self.rsc.owner_sums(pending)                     # 3. what the others sent
         acc.index_add_(0, keys + self._shift[torch.searchsorted(self._bounds, keys, right=True)], sums)
-        result = GroupStep(sel.nonfinite.any() if s.check_finite else torch.zeros((), dtype=torch.bool),
-                           pending.bytes["alltoall_sent"], pending.bytes["alltoall_received"],
+        bad = torch.zeros((), dtype=torch.bool, device=acc.device)
+        if s.check_finite:
+            lo, hi = torch.aminmax(acc)
+            bad = torch.stack([sel.nonfinite.any() for *_, sel in sels] +
+                              [~(torch.isfinite(lo) & torch.isfinite(hi))]).any()
+        result = GroupStep(bad, pending.bytes["alltoall_sent"], pending.bytes["alltoall_received"],
                            (lay.size - 1) * lay.row * grad.element_size(), {"alltoall": pending.bytes["alltoall_sent"]})
         if dense is not None:
             self._finish_dense(acc, dense, result)
@@ -224,24 +229,50 @@ class ShardedGroup:
         self._store(x, u)
         return result
 
-    def _compensate(self, seg: Segments, grad: torch.Tensor, step: int, scratch) -> tuple:
-        """1. x = r + g (DGC: r + u) in the residual's spare half (fp32 storage) or in scratch
-        (bf16 storage, stored back by ``_store``); returns (x, the step's velocity or None, hist)."""
+    def _buffers(self, scratch) -> tuple:
+        """(residual in, x out, velocity in, velocity out): the pairs' halves with fp32 storage (x
+        is the residual's spare half); with bf16 storage fp32 scratch copies, updated in place and
+        stored back by ``_store``."""
         s, n = self.settings, self.layout.numel
         store = STORAGE[s.storage]
         r = self._pair("residual", n, store)
         u = self._pair("velocity", n, store) if s.momentum else None
         if store == torch.float32:
-            x, u_out = r.spare, (u.spare if u is not None else None)
-            r_in, u_in = r.cur, (u.cur if u is not None else None)
-        else:   # accumulate in fp32, in place in the scratch buffers
-            x = scratch("x", n).copy_(r.cur)
-            u_out = scratch("u", n).copy_(u.cur) if u is not None else None
-            r_in, u_in = x, u_out
-        extra = {} if u is None else {"velocity": u_in, "velocity_out": u_out, "momentum": s.momentum,
-                                      "nesterov": s.nesterov}
-        hist = rs.compensate(seg, r_in, grad.reshape(-1), x, sign=self.codec.sign(step), backend=s.backend, **extra)
-        return x, u_out, hist
+            return r.cur, r.spare, (u.cur if u else None), (u.spare if u else None)
+        x = scratch("x", n).copy_(r.cur)
+        v = scratch("u", n).copy_(u.cur) if u else None
+        return x, x, v, v
+
+    def _select(self, grad, r_in, x, u_in, u, step: int) -> list:
+        """1.-2. Row by row (the own row never goes through the selection): x = r + g (DGC:
+        r + u), fused with the first histogram; exactly k per piece; x -= what the owner decodes,
+        the velocity zeroed there. Returns [(owner, its Segments, its Selection)]."""
+        s, lay = self.settings, self.layout
+        densities = [l.density if l.compressed else None for l in self.layers]
+        sign = self.codec.sign(step)
+        out = []
+        for o, sl in lay.rows():
+            seg = lay.segments(o, densities)
+            extra = {} if u is None else {"velocity": u_in[sl], "velocity_out": u[sl], "momentum": s.momentum,
+                                          "nesterov": s.nesterov}
+            hist = rs.compensate(seg, r_in[sl], grad[sl], x[sl], sign=sign, backend=s.backend, **extra)
+            out.append((o, seg, rs.select(seg, x[sl], sign=sign, mean=self.codec.mean, hist=hist,
+                                          value_dtype=self.codec.value_dtype, update=True,
+                                          velocity=u[sl] if s.masking and u is not None else None,
+                                          backend=s.backend)))
+        return out
+
+    def _own_row(self, acc, grad, r_in, x, u_in, u) -> None:
+        """4. The own row needs no wire: acc = r + g (DGC: u = m u + g, acc = r + u; the velocity
+        is not masked, as for a dense layer); its residual becomes 0."""
+        s, own = self.settings, self.layout.own()
+        g = grad[own].float()
+        if u is None:
+            torch.add(r_in[own], g, out=acc)
+        else:
+            torch.add(g, u_in[own] * s.momentum, out=u[own])
+            torch.add(r_in[own], g + u[own] * s.momentum if s.nesterov else u[own], out=acc)
+        x[own] = 0.0
 
     def _store(self, x: torch.Tensor, u) -> None:
         """bf16 storage: the step's fp32 residual and velocity rounded into the spare halves."""
@@ -250,33 +281,26 @@ class ShardedGroup:
             if u is not None:
                 self.velocity.spare.copy_(u)
 
-    def _send(self, seg: Segments, sel) -> object:
-        """2.-3. The selected entries of every compressed parameter, in its pieces' coordinates
+    def _send(self, sels: list) -> object:
+        """3. The selected entries of every compressed parameter, in its pieces' coordinates
         (owner o's piece of parameter j starts at o * s_j), to their owners."""
-        perm, add, counts = seg.derived("fsdp.routing", "cpu", lambda: self._routing(seg))
-        perm, add = perm.to(sel.positions.device), add.to(sel.positions.device)
-        positions = (sel.positions.index_select(0, perm).to(torch.int64) + add).split(counts)
-        if self.codec.mean:
-            means = sel.means.view(self.layout.size, len(self.layers))
-            values = [means[:, j] for j in self.compressed]
-        else:
-            values = list(sel.values.index_select(0, perm).split(counts))
-        return self.rsc.start(list(positions), values, counts)
-
-    def _routing(self, seg: Segments) -> tuple:
-        """The selected slots ordered by (compressed parameter, owner), each slot's piece start in
-        its parameter's coordinates, and each parameter's count."""
-        lay, P = self.layout, len(self.layers)
-        perm, add, counts = [], [], []
+        lay, positions, values, counts = self.layout, [], [], []
         for j in self.compressed:
-            n = 0
-            for o in range(lay.size):
-                a, b = seg.kofs[o * P + j], seg.kofs[o * P + j + 1]
-                perm.append(torch.arange(a, b))
-                add.append(torch.full((b - a,), o * lay.shards[j]))
-                n += b - a
-            counts.append(n)
-        return torch.cat(perm).to(torch.int64), torch.cat(add).to(torch.int64), counts
+            pos, val = [], []
+            for o, seg, sel in sels:
+                a, b = seg.kofs[j], seg.kofs[j + 1]
+                pos.append(sel.positions[a:b].to(torch.int64) + o * lay.shards[j])
+                val.append(sel.values[a:b] if sel.values is not None else None)
+            positions.append(torch.cat(pos))
+            counts.append(positions[-1].numel())
+            if self.codec.mean:   # one mean per owner; the own row's is never read
+                means = torch.zeros(lay.size, dtype=torch.float32, device=positions[-1].device)
+                for o, _, sel in sels:
+                    means[o] = sel.means[j]
+                values.append(means)
+            else:
+                values.append(torch.cat(val))
+        return self.rsc.start(positions, values, counts)
 
     # -- dense parameters ---------------------------------------------------------------------------
     def _start_dense(self, x: torch.Tensor):
