@@ -148,3 +148,24 @@ def test_register_needs_fully_shard_and_the_sharded_optimizer(one_rank):
     with pytest.raises(ValueError, match="world size"):
         state.load_state_dict({**state.state_dict(), "world_size": 2})
     assert json.dumps(state.layer_decisions())
+
+
+def test_fsdp_checkpoints_refuse_another_world_size_whatever_on_resize(tmp_path):
+    for r in (0, 1):
+        checkpoint.save(tmp_path, r, {"step": 5, "world_size": 2, "fingerprint": "f", "engine": "fsdp", "model": {}})
+    with pytest.raises(checkpoint.CheckpointError, match="shard .* cannot resume on 1. Start 2 workers"):
+        checkpoint.resume(tmp_path, 0, 1, lambda obj: [obj], on_resize="sum")
+
+
+def test_cost_model_compresses_a_big_group_on_a_slow_link_and_leaves_a_small_one_dense():
+    """One FSDP group's compressed reduce-scatter against FSDP's dense one (policy.mode: cost_model
+    under engine: fsdp): a 4M-element layer pays on 1 Gbit/s at N = 8, a 1k-element one does not
+    (its selection and the extra collective cost more than its bytes), nor anything on one rank."""
+    from redsync_hvd.policy.costmodel import Network, sharded_group_time
+    slow = Network.from_config(latency_s=50e-6, bandwidth_gbit=1.0)
+    big = [(4_000_000, 0.01, "sign_mean"), (2048, None, "sign_mean")]
+    compressed, dense = sharded_group_time(big, 8, slow)
+    assert compressed < dense / 5, (compressed, dense)
+    compressed, dense = sharded_group_time([(1024, 0.01, "pairs"), (32, None, "pairs")], 8, slow)
+    assert compressed > dense, (compressed, dense)
+    assert sharded_group_time(big, 1, slow) == (0.0, 0.0)

@@ -335,7 +335,7 @@ def _decide(config, layers: list, per_group: list, comm) -> LayerPolicy:
         cheap = config.model_copy(update={"policy": config.policy.model_copy(update={"mode": "static"})})
         policy.config = cheap
         policy.setup(layers, comm.size, network)
-        policy.config = config
+        policy.config, policy.source = config, "cost model, per FSDP group"
         _price_groups(policy, per_group, comm.size, network)
     else:
         policy.setup(layers, comm.size, network)
