@@ -82,11 +82,6 @@ class ShardLayout:
     def own(self) -> slice:
         return slice(self.rank * self.row, (self.rank + 1) * self.row)
 
-    def pieces(self, params: list, device) -> torch.Tensor:
-        """(size, sum of their shards) int64: the flat indices of ``params``' pieces, one row per owner."""
-        cols = torch.cat([torch.arange(self.offsets[j], self.offsets[j + 1]) for j in params])
-        return (torch.arange(self.size)[:, None] * self.row + cols[None, :]).to(device)
-
 
 class _Pair:
     """A buffer carried between steps and the spare one a step writes (swapped on commit)."""
@@ -147,9 +142,9 @@ class ShardedGroup:
             self._bounds = torch.tensor(self.rsc.offsets[1:], dtype=torch.int64, device=self.device)
             self._shift = (torch.tensor([lay.offsets[j] - lay.rank * lay.shards[j] for j in self.compressed])
                            - starts).to(self.device)
-        if self.compressed and self.dense:
-            self._dense_idx = self.layout.pieces(self.dense, self.device)          # (N, D)
-            self._dense_out = self._dense_idx[0]                                   # their columns in a row
+        if self.compressed and self.dense:   # the dense parameters' columns in a row
+            self._dense_out = torch.cat([torch.arange(self.layout.offsets[j], self.layout.offsets[j + 1])
+                                         for j in self.dense]).to(self.device)
 
     @property
     def kind(self) -> str:
@@ -206,11 +201,13 @@ class ShardedGroup:
             grad = grad.float() if grad.dtype != torch.float32 else grad
             grad[lay.own()] += decay * factor
         acc = out if out.dtype == torch.float32 else torch.empty(lay.row, dtype=torch.float32, device=out.device)
-        r_in, x, u_in, u = self._buffers(scratch)
-        sels = self._select(grad, r_in, x, u_in, u, step)             # 1.-2. every other rank's row
+        packed = torch.zeros(lay.size, len(self._dense_out), dtype=torch.float32, device=acc.device) \
+            if self.dense else None
+        sels = self._rows(grad, step, packed, scratch)                # 1.-2. every other rank's row
         pending = self._send(sels)                                    # 3. to their owners
-        self._own_row(acc, grad, r_in, x, u_in, u)                    # 4. the own row, all of it
-        dense = self._start_dense(x)                                  # 5. dense parameters
+        self._own_row(acc, grad)                                      # 4. the own row, all of it
+        dense = None if packed is None else \
+            self.comm.reduce_scatter_async(packed.reshape(-1), name=f"fsdp.{self.name}.dense", average=False)
         keys, sums = self.rsc.owner_sums(pending)                     # 3. what the others sent
         acc.index_add_(0, keys + self._shift[torch.searchsorted(self._bounds, keys, right=True)], sums)
         bad = torch.zeros((), dtype=torch.bool, device=acc.device)
@@ -220,66 +217,67 @@ class ShardedGroup:
                               [~(torch.isfinite(lo) & torch.isfinite(hi))]).any()
         result = GroupStep(bad, pending.bytes["alltoall_sent"], pending.bytes["alltoall_received"],
                            (lay.size - 1) * lay.row * grad.element_size(), {"alltoall": pending.bytes["alltoall_sent"]})
-        if dense is not None:
-            self._finish_dense(acc, dense, result)
+        if dense is not None:                                         # 5. dense parameters
+            self._finish_dense(acc, packed, dense, result)
         if average:
             acc.div_(lay.size)
         if acc is not out:
             out.copy_(acc)
-        self._store(x, u)
         return result
 
-    def _buffers(self, scratch) -> tuple:
-        """(residual in, x out, velocity in, velocity out): the pairs' halves with fp32 storage (x
-        is the residual's spare half); with bf16 storage fp32 scratch copies, updated in place and
-        stored back by ``_store``."""
+    def _pairs(self) -> tuple:
         s, n = self.settings, self.layout.numel
         store = STORAGE[s.storage]
-        r = self._pair("residual", n, store)
-        u = self._pair("velocity", n, store) if s.momentum else None
-        if store == torch.float32:
-            return r.cur, r.spare, (u.cur if u else None), (u.spare if u else None)
-        x = scratch("x", n).copy_(r.cur)
-        v = scratch("u", n).copy_(u.cur) if u else None
-        return x, x, v, v
+        return self._pair("residual", n, store), (self._pair("velocity", n, store) if s.momentum else None)
 
-    def _select(self, grad, r_in, x, u_in, u, step: int) -> list:
+    def _rows(self, grad, step: int, packed, scratch) -> list:
         """1.-2. Row by row (the own row never goes through the selection): x = r + g (DGC:
         r + u), fused with the first histogram; exactly k per piece; x -= what the owner decodes,
-        the velocity zeroed there. Returns [(owner, its Segments, its Selection)]."""
+        the velocity zeroed there; then the row's dense pieces go to ``packed`` (x = 0 there). x
+        is the residual's spare half (fp32 storage), or one row of fp32 scratch rounded into it
+        (bf16). Returns [(owner, its Segments, its Selection)]."""
         s, lay = self.settings, self.layout
+        r, u = self._pairs()
+        fp32 = r.cur.dtype == torch.float32
         densities = [l.density if l.compressed else None for l in self.layers]
-        sign = self.codec.sign(step)
-        out = []
+        sign, out = self.codec.sign(step), []
         for o, sl in lay.rows():
+            if fp32:
+                r_in, x = r.cur[sl], r.spare[sl]
+                u_in, u_out = (u.cur[sl], u.spare[sl]) if u is not None else (None, None)
+            else:   # accumulate in fp32, in place in one row of scratch
+                r_in = x = scratch("x", lay.row).copy_(r.cur[sl])
+                u_in = u_out = scratch("u", lay.row).copy_(u.cur[sl]) if u is not None else None
             seg = lay.segments(o, densities)
-            extra = {} if u is None else {"velocity": u_in[sl], "velocity_out": u[sl], "momentum": s.momentum,
+            extra = {} if u is None else {"velocity": u_in, "velocity_out": u_out, "momentum": s.momentum,
                                           "nesterov": s.nesterov}
-            hist = rs.compensate(seg, r_in[sl], grad[sl], x[sl], sign=sign, backend=s.backend, **extra)
-            out.append((o, seg, rs.select(seg, x[sl], sign=sign, mean=self.codec.mean, hist=hist,
+            hist = rs.compensate(seg, r_in, grad[sl], x, sign=sign, backend=s.backend, **extra)
+            out.append((o, seg, rs.select(seg, x, sign=sign, mean=self.codec.mean, hist=hist,
                                           value_dtype=self.codec.value_dtype, update=True,
-                                          velocity=u[sl] if s.masking and u is not None else None,
+                                          velocity=u_out if s.masking and u is not None else None,
                                           backend=s.backend)))
+            if packed is not None:   # 5. the dense parameters' pieces of this row leave x
+                packed[o] = x.index_select(0, self._dense_out)
+                x.index_fill_(0, self._dense_out, 0.0)
+            if not fp32:
+                r.spare[sl] = x
+                if u is not None:
+                    u.spare[sl] = u_out
         return out
 
-    def _own_row(self, acc, grad, r_in, x, u_in, u) -> None:
-        """4. The own row needs no wire: acc = r + g (DGC: u = m u + g, acc = r + u; the velocity
-        is not masked, as for a dense layer); its residual becomes 0."""
+    def _own_row(self, acc, grad) -> None:
+        """4. The own row needs no wire and no selection: acc = r + g (DGC: u = m u + g, acc = r + u;
+        the velocity is not masked, as for a dense layer); its residual becomes 0."""
         s, own = self.settings, self.layout.own()
+        r, u = self._pairs()
         g = grad[own].float()
         if u is None:
-            torch.add(r_in[own], g, out=acc)
+            torch.add(r.cur[own], g, out=acc)
         else:
-            torch.add(g, u_in[own] * s.momentum, out=u[own])
-            torch.add(r_in[own], g + u[own] * s.momentum if s.nesterov else u[own], out=acc)
-        x[own] = 0.0
-
-    def _store(self, x: torch.Tensor, u) -> None:
-        """bf16 storage: the step's fp32 residual and velocity rounded into the spare halves."""
-        if self.residual.spare.dtype != torch.float32:
-            self.residual.spare.copy_(x)
-            if u is not None:
-                self.velocity.spare.copy_(u)
+            v = g + u.cur[own].float() * s.momentum
+            u.spare[own] = v
+            torch.add(r.cur[own], g + v * s.momentum if s.nesterov else v, out=acc)
+        r.spare[own] = 0.0
 
     def _send(self, sels: list) -> object:
         """3. The selected entries of every compressed parameter, in its pieces' coordinates
@@ -303,19 +301,8 @@ class ShardedGroup:
         return self.rsc.start(positions, values, counts)
 
     # -- dense parameters ---------------------------------------------------------------------------
-    def _start_dense(self, x: torch.Tensor):
-        """5. The dense parameters' pieces of x, own row zeroed (it went with the own row), in one
-        summing reduce-scatter; x = 0 there."""
-        if not self.dense:
-            return None
-        packed = x.index_select(0, self._dense_idx.reshape(-1)).view(self.layout.size, -1)
-        packed[self.layout.rank] = 0.0
-        x.index_fill_(0, self._dense_idx.reshape(-1), 0.0)
-        return packed, self.comm.reduce_scatter_async(packed.reshape(-1), name=f"fsdp.{self.name}.dense",
-                                                      average=False)
-
-    def _finish_dense(self, out: torch.Tensor, dense: tuple, result: GroupStep) -> None:
-        packed, handle = dense
+    def _finish_dense(self, out: torch.Tensor, packed: torch.Tensor, handle, result: GroupStep) -> None:
+        """5. The dense parameters' pieces of every other rank's row, summed by one reduce-scatter."""
         out.index_add_(0, self._dense_out, self.comm.wait(handle))
         share = (self.layout.size - 1) * packed.shape[1] * packed.element_size()
         result.sent += share

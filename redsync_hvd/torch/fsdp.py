@@ -188,8 +188,16 @@ class FSDPCompressionState:
         return out
 
     def layer_decisions(self) -> list:
-        groups = {l.name: g.name for g in self.groups for l in g.layers}
-        return [{**d, "fsdp_group": groups.get(d["name"])} for d in self.policy.decisions]
+        """The policy's decisions, with each parameter's FSDP group and how that group travels."""
+        groups = {l.name: g for g in self.groups for l in g.layers}
+        out = []
+        for d in self.policy.decisions:
+            g = groups[d["name"]]
+            how = ("exactly k per shard piece (radix selection), to the shard's owner" if d["compressed"] else
+                   "dense, in the group's dense reduce-scatter" if g.compressed else "dense: FSDP's own")
+            out.append({**d, "fsdp_group": g.name, "aggregation": f"FSDP reduce-scatter of group {g.name}",
+                        "aggregation_why": how})
+        return out
 
     def decision_record(self) -> dict:
         record = self.policy.record()
