@@ -5,7 +5,8 @@ launch per world size, several checks each (torchrun's start-up dominates a laun
                  the weights after a few steps equal FSDP2's own reduce-scatter (same model, same
                  data), within fp32 rounding: every parameter compressed; mixed groups (biases
                  dense); momentum correction without masking with weight decay (plain momentum
-                 SGD with weight decay); bf16 reduce dtype; FSDP's SUM path (force_sum_reduction)
+                 SGD with weight decay); bf16 and fp16 reduce dtypes; FSDP's SUM path
+                 (force_sum_reduction), with and without momentum correction
     conserve     at low density, every step: what the owners received (N * their averaged shard)
                  plus every rank's new residual equals every rank's old residual plus gradient,
                  for fp32 values, fp16 values and sign-mean
@@ -98,7 +99,10 @@ def check_equal():
     equal_case({**dgc, "policy": {"min_compress_numel": 10_000}}, {"momentum": 0.9, "nesterov": True,
                                                                    "weight_decay": 0.01}, sparse=False)   # all dense
     equal_case(DENSE1, {}, mp=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16), tol=2e-2)
+    # fp16 reduce dtype: FSDP divides before the reduce-scatter and after it (op SUM)
+    equal_case(DENSE1, {}, mp=MixedPrecisionPolicy(reduce_dtype=torch.float16), tol=5e-3)
     equal_case(DENSE1, {}, force_sum=True)
+    equal_case(dgc, {"momentum": 0.9, "weight_decay": 0.01}, force_sum=True)   # the decay in SUM's units
     equal_case({"method": "none"}, {}, tol=0.0, sparse=False)   # FSDP's own call: bit for bit
     print(f"rank {dist.get_rank()}: OK equal of {dist.get_world_size()}", flush=True)
 
