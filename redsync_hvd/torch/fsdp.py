@@ -45,9 +45,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-from torch.distributed.tensor import DTensor
 
 from ..comm.torch_dist import TorchDistCommunicator
 from ..compressors.base import Layer
@@ -60,6 +59,9 @@ from ..exchange.sharded import Settings, ShardedGroup
 from ..policy import LayerPolicy
 from ..policy.costmodel import sharded_group_time
 from .params import take_momentum
+from .sharding import load_local_state, local_state, shard
+
+__all__ = ["FSDPCompressionState", "load_local_state", "local_state", "register", "shard"]
 
 
 @dataclass
@@ -410,52 +412,3 @@ def _decay(params: list, mine: list, spec):
         return None
     wds = [float(spec.weight_decay.get(l.name, 0.0)) for l in mine]
     return lambda: torch.cat([fp._sharded_param_data.detach().float() * wd for fp, wd in zip(params, wds)])
-
-
-
-# -- the runner's side: wrapping, and checkpoints of this rank's shards --------------------------
-def shard(model, device=None) -> None:
-    """``fully_shard`` every module that holds parameters itself (a layer: its weight and bias
-    are one group), then the model (one FSDP group per layer; the model's own parameters, if any,
-    in its group)."""
-    mesh = None
-    if device is not None and torch.device(device).type == "cuda":
-        from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh("cuda", (dist.get_world_size(),))
-    kwargs = {} if mesh is None else {"mesh": mesh}
-    for name, module in list(model.named_modules()):
-        if name and any(True for _ in module.parameters(recurse=False)):
-            fully_shard(module, **kwargs)
-    fully_shard(model, **kwargs)
-
-
-def local_state(obj):
-    """A state dict with every DTensor replaced by a copy of this rank's shard (what a rank saves)."""
-    if isinstance(obj, DTensor):
-        return obj.to_local().detach().clone()
-    if isinstance(obj, dict):
-        out = type(obj)((k, local_state(v)) for k, v in obj.items())
-        if hasattr(obj, "_metadata"):
-            out._metadata = obj._metadata
-        return out
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(local_state(v) for v in obj)
-    return obj
-
-
-def load_local_state(model, opt, model_state: dict, opt_state: dict) -> None:
-    """Load what :func:`local_state` saved on this rank, into the same sharding: the model's shards
-    in place; the optimizer's, as DTensors of their parameters' placement."""
-    with torch.no_grad():
-        for name, t in model.state_dict().items():
-            if name not in model_state:
-                raise ValueError(f"the checkpoint's model lacks {name!r}: resume with the same model")
-            (t.to_local() if isinstance(t, DTensor) else t).copy_(model_state[name])
-    opt.load_state_dict(opt_state)
-    for p, state in opt.state.items():
-        if not isinstance(p, DTensor):
-            continue
-        for key, v in state.items():
-            if torch.is_tensor(v) and not isinstance(v, DTensor) and v.shape == p.to_local().shape:
-                state[key] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape,
-                                                stride=p.stride())
