@@ -16,6 +16,7 @@ launch per world size, several checks each (torchrun's start-up dominates a laun
                  takes the same next step bit for bit (residuals in bf16 storage too)
 
     torchrun --nproc_per_node 2 tests/mp/fsdp_checks.py equal conserve nonfinite state
+    torchrun --nproc_per_node 3 tests/mp/fsdp_checks.py equal-core    (two of equal's layouts)
 """
 import sys
 
@@ -89,12 +90,23 @@ def equal_case(compression, opt_kw, mp=None, force_sum=False, tol=2e-6, steps=4,
     return state
 
 
+MIXED = {**DENSE1, "policy": {"min_compress_numel": 60}}   # the biases go dense: two collectives a group
+DGC = {**DENSE1, "dgc": {"momentum_correction": True, "momentum_masking": False}}
+
+
+def check_equal_core():
+    """Every parameter compressed; mixed groups with momentum correction and weight decay."""
+    equal_case(DENSE1, {})
+    state = equal_case({**MIXED, "dgc": DGC["dgc"]}, {"momentum": 0.9, "weight_decay": 0.01})
+    assert {g.kind for g in state.groups} == {"sparse"} and any(g.dense for g in state.groups)
+    print(f"rank {dist.get_rank()}: OK equal-core of {dist.get_world_size()}", flush=True)
+
+
 def check_equal():
     equal_case(DENSE1, {})
-    mixed = {**DENSE1, "policy": {"min_compress_numel": 60}}   # the biases go dense: two collectives a group
-    state = equal_case(mixed, {})
+    state = equal_case(MIXED, {})
     assert {g.kind for g in state.groups} == {"sparse"} and any(g.dense for g in state.groups)
-    dgc = {**DENSE1, "dgc": {"momentum_correction": True, "momentum_masking": False}}
+    dgc = DGC
     equal_case(dgc, {"momentum": 0.9, "weight_decay": 0.01})
     equal_case({**dgc, "policy": {"min_compress_numel": 10_000}}, {"momentum": 0.9, "nesterov": True,
                                                                    "weight_decay": 0.01}, sparse=False)   # all dense
@@ -207,5 +219,6 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     for check in sys.argv[1:]:
-        {"equal": check_equal, "conserve": check_conserve, "nonfinite": check_nonfinite, "state": check_state}[check]()
+        {"equal": check_equal, "equal-core": check_equal_core, "conserve": check_conserve,
+         "nonfinite": check_nonfinite, "state": check_state}[check]()
     dist.destroy_process_group()
