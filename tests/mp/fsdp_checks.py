@@ -14,8 +14,9 @@ launch per world size, several checks each (torchrun's start-up dominates a laun
                  stays as it was, and the next step trains
     state        state_dict / load_state_dict: a second model given the first's state and weights
                  takes the same next step bit for bit (residuals in bf16 storage too)
+    policy       the cost model's choice per group, on a slow and a fast link
 
-    torchrun --nproc_per_node 2 tests/mp/fsdp_checks.py equal conserve nonfinite state
+    torchrun --nproc_per_node 2 tests/mp/fsdp_checks.py equal conserve nonfinite state policy
     torchrun --nproc_per_node 3 tests/mp/fsdp_checks.py equal-core    (two of equal's layouts)
 """
 import sys
@@ -215,10 +216,27 @@ def check_state():
     print(f"rank {rank}: OK state of {dist.get_world_size()}", flush=True)
 
 
+def check_policy():
+    """policy.mode: cost_model prices each group (given network, nothing probed but compute): on a
+    1 Mbit/s link the two larger layers' groups compress; on a fast one every group stays dense
+    and takes FSDP's own reduce-scatter; the decisions name the group and why."""
+    kinds = {}
+    for link, (latency, gbit) in {"slow": (1e-3, 0.001), "fast": (1e-6, 1000.0)}.items():
+        model = build()
+        compression = {**DENSE1, "density": 0.05, "policy": {"mode": "cost_model", "latency_s": latency,
+                                                              "bandwidth_gbit": gbit}}
+        state = rfsdp.register(model, compression, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        kinds[link] = [g.kind for g in state.groups]
+        decisions = state.layer_decisions()
+        assert all("cost model: group" in d["why"] and d["fsdp_group"] for d in decisions), decisions
+    assert kinds["slow"].count("sparse") >= 2 and set(kinds["fast"]) == {"dense"}, kinds
+    print(f"rank {dist.get_rank()}: OK policy of {dist.get_world_size()}", flush=True)
+
+
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     for check in sys.argv[1:]:
         {"equal": check_equal, "equal-core": check_equal_core, "conserve": check_conserve,
-         "nonfinite": check_nonfinite, "state": check_state}[check]()
+         "nonfinite": check_nonfinite, "state": check_state, "policy": check_policy}[check]()
     dist.destroy_process_group()
