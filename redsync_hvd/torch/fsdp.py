@@ -115,9 +115,6 @@ class FSDPCompressionState:
             self._open, self._failed, self._pending = True, None, []
             Variable._execution_engine.queue_callback(self._end_step)
             self.densities()
-        if self._failed is not None:   # an earlier group failed: no more collectives this step
-            output.fill_(float("nan"))
-            return
         try:
             average = self._average(op)
             if grad.numel() != group.layout.numel or output.numel() != group.layout.row:
@@ -128,8 +125,8 @@ class FSDPCompressionState:
             factor, decay = self.extras[index]
             result = group.reduce_scatter(output, grad, self.steps, average, self.comm.size if average else factor(),
                                           decay() if decay is not None else None, self._scratch_buffer)
-        except BaseException as exc:
-            self._failed = exc
+        except BaseException as exc:   # backward stops here on every rank; the next one opens a new step
+            self._failed, self._open, self._pending = exc, False, []
             output.fill_(float("nan"))
             raise
         self._pending.append((group, result))
@@ -155,7 +152,7 @@ class FSDPCompressionState:
         commit every group, or roll every group back and raise on every rank."""
         pending, self._pending, self._open = self._pending, [], False
         if self._failed is not None:
-            return   # the failing call raised already; nothing of this step is kept
+            return   # a call of this backward raised: nothing of this step is kept, no collective
         carry = [float(v) for v in self.carry()] if self.carry is not None else []
         bad = torch.stack([r.bad.to(torch.float32).reshape(()) for _, r in pending]).sum() if pending \
             else torch.zeros(())
