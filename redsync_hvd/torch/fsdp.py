@@ -154,11 +154,13 @@ class FSDPCompressionState:
         if self._failed is not None:
             return   # a call of this backward raised: nothing of this step is kept, no collective
         carry = [float(v) for v in self.carry()] if self.carry is not None else []
-        bad = torch.stack([r.bad.to(torch.float32).reshape(()) for _, r in pending]).sum() if pending \
-            else torch.zeros(())
-        sums = self.comm.wait(self.comm.allreduce_async(torch.cat([bad.reshape(1).cpu(),
-                                                                   torch.tensor(carry, dtype=torch.float32)]),
-                                                        name="fsdp.step", average=False)).tolist()
+        sums = [0.0]
+        if carry or any(g.settings.check_finite for g, _ in pending):   # else nothing to agree on
+            bad = torch.stack([r.bad.to(torch.float32).reshape(()).cpu() for _, r in pending]).sum() if pending \
+                else torch.zeros(())
+            sums = self.comm.wait(self.comm.allreduce_async(torch.cat([bad.reshape(1),
+                                                                       torch.tensor(carry, dtype=torch.float32)]),
+                                                            name="fsdp.step", average=False)).tolist()
         if sums[0] > 0:
             raise NonFiniteGradientError(
                 f"non-finite gradient (NaN/Inf) at step {self.steps} on {int(sums[0])} FSDP group(s) of some "
