@@ -439,6 +439,10 @@ def _resized(path, rank: int, agreement: Agreement, rule: str, scale: float, own
         return blob
 
     base = read(rank % old)
+    if base.get("engine") == "fsdp":
+        raise CheckpointError(f"engine: fsdp checkpoints hold each rank's shard of the weights, the optimizer and the "
+                              f"residuals, cut for {old} workers; they cannot resume on {size}. Start {old} workers",
+                              path, rank)
     if "decentralized" in (base.get("optimizer") or {}):
         raise CheckpointError("decentralized methods keep a model and neighbour replicas per worker; they "
                               f"cannot resume on {size} workers from {old}. Start {old} workers", path, rank)

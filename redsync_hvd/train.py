@@ -1,5 +1,5 @@
 """Train a model from a YAML config, under horovodrun (``engine: horovod``, the default) or
-torchrun (``engine: ddp``).
+torchrun (``engine: ddp``, or ``engine: fsdp``: sharded training, docs/fsdp.md).
 
     horovodrun -np 2 python -m redsync_hvd.train --config configs/digits/topk.yaml \
         [--set compression.density=0.01 --set training.epochs=5 ...]
@@ -122,22 +122,25 @@ def launcher(environ) -> str | None:
 
 def engine_problem(cfg: RunConfig, path: str, environ) -> str | None:
     """What stops this config under this launcher before any process group starts (the same on
-    every rank), or None: 1. what engine: ddp cannot run; 2. a launcher that is not the engine's."""
+    every rank), or None: 1. what engine: ddp or fsdp cannot run; 2. a launcher that is not the engine's."""
     if cfg.framework == "tensorflow" and cfg.training.precision != "fp32":
         return (f"training.precision: {cfg.training.precision} runs with framework: torch; TensorFlow trains in "
                 "fp32 here (set training.precision: fp32)")
-    if cfg.engine == "ddp":                                                                  # 1.
+    if cfg.engine in ("ddp", "fsdp"):                                                        # 1.
         if cfg.framework != "torch":
-            return (f"engine: ddp trains framework: torch models (torch.distributed); framework: {cfg.framework} "
-                    "trains under horovodrun with engine: horovod (the default)")
+            return (f"engine: {cfg.engine} trains framework: torch models (torch.distributed); framework: "
+                    f"{cfg.framework} trains under horovodrun with engine: horovod (the default)")
+        if cfg.engine == "fsdp" and cfg.training.precision == "fp16":
+            return ("training.precision: fp16 needs a GradScaler, whose skipped steps engine: fsdp does not take "
+                    "(FSDP2 reduces each group's gradients as backward goes); set training.precision: bf16")
         from .engine import refuse
         try:
-            refuse(cfg.compression, "torch", "ddp")
+            refuse(cfg.compression, "torch", cfg.engine)
         except ValueError as exc:
             return str(exc)
     started = launcher(environ)                                                              # 2.
-    if cfg.engine == "ddp" and started == "horovodrun":
-        return (f"{path} says engine: ddp (torch.distributed), but this process was started by horovodrun or "
+    if cfg.engine in ("ddp", "fsdp") and started == "horovodrun":
+        return (f"{path} says engine: {cfg.engine} (torch.distributed), but this process was started by horovodrun or "
                 f"mpirun. Start it with `torchrun --nproc_per_node N -m redsync_hvd.train --config {path}`, or "
                 "set engine: horovod (--set engine=horovod) to train under horovodrun")
     if cfg.engine == "horovod" and started == "torchrun":
@@ -152,6 +155,9 @@ def _adapter(cfg: RunConfig):
         from .tensorflow.training import HorovodAdapter
         return HorovodAdapter()
     from .torch.training import DDPAdapter, HorovodAdapter
+    if cfg.engine == "fsdp":
+        from .torch.training import FSDPAdapter
+        return FSDPAdapter()
     return DDPAdapter() if cfg.engine == "ddp" else HorovodAdapter()
 
 

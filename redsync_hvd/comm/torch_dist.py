@@ -2,7 +2,8 @@
 
 Same methods as :class:`~redsync_hvd.comm.HorovodCommunicator` (``rank``, ``size``,
 ``allreduce_async``, ``allreduce_async_``, ``allgather_async``, ``alltoall_async``,
-``broadcast_async``, ``wait``, ``allgather_object``), so the exchange runs unchanged under ``torchrun``.
+``broadcast_async``, ``wait``, ``allgather_object``), so the exchange runs unchanged under ``torchrun``;
+and ``reduce_scatter_async``, the collective of FSDP's sharded training (exchange/sharded.py).
 
 Two differences from Horovod shape the code:
 
@@ -133,6 +134,24 @@ class TorchDistCommunicator:
                                       group=self.group, async_op=True)                       # 2.
         home = tensor.device
         return _Pending(work, out, lambda got: (got.to(home), received))
+
+    def reduce_scatter_async(self, tensor: torch.Tensor, name: str, average: bool = True,
+                             out: torch.Tensor | None = None):
+        """Rank i gets the sum (or average) over ranks of the i-th of ``size`` equal pieces of the
+        flat ``tensor``, in ``out`` (or a new tensor): one ``reduce_scatter_single``, the call
+        FSDP2 makes for its own reduce-scatter, so a dense group reduces bit for bit as FSDP's."""
+        flat = tensor.detach().reshape(-1)
+        if flat.numel() % self._size:
+            raise ValueError(f"reduce_scatter {name!r}: {flat.numel()} elements do not split into {self._size} "
+                             "equal pieces; pad the tensor to a multiple of the world size")
+        local = flat.to(self.device).contiguous()
+        result = out if out is not None and out.device == self.device else \
+            local.new_empty(flat.numel() // self._size)
+        op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        work = dist.reduce_scatter_single(output=result, input=local, op=op, group=self.group, async_op=True)
+        if out is None or out is result:
+            return _Pending(work, result, None if out is not None else (lambda got: got.to(tensor.device)))
+        return _Pending(work, result, lambda got: out.copy_(got))
 
     def broadcast_async(self, tensor: torch.Tensor, root: int, name: str):
         """``root``'s tensor on every rank, in a new tensor. ``root`` is a rank of the group."""

@@ -2,7 +2,7 @@
 registry (registry.py) beside the project's own, so every adapter and engine takes them by name."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal, Optional
 
 from pydantic import ConfigDict, Field
 
@@ -13,6 +13,7 @@ class PowerSGDConfig(CompressionConfig):
     """PowerSGD: each matrix as a rank-r product P Q^T, two allreduces per layer, error feedback."""
     model_config = ConfigDict(extra="forbid")
     method: Literal["powersgd"] = "powersgd"
+    sharded_limits: ClassVar[Optional[str]] = "sends each layer as two allreduces, P and then Q from the reduced P"
     rank: int = Field(
         2, ge=1, description="columns of P and Q: a layer of n x m sends (n + m) * rank values instead of "
                              "n * m. Higher is closer to the gradient, sends more and costs two n*m*rank "
@@ -49,6 +50,7 @@ class SignSGDConfig(CompressionConfig):
     """EF-signSGD: one bit per element plus one scale per layer, with error feedback."""
     model_config = ConfigDict(extra="forbid")
     method: Literal["signsgd"] = "signsgd"
+    sharded_limits: ClassVar[Optional[str]] = "allgathers signs and scales that only decode whole"
     residual: bool = Field(
         True, description="error feedback (EF-signSGD): keep p - scale * sign(p) and add it to the next "
                           "gradient. Without it this is scaled signSGD, which is biased and can fail to "
@@ -64,6 +66,7 @@ class QSGDConfig(CompressionConfig):
     """QSGD: s-level stochastic rounding per bucket, unbiased; norms plus packed codes by allgather."""
     model_config = ConfigDict(extra="forbid")
     method: Literal["qsgd"] = "qsgd"
+    sharded_limits: ClassVar[Optional[str]] = "allgathers quantised gradients that only decode whole"
     bits: Literal[2, 4, 8] = Field(
         4, description="bits per element, sign included, for s = 2**(bits-1) - 1 levels (2: s=1, ternary; "
                        "4: s=7; 8: s=127). Fewer bits send fewer bytes (32/bits x less than fp32) but add "

@@ -287,6 +287,14 @@ class MethodConfig(BaseModel):
         """Why the method runs only where ``frameworks`` and ``engines`` say, for error messages."""
         return "exchanges gradients"
 
+    # why its messages cannot become FSDP's reduce-scatter (one sum per shard, once per step)
+    sharded_limits: ClassVar[Optional[str]] = None
+
+    def sharded_problems(self) -> dict:
+        """{setting: fix} of what engine: fsdp's compressed reduce-scatter (exchange/sharded.py)
+        cannot do with this config's knobs; empty where it can."""
+        return {}
+
     @property
     def uses_memory(self) -> bool:
         return False
@@ -355,10 +363,13 @@ class CompressionConfig(MethodConfig):
 class NoneConfig(CompressionConfig):
     """Dense fp32 allreduce (Horovod's default): the baseline everything is compared to."""
     dense_fast_path: ClassVar[bool] = True
+    engines: ClassVar[tuple] = ("horovod", "ddp", "fsdp")
 
 
 class FP16Config(CompressionConfig):
     """Dense allreduce in half precision: 2x fewer bytes, no residual."""
+    sharded_limits: ClassVar[Optional[str]] = ("is a dense fp16 allreduce (under FSDP: "
+                                               "MixedPrecisionPolicy(reduce_dtype=torch.float16))")
 
 
 class ResidualConfig(CompressionConfig):
@@ -430,14 +441,34 @@ _AGGREGATION = ("how a bucket's (position, value) messages meet. allgather: ever
 
 class AllgatherConfig(ResidualConfig):
     """Sparse methods whose messages (own positions, own values) travel by allgather, or by a sparse
-    reduce-scatter (``aggregation``)."""
+    reduce-scatter (``aggregation``); under FSDP (``engine: fsdp``) through FSDP's reduce-scatter."""
     sparse_update: bool = Field(False, description=_SPARSE_UPDATE)
     aggregation: Literal["allgather", "sparse_reduce_scatter", "auto"] = Field("allgather",
                                                                                 description=_AGGREGATION)
+    residual_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="engine: fsdp: how residuals and velocities are stored between steps: fp32 | bf16 "
+                            "(half the memory; each step still adds and selects in fp32, and the rounding to bf16 "
+                            "is not fed back; docs/fsdp.md). The other engines keep fp32")
+    engines: ClassVar[tuple] = ("horovod", "ddp", "fsdp")
 
     @property
     def updates_in_step(self) -> bool:
         return self.sparse_update
+
+    def sharded_problems(self) -> dict:
+        problems = {
+            "message.index_coding: golomb": (getattr(getattr(self, "message", None), "index_coding", "raw") == "golomb",
+                                             "Golomb-coded positions travel by allgather only; set "
+                                             "message.index_coding: raw"),
+            "policy.mode: budget": (self.policy.mode == "budget", "the budget observes the exchange's buckets; set "
+                                                                   "policy.mode: static or cost_model"),
+            "dgc.clip_norm": (self.dgc.clip_norm is not None, "clip the sharded gradients with "
+                                                              "torch.nn.utils.clip_grad_norm_ instead; remove "
+                                                              "dgc.clip_norm"),
+            "residual: false": (not self.residual, "FSDP's compressed reduce-scatter keeps what it does not send; "
+                                                   "set residual: true"),
+        }
+        return {what: fix for what, (bad, fix) in problems.items() if bad}
 
     @model_validator(mode="after")
     def _reduce_scatter_needs_pairs(self):
@@ -464,6 +495,7 @@ class TopKConfig(AllgatherConfig):
 class RandomKConfig(ResidualConfig):
     """k random positions drawn from a seed shared by all ranks, so only values travel, by allreduce."""
     seed: int = Field(0, description="shared seed; the positions change every step")
+    sharded_limits: ClassVar[Optional[str]] = "allreduces values at positions drawn from a shared seed"
 
 
 class RedSyncConfig(AllgatherConfig):
@@ -524,6 +556,7 @@ class IWPConfig(ResidualConfig):
     """Importance-weighted pruning (Cheng & Xu): a leader picks the top |residual|/(|w|+eps)
     positions, broadcasts them, and every rank's values there are summed by one plain allreduce."""
     seed: int = Field(0, description="shared seed of the per-step leader draw (no communication to agree)")
+    sharded_limits: ClassVar[Optional[str]] = "allreduces values at positions a leader broadcasts"
     eps: float = Field(1e-8, gt=0, description="importance = |residual| / (|weight| + eps)")
     selection: Literal["exact", "trimmed"] = Field("trimmed", description="exact | trimmed (exactly k indices "
                                                                           "are needed)")

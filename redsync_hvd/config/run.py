@@ -107,9 +107,10 @@ class OutputConfig(_Section):
 class RunConfig(_Section):
     framework: Literal["torch", "tensorflow"] = Field("torch", description="torch | tensorflow (digits mlp/cnn; "
                                                                           "docs/tensorflow.md)")
-    engine: Literal["horovod", "ddp"] = Field(
+    engine: Literal["horovod", "ddp", "fsdp"] = Field(
         "horovod", description="horovod (launch with horovodrun) | ddp (torch.distributed: launch with torchrun; "
-                               "Gloo on CPU, NCCL on CUDA; docs/ddp.md)")
+                               "Gloo on CPU, NCCL on CUDA; docs/ddp.md) | fsdp (FSDP2's sharded training under "
+                               "torchrun, compressed through its reduce-scatter: none, topk, redsync; docs/fsdp.md)")
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)

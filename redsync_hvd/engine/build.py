@@ -77,11 +77,28 @@ def refuse(config: MethodConfig, framework: str, engine: str) -> None:
                          f"the {framework} adapter under engine: {engine} does not pass it: set residual_lr: send")
     if engine not in config.engines:
         able = [m for m in method_names() if engine in parse_compression({"method": m}).engines]
+        if engine == "fsdp":
+            raise UnsupportedMethodError(
+                f"compression.method={config.method!r} {config.sharded_limits or config.limits()}, which FSDP's "
+                "reduce-scatter (one sum per shard, once per step) cannot carry: run it with engine: "
+                f"{' or engine: '.join(config.engines)}. Under engine: fsdp use one of {', '.join(able)}")
         raise UnsupportedMethodError(f"compression.method={config.method!r} {config.limits()}, which a "
                                      f"{engine} communication hook cannot run: use the Horovod engine "
                                      "(redsync_hvd.torch.DistributedOptimizer under horovodrun, or engine: horovod "
                                      f"in python -m redsync_hvd.train). Under engine: {engine} use one of "
                                      f"{', '.join(able)}")
+    if engine == "fsdp" or getattr(config, "residual_dtype", "fp32") != "fp32":
+        refuse_sharded(config, engine)
+
+
+def refuse_sharded(config: MethodConfig, engine: str) -> None:
+    """What engine: fsdp's compressed reduce-scatter (exchange/sharded.py) does not do (the
+    config names it: ``sharded_problems``), and ``residual_dtype: bf16`` anywhere else."""
+    if engine != "fsdp":
+        raise ValueError(f"compression.residual_dtype: {config.residual_dtype} stores the residuals of engine: fsdp; "
+                         f"engine: {engine} keeps them in fp32: set residual_dtype: fp32")
+    for what, fix in config.sharded_problems().items():
+        raise UnsupportedMethodError(f"compression.{what} under engine: fsdp: {fix}, or train with engine: ddp")
 
 
 def check_same_everywhere(comm, config: CompressionConfig, layers: list) -> None:

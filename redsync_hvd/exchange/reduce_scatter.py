@@ -9,6 +9,12 @@ allgather's (N-1) * k.
     5. allgather every owner's c (position, value) pairs per layer: every rank applies the
                  same sparse update, the sum over owners divided by N
 
+**Owners: a given map, or hashed regions.** ``regions`` maps every layer's positions to their
+owners; by default each layer's are hashed into N regions (below). FSDP's sharded training gives
+them instead: a rank owns the contiguous shard of every parameter that its optimizer updates
+(:class:`Shards`, used by ``exchange/sharded.py``, which takes steps 1-3 and hands the owner's
+sums to FSDP: there every owner keeps all it received, so steps 4-5 do not run).
+
 **Regions: a fixed permutation, then equal ranges.** Position p of an n-element layer belongs
 to owner ``floor(((a * p) mod n) * N / n)``, with a near n times the golden ratio's fraction and
 coprime with n (Fibonacci hashing, as ZEN hashes positions: Wang et al., OSDI 2025). The map
@@ -26,8 +32,9 @@ nothing to rebalance or checkpoint, and every rank computes the same regions.
 So after every step, (sum over steps of N * the applied average) + (every rank's residual)
 equals the sum of every rank's gradients, to float rounding.
 
-Sign-mean messages (RedSync's default) travel as positions plus one mean per layer in step 2;
-the owners' sums are no longer one value, so step 5 sends fp32 values.
+Sign-mean messages (RedSync's default) travel as positions plus one mean per layer in step 2
+(or one mean per layer and owner, where each owner's positions were selected apart); the owners'
+sums are no longer one value, so step 5 sends fp32 values.
 
 Each rank's messages differ in size per owner, so step 2 carries a small header per owner
 (the count of every layer); step 5 has the same size on every rank (c per layer, padded with
@@ -68,6 +75,26 @@ class Regions:
         """Positions each owner holds: ceil((o+1) n / N) - ceil(o n / N)."""
         n, N = self.numel, self.size
         return [-(-(o + 1) * n // N) + (-o * n // N) for o in range(N)]
+
+
+@dataclass(frozen=True)
+class Shards:
+    """The owners of one layer cut into ``size`` contiguous shards of ceil(n/size) positions
+    (FSDP's dim-0 sharding of a padded parameter: rank o updates positions [o*s, (o+1)*s))."""
+    numel: int
+    size: int
+
+    @property
+    def shard(self) -> int:
+        return max(1, -(-self.numel // self.size))
+
+    def owners(self, positions: torch.Tensor) -> torch.Tensor:
+        """int64 owner of every position (int64, in [0, numel))."""
+        return positions.to(torch.int64) // self.shard
+
+    def sizes(self) -> list:
+        """Positions each owner holds (the last shards may be short or empty)."""
+        return [max(0, min(self.shard, self.numel - o * self.shard)) for o in range(self.size)]
 
 
 @dataclass
@@ -120,14 +147,16 @@ class SparseReduceScatter:
 
     numels: the bucket's layers' sizes, in the bucket's order (the same on every rank).
     value_dtype: of the values that travel (fp32, or fp16: step 5 then also sends fp16).
-    sign_mean: step 2 sends one mean per layer instead of a value per position.
+    sign_mean: step 2 sends one mean per layer (or per layer and owner) instead of a value per
+    position. regions: each layer's owners (``Regions``, ``Shards``; default: hashed ``Regions``).
 
     ``start`` (from the send step) starts the alltoall; ``reduce`` (in finish, once per bucket, in
     bucket order on every rank) waits for it, sums and selects; the module's ``allgather`` sends
     the pieces of every bucket reduced so far in one collective (one round, however many
     buckets), ``wait_allgather`` hands each bucket its rows, and ``finish`` decodes."""
 
-    def __init__(self, comm, numels: list, name: str, value_dtype=torch.float32, sign_mean: bool = False):
+    def __init__(self, comm, numels: list, name: str, value_dtype=torch.float32, sign_mean: bool = False,
+                 regions: list | None = None):
         if sum(numels) >= 2**31:
             raise ValueError(f"{name}: a bucket of {sum(numels)} elements is past int32 positions; lower "
                              "compression.fusion_bytes, or use aggregation: allgather")
@@ -136,7 +165,11 @@ class SparseReduceScatter:
         self.offsets = [0]
         for n in self.numels:
             self.offsets.append(self.offsets[-1] + n)
-        self.regions = [Regions.of(n, self.size) for n in self.numels]
+        self.regions = list(regions) if regions is not None else [Regions.of(n, self.size) for n in self.numels]
+        if len(self.regions) != len(self.numels) or any(r.numel != n or r.size != self.size
+                                                         for r, n in zip(self.regions, self.numels)):
+            raise ValueError(f"{name}: regions must map each of the {len(self.numels)} layers' positions to "
+                             f"{self.size} owners (one per layer, of its size)")
         self.value_dtype, self.sign_mean = value_dtype, sign_mean
         self.wire_dtype = torch.float16 if value_dtype == torch.float16 else torch.float32
 
@@ -147,7 +180,8 @@ class SparseReduceScatter:
     # -- 1./2. each rank's entries to their owners ---------------------------------------------
     def start(self, positions: list, values: list, ks: list) -> _Pending:
         """positions: per layer, int (this layer's own positions); values: per layer, one per
-        position, or one mean (sign_mean); ks: this step's k per layer (the same on every rank)."""
+        position, or with sign_mean one mean (1,) or one mean per owner (size,); ks: this step's
+        k per layer (the same on every rank)."""
         L = len(self.numels)
         pos, lid, own, vals = [], [], [], []
         for l, (p, v) in enumerate(zip(positions, values)):
@@ -156,15 +190,16 @@ class SparseReduceScatter:
             lid.append(torch.full_like(p, l))
             own.append(self.regions[l].owners(p))
             v = v.reshape(-1).float()
-            vals.append(v.expand(p.numel()) if self.sign_mean else v)
+            if self.sign_mean:   # each position's value is its owner's mean (or the layer's one)
+                v = v[own[-1]] if v.numel() == self.size and self.size > 1 else v.expand(p.numel())
+            vals.append(v)
         pos, lid, own, vals = (torch.cat(t) for t in (pos, lid, own, vals))
         flat = torch.tensor(self.offsets[:-1], dtype=torch.int64, device=pos.device)[lid] + pos
         total = self.offsets[-1]
         pending = _Pending(list(ks), (own * total + flat, flat, vals))
         order = torch.argsort(own * L + lid, stable=True)
         counts = torch.bincount(own * L + lid, minlength=self.size * L).view(self.size, L).to(torch.int32)
-        means = torch.stack([v.reshape(-1)[:1].float() if v.numel() else v.new_zeros(1).float()
-                             for v in values]).reshape(-1) if self.sign_mean else None
+        means = self._means(values) if self.sign_mean else None
         payload, splits = self._pack(counts, pos[order].to(torch.int32),
                                      None if self.sign_mean else vals[order].to(self.value_dtype), means)
         mine = splits[self.comm.rank]
@@ -172,13 +207,22 @@ class SparseReduceScatter:
         pending.handle = self.comm.alltoall_async(payload, splits, name=f"{self.name}.a2a")
         return pending
 
+    def _means(self, values: list) -> torch.Tensor:
+        """(size, L) fp32: the mean each owner gets per layer (one per layer repeated for every owner)."""
+        rows = []
+        for v in values:
+            v = v.reshape(-1).float()
+            rows.append(v if v.numel() == self.size and self.size > 1 else
+                        (v[:1] if v.numel() else v.new_zeros(1)).expand(self.size))
+        return torch.stack(rows, 1)
+
     def _pack(self, counts, pos, vals, means) -> tuple:
         """One uint8 payload, per owner: [counts (L,) int32 | positions int32 | values or means],
         padded to 8 bytes; and the bytes each owner gets."""
         parts, splits, at = [], [], 0
         per_owner = counts.sum(1).tolist()
         for o, n in enumerate(per_owner):
-            chunk = [_raw(counts[o]), _raw(pos[at:at + n]), _raw(means if vals is None else vals[at:at + n])]
+            chunk = [_raw(counts[o]), _raw(pos[at:at + n]), _raw(means[o] if vals is None else vals[at:at + n])]
             nbytes = sum(c.numel() for c in chunk)
             chunk.append(torch.zeros(_pad(nbytes), dtype=torch.uint8, device=pos.device))
             parts += chunk
@@ -187,13 +231,18 @@ class SparseReduceScatter:
         return torch.cat(parts), splits
 
     # -- 3./4./5. the owner's sum and selection, then the allgather ----------------------------
-    def reduce(self, pending: _Pending) -> None:
-        """Wait for the alltoall; sum, keep and encode this owner's piece (``pending.chunk``), which
-        ``allgather`` sends, for this bucket alone or with other buckets' in one collective."""
+    def owner_sums(self, pending: _Pending) -> tuple:
+        """Steps 2-3 on the owner's side: wait for the alltoall and add up what every rank sent
+        this owner: (sorted distinct flat positions int64, their fp32 sums)."""
         payload, splits = self.comm.wait(pending.handle)
         flat, vals = self._unpack(payload, splits)
         pending.bytes["alltoall_received"] = sum(splits) - splits[self.comm.rank]
-        keys, sums = self._sum(flat, vals)
+        return self._sum(flat, vals)
+
+    def reduce(self, pending: _Pending) -> None:
+        """Wait for the alltoall; sum, keep and encode this owner's piece (``pending.chunk``), which
+        ``allgather`` sends, for this bucket alone or with other buckets' in one collective."""
+        keys, sums = self.owner_sums(pending)
         kept_pos, kept_val = self._select(keys, sums, self.keep(pending.ks))
         wire = kept_val.clamp(-_FP16_MAX, _FP16_MAX).to(self.wire_dtype) if self.wire_dtype == torch.float16 \
             else kept_val

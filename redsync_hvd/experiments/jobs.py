@@ -54,8 +54,11 @@ def command(launcher: str, np: int, program: list, launcher_args: list = ()) -> 
 def train_command(launcher: str, np: int, config, sets: list = (), module: str = "redsync_hvd.train",
                   args: list = (), launcher_args: list = ()) -> list:
     """``python -m <module> [args] --config <config> --set ...`` under ``launcher``. The runner
-    under torchrun trains with ``engine: ddp`` (Horovod would not join torchrun's workers)."""
-    sets = list(sets) + (["engine=ddp"] if launcher == "torchrun" and module == "redsync_hvd.train" else [])
+    under torchrun trains with ``engine: ddp`` (Horovod would not join torchrun's workers) unless
+    ``sets`` choose its engine (``engine=fsdp``)."""
+    chosen = any(str(s).startswith("engine=") for s in sets)
+    torchrun_engine = launcher == "torchrun" and module == "redsync_hvd.train" and not chosen
+    sets = list(sets) + (["engine=ddp"] if torchrun_engine else [])
     program = ["-m", module, *args, "--config", str(config), *[a for s in sets for a in ("--set", s)]]
     return command(launcher, np, program, launcher_args)
 

@@ -371,6 +371,33 @@ def reduce_scatter_bytes(layers, N: int) -> tuple[float, float]:
     return alltoall_bytes, owner_bytes
 
 
+def sharded_group_time(params, N: int, net: Network, compute: ComputeModel | None = None,
+                       dense_bytes_per_element: int = 4) -> tuple[float, float]:
+    """(compressed, dense) seconds of one FSDP group's reduce-scatter (``exchange/sharded.py``):
+    ``params`` as (n, density, method), density None for a parameter that stays dense. Dense:
+    FSDP's reduce-scatter of the flat group, (N-1) rounds of 1/N of it. Compressed: every
+    compressed parameter's selection and the owner's sum of about k received entries, the
+    alltoall of the selected entries (an int32 count per parameter and owner; sign-mean: a mean
+    too) and, when some parameters stay dense, their own reduce-scatter. The own shard never
+    travels, on either path."""
+    if N <= 1:
+        return 0.0, 0.0
+    cm = compute or ComputeModel()
+    total = sum(n for n, _, _ in params) * dense_bytes_per_element
+    dense = alltoall(N, total, net)
+    work, sparse, rest = 0.0, 0.0, 0
+    for n, d, m in params:
+        if d is None:
+            rest += n * dense_bytes_per_element
+            continue
+        m = canonical(m)
+        k = num_selected(n, d)
+        work += cm.select(n, m) + cm.decompress_c0 + cm.decompress_c1 * k
+        sparse += k * (4 + {"pairs": 4, "pairs_fp16": 2, "sign_mean": 0}[m]) + N * 4 * (2 if m == "sign_mean" else 1)
+    compressed = work + alltoall(N, sparse, net) + (alltoall(N, rest, net) if rest else 0.0)
+    return compressed, dense
+
+
 def reduce_scatter_time(layers, N: int, net: Network, allgather: str = "ring") -> float:
     """Wire time of one bucket's sparse reduce-scatter: an alltoall of every worker's selected
     entries to their owners, then an allgather (``ring`` or ``doubling``) of every owner's

@@ -1,13 +1,16 @@
 """The YAML runner's PyTorch side: model, optimizer and one training step (runner.py owns the loop).
 
-One trainer, two engines (``engine:`` in the config), each an adapter that starts the process
+One trainer, three engines (``engine:`` in the config), each an adapter that starts the process
 and says how gradients travel:
 
 - :class:`HorovodAdapter` (``engine: horovod``, under horovodrun): the optimizer is wrapped by
   :func:`redsync_hvd.torch.DistributedOptimizer`;
 - :class:`DDPAdapter` (``engine: ddp``, under torchrun): torch.distributed (Gloo on CPU, NCCL
   on CUDA), the model in ``DistributedDataParallel`` with :func:`redsync_hvd.torch.ddp.register`'s
-  communication hook.
+  communication hook;
+- :class:`FSDPAdapter` (``engine: fsdp``, under torchrun): the model sharded by FSDP2's
+  ``fully_shard`` (every module holding parameters, then the model), its reduce-scatters
+  compressed by :func:`redsync_hvd.torch.fsdp.register`.
 
 ``training.precision`` runs forward and backward under ``torch.autocast`` (bf16 or fp16;
 parameters and the update stay fp32); fp16 adds a ``torch.amp.GradScaler``, handed to the
@@ -31,6 +34,7 @@ from ..config import RunConfig
 from ..models import build_model
 from ..schedule import lr_factor
 from . import ddp as rddp
+from . import fsdp as rfsdp
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -64,7 +68,22 @@ def _threads(cfg: RunConfig, local_workers: int) -> None:
     torch.set_num_threads(cfg.training.threads or max(1, (os.cpu_count() or 1) // max(1, local_workers)))
 
 
-class HorovodAdapter:
+class _Unsharded:
+    """What a checkpoint holds of the model and the optimizer: their state dicts as they are."""
+
+    def save_states(self, model, opt) -> tuple:
+        return model.state_dict(), opt.state_dict()
+
+    def load_states(self, model, opt, model_state: dict, opt_state: dict) -> None:
+        model.load_state_dict(model_state)
+        opt.load_state_dict(opt_state)
+
+    def eval_batches(self, loader) -> int:
+        """How many batches every rank runs in evaluation (its own: no collective in a forward)."""
+        return len(loader)
+
+
+class HorovodAdapter(_Unsharded):
     """Start-up of a PyTorch process under horovodrun (``engine: horovod``)."""
     framework, engine = "torch", "horovod"
 
@@ -105,7 +124,7 @@ class HorovodAdapter:
         return self.rhvd.allreduce(tensor, op=self.rhvd.Sum, name="rsync.eval")
 
 
-class DDPAdapter:
+class DDPAdapter(_Unsharded):
     """Start-up of a PyTorch process under torchrun (``engine: ddp``): torch.distributed."""
     framework, engine = "torch", "ddp"
 
@@ -153,6 +172,36 @@ class DDPAdapter:
         out = tensor.to(self.device)
         dist.all_reduce(out)
         return out.cpu()
+
+
+class FSDPAdapter(DDPAdapter):
+    """Start-up of a PyTorch process under torchrun (``engine: fsdp``): FSDP2's sharded training."""
+    framework, engine = "torch", "fsdp"
+
+    def distribute(self, cfg: RunConfig, model, opt) -> tuple:
+        """1. rank 0's weights on every rank (FSDP shards what each rank holds); 2. ``fully_shard``
+        on every module that holds parameters itself, then on the model; 3. the optimizer again,
+        on the sharded parameters; 4. the compressed reduce-scatter on every group."""
+        for t in [*model.parameters(), *model.buffers()]:                                      # 1.
+            dist.broadcast(t.data, src=0)
+        rfsdp.shard(model, self.device)                                                        # 2.
+        opt = type(opt)(model.parameters(), **opt.defaults)                                    # 3.
+        state = rfsdp.register(model, compression=cfg.compression.model_dump(), optimizer=opt)  # 4.
+        return model, opt, state
+
+    def save_states(self, model, opt) -> tuple:
+        """This rank's shards (plain tensors: a checkpoint loads with weights_only)."""
+        return rfsdp.local_state(model.state_dict()), rfsdp.local_state(opt.state_dict())
+
+    def load_states(self, model, opt, model_state: dict, opt_state: dict) -> None:
+        rfsdp.load_local_state(model, opt, model_state, opt_state)
+
+    def eval_batches(self, loader) -> int:
+        """Every rank runs as many forwards as the rank with the most test batches: each FSDP
+        forward gathers the weights, a collective every rank must join."""
+        n = torch.tensor([len(loader)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        return int(n)
 
 
 class TorchTrainer:
@@ -214,19 +263,25 @@ class TorchTrainer:
         loader = DataLoader(Subset(test, list(range(self.rank, len(test), self.size))),
                             batch_size=max(256, self.cfg.training.batch_size))
         tot = torch.zeros(3, dtype=torch.float64)
+        rounds, first = self.adapter.eval_batches(loader), None
         for x, y in loader:
             x, y = x.to(self.device), y.to(self.device)
+            first = first if first is not None else (x[:1], y[:1])
             with autocast(self.cfg.training.precision, self.device):
                 loss, correct, n = loss_and_correct(self.net, x, y, self.task)
             tot += torch.tensor([loss.item() * n, correct, n], dtype=torch.float64)
+        for _ in range(rounds - len(loader)):   # a forward that joins the others' collectives, not scored
+            x, y = first if first is not None else tuple(t.to(self.device) for t in default_collate([test[0]]))
+            with autocast(self.cfg.training.precision, self.device):
+                loss_and_correct(self.net, x, y, self.task)
         tot = self.adapter.sum(tot)
         self.net.train()
         return {"test_loss": tot[0].item() / max(1, tot[2].item()),
                 "test_accuracy": tot[1].item() / max(1, tot[2].item())}
 
     def state_dict(self) -> dict:
-        state = {"engine": self.engine, "model": self.net.state_dict(), "optimizer": self.opt.state_dict(),
-                 "scheduler": self.sched.state_dict()}
+        model, optimizer = self.adapter.save_states(self.net, self.opt)
+        state = {"engine": self.engine, "model": model, "optimizer": optimizer, "scheduler": self.sched.state_dict()}
         if self.comm is not self.opt:   # the DDP hook's residuals (Horovod's are in the optimizer's)
             state["compression"] = self.comm.state_dict()
         if self.scaler.is_enabled():
@@ -240,8 +295,7 @@ class TorchTrainer:
         if saved != self.engine:
             raise ValueError(f"training.resume points at an engine: {saved} checkpoint (its residuals and optimizer "
                              f"state are kept the {saved} way); resume it with engine: {saved}, or start afresh")
-        self.net.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["optimizer"])
+        self.adapter.load_states(self.net, self.opt, state["model"], state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         self.sched.base_lrs = [self.lr0] * len(self.opt.param_groups)
         for group, factor in zip(self.opt.param_groups, self.sched.lr_lambdas):

@@ -1,0 +1,336 @@
+"""The compressed reduce-scatter of one flat group of sharded parameters (FSDP2, ``torch/fsdp.py``).
+
+FSDP2 reduces a parameter group's gradients in one reduce-scatter of a flat, padded buffer of
+N rows: row o holds, for every parameter j of the group, the o-th of its N equal dim-0 pieces
+(``s_j`` elements, zero-padded), and rank o receives the sum of row o over ranks: the gradient
+of the shard its optimizer updates. Here the same buffer travels compressed (``ShardedGroup``):
+
+    1. compensate  x = r + g (DGC: r + u, u = m u + g) of every other rank's row, fused with the
+                   row's first histogram                                 rs.compensate
+    2. select      exactly k of every piece (o, j) of those rows (k = ceil(d * the piece's real
+                   elements)); x -= what the owner decodes, the velocity zeroed there (DGC's
+                   masking)                                              rs.select(update=True)
+    3. route       the selected entries to their owners by the sparse reduce-scatter's alltoall,
+                   with FSDP's contiguous shards as the owners (reduce_scatter.py: ``Shards``);
+                   each owner adds up what it received                   SparseReduceScatter
+    4. own row     this rank's own row needs no wire and no selection: the owner adds all of
+                   r + g (DGC: r + u, the velocity unmasked), and its residual becomes 0
+    5. dense       parameters the policy leaves dense (biases) travel in one dense reduce-scatter
+                   of their pieces; x = 0 there
+
+Every entry sent is delivered: FSDP has no second phase, so an owner keeps the whole sum of its
+shard (the DDP/Horovod ``sparse_reduce_scatter`` keeps only ceil(k/N) per layer of it). The new
+residual is exactly what was not delivered: sent + new residual = old residual + gradient, with
+fp16 values' rounding and sign-mean's error left in the residual (step 2 subtracts what the
+owner decodes). Groups whose parameters all go dense take FSDP's own reduce-scatter (and, under
+momentum correction, a shard-sized velocity applied to the average).
+
+Memory per rank: a residual of the unsharded group's size, double-buffered (a step writes the
+spare; ``commit`` at the step's end swaps, ``rollback`` drops it: a NaN on any rank leaves the
+state as it was); with DGC the velocity likewise. ``residual_dtype: bf16`` stores both in bf16
+(each step accumulates in fp32 in one scratch buffer of the largest group). docs/fsdp.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..compressors.codec import MessageCodec
+from ..core import radix_select as rs
+from ..core.layout import k_of
+from ..core.segments import Segments
+from .reduce_scatter import Shards, SparseReduceScatter
+
+MAX_LAYOUTS = 16        # layouts (k per piece) kept with their tables: a warm-up changes k a few times
+STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class ShardLayout:
+    """The flat buffer of one FSDP group on ``size`` ranks: parameter j's piece for owner o is
+    ``flat[o * row + offsets[j] : ... + shards[j]]``; ``numels[j]`` of its elements are real
+    (dim-0 padding makes the last pieces short)."""
+
+    def __init__(self, shards: list, numels: list, size: int, rank: int):
+        self.shards, self.numels = tuple(int(s) for s in shards), tuple(int(n) for n in numels)
+        self.size, self.rank = int(size), int(rank)
+        self.offsets = [0]
+        for s in self.shards:
+            self.offsets.append(self.offsets[-1] + s)
+        self.row = self.offsets[-1]
+        self.numel = self.size * self.row
+        self._segments: dict = {}
+
+    def real(self, owner: int, j: int) -> int:
+        return max(0, min(self.shards[j], self.numels[j] - owner * self.shards[j]))
+
+    def segments(self, owner: int, densities: list) -> Segments:
+        """Owner ``owner``'s row: parameter j's piece with k = ceil(d_j * its real elements) for a
+        compressed parameter (``densities[j]`` None: dense, k = 0); cached per k."""
+        ks = tuple(0 if d is None else k_of(self.real(owner, j), d) for j, d in enumerate(densities))
+        seg = self._segments.get(ks)
+        if seg is None:
+            seg = self._segments[ks] = Segments(self.shards, ks)
+            if len(self._segments) > MAX_LAYOUTS:
+                self._segments.pop(next(iter(self._segments)))
+        return seg
+
+    def rows(self) -> list:
+        """(owner, its row's slice of the flat buffer) for every other rank."""
+        return [(o, slice(o * self.row, (o + 1) * self.row)) for o in range(self.size) if o != self.rank]
+
+    def own(self) -> slice:
+        return slice(self.rank * self.row, (self.rank + 1) * self.row)
+
+
+class _Pair:
+    """A buffer carried between steps and the spare one a step writes (swapped on commit)."""
+
+    def __init__(self, numel: int, dtype, device):
+        self.cur = torch.zeros(numel, dtype=dtype, device=device)
+        self.spare = torch.zeros(numel, dtype=dtype, device=device)
+
+    def swap(self) -> None:
+        self.cur, self.spare = self.spare, self.cur
+
+
+# each message.quantize a group sends, as the cost model names its format (policy/costmodel.py:
+# sharded_group_time prices a group's reduce-scatter by it)
+MESSAGE_FORMATS = {"none": "pairs", "fp16": "pairs_fp16", "sign_mean": "sign_mean"}
+
+@dataclass
+class GroupStep:
+    """What one group's reduce-scatter did this step: its non-finite flag (a device tensor, read
+    once per step) and its bytes (this rank's share of each collective, self excluded)."""
+    bad: torch.Tensor
+    sent: int = 0
+    received: int = 0
+    dense: int = 0
+    kinds: dict = field(default_factory=dict)
+
+
+@dataclass
+class Settings:
+    """What every group of one exchange shares: the message codec per group comes from the layers."""
+    momentum: float = 0.0          # DGC momentum correction (0: none)
+    nesterov: bool = False
+    masking: bool = True
+    storage: str = "fp32"          # residual_dtype
+    backend: str = "auto"          # radix select backend
+    check_finite: bool = True
+
+
+class ShardedGroup:
+    """One FSDP group's compressed reduce-scatter and its per-rank state (module docstring).
+
+    layers: the group's parameters as the policy sees them (``Layer``: name, unsharded numel,
+    ``compressed``, density); shards: each one's padded piece size; quantize: the group's message
+    ("none", "fp16" or "sign_mean"), sign_rule; comm: alltoall_async, reduce_scatter_async, wait."""
+
+    def __init__(self, name: str, layers: list, shards: list, comm, settings: Settings,
+                 quantize: str = "none", sign_rule: str = "alternate", device="cpu"):
+        self.name, self.layers, self.comm, self.settings = name, list(layers), comm, settings
+        self.layout = ShardLayout(shards, [l.numel for l in layers], comm.size, comm.rank)
+        self.compressed = [j for j, l in enumerate(self.layers) if l.compressed]
+        self.dense = [j for j, l in enumerate(self.layers) if not l.compressed]
+        self.device = torch.device(device)
+        self.codec = MessageCodec(quantize, "raw", sign_rule)
+        self.residual = self.velocity = self.dense_velocity = None   # _Pair, built on first use
+        self.rsc = None
+        if self.compressed:
+            N, lay = comm.size, self.layout
+            numels = [N * lay.shards[j] for j in self.compressed]
+            self.rsc = SparseReduceScatter(comm, numels, f"fsdp.{name}", self.codec.value_dtype, self.codec.mean,
+                                           regions=[Shards(n, N) for n in numels])
+            starts = torch.tensor(self.rsc.offsets[:-1], dtype=torch.int64)
+            self._bounds = torch.tensor(self.rsc.offsets[1:], dtype=torch.int64, device=self.device)
+            self._shift = (torch.tensor([lay.offsets[j] - lay.rank * lay.shards[j] for j in self.compressed])
+                           - starts).to(self.device)
+        if self.compressed and self.dense:   # the dense parameters' columns in a row
+            self._dense_out = torch.cat([torch.arange(self.layout.offsets[j], self.layout.offsets[j + 1])
+                                         for j in self.dense]).to(self.device)
+
+    @property
+    def kind(self) -> str:
+        return "sparse" if self.compressed else "dense"
+
+    # -- state ------------------------------------------------------------------------------------
+    def buffers(self) -> dict:
+        """The carried buffers by kind (current halves)."""
+        out = {}
+        for key, pair in (("residual", self.residual), ("velocity", self.velocity),
+                          ("dense_velocity", self.dense_velocity)):
+            if pair is not None:
+                out[key] = pair.cur
+        return out
+
+    def _pair(self, key: str, numel: int, dtype) -> _Pair:
+        pair = getattr(self, key)
+        if pair is None:
+            pair = _Pair(numel, dtype, self.device)
+            setattr(self, key, pair)
+        return pair
+
+    def swap(self) -> None:
+        for pair in (self.residual, self.velocity, self.dense_velocity):
+            if pair is not None:
+                pair.swap()
+
+    def load(self, held: dict) -> None:
+        """Take saved buffers (``buffers()`` of the same group on the same world size)."""
+        s, lay = self.settings, self.layout
+        sizes = {"residual": lay.numel, "velocity": lay.numel, "dense_velocity": lay.row}
+        for key, t in held.items():
+            if key not in sizes or t.numel() != sizes[key]:
+                raise ValueError(f"FSDP group {self.name!r}: a saved {key} of {t.numel()} elements does not fit its "
+                                 f"{sizes.get(key)} here: resume with the same model, FSDP wrapping and world size")
+            dtype = torch.float32 if key == "dense_velocity" else STORAGE[s.storage]
+            self._pair(key, t.numel(), dtype).cur.copy_(t.reshape(-1))
+
+    # -- the step ---------------------------------------------------------------------------------
+    def reduce_scatter(self, out: torch.Tensor, grad: torch.Tensor, step: int, average: bool, factor: float,
+                       decay: torch.Tensor | None = None, scratch=None) -> GroupStep:
+        """``out`` (a row's size, FSDP's output) = this rank's row summed over ranks (divided by N
+        with ``average``), from ``grad`` (the flat buffer, any float dtype). ``factor``: what the
+        final gradient is the sum over ranks divided by (N for an average; FSDP's post-divide
+        factor for a sum). ``decay``: weight decay w * wd of this rank's shard in the final
+        gradient's units, or None (momentum correction: it joins the gradient before the
+        velocity, here where this rank holds w: its own row, times ``factor``). ``scratch``: a
+        callable giving fp32 buffers (bf16 storage)."""
+        if not self.compressed:
+            return self._dense(out, grad, average, factor, decay)
+        lay, s = self.layout, self.settings
+        grad = grad.reshape(-1)
+        if decay is not None:
+            grad = grad.float() if grad.dtype != torch.float32 else grad
+            grad[lay.own()] += decay * factor
+        acc = out if out.dtype == torch.float32 else torch.empty(lay.row, dtype=torch.float32, device=out.device)
+        packed = torch.zeros(lay.size, len(self._dense_out), dtype=torch.float32, device=acc.device) \
+            if self.dense else None
+        sels = self._rows(grad, step, packed, scratch)                # 1.-2. every other rank's row
+        pending = self._send(sels)                                    # 3. to their owners
+        self._own_row(acc, grad)                                      # 4. the own row, all of it
+        dense = None if packed is None else \
+            self.comm.reduce_scatter_async(packed.reshape(-1), name=f"fsdp.{self.name}.dense", average=False)
+        keys, sums = self.rsc.owner_sums(pending)                     # 3. what the others sent
+        acc.index_add_(0, keys + self._shift[torch.searchsorted(self._bounds, keys, right=True)], sums)
+        bad = torch.zeros((), dtype=torch.bool, device=acc.device)
+        if s.check_finite:
+            lo, hi = torch.aminmax(acc)
+            bad = torch.stack([sel.nonfinite.any() for *_, sel in sels] +
+                              [~(torch.isfinite(lo) & torch.isfinite(hi))]).any()
+        result = GroupStep(bad, pending.bytes["alltoall_sent"], pending.bytes["alltoall_received"],
+                           (lay.size - 1) * lay.row * grad.element_size(), {"alltoall": pending.bytes["alltoall_sent"]})
+        if dense is not None:                                         # 5. dense parameters
+            self._finish_dense(acc, packed, dense, result)
+        if average:
+            acc.div_(lay.size)
+        if acc is not out:
+            out.copy_(acc)
+        return result
+
+    def _pairs(self) -> tuple:
+        s, n = self.settings, self.layout.numel
+        store = STORAGE[s.storage]
+        return self._pair("residual", n, store), (self._pair("velocity", n, store) if s.momentum else None)
+
+    def _rows(self, grad, step: int, packed, scratch) -> list:
+        """1.-2. Row by row (the own row never goes through the selection): x = r + g (DGC:
+        r + u), fused with the first histogram; exactly k per piece; x -= what the owner decodes,
+        the velocity zeroed there; then the row's dense pieces go to ``packed`` (x = 0 there). x
+        is the residual's spare half (fp32 storage), or one row of fp32 scratch rounded into it
+        (bf16). Returns [(owner, its Segments, its Selection)]."""
+        s, lay = self.settings, self.layout
+        r, u = self._pairs()
+        fp32 = r.cur.dtype == torch.float32
+        densities = [l.density if l.compressed else None for l in self.layers]
+        sign, out = self.codec.sign(step), []
+        for o, sl in lay.rows():
+            if fp32:
+                r_in, x = r.cur[sl], r.spare[sl]
+                u_in, u_out = (u.cur[sl], u.spare[sl]) if u is not None else (None, None)
+            else:   # accumulate in fp32, in place in one row of scratch
+                r_in = x = scratch("x", lay.row).copy_(r.cur[sl])
+                u_in = u_out = scratch("u", lay.row).copy_(u.cur[sl]) if u is not None else None
+            seg = lay.segments(o, densities)
+            extra = {} if u is None else {"velocity": u_in, "velocity_out": u_out, "momentum": s.momentum,
+                                          "nesterov": s.nesterov}
+            hist = rs.compensate(seg, r_in, grad[sl], x, sign=sign, backend=s.backend, **extra)
+            out.append((o, seg, rs.select(seg, x, sign=sign, mean=self.codec.mean, hist=hist,
+                                          value_dtype=self.codec.value_dtype, update=True,
+                                          velocity=u_out if s.masking and u is not None else None,
+                                          backend=s.backend)))
+            if packed is not None:   # 5. the dense parameters' pieces of this row leave x
+                packed[o] = x.index_select(0, self._dense_out)
+                x.index_fill_(0, self._dense_out, 0.0)
+            if not fp32:
+                r.spare[sl] = x
+                if u is not None:
+                    u.spare[sl] = u_out
+        return out
+
+    def _own_row(self, acc, grad) -> None:
+        """4. The own row needs no wire and no selection: acc = r + g (DGC: u = m u + g, acc = r + u;
+        the velocity is not masked, as for a dense layer); its residual becomes 0."""
+        s, own = self.settings, self.layout.own()
+        r, u = self._pairs()
+        g = grad[own].float()
+        if u is None:
+            torch.add(r.cur[own], g, out=acc)
+        else:
+            v = g + u.cur[own].float() * s.momentum
+            u.spare[own] = v
+            torch.add(r.cur[own], g + v * s.momentum if s.nesterov else v, out=acc)
+        r.spare[own] = 0.0
+
+    def _send(self, sels: list) -> object:
+        """3. The selected entries of every compressed parameter, in its pieces' coordinates
+        (owner o's piece of parameter j starts at o * s_j), to their owners."""
+        lay, positions, values, counts = self.layout, [], [], []
+        for j in self.compressed:
+            pos, val = [], []
+            for o, seg, sel in sels:
+                a, b = seg.kofs[j], seg.kofs[j + 1]
+                pos.append(sel.positions[a:b].to(torch.int64) + o * lay.shards[j])
+                val.append(sel.values[a:b] if sel.values is not None else None)
+            positions.append(torch.cat(pos))
+            counts.append(positions[-1].numel())
+            if self.codec.mean:   # one mean per owner; the own row's is never read
+                means = torch.zeros(lay.size, dtype=torch.float32, device=positions[-1].device)
+                for o, _, sel in sels:
+                    means[o] = sel.means[j]
+                values.append(means)
+            else:
+                values.append(torch.cat(val))
+        return self.rsc.start(positions, values, counts)
+
+    # -- dense parameters ---------------------------------------------------------------------------
+    def _finish_dense(self, out: torch.Tensor, packed: torch.Tensor, handle, result: GroupStep) -> None:
+        """5. The dense parameters' pieces of every other rank's row, summed by one reduce-scatter."""
+        out.index_add_(0, self._dense_out, self.comm.wait(handle))
+        share = (self.layout.size - 1) * packed.shape[1] * packed.element_size()
+        result.sent += share
+        result.received += share
+        result.kinds["values"] = share
+
+    def _dense(self, out: torch.Tensor, grad: torch.Tensor, average: bool, factor: float, decay) -> GroupStep:
+        """A group whose parameters all go dense: FSDP's own reduce-scatter; under momentum
+        correction the weight decay joins the average and u = m u + avg on the shard (DGC's rule
+        for dense layers: the average of the ranks' velocities is the velocity of the average),
+        and the shard gets u (Nesterov: avg + m u)."""
+        s, lay = self.settings, self.layout
+        self.comm.wait(self.comm.reduce_scatter_async(grad.reshape(-1), name=f"fsdp.{self.name}", average=average,
+                                                      out=out))
+        share = (lay.size - 1) * lay.row * grad.element_size()
+        bad = torch.zeros((), dtype=torch.bool)
+        if s.check_finite and grad.numel():
+            lo, hi = torch.aminmax(grad)
+            bad = ~(torch.isfinite(lo) & torch.isfinite(hi))
+        if s.momentum:
+            avg = out.float()
+            if decay is not None:
+                avg += decay if average else decay * factor
+            u = self._pair("dense_velocity", lay.row, torch.float32)
+            torch.add(avg, u.cur, alpha=s.momentum, out=u.spare)
+            out.copy_(avg + s.momentum * u.spare if s.nesterov else u.spare)
+        return GroupStep(bad, share, share, share, {"values": share})
