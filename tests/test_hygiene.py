@@ -142,3 +142,13 @@ def test_the_compressor_contract_is_small():
     base = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "Compressor")
     methods = [n.name for n in base.body if isinstance(n, ast.FunctionDef) and n.name != "__init__"]
     assert len(methods) <= 10, methods
+
+
+def test_scripts_are_few_and_import_the_package():
+    """scripts/ stays small (shared helpers live in redsync_hvd/experiments) and no script edits
+    sys.path: the package is installed, so every script imports it as users do."""
+    files = [p for p in (REPO / "scripts").rglob("*") if p.suffix in (".py", ".sh")]
+    lines = sum(len(p.read_text().splitlines()) for p in files)
+    assert lines <= 4500, f"scripts/ has {lines} lines"
+    edits = [str(p.relative_to(REPO)) for p in files if p.suffix == ".py" and "sys.path" in p.read_text()]
+    assert not edits, edits
