@@ -239,4 +239,5 @@ if __name__ == "__main__":
     for check in sys.argv[1:]:
         {"equal": check_equal, "equal-core": check_equal_core, "conserve": check_conserve,
          "nonfinite": check_nonfinite, "state": check_state, "policy": check_policy}[check]()
+    dist.barrier()
     dist.destroy_process_group()
