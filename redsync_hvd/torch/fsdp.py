@@ -50,7 +50,6 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from ..comm.torch_dist import TorchDistCommunicator
 from ..compressors.base import Layer
-from ..config.compression import NoneConfig, ResidualConfig
 from ..core.stats import CommStats
 from ..engine import check_same_everywhere, network_for, parse, probe_compute, refuse
 from ..engine.decisions import pin
@@ -309,7 +308,7 @@ def _groups(model) -> list:
 def _momentum(config, optimizer, names: dict):
     """Momentum correction: the optimizer's momentum and weight decay, moved out of it (None
     without momentum correction)."""
-    if not (isinstance(config, ResidualConfig) and config.dgc.momentum_correction):
+    if not config.corrects_momentum:
         return None
     if optimizer is None:
         raise ValueError("compression.dgc.momentum_correction keeps the optimizer's momentum in the compression "
@@ -390,7 +389,7 @@ def _group(config, name: str, params: list, mine: list, comm, spec) -> ShardedGr
                         masking=bool(getattr(getattr(config, "dgc", None), "momentum_masking", True)),
                         storage=getattr(config, "residual_dtype", "fp32"),
                         backend=getattr(getattr(config, "selection", None), "radix_backend", "auto"),
-                        check_finite=config.check_finite and (not isinstance(config, NoneConfig)
+                        check_finite=config.check_finite and (not config.dense_fast_path
                                                              or "check_finite" in config.model_fields_set))
     sign_rule = getattr(getattr(config, "message", None), "sign_rule", "alternate")
     return ShardedGroup(name, mine, [math.prod(fp.padded_sharded_param_size) for fp in params], comm, settings,
