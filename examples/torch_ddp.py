@@ -33,4 +33,5 @@ for step in range(STEPS + 1):
         print(f"step {step} loss {loss.item():.4f}", flush=True)
 if dist.get_rank() == 0:
     print("communication_stats:", json.dumps(state.communication_stats(), default=str), flush=True)
+dist.barrier()   # every rank is done before any tears the process group down
 dist.destroy_process_group()

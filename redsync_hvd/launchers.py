@@ -34,6 +34,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import NoReturn
 
 RELAYED = (signal.SIGINT, signal.SIGTERM)
 GLOO_GRACE_S = 5.0       # horovod.runner.common.util.safe_shell_exec.GRACEFUL_TERMINATION_TIME_S
@@ -186,12 +187,29 @@ def exit_quietly(code: int, environ=os.environ, wait_s: float = 10.0) -> None:
         deadline = time.monotonic() + wait_s
         while os.getppid() == agent and _is_torchrun(agent) and time.monotonic() < deadline:
             time.sleep(0.05)
+    exit_flushed(code)
+
+
+def exit_flushed(code: int) -> NoReturn:
+    """Flush Python's output and end the process at once with ``code``, skipping the
+    interpreter's and the frameworks' shut-down (Horovod's, a Gloo process group's)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def close_process_group(code: int = 0) -> NoReturn:
+    """End a torch.distributed job on every rank and exit with ``code``: a barrier, so every
+    rank is done, then the process ends at once (:func:`exit_flushed`). torch 2.13's Gloo
+    teardown (``destroy_process_group`` and the interpreter's shut-down) ended such jobs on a
+    loaded machine with "terminate called without an active exception" (SIGABRT) after their
+    last collective; with nothing left to send, skipping it loses nothing. Every rank must call it."""
+    import torch.distributed as dist  # here: this module loads at every Python start-up
+    dist.barrier()
+    exit_flushed(code)
 
 
 def _is_torchrun(pid: int) -> bool:

@@ -47,6 +47,8 @@ import threading
 import time
 from typing import Callable, NamedTuple, NoReturn, Sequence
 
+from .launchers import exit_flushed
+
 # EX_TEMPFAIL (sysexits.h): "temporary failure, retry later": the run saved and can be resumed
 EXIT_STOPPED = 75
 
@@ -263,9 +265,4 @@ def exit_now(code: int) -> NoReturn:
     on every rank and passed its last collective; the interpreter's and the frameworks' shut-down
     (Horovod's, a Gloo process group's) can take seconds on a loaded machine, longer than the
     1 s mpirun leaves between its SIGTERM and its SIGKILL."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    exit_flushed(code)

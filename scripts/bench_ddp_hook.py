@@ -147,7 +147,8 @@ def main() -> None:
             command = f"torchrun --standalone --nproc_per_node {dist.get_world_size()} " + " ".join(sys.argv)
             with open(args.out, "w") as f:
                 f.write(f"`{command}`\n\n{text}")
-    dist.destroy_process_group()
+    from redsync_hvd.launchers import close_process_group
+    close_process_group()
 
 
 def table(rows: list, args, device) -> list:

@@ -111,7 +111,8 @@ def worker(key: str, steps: int, out: str) -> None:
     dist.all_gather_object(every, mine)
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(every))
-    dist.destroy_process_group()
+    from redsync_hvd.launchers import close_process_group
+    close_process_group()
 
 
 def measure(key: str, n: int, steps: int) -> list:

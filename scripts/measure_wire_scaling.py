@@ -111,6 +111,21 @@ class Counting:
         return got
 
 
+def train_counting(model, opt, comm: Counting, rank: int, steps: int, warmup: int):
+    """Train ``warmup + steps`` steps on this rank's synthetic batches; (sent, received) bytes per
+    counted step, as a float64 tensor to average over ranks."""
+    import torch
+    gen = torch.Generator().manual_seed(100 + rank)
+    for step in range(warmup + steps):
+        if step == warmup:
+            comm.sent = comm.received = 0.0
+        x, y = torch.randn(16, 3, 32, 32, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return torch.tensor([comm.sent / steps, comm.received / steps], dtype=torch.float64)
+
+
 def worker(steps: int, warmup: int, out: str) -> None:
     import horovod.torch as hvd
     import torch
@@ -128,15 +143,7 @@ def worker(steps: int, warmup: int, out: str) -> None:
         opt = rhvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                         named_parameters=model.named_parameters(), compression=compression,
                                         communicator=comm)
-        gen = torch.Generator().manual_seed(100 + hvd.rank())
-        for step in range(warmup + steps):
-            if step == warmup:
-                comm.sent = comm.received = 0.0
-            x, y = torch.randn(16, 3, 32, 32, generator=gen), torch.randint(0, 10, (16,), generator=gen)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-        mine = torch.tensor([comm.sent / steps, comm.received / steps], dtype=torch.float64)
+        mine = train_counting(model, opt, comm, hvd.rank(), steps, warmup)
         result[label] = hvd.allreduce(mine, op=hvd.Average, name=f"measure.{label}").tolist()
     if hvd.rank() == 0:
         Path(out).write_text(json.dumps(result))
@@ -160,20 +167,13 @@ def worker_fsdp(steps: int, warmup: int, out: str) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         comm = Counting(TorchDistCommunicator())
         rfsdp.register(model, compression, optimizer=opt, communicator=comm)
-        gen = torch.Generator().manual_seed(100 + dist.get_rank())
-        for step in range(warmup + steps):
-            if step == warmup:
-                comm.sent = comm.received = 0.0
-            x, y = torch.randn(16, 3, 32, 32, generator=gen), torch.randint(0, 10, (16,), generator=gen)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-        mine = torch.tensor([comm.sent / steps, comm.received / steps], dtype=torch.float64)
+        mine = train_counting(model, opt, comm, dist.get_rank(), steps, warmup)
         dist.all_reduce(mine)
         result[label] = (mine / dist.get_world_size()).tolist()
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(result))
-    dist.destroy_process_group()
+    from redsync_hvd.launchers import close_process_group
+    close_process_group()
 
 
 def measure(n: int, steps: int, warmup: int, engine: str = "horovod") -> dict:

@@ -9,6 +9,8 @@ import sys
 
 import torch
 
+from redsync_hvd.launchers import close_process_group
+
 
 def count(src: int, dst: int, size: int) -> int:
     if src == size - 1:
@@ -57,7 +59,7 @@ def main():
     check(comm)
     print(f"rank {comm.rank}: OK alltoall {engine} of {comm.size}")
     if engine != "horovod":
-        dist.destroy_process_group()
+        close_process_group()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from redsync_hvd.launchers import close_process_group
 from redsync_hvd.torch import ddp as rddp
 
 STEPS, PER = 6, 8
@@ -55,7 +56,7 @@ def main(specs):
     dist.init_process_group("gloo")
     for spec in specs:     # one launch, several configs: torchrun's start-up dominates
         run(spec)
-    dist.destroy_process_group()
+    close_process_group()
 
 
 if __name__ == "__main__":

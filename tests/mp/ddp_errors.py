@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from redsync_hvd.launchers import close_process_group
 from redsync_hvd.torch import ddp as rddp
 
 
@@ -72,7 +73,7 @@ def main():
     nan_on_one_rank(rank, {"method": "none", "check_finite": True})
     nan_reaches_every_rank_alike(rank)
     print(f"rank {rank}: OK errors")
-    dist.destroy_process_group()
+    close_process_group()
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from redsync_hvd.exchange import NonFiniteGradientError
+from redsync_hvd.launchers import close_process_group
 from redsync_hvd.torch import fsdp as rfsdp
 
 DENSE1 = {"method": "redsync", "density": 1.0, "message": {"quantize": "none"}, "selection": {"method": "radix"},
@@ -239,5 +240,4 @@ if __name__ == "__main__":
     for check in sys.argv[1:]:
         {"equal": check_equal, "equal-core": check_equal_core, "conserve": check_conserve,
          "nonfinite": check_nonfinite, "state": check_state, "policy": check_policy}[check]()
-    dist.barrier()
-    dist.destroy_process_group()
+    close_process_group()

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from redsync_hvd.comm.torch_dist import TorchDistCommunicator
 from redsync_hvd.compressors.base import Layer
 from redsync_hvd.compressors.powersgd import PowerSGDCompressor, PowerSGDConfig
+from redsync_hvd.launchers import close_process_group
 
 STEPS, PER, RANK, START = 8, 16, 2, 2
 
@@ -111,7 +112,7 @@ def main(mode):
     dist.barrier()
     del theirs, ours
     gc.collect()
-    dist.destroy_process_group()
+    close_process_group()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from redsync_hvd.launchers import close_process_group
 from redsync_hvd.preemption import EXIT_STOPPED, StopController, torch_distributed_max
 
 
@@ -29,8 +30,7 @@ def main() -> int:
         if p.stop:
             ctl.barrier()
             print(f"rank {rank}: stopped at step {step} on {p.reason}", flush=True)
-            dist.destroy_process_group()
-            return EXIT_STOPPED
+            close_process_group(EXIT_STOPPED)
     return 0
 
 

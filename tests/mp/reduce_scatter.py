@@ -20,6 +20,7 @@ import torch
 from alltoall import check as check_alltoall
 
 from redsync_hvd.exchange.reduce_scatter import Regions, SparseReduceScatter, allgather, wait_allgather
+from redsync_hvd.launchers import close_process_group
 
 NUMELS = [3, 500, 2000]
 
@@ -133,7 +134,7 @@ def main():
     check_bucket(comm)
     print(f"rank {comm.rank}: OK sparse reduce-scatter {engine} of {comm.size}")
     if engine != "horovod":
-        dist.destroy_process_group()
+        close_process_group()
 
 
 if __name__ == "__main__":

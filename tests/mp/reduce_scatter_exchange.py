@@ -23,6 +23,7 @@ from redsync_hvd.compressors.base import Layer
 from redsync_hvd.core.layout import k_of
 from redsync_hvd.engine import build_exchange
 from redsync_hvd.exchange.reduce_scatter import Regions
+from redsync_hvd.launchers import close_process_group
 
 SPEC = [("w", 600), ("v", 257), ("b", 3)]   # "b" has fewer positions than ranks at N = 4
 BASE = {"policy": {"min_compress_numel": 0}, "fusion_bytes": 3000, "aggregation": "sparse_reduce_scatter"}
@@ -163,7 +164,7 @@ def main():
         conserves(comm, codec)
     print(f"rank {comm.rank}: OK reduce-scatter exchange {engine} of {comm.size}")
     if engine != "horovod":
-        dist.destroy_process_group()
+        close_process_group()
 
 
 if __name__ == "__main__":

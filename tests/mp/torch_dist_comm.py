@@ -9,6 +9,7 @@ from redsync_hvd.comm.torch_dist import TorchDistCommunicator
 from redsync_hvd.compressors import build_compressor
 from redsync_hvd.compressors.base import Layer
 from redsync_hvd.exchange import GradientExchange
+from redsync_hvd.launchers import close_process_group
 from redsync_hvd.policy import LayerPolicy
 
 
@@ -63,7 +64,7 @@ def main():
     collectives(comm)
     uneven_exchange(comm)
     print(f"rank {comm.rank}: OK torch.distributed communicator")
-    dist.destroy_process_group()
+    close_process_group()
 
 
 if __name__ == "__main__":
