@@ -16,6 +16,10 @@ setup(
         "tqdm",
         "matplotlib",
         "scikit-learn",
+        # R's serialization format, for data.name: austen (data/rdb.py); 0.11.2: the last on Python 3.9-3.10
+        "rdata==0.11.2",
+        # rdata needs pandas; pandas 3 needs numpy 2, which tensorflow-cpu 2.15 (the [tensorflow] extra) refuses
+        "pandas>=2.2,<3",
     ],
     extras_require={
         # the code's own hygiene (tests/test_hygiene.py): pinned, so a release cannot change the rules

@@ -11,9 +11,12 @@
 #                        on a CUDA cluster)
 #   REDSYNC_WITH_TF=1    also install tensorflow-cpu==2.15.1 and build Horovod with it
 #   REDSYNC_WHEEL_CACHE  where built Horovod wheels are cached (default: ~/.cache/redsync_hvd/wheels)
+#   REDSYNC_DATA_CACHE   where downloaded data sets are unpacked (default: ~/.cache/redsync_hvd/data)
 #   MPI: if `mpicxx` is on PATH it is used as is (cluster MPI: `module load openmpi`
 #   or put its bin/ first on PATH). Otherwise, as root on Debian/Ubuntu, Debian's
 #   OpenMPI 4.1 is installed with apt-get, the one `horovodrun` works with.
+#   Data sets: as root with apt-get, Fashion-MNIST and Jane Austen's novels come from Debian's
+#   packages (scripts/install_data.sh); elsewhere it prints the command that gets them.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -147,6 +150,9 @@ echo 'import importlib.util as u; u.find_spec("redsync_hvd") and u.find_spec("re
 if [ -f "$ROOT/redsync_hvd/core/_native/build.py" ]; then
   "$PY" "$ROOT/redsync_hvd/core/_native/build.py" || say "warning: native selection kernel failed to build; the pure-torch path will be used"
 fi
+
+# ---- the data sets that come from Debian packages (Fashion-MNIST, Jane Austen's novels) ------
+bash "$ROOT/scripts/install_data.sh"
 
 say "done: $("$PY" -c 'import torch,horovod;print("torch",torch.__version__,"horovod",horovod.__version__)')"
 say "activate with: source $VENV/bin/activate"

@@ -34,7 +34,7 @@ class _Section(BaseModel):
 
 # what a language model reads (token ids), by name; every other model and dataset is images
 LM_MODELS = ("lstm_lm",)
-LM_DATASETS = ("synthetic_lm", "ptb", "pydoc")
+LM_DATASETS = ("synthetic_lm", "ptb", "pydoc", "austen")
 
 
 class ModelConfig(_Section):
@@ -46,11 +46,15 @@ class ModelConfig(_Section):
 
 class DataConfig(_Section):
     # the names of redsync_hvd.data.DATASET_NAMES (a test keeps the two lists equal)
-    name: Literal["digits", "synthetic", "synthetic_lm", "cifar10", "mnist", "ptb", "pydoc"] = Field(
-        "digits", description="digits | synthetic | synthetic_lm | cifar10 | mnist | ptb | pydoc (the Python "
-                              "reference text of pydoc_data.topics: real English, no download; "
-                              "redsync_hvd/data/pydoc.py)")
-    path: Optional[str] = Field(None, description="folder holding the dataset files (cifar10, mnist, ptb)")
+    name: Literal["digits", "synthetic", "synthetic_lm", "cifar10", "mnist", "fashion_mnist", "ptb", "pydoc",
+                  "austen"] = Field(
+        "digits", description="digits | synthetic | synthetic_lm | cifar10 | mnist | fashion_mnist (Debian's "
+                              "dataset-fashion-mnist) | ptb | pydoc (the Python reference text of "
+                              "pydoc_data.topics: real English, no download; redsync_hvd/data/pydoc.py) | austen "
+                              "(Jane Austen's novels, from Debian's r-cran-janeaustenr; docs/data.md)")
+    path: Optional[str] = Field(None, description="folder holding the dataset files (cifar10, mnist, ptb; "
+                                                  "fashion_mnist and austen: where Debian's packages put them "
+                                                  "unless set, docs/data.md)")
     options: dict[str, Any] = Field(default_factory=dict, description="dataset-specific kwargs")
 
 

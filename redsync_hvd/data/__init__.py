@@ -3,34 +3,42 @@
 Every rank calls this with the same ``name``/``path``/``seed`` and its own ``rank``; it gets
 back a :class:`DataBundle` whose ``train`` is only its own equal-sized, disjoint shard (see
 :func:`shard_indices`) and whose ``test`` is the full test set.  Nothing is ever downloaded:
-real datasets are read from ``path`` and a missing folder/file raises ``FileNotFoundError``
-that names the files expected and how to fix it.
+real datasets are read from ``path`` (fashion_mnist and austen: from where Debian's packages put
+them, unless ``path`` is given) and a missing folder/file raises ``FileNotFoundError`` that names
+the files expected and how to fix it.
 
-============ ============================================ =====================================
-name         source                                       options (defaults)
-============ ============================================ =====================================
-digits       scikit-learn bundled 8x8 digits (default)    test_fraction=0.2
-synthetic    Gaussian class clusters                      num_samples=2048, num_test=512,
-                                                          input_shape=(1,8,8), num_classes=10,
-                                                          separation=3.0
-synthetic_lm random sparse Markov-chain tokens (task lm)  vocab_size=1000, num_tokens=100000,
-                                                          num_test_tokens=None, seq_len=35,
-                                                          branching=4
-cifar10      path/ data_batch_1..5, test_batch (pickle)   augment=False
-mnist        path/ {train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]  normalize=True
-ptb          path/ ptb.train.txt + ptb.valid/test.txt     seq_len=35, eval_split="auto"
-pydoc        CPython's pydoc_data.topics (no download,    level="word" (or "char"), seq_len=35,
-             a fixed split by topic; task lm)             min_count=2, eval_split="test"
-============ ============================================ =====================================
+============== ============================================ =====================================
+name           source                                       options (defaults)
+============== ============================================ =====================================
+digits         scikit-learn bundled 8x8 digits (default)    test_fraction=0.2
+synthetic      Gaussian class clusters                      num_samples=2048, num_test=512,
+                                                            input_shape=(1,8,8), num_classes=10,
+                                                            separation=3.0
+synthetic_lm   random sparse Markov-chain tokens (task lm)  vocab_size=1000, num_tokens=100000,
+                                                            num_test_tokens=None, seq_len=35,
+                                                            branching=4
+cifar10        path/ data_batch_1..5, test_batch (pickle)   augment=False
+mnist          path/ {train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]  normalize=True
+fashion_mnist  Fashion-MNIST in MNIST's files; path defaults normalize=True
+               to Debian's /usr/share/datasets/fashion-mnist/
+ptb            path/ ptb.train.txt + ptb.valid/test.txt     seq_len=35, eval_split="auto"
+pydoc          CPython's pydoc_data.topics (no download,    level="word" (or "char"), seq_len=35,
+               a fixed split by topic; task lm)             min_count=2, eval_split="test"
+austen         Jane Austen's six novels (Debian's           seq_len=35, min_count=2,
+               r-cran-janeaustenr, unpacked by              eval_split="test"
+               scripts/install.sh; split by chapter; lm)
+============== ============================================ =====================================
 """
 from __future__ import annotations
 
 import inspect
 from typing import Callable, Dict, Optional
 
+from .austen import build_austen
 from .base import DataBundle, TensorPairDataset, shard_indices
 from .cifar import build_cifar10
 from .digits import build_digits
+from .fashion import build_fashion_mnist
 from .mnist import build_mnist
 from .pydoc import build_pydoc
 from .synthetic import build_synthetic, build_synthetic_lm
@@ -42,8 +50,10 @@ _BUILDERS: Dict[str, Callable[..., DataBundle]] = {
     "synthetic_lm": build_synthetic_lm,
     "cifar10": build_cifar10,
     "mnist": build_mnist,
+    "fashion_mnist": build_fashion_mnist,
     "ptb": build_ptb,
     "pydoc": build_pydoc,
+    "austen": build_austen,
 }
 DATASET_NAMES = tuple(_BUILDERS)
 

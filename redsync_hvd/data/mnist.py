@@ -45,8 +45,15 @@ def read_idx(file: str, expected_magic: int) -> np.ndarray:
 def build_mnist(path: Optional[str], rank: int, size: int, seed: int, *,
                 normalize: bool = True) -> DataBundle:
     """MNIST bundle: this rank's shard of the 60k train images, all 10k test images."""
-    found = require_files("mnist", path, MNIST_FILES, _FIX,
-                          alternatives=[[f + ".gz"] for f in MNIST_FILES])
+    return idx_bundle("mnist", path, rank, size, seed, (MNIST_MEAN, MNIST_STD) if normalize else None, _FIX)
+
+
+def idx_bundle(dataset: str, path: Optional[str], rank: int, size: int, seed: int,
+               stats: Optional[tuple], fix: str, info: Optional[dict] = None) -> DataBundle:
+    """A bundle from MNIST's four idx files under ``path`` (Fashion-MNIST has the same layout):
+    this rank's shard of the train images, every test image, normalised by ``stats`` = (mean,
+    std) per sample (``None``: only scaled to [0, 1]). ``fix`` ends the error for missing files."""
+    found = require_files(dataset, path, MNIST_FILES, fix, alternatives=[[f + ".gz"] for f in MNIST_FILES])
     x_tr = read_idx(found[0], IDX_IMAGES_MAGIC)
     y_tr = read_idx(found[1], IDX_LABELS_MAGIC).astype(np.int64)
     x_te = read_idx(found[2], IDX_IMAGES_MAGIC)
@@ -54,7 +61,7 @@ def build_mnist(path: Optional[str], rank: int, size: int, seed: int, *,
     for x, y, f in ((x_tr, y_tr, found[0]), (x_te, y_te, found[2])):
         if len(x) != len(y):
             raise ValueError(f"{f}: {len(x)} images but {len(y)} labels")
-    mean, std = (MNIST_MEAN, MNIST_STD) if normalize else ((0.0,), (1.0,))
+    mean, std = stats if stats is not None else ((0.0,), (1.0,))
     transform = ImageTransform(mean, std)
     idx = shard_indices(len(x_tr), rank, size, seed)
     shard = x_tr[idx][:, None]  # (n, 1, 28, 28); fancy indexing copies, freeing the rest
@@ -62,5 +69,5 @@ def build_mnist(path: Optional[str], rank: int, size: int, seed: int, *,
     test = TensorPairDataset(torch.from_numpy(x_te[:, None].copy()),
                              torch.from_numpy(y_te), transform)
     h, w = x_tr.shape[1:]
-    return DataBundle(train, test, 10, (1, int(h), int(w)), "classification", "mnist",
-                      {"train_size_total": len(x_tr), "path": path})
+    return DataBundle(train, test, 10, (1, int(h), int(w)), "classification", dataset,
+                      {"train_size_total": len(x_tr), "path": path, **(info or {})})
