@@ -7,6 +7,7 @@ command that installs them otherwise), then real ``horovodrun -np 2`` runs of th
 each, and the one-line error of a run whose files are missing.
 """
 import gzip
+import lzma
 import os
 import re
 import shutil
@@ -98,19 +99,21 @@ def _r_char(s) -> bytes:
     return struct.pack(">ii", 9 | 8 << 12, len(data)) + data   # gp 8: UTF-8
 
 
-def _write_lazyload(folder: Path, objects: dict) -> None:
-    """An R package's data/Rdata.rdx + Rdata.rdb (see data/rdb.py), one zlib entry per object."""
+def _write_lazyload(folder: Path, objects: dict, xz: bool = False) -> None:
+    """An R package's data/Rdata.rdx + Rdata.rdb (see data/rdb.py), one zlib entry per object (``xz``:
+    R's compress = 3 with an xz codec byte, as ``tools:::makeLazyLoadDB(compress = 3)`` writes)."""
     header = b"X\n" + struct.pack(">iii", 2, 0x040201, 0x020300)
     folder.mkdir(parents=True, exist_ok=True)
     entries, offset = {}, 0
     with open(folder / "Rdata.rdb", "wb") as f:
         for name, value in objects.items():
             body = header + _r_object(value)
-            entry = struct.pack(">I", len(body)) + zlib.compress(body)
+            packed = b"X" + lzma.compress(body) if xz else zlib.compress(body)
+            entry = struct.pack(">I", len(body)) + packed
             f.write(entry)
             entries[name] = np.array([offset, len(entry)])
             offset += len(entry)
-    index = {"variables": entries, "references": {}, "compressed": np.array([True])}
+    index = {"variables": entries, "references": {}, "compressed": np.array([3]) if xz else np.array([True])}
     with gzip.open(folder / "Rdata.rdx", "wb") as f:
         f.write(header + _r_object(index))
 
@@ -136,6 +139,9 @@ def test_lazyload_reader_on_a_database_written_here(tmp_path):
     assert rdb.read_lazyload(str(tmp_path), ["b"]) == {"b": ["only"]}
     with pytest.raises(ValueError, match="holds no object"):
         rdb.read_lazyload(str(tmp_path), ["c"])
+    _write_lazyload(tmp_path / "xz", {"a": ["x", "y"]}, xz=True)
+    assert rdb.index(str(tmp_path / "xz"))["compressed"] == 3
+    assert rdb.read_lazyload(str(tmp_path / "xz")) == {"a": ["x", "y"]}
 
 
 def test_austen_on_a_small_database(tmp_path):
