@@ -6,30 +6,23 @@ import sys
 import pytest
 from launch import REPO, summary, train
 
-# The seed also draws the train/test split: each seed is a paired comparison on its own
-# 360-sample test set (1 sample = 0.28 point), so the convergence test takes the mean of three.
-CONVERGENCE_SEEDS = (0, 1, 2)
+# The full convergence claims (RedSync, SBC and IWP within 0.5 point of dense over three seeds at
+# their documented epochs) are the convergence sweep's (configs/sweeps/convergence.yaml,
+# docs/benchmarks.md): they take an hour of two cores. Here one seed of each method at the
+# configs' own 20 epochs: the bounds are looser (one seed moves accuracy by a point or two, one
+# test sample is 0.28 point) but still fail when a method stops learning or stops compressing.
+SLICE_BOUND = 0.02
 
 
 @pytest.fixture(scope="module")
 def digits_runs(tmp_path_factory):
-    """Runs of the digits CNN on 2 workers, shared by the tests below: dense, top-k (density
-    0.01), DCD and ECD at 20 epochs (the base config, seed 0); RedSync (layer and bucket
-    selection), SBC and IWP at 40 epochs, their documented convergence setting, with dense
-    at 40 epochs, for seeds 0-2."""
+    """Runs of the digits CNN on 2 workers at the configs' own 20 epochs, seed 0, shared by the
+    tests below: dense, top-k (density 0.01), RedSync (layer and bucket selection), SBC, IWP,
+    DCD and ECD."""
     out = tmp_path_factory.mktemp("runs")
-    for cfg in ("dense", "topk"):
+    for cfg in ("dense", "topk", "redsync", "sbc", "iwp", "dcd", "ecd"):
         train(out, f"configs/digits/{cfg}.yaml")
-    for seed in CONVERGENCE_SEEDS:
-        suffix = "" if seed == 0 else f"-s{seed}"
-        for cfg, name in (("dense", "dense-40"), ("redsync", "redsync-0.01"), ("redsync-0.001", "redsync-0.001"),
-                          ("sbc", "sbc"), ("iwp", "iwp")):
-            train(out, f"configs/digits/{cfg}.yaml", "training.epochs=40", f"training.seed={seed}",
-                  f"output.name={name}{suffix}")
-        train(out, "configs/digits/redsync.yaml", "training.epochs=40", f"training.seed={seed}",
-              "compression.selection.scope=bucket", f"output.name=redsync-bucket{suffix}")
-    for cfg in ("dcd", "ecd"):
-        train(out, f"configs/digits/{cfg}.yaml")
+    train(out, "configs/digits/redsync.yaml", "compression.selection.scope=bucket", "output.name=redsync-bucket")
     return out
 
 
@@ -43,48 +36,31 @@ def test_digits_reaches_90_percent(digits_runs, name):
     assert set(s["time_breakdown"]) >= {"select", "communicate", "decompress", "compute"}
 
 
-def _seed_mean(runs_dir, name):
-    runs = [summary(runs_dir / (name + ("" if s == 0 else f"-s{s}"))) for s in CONVERGENCE_SEEDS]
-    assert all(r["steps"] == 880 for r in runs)
-    return sum(r["final_accuracy"] for r in runs) / len(runs), runs
-
-
-@pytest.mark.parametrize("density", ["0.01", "0.001"])
-def test_redsync_converges_close_to_dense(digits_runs, density):
-    """RedSync's accuracy target: within 0.5 point of dense at the same epochs (40), on the mean
-    over seeds 0-2 of paired runs (same seed, same split). The measured gaps over seeds 0-4
-    (configs/sweeps/digits.yaml) are in docs/redsync.md."""
-    dense, _ = _seed_mean(digits_runs, "dense-40")
-    rs, runs = _seed_mean(digits_runs, f"redsync-{density}")
-    assert rs >= dense - 0.005, (rs, dense)
-    assert all(r["compression_ratio"] > 30 for r in runs)
-    decisions = {d["name"]: d["compressed"] for d in runs[0]["layer_decisions"]}
+@pytest.mark.parametrize("name, min_ratio", [("redsync", 20), ("redsync-bucket", 30)])
+def test_redsync_learns_close_to_dense_in_one_seed(digits_runs, name, min_ratio):
+    """RedSync (per-layer tbs, and bucket selection, the CUDA default, which sends about k per
+    layer) within 2 points of dense at 20 epochs, seed 0, compressing its big layers."""
+    dense, rs = summary(digits_runs / "dense"), summary(digits_runs / name)
+    assert rs["steps"] == dense["steps"] == 440
+    assert rs["final_accuracy"] >= dense["final_accuracy"] - SLICE_BOUND, (rs["final_accuracy"],
+                                                                           dense["final_accuracy"])
+    assert rs["compression_ratio"] > min_ratio, rs["compression_ratio"]
+    decisions = {d["name"]: d["compressed"] for d in rs["layer_decisions"]}
     assert decisions["classifier.1.weight"] and not decisions["classifier.1.bias"]
 
 
-def test_redsync_bucket_selection_converges(digits_runs):
-    """selection_scope: bucket (the CUDA default) through real training on the CPU. It sends
-    about k per layer, as trimmed does, where per-layer tbs sends k to 2k: fewer elements at
-    the same density, so the bound is 1 point (measured gaps and ratios: docs/redsync.md)."""
-    dense, _ = _seed_mean(digits_runs, "dense-40")
-    rs, runs = _seed_mean(digits_runs, "redsync-bucket")
-    assert rs >= dense - 0.01, (rs, dense)
-    assert all(r["compression_ratio"] > 40 for r in runs)
-
-
 @pytest.mark.parametrize("name, paper_ratio", [("sbc", 3531), ("iwp", 58.8)])
-def test_sbc_iwp_converge_close_to_dense_above_the_papers_ratio(digits_runs, name, paper_ratio):
-    """At configs/digits/{sbc,iwp}.yaml and 40 epochs, within 0.5 point of dense on the mean of
-    seeds 0-2 (paired runs), at a compression ratio against dense fp32 SGD over the same samples
-    above the paper's: SBC 3531x on ResNet-50 (Sattler et al., IJCNN 2019), IWP 58.8x on
-    ResNet-50 (Cheng & Xu, arXiv:1901.01544, 2019). Measured figures: docs/sbc.md, docs/iwp.md."""
-    dense, dense_runs = _seed_mean(digits_runs, "dense-40")
-    acc, runs = _seed_mean(digits_runs, name)
-    assert acc >= dense - 0.005, (acc, dense)
-    for run, base in zip(runs, dense_runs):
-        assert run["dense_bytes"] == base["dense_bytes"]   # the same samples, counted alike
-        assert run["compression_ratio"] > paper_ratio, run["compression_ratio"]
-    decisions = {d["name"]: d for d in runs[0]["layer_decisions"]}
+def test_sbc_iwp_learn_close_to_dense_above_the_papers_ratio(digits_runs, name, paper_ratio):
+    """At configs/digits/{sbc,iwp}.yaml, seed 0, 20 epochs: within 2 points of dense, at a
+    compression ratio against dense fp32 SGD over the same samples above the paper's: SBC 3531x
+    on ResNet-50 (Sattler et al., IJCNN 2019), IWP 58.8x on ResNet-50 (Cheng & Xu,
+    arXiv:1901.01544, 2019). The three-seed figures at 40 epochs: docs/sbc.md, docs/iwp.md."""
+    dense, run = summary(digits_runs / "dense"), summary(digits_runs / name)
+    assert run["final_accuracy"] >= dense["final_accuracy"] - SLICE_BOUND, (run["final_accuracy"],
+                                                                            dense["final_accuracy"])
+    assert run["dense_bytes"] == dense["dense_bytes"]   # the same samples, counted alike
+    assert run["compression_ratio"] > paper_ratio, run["compression_ratio"]
+    decisions = {d["name"]: d for d in run["layer_decisions"]}
     assert all(d["compressed"] for d in decisions.values())     # every layer, the small ones too
     assert decisions["classifier.3.bias"]["density"] == 0.25
 
