@@ -290,3 +290,58 @@ def test_every_default_in_the_configuration_reference_is_the_models():
     assert "PydanticUndefined" not in text
     assert "| `compression.dgc.momentum_correction` | bool | `False`; redsync: `True` |" in text
     assert "| `compression.policy.min_compress_numel` | int | `0`; iwp, redsync: `4096` |" in text
+
+
+# -- RedSync configs say why they leave the method's defaults --------------------------------
+def _words(text: str) -> str:
+    """Lower case without spaces, hyphens and underscores: "warm-up" names warmup."""
+    return "".join(c for c in text.lower() if c not in " _-")
+
+
+def _leaves(section: dict, prefix: tuple = ()) -> list:
+    """(path of keys, value) of every leaf of a compression section as the file wrote it."""
+    out = []
+    for key, value in section.items():
+        if isinstance(value, dict):
+            out += _leaves(value, prefix + (key,))
+        else:
+            out.append((prefix + (key,), value))
+    return out
+
+
+def _unexplained(path: Path) -> list:
+    """The compression keys ``path`` sets beyond method and density that none of its comments names
+    (by the key, any key above it, or the value it sets)."""
+    import yaml
+    text = path.read_text()
+    comments = _words(" ".join(line.split("#", 1)[1] for line in text.splitlines() if "#" in line))
+    section = (yaml.safe_load(text) or {}).get("compression") or {}
+    missing = []
+    for keys, value in _leaves(section):
+        if keys in (("method",), ("density",)):
+            continue
+        names = [_words(k) for k in keys] + ([_words(str(value))] if isinstance(value, str) else [])
+        if not any(n in comments for n in names):
+            missing.append(".".join(keys))
+    return missing
+
+
+def test_redsync_configs_set_only_the_density_unless_a_comment_says_why():
+    """A task's RedSync config takes the method's defaults: each other compression key it sets is
+    named in one of its comments, which says why that work needs it."""
+    found = []
+    for path in sorted((REPO / "configs").rglob("*.yaml")):
+        if "bench" in path.parts or "sweeps" in path.parts or load_config(path).compression.method != "redsync":
+            continue
+        found.append(path)
+        missing = _unexplained(path)
+        assert not missing, f"{path.relative_to(REPO)} sets {missing} without a comment that says why"
+    assert len(found) >= 6, found
+
+
+def test_an_unexplained_key_fails_the_rule(tmp_path):
+    bare = tmp_path / "redsync.yaml"
+    bare.write_text("compression:\n  method: redsync\n  density: 0.01\n  warmup: {epochs: 4}\n")
+    assert _unexplained(bare) == ["warmup.epochs"]
+    bare.write_text("# a warm-up of 4 epochs: the first steps move the weights most\n" + bare.read_text())
+    assert _unexplained(bare) == []

@@ -5,6 +5,7 @@ Columns a sweep (or a part of it) can ask for, by name:
 
     metric              the sweep's metric (final_accuracy, final_perplexity or final_loss), mean of seeds
     per_seed            the metric of each seed
+    spread              the seeds' sample standard deviation (accuracy in points), "-" for one seed
     vs_reference        against the reference row (the row's ``reference``, else the sweep's) at the same
                         launch: accuracy in points below it, perplexity and loss in % above it
     ratio               dense fp32 bytes over the bytes sent (means of seeds)
@@ -19,6 +20,7 @@ Columns a sweep (or a part of it) can ask for, by name:
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 from . import machine
@@ -27,7 +29,7 @@ from .tables import cell, command_line, markdown, write_csv, write_json
 
 METRICS = {"final_accuracy": ("accuracy", ".4f"), "final_perplexity": ("test perplexity", ".2f"),
            "final_loss": ("test loss", ".4f")}
-COLUMNS = ("metric", "per_seed", "vs_reference", "ratio", "ratio_vs_reference", "wire_mb", "sparse_mb", "budget_mb",
+COLUMNS = ("metric", "spread", "per_seed", "vs_reference", "ratio", "ratio_vs_reference", "wire_mb", "sparse_mb", "budget_mb",
            "steps", "step_s", "wall_s")
 DEFAULT_COLUMNS = ["metric", "per_seed", "vs_reference", "ratio", "wire_mb", "steps"]
 CSV_COLUMNS = ["part", "row", "launch", "seed", "status", "final_accuracy", "final_perplexity", "final_loss",
@@ -74,6 +76,14 @@ def aggregate(runs: list, metric: str) -> dict:
             "budget_bytes": mean([r.get("budget_bytes") for r in rs])}
 
 
+def _spread(a: dict, metric: str):
+    values = [v for v in a.get("values", []) if v is not None]
+    if len(values) < 2:
+        return "-"
+    sd = statistics.stdev(values)
+    return f"±{100 * sd:.2f}" if metric == "final_accuracy" else f"±{sd:.2f}"
+
+
 def _vs(a: dict, ref: dict | None, metric: str):
     if not ref or a.get("mean") is None or ref.get("mean") is None:
         return "-"
@@ -90,6 +100,7 @@ def column(name: str, a: dict, ref: dict | None, metric: str, ref_name: str | No
         return cell(a[key] / 1e6 if a.get(key) is not None else None, spec)
     cells = {
         "metric": (f"{what} (mean)", lambda: cell(a.get("mean"), spec)),
+        "spread": ("spread (sd)" + (" points" if metric == "final_accuracy" else ""), lambda: _spread(a, metric)),
         "per_seed": ("per seed", lambda: " ".join(cell(v, spec) for v in a.get("values", [])) or "-"),
         "vs_reference": (f"below {ref_name} (points)" if metric == "final_accuracy" else f"vs {ref_name}",
                          lambda: _vs(a, ref, metric)),
