@@ -166,7 +166,7 @@ class GradientExchange:
             return   # it scales nothing
         if not self.check_finite:
             raise ValueError("a GradScaler skips the steps whose gradients overflow, and the exchange must roll "
-                             "its residuals back on those steps: set compression.check_finite: true (the default)")
+                             "its residuals back on those steps: set compression.check_finite: true (or leave it unset)")
         self.scaler, self.on_nonfinite = scaler, "skip"
 
     def follow_lr(self, lr: float) -> None:
@@ -320,7 +320,9 @@ class GradientExchange:
             + (f" in {bad[:5]} on this rank" if bad else " (on this or another rank)")
             + ". No update was applied and the residuals were left as they were. "
               "Lower the learning rate, clip gradients, or check the input data; "
-              "compression.check_finite=false passes NaN/Inf through instead (as an uncompressed average does).")
+              "This check is on by default where the method keeps a residual (a NaN there would stay for good); "
+              "compression.check_finite=false passes NaN/Inf on instead, as Horovod's uncompressed average does "
+              "(residuals stay finite).")
 
     def _after_average(self, arrived: list, out: dict, apply: dict) -> list:
         """What needs the checked average: DGC momentum of dense layers, the GradScaler's scale, and

@@ -86,7 +86,7 @@ class DDPCompressionState:
         self._bucket_bytes: dict = {}    # fast path: (bucket index, buffer address) -> bytes
         self._reduced: list = []         # fast path: (work, buffer, future) of this step's buckets
         # fast path: check only when asked for by name (see the module docstring)
-        self._check_dense = config.check_finite and "check_finite" in config.model_fields_set
+        self._check_dense = config.finite_check
 
     # -- the step, from the hooks -----------------------------------------------
     def submit_bucket(self, bucket) -> torch.futures.Future:
@@ -193,6 +193,8 @@ class DDPCompressionState:
         overflow reaches every rank's average and the scaler finds it there, so its own finite
         check (which would raise) is turned off."""
         if self.exchange is not None:
+            if scaler.is_enabled() and self.config.check_finite is None:
+                self.exchange.check_finite = True   # unset: the check is how an overflowing step is skipped
             self.exchange.use_grad_scaler(scaler)
         elif scaler.is_enabled():
             self._check_dense = False
