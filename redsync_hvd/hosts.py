@@ -43,11 +43,13 @@ def version_mismatch(identities: list) -> str | None:
         differ = [name for name in sorted(set(first["versions"]) | set(other["versions"]))
                   if first["versions"].get(name) != other["versions"].get(name)]
         if differ:
-            def runs(ident):
-                return ", ".join(f"{name} {ident['versions'].get(name, 'none')}" for name in differ)
-            return (f"rank {rank} on host {other['host']} runs {runs(other)} where rank 0 on host "
-                    f"{first['host']} runs {runs(first)}: {SAME_VERSIONS}")
+            return (f"rank {rank} on host {other['host']} runs {_runs(other, differ)} where rank 0 on host "
+                    f"{first['host']} runs {_runs(first, differ)}: {SAME_VERSIONS}")
     return None
+
+
+def _runs(ident: dict, names: list) -> str:
+    return ", ".join(f"{name} {ident['versions'].get(name, 'none')}" for name in names)
 
 
 # -- horovodrun's ssh check ------------------------------------------------------------------------

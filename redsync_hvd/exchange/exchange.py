@@ -166,7 +166,8 @@ class GradientExchange:
             return   # it scales nothing
         if not self.check_finite:
             raise ValueError("a GradScaler skips the steps whose gradients overflow, and the exchange must roll "
-                             "its residuals back on those steps: set compression.check_finite: true (or leave it unset)")
+                             "its residuals back on those steps: set compression.check_finite: true (or leave it "
+                             "unset)")
         self.scaler, self.on_nonfinite = scaler, "skip"
 
     def follow_lr(self, lr: float) -> None:

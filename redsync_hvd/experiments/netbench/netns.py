@@ -292,9 +292,11 @@ class ShapedNetwork:
     def _write_hosts(self, ns: str, addr: str | None) -> None:
         d = os.path.join(NETNS_ETC, ns)
         os.makedirs(d, exist_ok=True)
+        # the names first: a reverse lookup of a host's address (socket.getfqdn, which torchrun's
+        # rendezvous hands to the other hosts) takes the first line that has it
         names = "".join(f"{self.host_addr(i)} {name}\n" for i, name in enumerate(self.names))
         with open(os.path.join(d, "hosts"), "w") as f:
-            f.write("127.0.0.1 localhost\n" + (f"{addr} {socket.gethostname()}\n" if addr else "") + names)
+            f.write("127.0.0.1 localhost\n" + names + (f"{addr} {socket.gethostname()}\n" if addr else ""))
 
     def _shape(self, ns: str, dev: str, delay: bool) -> None:
         if self.bandwidth_mbit is None and not (delay and self.latency_ms > 0):
