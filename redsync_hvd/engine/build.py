@@ -153,4 +153,5 @@ def build_exchange(compression: Any, layers: list, comm, *, framework: str = "to
     exchange = GradientExchange(layers, compressor, comm, policy, memory, check_finite=config.finite_check,  # 6.
                                 fusion_bytes=config.fusion_bytes, clip_norm=config.local_clip, network=network,
                                 cuda_graph=config.cuda_graph, **options)
+    exchange.check_finite_unset = config.check_finite is None
     return Built(exchange, config, momentum)

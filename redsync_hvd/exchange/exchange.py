@@ -68,6 +68,7 @@ class GradientExchange:
         self.dense = FP16Compressor(comm=comm) if self.dense_fp16 else NoneCompressor()
         self.memory = memory if memory is not None else NoMemory()
         self.check_finite, self.on_nonfinite = check_finite, on_nonfinite
+        self.check_finite_unset = False   # the config left it to the method (build_exchange says)
         self.clip = clip_norm * comm.size ** -0.5 if clip_norm else None
         self.scaler = None       # a GradScaler (use_grad_scaler): its scale is taken once per step
         self.lr_of = None        # residual_lr: own: () -> this step's learning rate (follow_lr)
@@ -164,6 +165,8 @@ class GradientExchange:
         """
         if not scaler.is_enabled():
             return   # it scales nothing
+        if self.check_finite_unset:
+            self.check_finite = True   # the check is how an overflowing step is skipped
         if not self.check_finite:
             raise ValueError("a GradScaler skips the steps whose gradients overflow, and the exchange must roll "
                              "its residuals back on those steps: set compression.check_finite: true (or leave it "

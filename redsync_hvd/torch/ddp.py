@@ -193,8 +193,6 @@ class DDPCompressionState:
         overflow reaches every rank's average and the scaler finds it there, so its own finite
         check (which would raise) is turned off."""
         if self.exchange is not None:
-            if scaler.is_enabled() and self.config.check_finite is None:
-                self.exchange.check_finite = True   # unset: the check is how an overflowing step is skipped
             self.exchange.use_grad_scaler(scaler)
         elif scaler.is_enabled():
             self._check_dense = False

@@ -210,8 +210,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("compression.sparse_update updates the weights inside step(), before a GradScaler "
                              "could skip an overflowing step: set sparse_update: false to train with fp16")
         if not self._local_steps:   # SBC's local steps see local gradients, which the scaler checks itself
-            if scaler.is_enabled() and self.compression_config.check_finite is None:
-                self._exchange.check_finite = True   # unset: the check is how an overflowing step is skipped
             self._exchange.use_grad_scaler(scaler)
 
     def synchronize(self):
