@@ -161,18 +161,30 @@ def _adapter(cfg: RunConfig):
     return DDPAdapter() if cfg.engine == "ddp" else HorovodAdapter()
 
 
+def _packages(cfg) -> tuple:
+    """What every rank must run in the same version: this package, the framework, and Horovod where it
+    carries the exchange."""
+    horovod = ("horovod",) if cfg.framework == "tensorflow" or cfg.engine == "horovod" else ()
+    return ("redsync_hvd", cfg.framework, *horovod)
+
+
 def launch(cfg, adapter, relayed: bool = False) -> int:
-    """Start the framework, agree on the config, build data, resume (agreed by all ranks), build
+    """Start the framework, agree on versions and config, build data, resume (agreed by all ranks), build
     the trainer, run the loop. Exit codes: 0 done, 2 bad config or checkpoint (one message, from
     rank 0), 75 stopped by SIGTERM/SIGINT after every rank saved (resume it)."""
     import torch
 
     from .checkpoint import CheckpointError
     from .data import build_datasets
+    from .hosts import identity, version_mismatch
     from .runlog import clear_run, run_dir
     from .runner import resume, run, trainer_config
     rank, size = adapter.init(cfg)
-    prints = adapter.allgather_object(cfg.fingerprint(), name="rsync.cfg")
+    ranks = adapter.allgather_object({**identity(_packages(cfg)), "config": cfg.fingerprint()}, name="rsync.cfg")
+    mismatch = version_mismatch(ranks)
+    if mismatch:
+        return stop_with(mismatch, rank)
+    prints = [r["config"] for r in ranks]
     if len(set(prints)) != 1:
         return stop_with(f"ranks loaded different configs (fingerprints {prints}); start every rank with the same "
                       "--config and --set arguments", rank)

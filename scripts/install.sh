@@ -49,6 +49,13 @@ if ! command -v mpicxx >/dev/null || ! command -v mpirun >/dev/null; then
   fi
 fi
 say "MPI: $(command -v mpicxx) ($(mpirun --version 2>/dev/null | head -1))"
+# sshd: the multi-host tests (tests/test_cluster.py) run one in each emulated host; only as root, who can
+# build those hosts (network namespaces). A cluster's own sshd is its administrator's.
+if [ "$(id -u)" = 0 ] && [ ! -x /usr/sbin/sshd ] && command -v apt-get >/dev/null; then
+  say "no sshd: installing Debian's openssh-server (tests/test_cluster.py starts it in its emulated hosts)"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server) >/dev/null \
+    || die "apt-get could not install openssh-server. Install it yourself, or skip tests/test_cluster.py."
+fi
 
 # ---- virtualenv ---------------------------------------------------------------
 if [ ! -x "$VENV/bin/python" ]; then

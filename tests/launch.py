@@ -29,18 +29,14 @@ def _command(launcher_args: list, args: list) -> list:
         [sys.executable if a == "python" else str(a) for a in args]
 
 
-def start(args: list, np: int = 2, env: dict | None = None, launcher_args: list | None = None) -> subprocess.Popen:
+def start(args: list, np: int = 2, env: dict | None = None, launcher_args: list | None = None,
+          on: list = ()) -> subprocess.Popen:
     """Start ``horovodrun`` without waiting, for tests that act on a running job (signals);
-    ``launcher_args`` replace ``-np N -H localhost:N``. Collect it with :func:`finish`."""
-    cmd = _command(launcher_args if launcher_args is not None else ["-np", np, "-H", f"localhost:{np}"], args)
-    full_env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-                "PYTHONPATH": str(REPO), "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
-                "PYTHONUNBUFFERED": "1",
-                # a worker that crashes in native code prints every thread's Python stack
-                "PYTHONFAULTHANDLER": "1",
-                # more ranks than cores: let MPI yield instead of spinning while it waits
-                "OMPI_MCA_mpi_yield_when_idle": "1", **(env or {})}
-    return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    ``launcher_args`` replace ``-np N -H localhost:N``; ``on``: a prefix that runs it elsewhere
+    (``ip netns exec ...``: an emulated host). Collect it with :func:`finish`."""
+    cmd = [*on, *_command(launcher_args if launcher_args is not None else ["-np", np, "-H", f"localhost:{np}"],
+                          args)]
+    return subprocess.Popen(cmd, cwd=REPO, env=job_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
 
 
@@ -214,6 +210,17 @@ def kill_session(proc: subprocess.Popen) -> None:
 def plain(args: list, timeout: float = 120, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
     """Run ``python <args>`` as one process, no launcher, with the same timeout and session kill."""
     return _run([sys.executable] + [str(a) for a in args], "python", timeout, env, check)
+
+
+def job_env(env: dict | None = None) -> dict:
+    """The environment :func:`start` gives horovodrun (and a shell script that runs it)."""
+    return {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+            "PYTHONPATH": str(REPO), "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+            "PYTHONUNBUFFERED": "1",
+            # a worker that crashes in native code prints every thread's Python stack
+            "PYTHONFAULTHANDLER": "1",
+            # more ranks than cores: let MPI yield instead of spinning while it waits
+            "OMPI_MCA_mpi_yield_when_idle": "1", **(env or {})}
 
 
 def _env(env: dict | None) -> dict:

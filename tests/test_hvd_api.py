@@ -119,13 +119,36 @@ def test_check_finite_off_passes_nan_on_and_every_method_keeps_its_state_finite(
 
 
 def test_check_finite_on_raises_for_the_same_gradients():
+    """RedSync keeps a residual: its default check raises, and says why it is on."""
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 32)
     opt = _opt({"method": "redsync", "density": 0.1, "policy": {"min_compress_numel": 0}}, model=model)
     _nan_in_weight(model)
     model(torch.randn(16, 64)).pow(2).mean().backward()
-    with pytest.raises(NonFiniteGradientError, match="'weight'"):
+    with pytest.raises(NonFiniteGradientError, match="'weight'.*on by default where the method keeps a residual"):
         opt.step()
+
+
+@pytest.mark.parametrize("compression, keeps_residual", [
+    ({"method": "none"}, False), ({"method": "fp16"}, False), ({"method": "qsgd"}, False),
+    ({"method": "topk", "density": 0.1, "residual": False}, False), ({"method": "topk", "density": 0.1}, True),
+    ({"method": "powersgd"}, True), ({"method": "none", "check_finite": True}, True),
+], ids=lambda c: "-".join(map(str, c.values())) if isinstance(c, dict) else str(c))
+def test_unset_check_finite_passes_nan_on_exactly_where_no_residual_is_kept(compression, keeps_residual):
+    """As horovod.torch.DistributedOptimizer does, where nothing outlives the step; a residual
+    (or the check set by name) raises instead."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    opt = _opt({**compression, "policy": {"min_compress_numel": 0}}, model=model)
+    assert opt.compression_config.finite_check == keeps_residual
+    _nan_in_weight(model)
+    model(torch.randn(16, 64)).pow(2).mean().backward()
+    if keeps_residual:
+        with pytest.raises(NonFiniteGradientError):
+            opt.step()
+        return
+    opt.synchronize()
+    assert not torch.isfinite(model.weight.grad).all() and torch.isfinite(model.bias.grad).all()
 
 
 @pytest.mark.parametrize("check_finite", [True, False])

@@ -317,8 +317,10 @@ def policy_with_floor(value: Any, floor: int) -> Any:
 
 class CompressionConfig(MethodConfig):
     """Knobs every method of the gradient exchange shares."""
-    check_finite: bool = Field(
-        True, description="stop with a clear error on NaN/Inf gradients (all ranks agree, residuals untouched); "
+    check_finite: Optional[bool] = Field(
+        None, description="null (the default): true where the method keeps a residual (error feedback), false "
+                          "where it keeps none (none, fp16, qsgd, residual: false), as Horovod passes NaN on. "
+                          "true: stop with a clear error on NaN/Inf gradients (all ranks agree, residuals untouched); "
                           "costs one reduction per bucket (per layer for compressors that do not check "
                           "themselves), carried in the bucket's own collective, and one read per step. false: "
                           "the same reductions, and NaN/Inf passes on into the averaged gradients (as an "
@@ -334,6 +336,11 @@ class CompressionConfig(MethodConfig):
                             "capture is refused, logged) | on: the same, but a refused capture is an error | off: "
                             "eager (a few launches per bucket and step)")
     policy: PolicyConfig = Field(default_factory=PolicyConfig, description="which layers compress")
+
+    @property
+    def finite_check(self) -> bool:
+        """check_finite as set; unset, on exactly where a residual would keep a NaN for good."""
+        return self.uses_memory if self.check_finite is None else self.check_finite
 
     @field_validator("policy", mode="before")
     @classmethod

@@ -150,7 +150,8 @@ def build_exchange(compression: Any, layers: list, comm, *, framework: str = "to
         network = network_for(config, comm)
         if network is not None:
             policy.compute = probe_compute(comm, layers[0].device if layers else "cpu")
-    exchange = GradientExchange(layers, compressor, comm, policy, memory, check_finite=config.check_finite,  # 6.
+    exchange = GradientExchange(layers, compressor, comm, policy, memory, check_finite=config.finite_check,  # 6.
                                 fusion_bytes=config.fusion_bytes, clip_norm=config.local_clip, network=network,
                                 cuda_graph=config.cuda_graph, **options)
+    exchange.check_finite_unset = config.check_finite is None
     return Built(exchange, config, momentum)

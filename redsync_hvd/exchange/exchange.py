@@ -68,6 +68,7 @@ class GradientExchange:
         self.dense = FP16Compressor(comm=comm) if self.dense_fp16 else NoneCompressor()
         self.memory = memory if memory is not None else NoMemory()
         self.check_finite, self.on_nonfinite = check_finite, on_nonfinite
+        self.check_finite_unset = False   # the config left it to the method (build_exchange says)
         self.clip = clip_norm * comm.size ** -0.5 if clip_norm else None
         self.scaler = None       # a GradScaler (use_grad_scaler): its scale is taken once per step
         self.lr_of = None        # residual_lr: own: () -> this step's learning rate (follow_lr)
@@ -164,9 +165,12 @@ class GradientExchange:
         """
         if not scaler.is_enabled():
             return   # it scales nothing
+        if self.check_finite_unset:
+            self.check_finite = True   # the check is how an overflowing step is skipped
         if not self.check_finite:
             raise ValueError("a GradScaler skips the steps whose gradients overflow, and the exchange must roll "
-                             "its residuals back on those steps: set compression.check_finite: true (the default)")
+                             "its residuals back on those steps: set compression.check_finite: true (or leave it "
+                             "unset)")
         self.scaler, self.on_nonfinite = scaler, "skip"
 
     def follow_lr(self, lr: float) -> None:
@@ -320,7 +324,9 @@ class GradientExchange:
             + (f" in {bad[:5]} on this rank" if bad else " (on this or another rank)")
             + ". No update was applied and the residuals were left as they were. "
               "Lower the learning rate, clip gradients, or check the input data; "
-              "compression.check_finite=false passes NaN/Inf through instead (as an uncompressed average does).")
+              "This check is on by default where the method keeps a residual (a NaN there would stay for good); "
+              "compression.check_finite=false passes NaN/Inf on instead, as Horovod's uncompressed average does "
+              "(residuals stay finite).")
 
     def _after_average(self, arrived: list, out: dict, apply: dict) -> list:
         """What needs the checked average: DGC momentum of dense layers, the GradScaler's scale, and

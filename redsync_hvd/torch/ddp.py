@@ -86,7 +86,7 @@ class DDPCompressionState:
         self._bucket_bytes: dict = {}    # fast path: (bucket index, buffer address) -> bytes
         self._reduced: list = []         # fast path: (work, buffer, future) of this step's buckets
         # fast path: check only when asked for by name (see the module docstring)
-        self._check_dense = config.check_finite and "check_finite" in config.model_fields_set
+        self._check_dense = config.finite_check
 
     # -- the step, from the hooks -----------------------------------------------
     def submit_bucket(self, bucket) -> torch.futures.Future:

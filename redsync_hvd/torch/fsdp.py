@@ -164,7 +164,8 @@ class FSDPCompressionState:
             raise NonFiniteGradientError(
                 f"non-finite gradient (NaN/Inf) at step {self.steps} on {int(sums[0])} FSDP group(s) of some "
                 "rank: the residuals and velocities stay as they were. Lower the learning rate, clip "
-                "gradients or check the input data; compression.check_finite=false disables this check")
+                "gradients or check the input data. This check is on by default where the method keeps a residual (a "
+                "NaN there would stay for good); compression.check_finite=false passes NaN/Inf on instead")
         for group, result in pending:
             group.swap()
             self.stats.add_bytes(result.kinds, group.kind)
@@ -389,8 +390,7 @@ def _group(config, name: str, params: list, mine: list, comm, spec) -> ShardedGr
                         masking=bool(getattr(getattr(config, "dgc", None), "momentum_masking", True)),
                         storage=getattr(config, "residual_dtype", "fp32"),
                         backend=getattr(getattr(config, "selection", None), "radix_backend", "auto"),
-                        check_finite=config.check_finite and (not config.dense_fast_path
-                                                             or "check_finite" in config.model_fields_set))
+                        check_finite=config.finite_check)
     sign_rule = getattr(getattr(config, "message", None), "sign_rule", "alternate")
     return ShardedGroup(name, mine, [math.prod(fp.padded_sharded_param_size) for fp in params], comm, settings,
                         quantize.pop() if quantize else "none", sign_rule, params[0].sharded_param.device)

@@ -1,6 +1,7 @@
 """Horovod 0.28.1's own test/parallel/test_torch.py with ``hvd.DistributedOptimizer`` and
 ``hvd.broadcast_optimizer_state`` replaced by ours (``REDSYNC_METHOD``: unset for plain Horovod,
-none, redsync; ``REDSYNC_CHECK_FINITE=0`` turns the finite check off). run.sh copies Horovod's
+none, redsync; ``REDSYNC_CHECK_FINITE=0`` or ``1`` sets the finite check, unset leaves the method's
+default: off for none, as Horovod, on for RedSync, which keeps a residual). run.sh copies Horovod's
 test file next to this one and starts it; see docs/horovod_api.md."""
 import os
 
@@ -15,8 +16,9 @@ METHOD = os.environ.get("REDSYNC_METHOD")
 if METHOD:
     import redsync_hvd.torch as rhvd
 
-    compression = {**(EXACT if METHOD == "redsync" else {"method": METHOD}),
-                   "check_finite": os.environ.get("REDSYNC_CHECK_FINITE", "1") != "0"}
+    compression = EXACT if METHOD == "redsync" else {"method": METHOD}
+    if os.environ.get("REDSYNC_CHECK_FINITE"):
+        compression = {**compression, "check_finite": os.environ["REDSYNC_CHECK_FINITE"] != "0"}
 
     def DistributedOptimizer(optimizer, named_parameters=None, compression_=None, *args, **kwargs):
         """horovod.torch's signature; its ``compression`` (Horovod's fp16 cast) gives way to ours."""

@@ -1,9 +1,10 @@
 #!/bin/bash
 # Horovod's own optimizer tests on ours: run.sh <Horovod 0.28.1 checkout> <np> [none|redsync] [check_finite 1|0]
+# (without check_finite: the method's default, off for none as in Horovod, on for redsync's residual)
 # Without a method: plain Horovod, the baseline. Every test of test/parallel/test_torch.py that
 # calls DistributedOptimizer or broadcast_optimizer_state is selected (three need CUDA).
 set -euo pipefail
-HOROVOD=$1; NP=$2; METHOD=${3:-}; CHECK=${4:-1}
+HOROVOD=$1; NP=$2; METHOD=${3:-}; CHECK=${4:-}
 HERE=$(cd "$(dirname "$0")" && pwd); REPO=$(cd "$HERE/../.." && pwd)
 WORK=$(mktemp -d); trap 'rm -rf "$WORK"' EXIT
 cp "$HERE/conftest.py" "$HOROVOD/test/parallel/test_torch.py" "$HOROVOD/test/utils/common.py" "$WORK/"

@@ -91,16 +91,17 @@ def broadcast_state_no_grad(impl, _sets):
 
 
 # -- test_dynamic_requires_grad -----------------------------------------------------------------
-def dynamic_requires_grad(impl, _sets, check_finite=False):
+def dynamic_requires_grad(impl, _sets, check_finite=None):
     """Horovod's GAN-like loop (it diverges to NaN/Inf in a few steps, on plain Horovod too): ours
-    with check_finite off passes the NaN on and keeps its residuals finite; with it on (the
-    default) every rank raises at the step the gradients first go non-finite."""
+    with the check off passes the NaN on and keeps its residuals finite; with it on every rank
+    raises at the step the gradients first go non-finite. ``check_finite=None`` leaves the method's
+    default: off for ``none`` (no residual: as Horovod), on for RedSync (it keeps one)."""
     torch.manual_seed(2)
     gen, disc = torch.nn.Conv2d(1, 10, 1), torch.nn.Conv2d(10, 1, 1)
     hvd.broadcast_parameters({**{f"gen.{n}": p for n, p in gen.state_dict().items()},
                               **{f"disc.{n}": p for n, p in disc.state_dict().items()}}, root_rank=0)
     inp = torch.rand([1, 1, 100, 100], generator=torch.Generator().manual_seed(hvd.rank()))
-    extra = {} if impl == "horovod" else {"compression": {"check_finite": check_finite}}
+    extra = {} if impl == "horovod" or check_finite is None else {"compression": {"check_finite": check_finite}}
     gen_opt = wrap(impl, torch.optim.SGD(gen.parameters(), lr=0.1), gen.named_parameters(), **extra)
     disc_opt = wrap(impl, torch.optim.SGD(disc.parameters(), lr=0.1), disc.named_parameters(), **extra)
 
@@ -128,8 +129,9 @@ def dynamic_requires_grad(impl, _sets, check_finite=False):
     for step in range(20):
         try:
             train_step(train_generator=step % 2 == 0, train_discriminator=step % 2 == 1)
-        except NonFiniteGradientError:
-            assert check_finite, "raised with check_finite off"
+        except NonFiniteGradientError as exc:
+            assert check_finite or (check_finite is None and impl == "redsync"), f"{impl} raised with the check off"
+            assert "on by default where the method keeps a residual" in str(exc), exc
             return {"raised at": step, "weights": [p.detach().clone() for p in [*gen.parameters(), *disc.parameters()]]}
         history.append(torch.cat([p.detach().reshape(-1) for p in [*gen.parameters(), *disc.parameters()]]))
     if impl == "redsync":
@@ -285,9 +287,12 @@ def main():
         theirs = run("horovod", sets)
         for impl in ("none", "redsync"):
             ours = run(impl, sets)
-            if case == "dynamic_requires_grad":
+            if case == "dynamic_requires_grad":   # none's default passes NaN on; RedSync's raises
+                if impl == "redsync":
+                    raised, ours = ours, run(impl, sets, check_finite=False)
+                else:
+                    raised = run(impl, sets, check_finite=True)
                 first = check_dynamic(ours, theirs, impl)
-                raised = run(impl, sets, check_finite=True)
                 assert raised["raised at"] == first, f"raised at step {raised['raised at']}, first NaN at {first}"
             else:
                 check(ours, theirs, impl, case)

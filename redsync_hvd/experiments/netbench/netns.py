@@ -28,7 +28,9 @@ Topology (every name carries a per-run prefix, e.g. ``rsnb12345``)::
   context of its global process set is built with an empty interface name
   (``GlooContext::InitializeForProcessSet`` ignores HOROVOD_GLOO_IFACE), so Gloo falls
   back to ``gethostname()`` + ``getaddrinfo``, which here would give 127.0.0.1 and
-  make ranks in different namespaces connect to themselves.
+  make ranks in different namespaces connect to themselves. With ``names`` (one per host,
+  e.g. ``("hostA", "hostB")``) every namespace's file, the switch's too, also maps each name
+  to its host's address, as a cluster's /etc/hosts or DNS does (docs/cluster.md).
 
 The context manager tears everything down on exit, on exceptions and on
 SIGINT/SIGTERM (through the caller's ``finally``): processes still inside the
@@ -182,6 +184,7 @@ class ShapedNetwork:
     prefix: str | None = None
     queue_ms: float = 50.0        # tbf queue length, in ms of traffic at the shaped rate
     verbose: bool = False
+    names: tuple = ()             # host names every namespace resolves (empty: addresses only)
     namespaces: list = field(default_factory=list, init=False)
 
     def __post_init__(self):
@@ -192,6 +195,9 @@ class ShapedNetwork:
         if self.latency_ms < 0:
             raise ValueError(f"latency_ms={self.latency_ms} must be >= 0")
         self.hosts = int(self.hosts)
+        self.names = tuple(self.names)
+        if self.names and len(self.names) != self.hosts:
+            raise ValueError(f"names={self.names}: one name per host ({self.hosts})")
         self.prefix = self.prefix or f"{PREFIX}{os.getpid()}"
         if not self.prefix.startswith(PREFIX):
             raise ValueError(f"prefix must start with {PREFIX!r} so cleanup can find it")
@@ -260,6 +266,8 @@ class ShapedNetwork:
             self._ip("link", "add", "br0", "type", "bridge", "stp_state", "0", "forward_delay", "0", ns=sw)
             self._ip("addr", "add", f"{SWITCH_ADDR}/24", "dev", "br0", ns=sw)
             self._ip("link", "set", "br0", "up", ns=sw)
+            if self.names:
+                self._write_hosts(sw, None)
             for i in range(self.hosts):
                 h, port = self.host_ns(i), f"h{i}"
                 self._ip("netns", "add", h)
@@ -281,12 +289,14 @@ class ShapedNetwork:
             self.down()
             raise
 
-    @staticmethod
-    def _write_hosts(ns: str, addr: str) -> None:
+    def _write_hosts(self, ns: str, addr: str | None) -> None:
         d = os.path.join(NETNS_ETC, ns)
         os.makedirs(d, exist_ok=True)
+        # the names first: a reverse lookup of a host's address (socket.getfqdn, which torchrun's
+        # rendezvous hands to the other hosts) takes the first line that has it
+        names = "".join(f"{self.host_addr(i)} {name}\n" for i, name in enumerate(self.names))
         with open(os.path.join(d, "hosts"), "w") as f:
-            f.write(f"127.0.0.1 localhost\n{addr} {socket.gethostname()}\n")
+            f.write("127.0.0.1 localhost\n" + names + (f"{addr} {socket.gethostname()}\n" if addr else ""))
 
     def _shape(self, ns: str, dev: str, delay: bool) -> None:
         if self.bandwidth_mbit is None and not (delay and self.latency_ms > 0):

@@ -97,7 +97,7 @@ def predict(run: dict, N: int, net: cm.Network, compute_s: float, fusion: int | 
     plan = plan_from_run(run)
     fusion = fusion or fusion_bytes(run.get("horovod_env"))
     overhead = float(run.get("select_s", 0.0)) + float(run.get("decompress_s", 0.0))
-    check = (run.get("compression") or {}).get("check_finite", True)
+    check = (run.get("compression") or {}).get("check_finite", True) is not False   # the flag rides unless off
     if wire_method(run.get("compression")) == "decentralized":
         # one message to each distinct ring neighbour (one at N=2, two beyond), one after
         # the other; the measured bytes per step are that message times the neighbours
