@@ -219,6 +219,14 @@ def test_gpt_adamw_trains_under_every_method_and_engine(gpt_runs, engine, method
         assert "[note]" not in log and "notes" not in decisions
 
 
+def test_fsdp_shards_the_gpt_and_keeps_adamw_with_plain_residuals(gpt_runs):
+    """engine: fsdp (FSDP2, the tied embedding gathered for both of its uses), redsync under AdamW."""
+    folder = gpt_runs / "fsdp-redsync"
+    s = summary(folder)
+    assert s["steps"] == 6 and math.isfinite(s["final_loss"]) and s["compression_ratio"] > 1.5, s
+    assert (folder / "layers.log").read_text().startswith("[note] compression.dgc.momentum_correction")
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_the_two_engines_train_the_same_gpt_bit_for_bit(gpt_runs, method):
     """Horovod's optimizer and the DDP hook run one exchange: the same weights, loss and bytes."""
@@ -227,3 +235,21 @@ def test_the_two_engines_train_the_same_gpt_bit_for_bit(gpt_runs, method):
     assert (a["final_loss"], a["wire_bytes"], a["dense_bytes"]) == (b["final_loss"], b["wire_bytes"], b["dense_bytes"])
     w, v = _weights(hvd, 0), _weights(ddp, 0)
     assert all(torch.equal(w[k], v[k]) for k in w)
+
+
+def test_tensorflow_trainer_steps_adamw_as_torch_does():
+    """The TF trainer's optimizer (tensorflow/training.py) follows torch.optim.AdamW: decoupled decay."""
+    tf = pytest.importorskip("tensorflow")
+    from redsync_hvd.tensorflow.training import TorchStyleOptimizer
+    gen = torch.Generator().manual_seed(0)
+    w0, grads = torch.randn(5, 3, generator=gen), [torch.randn(5, 3, generator=gen) for _ in range(4)]
+    var = tf.Variable(w0.numpy())
+    mine = TorchStyleOptimizer([var], "adamw", weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    p = torch.nn.Parameter(w0.clone())
+    ref = torch.optim.AdamW([p], lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for g in grads:
+        mine.apply([tf.constant(g.numpy())], tf.constant(0.01))
+        p.grad = g.clone()
+        ref.step()
+    assert torch.allclose(torch.from_numpy(var.numpy()), p.detach(), rtol=0, atol=1e-6)
+    assert not torch.allclose(p.detach(), w0, atol=1e-3)

@@ -7,7 +7,7 @@ attention is causal (``scaled_dot_product_attention(..., is_causal=True)``), the
 as the LSTM LM's; every window stands alone (no state is carried from one window to the next),
 and positions run 0 .. T-1 with T <= ``max_len``.
 
-The output layer is the token embedding itself (tied, through ``F.linear``): one parameter,
+The output layer is the token embedding itself (tied: ``TiedEmbedding``): one parameter,
 ``tok_emb.weight``, in ``named_parameters()``, so the gradient exchange sees it once. Parameter
 names (``tok_emb``, ``pos_emb``, ``blocks.<i>.attn.qkv``, ``blocks.<i>.mlp.fc``, ...) share no
 word with the LSTM LM's (``embedding``, ``lstm``, ``decoder``), so a ``policy.layers`` pattern
@@ -28,6 +28,15 @@ import torch.nn.functional as F
 from torch import nn
 
 INIT_STD = 0.02
+
+
+class TiedEmbedding(nn.Embedding):
+    """The token embedding, which is also the output layer: ``forward(ids)`` looks rows up,
+    ``forward(h, logits=True)`` gives ``h @ weight.T``. Both go through the module's own call, so
+    a wrapper that gathers its weight around each call (FSDP2's ``fully_shard``) sees both uses."""
+
+    def forward(self, x: torch.Tensor, logits: bool = False) -> torch.Tensor:
+        return F.linear(x, self.weight) if logits else super().forward(x)
 
 
 class CausalSelfAttention(nn.Module):
@@ -76,7 +85,7 @@ class GPT(nn.Module):
                  dropout: float, max_len: int):
         super().__init__()
         self.vocab_size, self.max_len = vocab_size, max_len
-        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.tok_emb = TiedEmbedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(max_len, d_model)
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(d_model, n_heads, d_ff, dropout) for _ in range(n_layers))
@@ -103,7 +112,7 @@ class GPT(nn.Module):
         h = self.drop(self.tok_emb(x) + self.pos_emb(pos))
         for block in self.blocks:
             h = block(h)
-        return F.linear(self.ln_f(h), self.tok_emb.weight)
+        return self.tok_emb(self.ln_f(h), logits=True)
 
 
 def build_gpt(num_classes: int, input_shape: tuple, *, d_model: int = 128, n_layers: int = 2, n_heads: int = 4,

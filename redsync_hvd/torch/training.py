@@ -75,7 +75,9 @@ def param_groups(model, no_decay) -> list:
                 exempt[id(p)] = p
     rest = [p for p in model.parameters() if id(p) not in exempt]
     groups = [{"params": rest}] if rest else []
-    return groups + [{"params": list(exempt.values()), "weight_decay": 0.0}] if exempt else groups
+    if exempt:
+        groups.append({"params": list(exempt.values()), "weight_decay": 0.0})
+    return groups
 
 
 def autocast(precision: str, device: torch.device):
@@ -207,7 +209,7 @@ class FSDPAdapter(DDPAdapter):
         for t in [*model.parameters(), *model.buffers()]:                                      # 1.
             dist.broadcast(t.data, src=0)
         rfsdp.shard(model, self.device)                                                        # 2.
-        opt = type(opt)(param_groups(model, cfg.optimizer.no_decay), **opt.defaults)           # 3.
+        opt = build_optimizer(cfg, model, dist.get_world_size())                               # 3.
         state = rfsdp.register(model, compression=cfg.compression.model_dump(), optimizer=opt)  # 4.
         return model, opt, state
 
