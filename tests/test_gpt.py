@@ -253,3 +253,18 @@ def test_tensorflow_trainer_steps_adamw_as_torch_does():
         ref.step()
     assert torch.allclose(torch.from_numpy(var.numpy()), p.detach(), rtol=0, atol=1e-6)
     assert not torch.allclose(p.detach(), w0, atol=1e-3)
+
+
+def test_tensorflow_exchange_under_keras_adam_keeps_plain_residuals_as_torch():
+    """A Keras optimizer without momentum: the same fallback as torch's Adam, not a refusal."""
+    tf = pytest.importorskip("tensorflow")
+    from redsync_hvd.tensorflow.exchange import exchange_for
+    w = tf.Variable(tf.zeros([64, 80]))
+    spec = {"method": "redsync", "density": 0.01}
+    adam = exchange_for([w], spec, named_variables=[("w", w)], optimizer=tf.keras.optimizers.Adam(0.01),
+                        communicator=LocalCommunicator(1))
+    assert isinstance(adam.exchange.memory, ResidualMemory) and adam.config.corrects_momentum is False
+    assert "plain error feedback" in adam.exchange.decision_record()["notes"][0]
+    sgd = tf.keras.optimizers.SGD(0.1, momentum=0.9)
+    taken = exchange_for([w], spec, named_variables=[("w", w)], optimizer=sgd, communicator=LocalCommunicator(1))
+    assert isinstance(taken.exchange.memory, MomentumCorrectionMemory) and float(sgd.momentum) == 0.0
