@@ -141,10 +141,13 @@ def _step_of(line: str) -> float:
         return math.inf   # a torn last line (the writer was killed): dropped
 
 
-def write_layer_decisions(decisions, path) -> None:
+def write_layer_decisions(decisions, path, notes=()) -> None:
     """The per-layer decision (compressed or dense, and why), written once by rank 0 to the run
-    folder's layers.log (summary.json has them too), not to the terminal."""
+    folder's layers.log (summary.json has them too), not to the terminal; ``notes`` (what the
+    engine changed of the config, and why) first, one ``[note]`` line each."""
     with open(path, "w") as f:
+        for note in notes:
+            print(f"[note] {note}", file=f)
         for d in decisions:
             message = f", {d['quantize']}" if "quantize" in d else ""
             path = f"; aggregation {d['aggregation']} ({d['aggregation_why']})" if d.get("aggregation") else ""

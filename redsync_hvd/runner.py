@@ -157,7 +157,7 @@ class Run:
         self.record = record() if record is not None else {"layers": self.trainer.layer_decisions()}
         self.log = RunLog(cfg.output.dir, cfg.output.name or "run", self.rank)
         if self.rank == 0:
-            write_layer_decisions(self.record["layers"], self.log.dir / "layers.log")
+            write_layer_decisions(self.record["layers"], self.log.dir / "layers.log", self.record.get("notes", ()))
         self.log.write_config(cfg.to_dict(), self.resumed.agreement.step if self.resumed else None)
         self.log.decisions(self.record)
         if self.resumed is not None:                                                # 1.

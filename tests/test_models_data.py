@@ -82,7 +82,7 @@ def test_lstm_lm_forward_backward(opts):
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_models_deterministic_init(name):
-    shape = (10,) if name == "lstm_lm" else (3, 16, 16)
+    shape = (10,) if name in ("lstm_lm", "gpt") else (3, 16, 16)
     opts = {"width": 0.25, "fc_width": 32} if name == "vgg" else {}
     states = []
     for _ in range(2):

@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from .compression import SHORTHANDS, MethodConfig, expand_shorthands, parse_compression
 from .errors import DEFAULTS, Sources, describe, shown
@@ -33,14 +41,15 @@ class _Section(BaseModel):
 
 
 # what a language model reads (token ids), by name; every other model and dataset is images
-LM_MODELS = ("lstm_lm",)
+LM_MODELS = ("lstm_lm", "gpt")
 LM_DATASETS = ("synthetic_lm", "ptb", "pydoc", "austen")
 
 
 class ModelConfig(_Section):
     # the names of redsync_hvd.models.MODEL_NAMES (a test keeps the two lists equal)
-    name: Literal["mlp", "cnn", "resnet20", "vgg", "lstm_lm"] = Field("cnn", description="mlp | cnn | resnet20 | "
-                                                                                       "vgg | lstm_lm")
+    name: Literal["mlp", "cnn", "resnet20", "vgg", "lstm_lm", "gpt"] = Field(
+        "cnn", description="mlp | cnn | resnet20 | vgg | lstm_lm | gpt (a decoder-only transformer LM; "
+                           "redsync_hvd/models/gpt.py)")
     options: dict[str, Any] = Field(default_factory=dict, description="model-specific kwargs")
 
 
@@ -62,18 +71,53 @@ class ScheduleConfig(_Section):
     type: Literal["constant", "step", "cosine"] = Field("constant", description="constant | step | cosine")
     milestones: list[int] = Field(default_factory=list, description="epochs at which lr *= gamma (step)")
     gamma: float = Field(0.1, gt=0, description="step: lr factor at each milestone")
-    warmup_epochs: float = Field(0.0, ge=0, description="linear lr warm-up from 0")
+    warmup_epochs: float = Field(0.0, ge=0, description="linear lr warm-up from 0, in epochs; the warm-up "
+                                                        "multiplies the schedule's factor")
+    warmup_steps: int = Field(0, ge=0, description="... or in steps (one of warmup_epochs, warmup_steps, "
+                                                   "warmup_fraction)")
+    warmup_fraction: float = Field(0.0, ge=0, lt=1, description="... or as a share of the run's steps (e.g. 0.05)")
+    min_lr_factor: float = Field(0.0, ge=0, le=1, description="cosine: the factor it decays to (the floor: lr "
+                                                              "ends at min_lr_factor * lr)")
+
+    @model_validator(mode="after")
+    def _one_warmup(self):
+        given = [k for k in ("warmup_epochs", "warmup_steps", "warmup_fraction") if getattr(self, k)]
+        if len(given) > 1:
+            raise ValueError(f"schedule sets {' and '.join(given)}: give the warm-up's length once (keep one, "
+                             "set the others to 0)")
+        if self.min_lr_factor and self.type != "cosine":
+            raise ValueError(f"schedule.min_lr_factor is the floor of the cosine decay, but schedule.type is "
+                             f"{self.type!r}: set type: cosine, or drop min_lr_factor")
+        return self
 
 
 class OptimizerConfig(_Section):
-    name: Literal["sgd", "adam"] = Field("sgd", description="sgd | adam (the wrapped optimizer)")
+    name: Literal["sgd", "adam", "adamw"] = Field(
+        "sgd", description="sgd | adam | adamw (the wrapped optimizer; adamw: torch.optim.AdamW, decoupled "
+                           "weight decay, Loshchilov and Hutter 2019)")
     lr: float = Field(0.1, gt=0, description="learning rate")
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum; with compression.dgc.momentum_correction "
                                                           "it moves into the compression wrapper")
     nesterov: bool = Field(False, description="Nesterov momentum")
-    weight_decay: float = Field(0.0, ge=0, description="L2 weight decay")
+    weight_decay: float = Field(0.0, ge=0, description="sgd, adam: L2 weight decay (wd * w added to the gradient); "
+                                                       "adamw: decoupled (w -= lr * wd * w, beside Adam's step)")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="adam, adamw: the moments' decay rates, torch's "
+                                                                 "defaults (GPT recipes often take [0.9, 0.95])")
+    eps: float = Field(1e-8, gt=0, description="adam, adamw: added to the second moment's root (torch's default)")
+    no_decay: list[Literal["bias", "norm", "embedding"]] = Field(
+        default_factory=list, description="parameters without weight decay, chosen by module type (framework: "
+                                          "torch): bias (every module's bias) | norm (LayerNorm, BatchNorm, "
+                                          "GroupNorm, RMSNorm weights) | embedding (nn.Embedding weights, tied "
+                                          "output layers included); the usual GPT recipe is all three")
     scale_lr_by_workers: bool = Field(False, description="multiply lr by the number of workers")
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple) -> tuple:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"betas {list(v)} must each be in [0, 1), e.g. [0.9, 0.999]")
+        return v
 
 
 class TrainingConfig(_Section):

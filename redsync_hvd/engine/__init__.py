@@ -1,6 +1,7 @@
 """The adapter core: what every framework adapter needs to run the exchange (build.py), and the
 measurements the cost-model policy takes at start (probes.py)."""
 from .build import (
+                    NO_MOMENTUM_NOTE,
                     Built,
                     MomentumSpec,
                     UnsupportedMethodError,
@@ -13,6 +14,7 @@ from .build import (
 from .probes import network_for, probe_compute
 
 __all__ = [
+    "NO_MOMENTUM_NOTE",
     "Built",
     "MomentumSpec",
     "UnsupportedMethodError",

@@ -8,7 +8,9 @@ call :func:`build_exchange`, which
     2. refuses what this framework or engine cannot run, naming what can;
     3. has every rank agree on config and layers (one allgather) before any other collective;
     4. builds the memory: residuals, or DGC momentum correction with the momentum (and weight
-       decay) taken out of the wrapped optimizer through the adapter's ``take_momentum``;
+       decay) taken out of the wrapped optimizer through the adapter's ``take_momentum``; an
+       optimizer without momentum (``take_momentum`` gives None: Adam, AdamW) keeps plain
+       residuals, and the run's decisions say so (``notes``);
     5. makes the per-layer decisions, probing network and compute where the cost model needs them,
        or takes them from ``policy.decisions`` (engine/decisions.py: pinned, nothing probed);
     6. builds the exchange.
@@ -112,6 +114,20 @@ def check_same_everywhere(comm, config: CompressionConfig, layers: list) -> None
                          "every rank must build the same model and pass the same compression settings")
 
 
+NO_MOMENTUM_NOTE = ("compression.dgc.momentum_correction: the wrapped optimizer has no momentum (Adam, AdamW: no "
+                    "'momentum' in its param groups), so the residual holds gradients (plain error feedback) and "
+                    "the optimizer keeps its moments and weight decay (docs/redsync.md, Adam and AdamW)")
+
+
+def without_momentum_correction(config: MethodConfig) -> MethodConfig:
+    """``config`` with DGC's momentum correction off: what runs when the optimizer has no momentum
+    for it to take (``take_momentum`` gave None). Momentum correction is derived for SGD's
+    velocity (Lin et al., 2018); Adam normalises each coordinate by its own second moment, and
+    moving AdamW's decoupled decay into the residual would make it L2 on the gradient."""
+    dgc = config.dgc.model_copy(update={"momentum_correction": False})
+    return config.model_copy(update={"dgc": dgc})
+
+
 def build_memory(config: CompressionConfig, momentum: Optional[MomentumSpec], fuse: bool = True):
     if not config.uses_memory:
         return None
@@ -135,15 +151,18 @@ def build_exchange(compression: Any, layers: list, comm, *, framework: str = "to
     compressor, config = build_compressor(compression if isinstance(compression, Compressor) else config, comm)
     if agree:
         check_same_everywhere(comm, config, layers)                                 # 3.
-    momentum = None
+    momentum, notes = None, []
     if config.corrects_momentum:                                                    # 4.
         if take_momentum is None:
             raise ValueError("compression.dgc.momentum_correction keeps the optimizer's momentum in the compression "
                              "memory: pass optimizer=<the optimizer that steps the model> (its momentum and weight "
                              "decay move into the memory), or set dgc: {momentum_correction: false}")
         momentum = take_momentum()
+        if momentum is None:
+            config, notes = without_momentum_correction(config), [NO_MOMENTUM_NOTE]
     memory = build_memory(config, momentum, fuse)
     policy = LayerPolicy(config, compressor)                                        # 5.
+    policy.notes = notes
     if config.policy.decisions is not None:
         network, policy.compute = pin(policy, config, comm)
     else:

@@ -14,6 +14,8 @@ vgg        CIFAR-10; fc_width=4096 -> comm-bound  depth=11, fc_width=512, batch_
                                                   dropout=0.5, width=1.0
 lstm_lm    PTB / synthetic_lm (num_classes=vocab) embed_dim=200, hidden=200, num_layers=2,
                                                   dropout=0.2, tie_weights=False, vocab_size
+gpt        PTB / pydoc / synthetic_lm (vocab)     d_model=128, n_layers=2, n_heads=4, d_ff=4*d_model,
+                                                  dropout=0.1, max_len=seq_len (input_shape[0])
 ========== ====================================== ==========================================
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Callable, Dict
 from torch import nn
 
 from .cnn import SmallCNN, build_cnn
+from .gpt import GPT, build_gpt
 from .lstm import LSTMLanguageModel, build_lstm_lm
 from .mlp import MLP, build_mlp
 from .resnet import ResNetCifar, build_resnet20
@@ -35,6 +38,7 @@ _BUILDERS: Dict[str, Callable[..., nn.Module]] = {
     "resnet20": build_resnet20,
     "vgg": build_vgg,
     "lstm_lm": build_lstm_lm,
+    "gpt": build_gpt,
 }
 MODEL_NAMES = tuple(_BUILDERS)
 
@@ -65,4 +69,4 @@ def build_model(name: str, num_classes: int, input_shape: tuple, **options) -> n
 
 
 __all__ = ["build_model", "model_options", "MODEL_NAMES", "MLP", "SmallCNN", "ResNetCifar",
-           "VGG", "LSTMLanguageModel"]
+           "VGG", "LSTMLanguageModel", "GPT"]

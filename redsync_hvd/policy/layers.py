@@ -49,6 +49,7 @@ class LayerPolicy:
         self.source = "config"            # where the decisions came from: config | cost model | pinned ...
         self.size = 1
         self.budget: Budget | None = None  # policy.mode: budget
+        self.notes: list[str] = []        # what the engine changed of the config, and why (layers.log)
 
     def _override(self, name: str):
         for o in self.config.policy.layers:
@@ -141,6 +142,8 @@ class LayerPolicy:
                "network": as_dict(self.network), "compute": as_dict(self.compute)}
         if self.budget is not None:
             out["budget"] = self.budget.record()
+        if self.notes:
+            out["notes"] = list(self.notes)
         return out
 
     # -- policy.mode: budget (budget.py); nothing for the other modes ---------------------------------

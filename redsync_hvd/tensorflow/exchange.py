@@ -86,10 +86,12 @@ class TFGradientExchange:
 
     momentum / nesterov: with ``momentum_correction`` (RedSync's DGC option) the velocity is
     kept in the compression memory and the optimizer must apply plain SGD; the Keras wrapper and
-    the tape take them from the optimizer you pass.
+    the tape take them from the optimizer you pass. ``momentum_free``: that optimizer has no
+    momentum (Adam): momentum correction falls back to plain error feedback, as under torch.
     """
 
-    def __init__(self, named_variables, compression=None, communicator=None, momentum=None, nesterov=False):
+    def __init__(self, named_variables, compression=None, communicator=None, momentum=None, nesterov=False,
+                 momentum_free=False):
         config = build_for_tf(compression)
         named = list(named_variables)
         for name, var in named:     # the core's check, worded for TF
@@ -103,7 +105,7 @@ class TFGradientExchange:
         self.layers = [Layer(n, tuple(int(d) for d in v.shape), int(v.shape.num_elements()), i, torch_device(v.device))
                        for i, (n, v) in enumerate(named)]
         built = build_exchange(compression, self.layers, self.comm, framework="tensorflow",
-                               take_momentum=self._momentum(config, momentum, nesterov),
+                               take_momentum=self._momentum(config, momentum, nesterov, momentum_free),
                                # the averaged tensors become TF tensors (DLPack, no copy) that outlive
                                # the step: fresh buffers each step
                                reuse_buffers=False)
@@ -111,7 +113,9 @@ class TFGradientExchange:
         self._needs_params = config.weighs_by_weights   # IWP weighs residuals by |w|
         self.last_error: BaseException | None = None
 
-    def _momentum(self, config, momentum, nesterov):
+    def _momentum(self, config, momentum, nesterov, momentum_free):
+        if momentum_free:
+            return lambda: None   # the engine keeps plain residuals and notes why
         if config.corrects_momentum and momentum is None:
             raise ValueError(
                 "compression.dgc.momentum_correction keeps the optimizer's momentum in the compression memory: "
@@ -250,18 +254,20 @@ def exchange_for(sources, compression=None, named_variables=None, optimizer=None
         named = resolve_named_variables(named_variables, flat)
         mom, nest = momentum, False
         config = build_for_tf(compression)
-        if optimizer is not None and config.corrects_momentum:
+        taken = optimizer is not None and config.corrects_momentum
+        if taken:
             mom, nest = take_momentum(optimizer)
-        ex = _CACHE[key] = TFGradientExchange(named, compression, communicator, momentum=mom, nesterov=nest)
+        ex = _CACHE[key] = TFGradientExchange(named, compression, communicator, momentum=mom, nesterov=nest,
+                                              momentum_free=taken and mom is None)
     return ex
 
 
 def take_momentum(optimizer) -> tuple:
     """Move a Keras optimizer's momentum into the compression memory: returns (momentum, nesterov)
-    and sets the optimizer's momentum to 0 so it is not applied twice."""
+    and sets the optimizer's momentum to 0 so it is not applied twice; (None, False) for an
+    optimizer without momentum (Adam), which then keeps plain error feedback (docs/redsync.md)."""
     if not hasattr(optimizer, "momentum"):
-        raise ValueError(f"compression.dgc.momentum_correction=true needs an SGD-type optimizer with a momentum; "
-                         f"{type(optimizer).__name__} has none. Set dgc: {{momentum_correction: false}}")
+        return None, False
     momentum = float(tf.keras.backend.get_value(optimizer.momentum)) \
         if not isinstance(optimizer.momentum, (int, float)) else float(optimizer.momentum)
     nesterov = bool(getattr(optimizer, "nesterov", False))

@@ -17,18 +17,18 @@ from .exchange import TFGradientExchange, build_for_tf, resolve_named_variables
 
 
 class _DistributedOptimizer:
-    def _rsync_setup(self, compression, named_variables, communicator, momentum, nesterov):
+    def _rsync_setup(self, compression, named_variables, communicator, momentum, nesterov, momentum_free):
         # a plain namespace: Keras would wrap a dict attribute into a tracking proxy
         self._rsync = SimpleNamespace(compression=compression, named_variables=named_variables,
                                       communicator=communicator, momentum=momentum, nesterov=nesterov,
-                                      exchange=None, steps_per_epoch=None)
+                                      momentum_free=momentum_free, exchange=None, steps_per_epoch=None)
 
     def _rsync_exchange_for(self, variables):
         s = self._rsync
         if s.exchange is None:
             named = resolve_named_variables(s.named_variables, variables)
             s.exchange = TFGradientExchange(named, s.compression, s.communicator,
-                                            momentum=s.momentum, nesterov=s.nesterov)
+                                            momentum=s.momentum, nesterov=s.nesterov, momentum_free=s.momentum_free)
             if s.steps_per_epoch:
                 s.exchange.set_steps_per_epoch(s.steps_per_epoch)
         return s.exchange
@@ -69,19 +69,18 @@ def DistributedOptimizer(optimizer, compression=None, named_variables=None, comm
     compression: the YAML ``compression:`` dict, a config object or a Compressor (default dense).
     named_variables: ``[(name, variable)]`` / ``{name: variable}`` (default: the TF variable names).
     With ``momentum_correction`` the optimizer's momentum moves into the compression memory and
-    the returned optimizer has momentum 0.
+    the returned optimizer has momentum 0; an optimizer without momentum (Adam) keeps plain error
+    feedback instead (docs/redsync.md, "Adam and AdamW").
     """
     config = build_for_tf(compression)   # a bad compression dict fails here, before training
     conf = optimizer.get_config()
     momentum, nesterov = None, False
-    if config.corrects_momentum:
-        if "momentum" not in conf:
-            raise ValueError(f"compression.dgc.momentum_correction=true needs an SGD-type optimizer with a momentum; "
-                             f"{type(optimizer).__name__} has none. Set dgc: {{momentum_correction: false}}")
+    momentum_free = config.corrects_momentum and "momentum" not in conf   # Adam: plain error feedback
+    if config.corrects_momentum and not momentum_free:
         momentum, nesterov = float(conf["momentum"]), bool(conf.get("nesterov", False))
         conf["momentum"] = 0.0
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                {k: v for k, v in _DistributedOptimizer.__dict__.items() if k not in ("__dict__", "__weakref__")})
     new = cls.from_config(conf)
-    new._rsync_setup(compression, named_variables, communicator, momentum, nesterov)
+    new._rsync_setup(compression, named_variables, communicator, momentum, nesterov, momentum_free)
     return new

@@ -2,8 +2,9 @@
 
 Same config, same data (as numpy), same models (Keras twins of the torch ``mlp``/``cnn`` with
 the torch initial weights), same schedule, same run folder and batch order as the torch side.
-The optimizer update follows torch's SGD/Adam formulas exactly (L2 weight decay in the gradient,
-``buf = m*buf + g``), so a TF run and a torch run of one config are the same algorithm.
+The optimizer update follows torch's SGD/Adam/AdamW formulas exactly (L2 weight decay in the
+gradient, ``buf = m*buf + g``; AdamW's decay decoupled), so a TF run and a torch run of one config
+are the same algorithm.
 
 One training step is one ``tf.function``: forward, backward, the gradient exchange (through
 :func:`redsync_hvd.tensorflow.DistributedGradientTape`, run by ``tf.py_function``) and the update.
@@ -61,12 +62,17 @@ class TFTrainer:
         self.train_size = len(self.x_train)
         variables = [v for _, v in self.named]
         o = cfg.optimizer
+        if o.no_decay:
+            raise ValueError(f"optimizer.no_decay: {o.no_decay} picks parameters by torch module type; the "
+                             "tensorflow trainer decays every variable: remove no_decay, or use framework: torch")
         self.lr0 = o.lr * (size if o.scale_lr_by_workers else 1)
-        mc = cfg.compression.corrects_momentum
+        # as torch's param groups: only SGD has a momentum for the correction to take (Adam: plain residuals)
+        mc = cfg.compression.corrects_momentum and o.name == "sgd"
         self.opt = TorchStyleOptimizer(variables, o.name, momentum=0.0 if mc else o.momentum, nesterov=o.nesterov,
-                                       weight_decay=0.0 if mc else o.weight_decay)
+                                       weight_decay=0.0 if mc else o.weight_decay, betas=o.betas, eps=o.eps)
         self.exchange = rhvd.TFGradientExchange(self.named, cfg.compression.model_dump(),
-                                                momentum=o.momentum if mc else None, nesterov=o.nesterov)
+                                                momentum=o.momentum if mc else None, nesterov=o.nesterov,
+                                                momentum_free=cfg.compression.corrects_momentum and not mc)
         rhvd.broadcast_variables(variables, root_rank=0)
         # torch adds wd * w to the gradient before the memory: d/dw of wd/2 |w|^2
         self._train_step = _train_step(self.model, variables, self.opt, self.exchange, o.weight_decay if mc else 0.0)
@@ -168,9 +174,10 @@ def _numpy(dataset):
 
 
 class TorchStyleOptimizer:
-    """torch.optim.SGD / Adam update rules on TF variables (so TF and torch runs are the same
-    algorithm): L2 weight decay added to the gradient, SGD ``buf = m*buf + g`` (first step
-    ``buf = g``), Nesterov ``d = g + m*buf``; Adam with torch's bias correction and eps."""
+    """torch.optim.SGD / Adam / AdamW update rules on TF variables (so TF and torch runs are the
+    same algorithm): L2 weight decay added to the gradient, SGD ``buf = m*buf + g`` (first step
+    ``buf = g``), Nesterov ``d = g + m*buf``; Adam with torch's bias correction and eps; AdamW's
+    decay decoupled: ``w *= 1 - lr * wd`` before Adam's step, the gradient untouched."""
 
     def __init__(self, variables, name="sgd", momentum=0.0, nesterov=False, weight_decay=0.0,
                  betas=(0.9, 0.999), eps=1e-8):
@@ -179,7 +186,7 @@ class TorchStyleOptimizer:
         self.betas, self.eps = betas, eps
         zeros = lambda: [tf.Variable(tf.zeros_like(v), trainable=False) for v in self.variables]  # noqa: E731
         self.slots = {}
-        if name == "adam":
+        if name in ("adam", "adamw"):
             self.slots = {"m": zeros(), "v": zeros()}
         elif self.momentum:
             self.slots = {"buf": zeros()}
@@ -189,9 +196,11 @@ class TorchStyleOptimizer:
         self.t.assign_add(1)
         t = tf.cast(self.t, tf.float32)
         for i, (g, v) in enumerate(zip(grads, self.variables)):
-            if self.weight_decay:
+            if self.weight_decay and self.name == "adamw":
+                v.assign(v * (1 - lr * self.weight_decay))
+            elif self.weight_decay:
                 g = g + self.weight_decay * v
-            if self.name == "adam":
+            if self.name in ("adam", "adamw"):
                 v.assign_sub(self._adam(i, g, t, lr))
                 continue
             if self.momentum:

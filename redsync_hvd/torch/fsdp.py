@@ -51,7 +51,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from ..comm.torch_dist import TorchDistCommunicator
 from ..compressors.base import Layer
 from ..core.stats import CommStats
-from ..engine import check_same_everywhere, network_for, parse, probe_compute, refuse
+from ..engine import NO_MOMENTUM_NOTE, check_same_everywhere, network_for, parse, probe_compute, refuse
 from ..engine.decisions import pin
 from ..exchange import NonFiniteGradientError
 from ..exchange.sharded import MESSAGE_FORMATS, Settings, ShardedGroup
@@ -273,6 +273,8 @@ def register(model, compression=None, optimizer=None, communicator=None) -> FSDP
     spec = _momentum(config, optimizer, {fp.sharded_param: l.name for _, ps, ls, _ in per_group
                                          for fp, l in zip(ps, ls)})
     policy = _decide(config, layers, per_group, comm)                                        # 4.
+    if config.corrects_momentum and spec is None:   # Adam, AdamW: plain residuals (momentum 0 below)
+        policy.notes = [NO_MOMENTUM_NOTE]
     groups, extras = [], []
     for name, params, mine, pg in per_group:
         groups.append(_group(config, name, params, mine, comm, spec))
@@ -308,7 +310,7 @@ def _groups(model) -> list:
 
 def _momentum(config, optimizer, names: dict):
     """Momentum correction: the optimizer's momentum and weight decay, moved out of it (None
-    without momentum correction)."""
+    without momentum correction, or for an optimizer without momentum: Adam, AdamW)."""
     if not config.corrects_momentum:
         return None
     if optimizer is None:

@@ -31,9 +31,14 @@ def layers_of(named: list) -> list:
     return [Layer(n, tuple(p.shape), p.numel(), i, p.device, param=p) for i, (n, p) in enumerate(named)]
 
 
-def take_momentum(param_groups, names: dict) -> MomentumSpec:
+def take_momentum(param_groups, names: dict) -> MomentumSpec | None:
     """Move momentum and weight decay out of torch param groups (set to 0 there), by layer name:
-    with momentum correction the compression memory applies them, so they must not apply twice."""
+    with momentum correction the compression memory applies them, so they must not apply twice.
+    None, and the groups untouched, for an optimizer without momentum (no ``momentum`` in its
+    groups: Adam, AdamW): there is no velocity to correct, so the memory keeps plain error
+    feedback, and Adam's moments and (decoupled) weight decay stay in Adam."""
+    if not any("momentum" in group for group in param_groups):
+        return None
     spec = MomentumSpec()
     for group in param_groups:
         for p in group["params"]:

@@ -47,13 +47,37 @@ def loss_and_correct(model, x, y, task):
     return loss, (out.argmax(-1) == y).sum().item(), y.numel()
 
 
+NORMS = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm, torch.nn.modules.batchnorm._NormBase)
+
+
 def build_optimizer(cfg: RunConfig, model, size):
     o = cfg.optimizer
     lr = o.lr * (size if o.scale_lr_by_workers else 1)
+    groups = param_groups(model, o.no_decay)
     if o.name == "adam":
-        return torch.optim.Adam(model.parameters(), lr=lr, weight_decay=o.weight_decay)
-    return torch.optim.SGD(model.parameters(), lr=lr, momentum=o.momentum, nesterov=o.nesterov,
-                           weight_decay=o.weight_decay)
+        return torch.optim.Adam(groups, lr=lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    if o.name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    return torch.optim.SGD(groups, lr=lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay)
+
+
+def param_groups(model, no_decay) -> list:
+    """``model.parameters()``, or with ``optimizer.no_decay`` two groups: the rest, and those
+    exempt from weight decay (by module type: a module's ``bias``, norms' weights, embeddings).
+    A parameter shared by two modules (a tied output layer) is counted once, by its first module."""
+    if not no_decay:
+        return list(model.parameters())
+    exempt: dict = {}
+    for module in model.modules():
+        for attr, p in module.named_parameters(recurse=False):
+            if ("bias" in no_decay and attr == "bias") or ("norm" in no_decay and isinstance(module, NORMS)) \
+                    or ("embedding" in no_decay and isinstance(module, torch.nn.Embedding)):
+                exempt[id(p)] = p
+    rest = [p for p in model.parameters() if id(p) not in exempt]
+    groups = [{"params": rest}] if rest else []
+    if exempt:
+        groups.append({"params": list(exempt.values()), "weight_decay": 0.0})
+    return groups
 
 
 def autocast(precision: str, device: torch.device):
@@ -185,7 +209,7 @@ class FSDPAdapter(DDPAdapter):
         for t in [*model.parameters(), *model.buffers()]:                                      # 1.
             dist.broadcast(t.data, src=0)
         rfsdp.shard(model, self.device)                                                        # 2.
-        opt = type(opt)(model.parameters(), **opt.defaults)                                    # 3.
+        opt = build_optimizer(cfg, model, dist.get_world_size())                               # 3.
         state = rfsdp.register(model, compression=cfg.compression.model_dump(), optimizer=opt)  # 4.
         return model, opt, state
 
