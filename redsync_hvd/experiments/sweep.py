@@ -47,7 +47,7 @@ from .jobs import LAUNCHERS, REPO, job_env, launch, train_command
 
 TOP_KEYS = {"name", "description", "seeds", "launcher", "np", "timeout_s", "set", "quick", "metric", "reference",
             "columns", "plots", "parts", "rows"}
-ROW_KEYS = {"label", "config", "set", "quick", "launcher", "np", "module", "args", "base", "reference"}
+ROW_KEYS = {"label", "config", "set", "quick", "launcher", "np", "module", "args", "base", "reference", "metric"}
 PART_KEYS = {"set", "quick", "seeds", "columns", "plots"}
 LAUNCH_TAG = {"horovodrun": "hvd", "horovodrun-gloo": "gloo", "torchrun": "torchrun"}
 
@@ -171,8 +171,9 @@ def _check(sweep: Sweep, path) -> None:
     bad = sorted({r for r in refs if r is not None and r not in sweep.rows})
     if bad:
         raise SweepError(f"{path}: reference {bad} is not a row of the sweep")
-    if sweep.metric not in sweep_report.METRICS:
-        raise SweepError(f"{path}: metric must be one of {', '.join(sweep_report.METRICS)}, got {sweep.metric!r}")
+    for metric in {sweep.metric} | {r["metric"] for r in sweep.rows.values() if "metric" in r}:
+        if metric not in sweep_report.METRICS:
+            raise SweepError(f"{path}: metric must be one of {', '.join(sweep_report.METRICS)}, got {metric!r}")
     if sweep.launcher not in LAUNCHERS or not isinstance(sweep.np, int) or not all(
             isinstance(s, int) for s in sweep.seeds):
         raise SweepError(f"{path}: launcher must be one of {', '.join(LAUNCHERS)}, np a whole number and seeds "

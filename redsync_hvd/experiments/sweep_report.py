@@ -29,8 +29,11 @@ from .tables import cell, command_line, markdown, write_csv, write_json
 
 METRICS = {"final_accuracy": ("accuracy", ".4f"), "final_perplexity": ("test perplexity", ".2f"),
            "final_loss": ("test loss", ".4f")}
-COLUMNS = ("metric", "spread", "per_seed", "vs_reference", "ratio", "ratio_vs_reference", "wire_mb", "sparse_mb", "budget_mb",
-           "steps", "step_s", "wall_s")
+COLUMNS = ("metric", "spread", "per_seed", "vs_reference", "ratio", "ratio_vs_reference", "wire_mb", "sparse_mb",
+           "budget_mb", "steps", "step_s", "wall_s")
+# headers where rows report different metrics (accuracy in points, perplexity in %)
+MIXED_HEADS = {"metric": "accuracy or perplexity (mean)", "spread": "spread (sd)",
+               "vs_reference": "vs reference (accuracy: points below; perplexity: % above)"}
 DEFAULT_COLUMNS = ["metric", "per_seed", "vs_reference", "ratio", "wire_mb", "steps"]
 CSV_COLUMNS = ["part", "row", "launch", "seed", "status", "final_accuracy", "final_perplexity", "final_loss",
                "wire_bytes", "dense_bytes", "ratio", "steps", "wall_s", "step_s", "load_before", "load_after"]
@@ -126,8 +129,13 @@ def rows(sweep, results: list) -> dict:
     grouped: dict = {}
     for job, run in results:
         grouped.setdefault((job.row, job.launch), {}).setdefault(job.part, []).append((job.seed, run))
-    return {key: {part: aggregate(runs, sweep.metric) for part, runs in parts.items()}
+    return {key: {part: aggregate(runs, row_metric(sweep, key[0])) for part, runs in parts.items()}
             for key, parts in grouped.items()}
+
+
+def row_metric(sweep, row: str) -> str:
+    """A row's metric: its own ``metric`` (a text model's perplexity in a sweep of images), else the sweep's."""
+    return sweep.rows[row].get("metric", sweep.metric)
 
 
 def table(sweep, table_rows: dict) -> str:
@@ -137,6 +145,7 @@ def table(sweep, table_rows: dict) -> str:
     refs = {key: sweep.rows[key].get("reference") or sweep.reference for key, _ in table_rows}
     named = set(refs.values()) - {None}
     shown = next(iter(named)) if len(named) == 1 else "reference"
+    mixed = len({row_metric(sweep, key) for key, _ in table_rows}) > 1
     head, lines = ["method"] + (["launch"] if len(launches) > 1 else []), []
     for i, ((key, launch), parts) in enumerate(table_rows.items()):
         cells = [sweep.rows[key]["label"]] + ([launch] if len(launches) > 1 else [])
@@ -145,7 +154,8 @@ def table(sweep, table_rows: dict) -> str:
             for name in part.get("columns") or sweep.columns or DEFAULT_COLUMNS:
                 if name in ("vs_reference", "ratio_vs_reference") and not named:
                     continue
-                h, c = column(name, parts.get(pname, {}), ref, sweep.metric, shown)
+                h, c = column(name, parts.get(pname, {}), ref, row_metric(sweep, key), shown)
+                h = MIXED_HEADS.get(name, h) if mixed else h
                 head += [f"{pname} {h}" if len(sweep.parts) > 1 else h] if i == 0 else []
                 cells.append(c)
         lines.append(cells)
