@@ -149,7 +149,10 @@ def build_exchange(compression: Any, layers: list, comm, *, framework: str = "to
     else:
         network = network_for(config, comm)
         if network is not None:
-            policy.compute = probe_compute(comm, layers[0].device if layers else "cpu")
+            # the run's own method on the model's own smallest and largest candidate layers
+            sizes = [l.numel for l in layers if l.numel >= config.policy.min_compress_numel]
+            policy.compute = probe_compute(comm, layers[0].device if layers else "cpu",
+                                           spec=config.model_dump(mode="json"), sizes=sizes or None)
     exchange = GradientExchange(layers, compressor, comm, policy, memory, check_finite=config.check_finite,  # 6.
                                 fusion_bytes=config.fusion_bytes, clip_norm=config.local_clip, network=network,
                                 cuda_graph=config.cuda_graph, **options)

@@ -21,22 +21,37 @@ import torch
 from ..comm.local import LocalCommunicator
 from ..compressors import build_compressor
 from ..compressors.base import Layer
+from ..config.compression import parse_compression
 from ..exchange import GradientExchange
 from ..memory import ResidualMemory
 from ..policy import LayerPolicy
 from ..policy.costmodel import ComputeModel, Network, probe_network
 
+REDSYNC_PROBE = {"method": "redsync", "density": 0.001, "selection": "tbs"}
 
-def _fastest(numel: int, device, size: int, repeats: int) -> float:
-    """Seconds of the fastest of ``repeats`` exchange steps of one compressed layer of
-    ``numel`` elements (RedSync at density 0.001, tbs, sign-mean, residual memory), with
-    a one-process transport that decodes ``size`` ranks' messages: everything the exchange
-    does for such a layer except moving bytes."""
+
+def probe_spec(spec: dict | None) -> dict:
+    """The compression ``spec`` (a dict like the YAML section) as the probe runs it: every layer
+    compressed, no momentum correction (no optimizer to take it from), nothing pinned."""
+    # what would make the probe's steps dense or different from the run's steady state goes
+    skip = ("policy", "dgc", "sparse_update", "warmup", "start_iter", "decisions")
+    out = {k: v for k, v in dict(spec or REDSYNC_PROBE).items() if k not in skip}
+    out["policy"] = {"min_compress_numel": 0}
+    if parse_compression(out).corrects_momentum:
+        out["dgc"] = {"momentum_correction": False}
+    return out
+
+
+def _fastest(numel: int, device, size: int, repeats: int, spec: dict | None = None) -> float:
+    """Seconds of the fastest of ``repeats`` exchange steps of one compressed layer of ``numel``
+    elements under ``spec`` (default: RedSync at density 0.001, tbs, sign-mean), with a one-process
+    transport that decodes ``size`` ranks' messages: everything the exchange does for such a layer
+    except moving bytes."""
     comm = LocalCommunicator(size)
-    comp, cfg = build_compressor({"method": "redsync", "density": 0.001, "selection": "tbs",
-                                  "policy": {"min_compress_numel": 0}, "dgc": {"momentum_correction": False}}, comm)
+    comp, cfg = build_compressor(probe_spec(spec), comm)
     layer = Layer("probe", (numel,), numel, 0, torch.device(device))
-    ex = GradientExchange([layer], comp, comm, LayerPolicy(cfg, comp), ResidualMemory())
+    ex = GradientExchange([layer], comp, comm, LayerPolicy(cfg, comp),
+                          ResidualMemory() if cfg.uses_memory else None)
     g = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(device)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     times = []
@@ -53,22 +68,42 @@ def _fastest(numel: int, device, size: int, repeats: int) -> float:
     return min(times)
 
 
-def probe_compute(comm, device="cpu", numel: int = 1 << 22, repeats: int = 5, small: int = 1 << 12) -> ComputeModel:
-    """A ComputeModel whose cost of a compressed layer, ``c0 + c1 * n``, was measured here on
-    layers of ``small`` and ``numel`` elements (agreed by all ranks). c0 is the fixed cost of
-    a compressed layer in the exchange (a dozen small ops and their Python: hundreds of
+def fit_rate(small: int, t_small: float, big: int, t_big: float) -> tuple[float, float]:
+    """(c0 seconds per layer, c1 seconds per element) through two timed layer sizes."""
+    if t_big > t_small and big > small:
+        c1 = (t_big - t_small) / (big - small)
+        return max(t_small - c1 * small, 0.0), c1
+    # noise swamped the difference (a tiny probe, equal sizes): bound the slope by the big layer
+    return t_small, t_big / max(big, 1)
+
+
+def probe_rates(size: int, device="cpu", spec: dict | None = None, sizes=(1 << 12, 1 << 22),
+                repeats: int = 5) -> ComputeModel:
+    """This process's measured cost of a compressed layer under ``spec`` (select, encode, update
+    the residual, decode ``size`` ranks' messages), ``c0 + c1 * n``, fitted through the smallest
+    and the largest of ``sizes`` (a model's own layer sizes, where known). Decoding is measured
+    with it, so the model's own decompress estimate is zeroed. No collective."""
+    small, big = min(sizes), max(sizes)
+    t_small = _fastest(small, device, size, repeats, spec)
+    t_big = t_small if big == small else _fastest(big, device, size, repeats, spec)
+    c0, c1 = fit_rate(small, t_small, big, t_big)
+    return ComputeModel(select_c0=c0, select_c1=c1, decompress_c0=0.0, decompress_c1=0.0)
+
+
+def probe_compute(comm, device="cpu", numel: int = 1 << 22, repeats: int = 5, small: int = 1 << 12,
+                  spec: dict | None = None, sizes=None) -> ComputeModel:
+    """A ComputeModel whose cost of a compressed layer, ``c0 + c1 * n``, was measured here under
+    ``spec`` on the model's smallest and largest layers (``sizes``; else ``small`` and ``numel``
+    elements), agreed by all ranks (the mean: every rank then takes the same per-layer decisions,
+    different ones would give ranks different bucket layouts). c0 is the fixed cost of a
+    compressed layer in the exchange (a dozen small ops and their Python: hundreds of
     microseconds on a loaded CPU, launches and host waits on a GPU); it decides whether
-    mid-sized layers pay. Decoding is measured with it, so the model's own decompress
-    estimate is zeroed."""
+    mid-sized layers pay."""
     size = max(1, int(getattr(comm, "size", 1)))
-    t_small, t_big = _fastest(small, device, size, repeats), _fastest(numel, device, size, repeats)
-    if t_big > t_small:
-        c1 = (t_big - t_small) / (numel - small)
-        c0 = max(t_small - c1 * small, 0.0)
-    else:   # noise swamped the difference (a tiny probe): bound the slope by the big layer
-        c1, c0 = t_big / numel, t_small
-    mine = torch.tensor([c0, c1], dtype=torch.float64)
-    if getattr(comm, "size", 1) > 1:
+    picked = (min(sizes), max(sizes)) if sizes else (small, numel)
+    rates = probe_rates(size, device, spec, picked, repeats)
+    mine = torch.tensor([rates.select_c0, rates.select_c1], dtype=torch.float64)
+    if size > 1:
         mine = comm.wait(comm.allreduce_async(mine, name="costmodel.compute_probe", average=True))
     return ComputeModel(select_c0=float(mine[0]), select_c1=float(mine[1]), decompress_c0=0.0, decompress_c1=0.0)
 

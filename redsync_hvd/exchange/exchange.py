@@ -16,6 +16,7 @@ and take averaged torch tensors back:
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -24,6 +25,7 @@ from ..compressors.dense import FP16Compressor, NoneCompressor
 from ..core import layout
 from ..core.stats import CommStats
 from ..memory import NoMemory
+from . import redecide
 from .buckets import Buffers, GatherBucket, ReduceBucket
 from .planned import FlatMemory, PlannedBucket
 from .scatter import ScatterBucket, ScatterGroup
@@ -79,22 +81,43 @@ class GradientExchange:
         self.carry = None
         self.last: StepResult | None = None   # the last finished step's result
         self.buffers = Buffers(reuse_buffers)
+        self._shape = (fusion_bytes, cuda_graph)
+        self.pending: dict = {}   # {name: residual of a layer that went dense}, added to its next gradient
         policy.setup(layers, comm.size, network)
         self.buckets = self._build(layers, fusion_bytes, cuda_graph)                                  # 1.
         policy.start_budget(layers, sum(b.control_bytes for b in self.buckets))
+        self._wire()
+        self.state = StepState()
+        self._density_key = None
+        redecide.start(self)   # policy.mode cost_model: per-bucket verdicts, checked while training
+
+    def _wire(self) -> None:
+        """What ``submit`` and ``finish`` read of the buckets."""
         self.bucket_of = {n: b for b in self.buckets for n in b.names}
         self.planned = [b for b in self.buckets if isinstance(b, PlannedBucket)]
         scatter = [b for b in self.buckets if isinstance(b, ScatterBucket)]
         # finish() order: the reduce buckets, the scatter group, the gathered ones
         self.finishing = [b for b in self.buckets if b.kind == "reduce"] + \
-            ([ScatterGroup(scatter, comm, self.stats)] if scatter else []) + \
+            ([ScatterGroup(scatter, self.comm, self.stats)] if scatter else []) + \
             [b for b in self.buckets if b.kind == "gather" and not isinstance(b, ScatterBucket)]
         # blocking buckets are compressed in finish(), in the order their last layer registered
         self.blocking = sorted((b for b in self.buckets if getattr(b, "blocking", False)),
                                key=lambda b: max(l.index for l in b.layers))
         self.carrier = next((b for b in self.buckets if b.kind == "reduce"), None)
-        self.state = StepState()
+
+    def rebuild(self) -> None:
+        """The buckets again, from the layers' current decisions (between steps: the cost model's
+        review sent some dense). Fresh buffers; the planned buckets' flat residuals carried over."""
+        memory = self.state_dict()["memory"]
+        self.buffers = Buffers(self.buffers.keep)
+        self.buckets = self._build([self.layers[n] for n in self.order], *self._shape)
+        self._wire()
+        residual, velocity = dict(memory.get("residual", {})), dict(memory.get("velocity", {}))
+        for bucket in self.planned:
+            if bucket.memory is not None:
+                bucket.memory.load(residual, velocity)
         self._density_key = None
+        self.rebuilt = getattr(self, "rebuilt", 0) + 1   # adapters whose .grad were bucket views look again
 
     # -- 1. the buckets, each with its route -----------------------------------------------------
     def _build(self, layers: list, fusion_bytes: int, cuda_graph: str) -> list:
@@ -198,7 +221,21 @@ class GradientExchange:
             if self.carry is not None:
                 st.carry = [float(v) for v in self.carry()]
         st.submitted.add(name)
-        self.bucket_of[name].add(layer, grad, st)
+        if name in self.pending:   # what it kept back while it travelled compressed
+            grad = grad.reshape(-1).float() + self.pending.pop(name).to(grad.device)
+        self._timed(self.bucket_of[name], "add", layer, grad, st)
+
+    def _timed(self, bucket, call: str, *args):
+        """``bucket.<call>(*args)``, its seconds counted for the cost model's review where one runs."""
+        review = getattr(self.policy, "review", None)
+        if review is None:
+            return getattr(bucket, call)(*args)
+        t0 = time.perf_counter()
+        out = getattr(bucket, call)(*args)
+        seconds = time.perf_counter() - t0
+        for b in getattr(bucket, "buckets", [bucket]):   # a scatter group: its buckets share it
+            review.add(b.index, seconds / len(getattr(bucket, "buckets", [bucket])))
+        return out
 
     def _set_densities(self) -> None:
         """Each layer's density for this step (``LayerPolicy.density``), set again only where the
@@ -230,11 +267,11 @@ class GradientExchange:
         apply = apply or {}
         try:
             for bucket in self.blocking:
-                bucket.flush(self.state)
+                self._timed(bucket, "flush", self.state)
             carry = self._start_carry()
             arrived = []
             for bucket in self.finishing:
-                got = bucket.finish(into or {}, apply)
+                got = self._timed(bucket, "finish", into or {}, apply)
                 arrived += got if isinstance(got, list) else [got]
             out = {n: t for a in arrived for n, t in a.averages.items()}
             bad, carried = self._read(carry, arrived)
@@ -253,6 +290,7 @@ class GradientExchange:
         self.step += 1
         self.state = StepState(step=self.step)
         self.last = StepResult(out, applied, carried)
+        redecide.after_step(self)   # policy.mode cost_model: a window's measurements, agreed
         return self.last
 
     def _start_carry(self):

@@ -49,6 +49,7 @@ class LayerPolicy:
         self.source = "config"            # where the decisions came from: config | cost model | pinned ...
         self.size = 1
         self.budget: Budget | None = None  # policy.mode: budget
+        self.review = None   # policy.mode: cost_model: review.Review, the per-bucket verdicts (the exchange's)
 
     def _override(self, name: str):
         for o in self.config.policy.layers:
@@ -141,6 +142,8 @@ class LayerPolicy:
                "network": as_dict(self.network), "compute": as_dict(self.compute)}
         if self.budget is not None:
             out["budget"] = self.budget.record()
+        if self.review is not None:
+            out["review"] = self.review.record()
         return out
 
     # -- policy.mode: budget (budget.py); nothing for the other modes ---------------------------------
@@ -148,6 +151,11 @@ class LayerPolicy:
     def revision(self) -> int | None:
         """Counts the budget's choices (None: the decisions never change after setup)."""
         return None if self.budget is None else self.budget.revision
+
+    @property
+    def log_revision(self) -> int | None:
+        """Counts what the run folder should log again: a budget's choices, the review's windows."""
+        return self.review.windows if self.review is not None else self.revision
 
     def observe(self, layers, xs: list, step: int, grads: list) -> None:
         """A unit's compensated x and this step's gradients, before compression (the budget
