@@ -104,7 +104,7 @@ def _whatif(*args):
 
 
 def test_whatif_prints_each_methods_predicted_step_and_its_pick():
-    res = _whatif("--config", "configs/digits/redsync.yaml", "--hosts", "4", "--bandwidth", "100mbit",
+    res = _whatif("--config", "configs/digits/redsync.yaml", "--hosts", "4", "--bandwidth", "10mbit",
                   "--latency", "50us", "--methods", "fp16,topk,powersgd", "--repeats", "2")
     assert res.returncode == 0, res.stderr
     rows = [line for line in res.stdout.splitlines() if line.startswith("| ") and "ms" not in line]
@@ -112,8 +112,9 @@ def test_whatif_prints_each_methods_predicted_step_and_its_pick():
     steps = {r.split("|")[1].strip(): float(r.split("|")[4]) for r in rows}
     pick = res.stdout.strip().splitlines()[-1]
     assert pick.startswith(f"pick: {min(steps, key=steps.get)} ("), res.stdout
-    assert "N = 4 (4 hosts x 1), 0.1 Gbit/s, 50 us" in res.stdout
-    assert steps["fp16"] < steps["none"]   # half the bytes of a bandwidth-bound allreduce
+    assert "N = 4 (4 hosts x 1), 0.01 Gbit/s, 50 us" in res.stdout
+    # half the bytes of an allreduce that takes ~0.4 s: a loaded CPU's fp16 casts cannot make up the difference
+    assert steps["fp16"] < steps["none"]
 
 
 def test_whatif_names_the_accepted_forms_of_a_mistyped_bandwidth():
@@ -129,7 +130,7 @@ def test_horovod_run_logs_a_line_per_bucket_and_its_ranks_agree(tmp_path):
     hold the same decisions (a rank that decided alone would have hung the collectives)."""
     train(tmp_path, "configs/digits/redsync.yaml", "compression.policy.mode=cost_model",
           "compression.policy.latency_s=1e-4", "compression.policy.bandwidth_gbit=0.05",
-          "compression.policy.review_every=4", "compression.policy.overlap=0.9", "compression.warmup=null",
+          "compression.policy.review_every=4", "compression.policy.overlap=0.9", "compression.warmup.epochs=0",
           "training.steps=12", "output.name=cm", timeout=300)
     log = (tmp_path / "cm" / "layers.log").read_text().splitlines()
     buckets = [line for line in log if line.startswith("[cost model] bucket")]

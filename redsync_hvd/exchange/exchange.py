@@ -15,9 +15,6 @@ and take averaged torch tensors back:
 """
 from __future__ import annotations
 
-import math
-import time
-
 import torch
 
 from ..compressors.base import Compressor, Layer
@@ -25,15 +22,11 @@ from ..compressors.dense import FP16Compressor, NoneCompressor
 from ..core import layout
 from ..core.stats import CommStats
 from ..memory import NoMemory
-from . import redecide
+from . import nonfinite, redecide
 from .buckets import Buffers, GatherBucket, ReduceBucket
 from .planned import FlatMemory, PlannedBucket
 from .scatter import ScatterBucket, ScatterGroup
 from .step import StepResult, StepState
-
-
-class NonFiniteGradientError(FloatingPointError):
-    pass
 
 
 class GradientExchange:
@@ -44,7 +37,7 @@ class GradientExchange:
         ``policy.dense_values`` how the dense ones do (fp32, or fp16).
     memory: residual memory for compressed layers (None: no error feedback).
     check_finite: agree across ranks that the step was finite (else every rank raises). Off, a
-        step whose inputs held NaN/Inf passes them on instead (``_pass_nonfinite``).
+        step whose inputs held NaN/Inf passes them on instead (``nonfinite.pass_on``).
     on_nonfinite: "raise" (NonFiniteGradientError) | "skip": roll back and return gradients
         filled with inf, so a GradScaler skips the step (fp16 training; :meth:`use_grad_scaler`).
     clip_norm: DGC's local clipping; each worker's share of the norm is clip_norm * N**-0.5.
@@ -104,20 +97,6 @@ class GradientExchange:
         self.blocking = sorted((b for b in self.buckets if getattr(b, "blocking", False)),
                                key=lambda b: max(l.index for l in b.layers))
         self.carrier = next((b for b in self.buckets if b.kind == "reduce"), None)
-
-    def rebuild(self) -> None:
-        """The buckets again, from the layers' current decisions (between steps: the cost model's
-        review sent some dense). Fresh buffers; the planned buckets' flat residuals carried over."""
-        memory = self.state_dict()["memory"]
-        self.buffers = Buffers(self.buffers.keep)
-        self.buckets = self._build([self.layers[n] for n in self.order], *self._shape)
-        self._wire()
-        residual, velocity = dict(memory.get("residual", {})), dict(memory.get("velocity", {}))
-        for bucket in self.planned:
-            if bucket.memory is not None:
-                bucket.memory.load(residual, velocity)
-        self._density_key = None
-        self.rebuilt = getattr(self, "rebuilt", 0) + 1   # adapters whose .grad were bucket views look again
 
     # -- 1. the buckets, each with its route -----------------------------------------------------
     def _build(self, layers: list, fusion_bytes: int, cuda_graph: str) -> list:
@@ -223,19 +202,13 @@ class GradientExchange:
         st.submitted.add(name)
         if name in self.pending:   # what it kept back while it travelled compressed
             grad = grad.reshape(-1).float() + self.pending.pop(name).to(grad.device)
-        self._timed(self.bucket_of[name], "add", layer, grad, st)
+        self._call(self.bucket_of[name], "add", layer, grad, st)
 
-    def _timed(self, bucket, call: str, *args):
-        """``bucket.<call>(*args)``, its seconds counted for the cost model's review where one runs."""
-        review = getattr(self.policy, "review", None)
-        if review is None:
+    def _call(self, bucket, call: str, *args):
+        """``bucket.<call>(*args)``, timed for the cost model's review where one runs."""
+        if getattr(self.policy, "review", None) is None:
             return getattr(bucket, call)(*args)
-        t0 = time.perf_counter()
-        out = getattr(bucket, call)(*args)
-        seconds = time.perf_counter() - t0
-        for b in getattr(bucket, "buckets", [bucket]):   # a scatter group: its buckets share it
-            review.add(b.index, seconds / len(getattr(bucket, "buckets", [bucket])))
-        return out
+        return redecide.timed(self.policy.review, bucket, call, *args)
 
     def _set_densities(self) -> None:
         """Each layer's density for this step (``LayerPolicy.density``), set again only where the
@@ -267,19 +240,19 @@ class GradientExchange:
         apply = apply or {}
         try:
             for bucket in self.blocking:
-                self._timed(bucket, "flush", self.state)
+                self._call(bucket, "flush", self.state)
             carry = self._start_carry()
             arrived = []
             for bucket in self.finishing:
-                got = self._timed(bucket, "finish", into or {}, apply)
+                got = self._call(bucket, "finish", into or {}, apply)
                 arrived += got if isinstance(got, list) else [got]
             out = {n: t for a in arrived for n, t in a.averages.items()}
             bad, carried = self._read(carry, arrived)
             passed = bad and not self.check_finite and not self.state.vetoed
             if (bad or self.state.vetoed) and not passed:
-                return self._nonfinite(out, carried)   # raises, or (on_nonfinite="skip") rolls back
+                return nonfinite.fail(self, out, carried)   # raises, or (on_nonfinite="skip") rolls back
             if passed:
-                self._pass_nonfinite(out, apply)
+                nonfinite.pass_on(self, out, apply)
             applied = self._after_average(arrived, out, apply)
         except BaseException:
             self.abort()
@@ -325,40 +298,6 @@ class GradientExchange:
         (or, with a GradScaler, skips) as for the exchange's own. Every rank must veto alike: call
         it with what every rank received, not with this rank's own inputs."""
         self.state.vetoed = list(names)
-
-    def _pass_nonfinite(self, out: dict, apply: dict) -> None:
-        """check_finite off, and some rank's inputs held NaN/Inf: pass them on as an uncompressed
-        average does. Dense fp32 layers hold them already (their sum carries them, element by
-        element); a layer that travelled compressed or as fp16 (whose clamp hides an Inf) is NaN
-        on every rank where any rank flagged it, agreed by one allreduce of per-layer flags (on
-        such steps only). The memories then zero what is not finite, and the compressor's state
-        stays as it was (``_settle``)."""
-        names = [n for b in self.buckets if not getattr(b, "passthrough", False) for n in b.names]
-        if not names:
-            return
-        mine = {n for b in self.buckets for n in b.flagged()}
-        flags = torch.tensor([float(n in mine) for n in names], device=self.layers[names[0]].device)
-        agreed = self.comm.wait(self.comm.allreduce_async(flags, name="rsync.nonfinite_layers", average=False))
-        for name, count in zip(names, agreed.tolist()):
-            if count > 0 and name in out:
-                out[name].fill_(math.nan)
-            elif count > 0 and name in apply:   # sparse_update: the step would write NaN into it
-                apply[name][0].fill_(math.nan)
-
-    def _nonfinite(self, out: dict, carried) -> StepResult:
-        bad = [n for b in self.buckets for n in b.flagged()] + self.state.vetoed
-        if self.on_nonfinite == "skip":
-            self.abort()
-            for t in out.values():
-                t.fill_(math.inf)
-            self.last = StepResult(out, [], carried)
-            return self.last
-        raise NonFiniteGradientError(
-            f"non-finite gradient (NaN/Inf) at step {self.step}"
-            + (f" in {bad[:5]} on this rank" if bad else " (on this or another rank)")
-            + ". No update was applied and the residuals were left as they were. "
-              "Lower the learning rate, clip gradients, or check the input data; "
-              "compression.check_finite=false passes NaN/Inf through instead (as an uncompressed average does).")
 
     def _after_average(self, arrived: list, out: dict, apply: dict) -> list:
         """What needs the checked average: DGC momentum of dense layers, the GradScaler's scale, and

@@ -15,9 +15,12 @@ applied to its average).
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..policy.review import BucketVerdict, Review, bucket_prediction
+from .buckets import Buffers
 
 
 def plan(exchange) -> Review | None:
@@ -91,4 +94,32 @@ def go_dense(exchange, names: list, verdicts: list) -> None:
     for d in exchange.policy.decisions:
         if d["name"] in names:
             d.update(compressed=False, density=1.0, why=why.get(d["name"], "review"))
-    exchange.rebuild()
+    rebuild(exchange)
+
+
+def rebuild(exchange) -> None:
+    """The exchange's buckets again, from the layers' current decisions (between steps). Fresh
+    buffers (the old ones may still be some parameter's ``.grad``); the planned buckets' flat
+    residuals carried over; ``rebuilt`` counted, so adapters whose ``.grad`` were bucket views
+    take the new ones."""
+    memory = exchange.state_dict()["memory"]
+    exchange.buffers = Buffers(exchange.buffers.keep)
+    exchange.buckets = exchange._build([exchange.layers[n] for n in exchange.order], *exchange._shape)
+    exchange._wire()
+    residual, velocity = dict(memory.get("residual", {})), dict(memory.get("velocity", {}))
+    for bucket in exchange.planned:
+        if bucket.memory is not None:
+            bucket.memory.load(residual, velocity)
+    exchange._density_key = None
+    exchange.rebuilt = getattr(exchange, "rebuilt", 0) + 1
+
+
+def timed(review, bucket, call: str, *args):
+    """``bucket.<call>(*args)``, its seconds counted for ``review`` (a scatter group's seconds are
+    shared by its buckets)."""
+    t0 = time.perf_counter()
+    out = getattr(bucket, call)(*args)
+    parts = getattr(bucket, "buckets", [bucket])
+    for b in parts:
+        review.add(b.index, (time.perf_counter() - t0) / len(parts))
+    return out
