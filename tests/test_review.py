@@ -39,7 +39,7 @@ def test_a_bucket_goes_dense_exactly_where_its_measured_time_exceeds_the_dense_p
     for i, m in enumerate(measured):
         review.add(i, 3 * m)   # three steps' worth
     flips = review.decide([3 * m for m in measured], 4)
-    assert [v.index for v in flips] == [i for i, (d, m) in enumerate(cases) if m > d * (1 + margin)]
+    assert [v.index for v in flips] == [i for i, (d, m) in enumerate(cases) if 3 * m / 3 > d * (1 + margin)]
     review.flip(flips, 4)
     assert {v.index for v in review.watched()} == {v.index for v in review.verdicts} - {v.index for v in flips}
     lines = review_log_lines(review.record())
@@ -54,6 +54,30 @@ def test_a_measurement_that_moves_flips_a_bucket_that_paid_before():
     (verdict,) = review.verdicts
     assert review.decide([4 * 0.005], 5) == [] and verdict.compressed and verdict.measured_s == 0.005
     assert review.decide([4 * 0.020], 9) == [verdict] and verdict.steps == (6, 9)
+
+
+def test_the_dense_side_is_priced_again_with_the_measured_compute():
+    """Backward hides at most its own length of the dense allreduce: a bucket measured at 5 ms
+    stays compressed while the compute measured is short (little can hide), and goes dense once
+    it is long enough to hide 90% of a 10 ms allreduce."""
+    review = Review(every=2, margin=0.0, overlap=0.9)
+    review.plan(BucketVerdict(0, ["w"], 1000, 0.001, 0.004, full_s=0.010))
+    review.due(1, now=0.0)
+    assert not review.due(2, now=1.0) and review.due(3, now=2.0)
+    review.add(0, 0.010)
+    assert review.mine() == [0.010, 2.0 - 0.010]   # the window's wall less the buckets' seconds
+    assert review.decide([2 * 0.005], 3, compute=2 * 0.0015) == []   # 1.5 ms of compute hides 1 ms
+    assert review.compute_s == 0.0015 and abs(review.verdicts[0].dense_s - 0.009) < 1e-12
+    assert review.decide([2 * 0.005], 5, compute=2 * 0.100) == review.verdicts
+    assert abs(review.verdicts[0].dense_s - 0.001) < 1e-12
+    assert "compute 100.000 ms/step measured" in review_log_lines(review.record())[0]
+
+
+def test_a_blocking_allreduce_is_measured_as_hiding_nothing():
+    """LocalCommunicator's allreduce_async returns done: nothing runs beside the work."""
+    from redsync_hvd.engine.probes import probe_overlap
+    assert probe_overlap(LocalCommunicator(2), 1 << 18, repeats=3) < 0.5
+    assert probe_overlap(LocalCommunicator(1), 1 << 18) == 0.0
 
 
 def _exchange(overlap=0.0, every=3):
@@ -81,7 +105,7 @@ def test_a_bucket_that_goes_dense_while_training_sends_its_residual_and_loses_no
     ex, layers = _exchange(every=2)
     watched = ex.policy.review.watched()
     for v in watched:
-        v.dense_s = 0.0   # every measurement is now slower than dense
+        v.dense_s = v.full_s = 0.0   # every measurement is now slower than dense
     gen = torch.Generator().manual_seed(0)
     sent = {l.name: torch.zeros(l.numel) for l in layers}
     given_ = {l.name: torch.zeros(l.numel) for l in layers}
@@ -136,6 +160,7 @@ def test_horovod_run_logs_a_line_per_bucket_and_its_ranks_agree(tmp_path):
     buckets = [line for line in log if line.startswith("[cost model] bucket")]
     assert buckets and all("predicted dense" in line and "compressed" in line for line in buckets), log
     assert any("measured compressed" in line and "over steps 2-5" in line for line in buckets), log
+    assert any(line.startswith("[cost model] compute ") and "ms/step measured" in line for line in log), log
     records = [checkpoint.load(tmp_path / "cm", rank)["decisions"] for rank in range(2)]
     assert records[0]["review"]["buckets"] and records[0]["review"] == records[1]["review"]
     assert [d["compressed"] for d in records[0]["layers"]] == [d["compressed"] for d in records[1]["layers"]]

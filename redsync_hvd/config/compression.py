@@ -171,10 +171,10 @@ class PolicyConfig(_Group):
                                                        "a compressed bucket may be measured before it goes dense "
                                                        "(0: flips on the model's own error; large: keeps buckets "
                                                        "that cost time)")
-    overlap: float = Field(0.0, ge=0, le=1, description="cost_model: the fraction of a dense allreduce hidden "
-                                                       "behind backward (0: none, as on a CPU whose cores backward "
-                                                       "uses; a GPU with NCCL hides more), which the dense side of "
-                                                       "each bucket's price leaves out")
+    overlap: Optional[float] = Field(None, ge=0, le=1, description="cost_model: the fraction of a dense "
+                                     "allreduce hidden behind backward, which the dense side of each bucket's price "
+                                     "leaves out (None: measured at start, engine/probes.py:probe_overlap; while "
+                                     "training it is bounded by the measured compute per step)")
     decisions: Optional[Union[str, dict]] = Field(
         None, description="a decisions.json of a run folder: which layers travel compressed is taken from it "
                           "(no probing, no cost model), so runs of one config compress the same layers. A resume "

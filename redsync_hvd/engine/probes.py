@@ -1,7 +1,8 @@
 """Measure what the cost model needs on this machine, for ``policy.mode: cost_model``.
 
 ``probe_network`` (policy/costmodel.py) fits the network's alpha and bandwidth from timed
-allreduces; ``probe_compute`` measures what compression costs per element here.
+allreduces; ``probe_compute`` measures what compression costs per element here;
+``probe_overlap`` how much of a dense allreduce backward-like work hides.
 
 The cost model's default :class:`~redsync_hvd.policy.costmodel.ComputeModel` holds rough CPU
 figures; a shared 2-core VM or a GPU can be several times off, and then the policy
@@ -121,3 +122,54 @@ def network_for(config, comm) -> Network | None:
     probed = probe_network(comm)
     return Network(alpha=probed.alpha if p.latency_s is None else float(p.latency_s),
                    bandwidth=probed.bandwidth if p.bandwidth_gbit is None else float(p.bandwidth_gbit) * 1e9 / 8.0)
+
+
+def _burst(device, count: int) -> float:
+    """Seconds of ``count`` 256x256 matrix products: backward's kind of work (on a CPU it takes
+    the cores a collective's progress thread needs; on a GPU it leaves the link alone)."""
+    a = torch.randn(256, 256, generator=torch.Generator().manual_seed(0)).to(device)
+    sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(count):
+        a = torch.tanh(a @ a)   # tanh: keeps the values finite, as an activation's backward does
+    sync()
+    return time.perf_counter() - t0
+
+
+def probe_overlap(comm, numel: int, device="cpu", repeats: int = 5, cap: int = 1 << 20) -> float:
+    """The fraction of a dense allreduce that runs hidden behind backward-like work here,
+    measured on the run's own communicator (``policy.overlap`` left unset):
+
+    1. A: an allreduce of the model's dense gradient (``numel`` fp32, at most ``cap``) alone;
+    2. W: matrix products sized to last about A, alone;
+    3. T: the allreduce started, the same products run, then the allreduce waited for;
+    4. hidden = (A + W - T) / min(A, W), clamped to [0, 1]: 1 when T is max(A, W), 0 when T is A + W.
+
+    Steps 1-3 run back to back ``repeats`` times and the median of the fractions is taken (a shared
+    host slows some timings; a pair taken together drifts together). Every rank runs the same
+    collectives, and the fraction is the mean over ranks, so every rank prices buckets alike."""
+    size = max(1, int(getattr(comm, "size", 1)))
+    if size <= 1:
+        return 0.0
+    buf = torch.zeros(max(1, min(int(numel), cap)), dtype=torch.float32, device=device)
+    sync = torch.cuda.synchronize if buf.is_cuda else (lambda: None)
+
+    def allreduce(tag: str, work: int = 0) -> float:
+        sync()
+        t0 = time.perf_counter()
+        handle = comm.allreduce_async(buf, name=f"costmodel.overlap.{tag}", average=True)
+        if work:
+            _burst(device, work)
+        comm.wait(handle)
+        sync()
+        return time.perf_counter() - t0
+
+    alone = min(allreduce(f"w{r}") for r in range(2))
+    count = max(1, min(int(alone / max(_burst(device, 8) / 8, 1e-7)), 10_000))
+    fractions = []
+    for r in range(repeats):
+        a, w, t = allreduce(f"a{r}"), _burst(device, count), allreduce(f"t{r}", count)
+        fractions.append(min(max((a + w - t) / max(min(a, w), 1e-9), 0.0), 1.0))
+    mine = torch.tensor([sorted(fractions)[len(fractions) // 2]], dtype=torch.float64)
+    return float(comm.wait(comm.allreduce_async(mine, name="costmodel.overlap.agree", average=True))[0])

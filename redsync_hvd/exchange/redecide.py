@@ -30,20 +30,21 @@ def plan(exchange) -> Review | None:
     p = policy.config.policy
     if policy.source != "cost model" or policy.network is None or exchange.comm.size <= 1:
         return None
-    review = Review(every=p.review_every, margin=p.review_margin)
+    overlap = policy.overlap if policy.overlap is not None else (p.overlap or 0.0)
+    review = Review(every=p.review_every, margin=p.review_margin, overlap=overlap)
     priced = {d["name"] for d in policy.decisions if str(d["why"]).startswith("cost model")}
     for bucket in exchange.buckets:
         if not any(n in priced for n in bucket.names):
             continue
         layers = bucket.layers
         wires = [policy._wire(l, l.base_density) for l in layers]
-        dense, compressed = bucket_prediction([l.numel for l in layers], wires, exchange.compressor.collective,
-                                              exchange.comm.size, policy.network, policy.compute, p.overlap)
-        verdict = BucketVerdict(bucket.index, list(bucket.names), sum(l.numel for l in layers), dense, compressed,
-                                compressed=layers[0].compressed)
+        full, compressed = bucket_prediction([l.numel for l in layers], wires, exchange.compressor.collective,
+                                             exchange.comm.size, policy.network, policy.compute)
+        verdict = BucketVerdict(bucket.index, list(bucket.names), sum(l.numel for l in layers),
+                                full * (1.0 - overlap), compressed, compressed=layers[0].compressed, full_s=full)
         if not verdict.compressed:
             verdict.why = "cost model: each layer dense predicted faster"
-        elif compressed >= dense:
+        elif compressed >= verdict.dense_s:
             verdict.compressed, verdict.why = False, "cost model: the bucket compressed predicted no faster than dense"
         review.plan(verdict)
     return review
@@ -61,15 +62,16 @@ def start(exchange) -> None:
 
 
 def after_step(exchange) -> None:
-    """Steps 3-4 where a window is complete. Every rank calls this after the same steps, so the two
-    collectives meet; the verdicts come from rank 0."""
+    """Steps 2-5 of ``policy/review.py`` where a window is complete (every step: the clock the
+    compute is measured on). Every rank calls this after the same steps, so the two collectives
+    meet; the verdicts come from rank 0."""
     review = exchange.policy.review
-    if review is None or not review.due(exchange.step):
+    if review is None or not review.due(exchange.step, time.perf_counter()):
         return
     comm = exchange.comm
     mine = torch.tensor(review.mine(), dtype=torch.float64)
     means = comm.wait(comm.allreduce_async(mine, name="rsync.review.seconds", average=True)).tolist()
-    flips = review.decide(means, exchange.step)
+    flips = review.decide(means[:-1], exchange.step, compute=means[-1])
     watched = review.watched()
     flags = torch.tensor([float(v in flips) for v in watched], dtype=torch.float64)
     flags = comm.wait(comm.broadcast_async(flags, root=0, name="rsync.review.flips")).tolist()

@@ -50,6 +50,7 @@ class LayerPolicy:
         self.size = 1
         self.budget: Budget | None = None  # policy.mode: budget
         self.review = None   # policy.mode: cost_model: review.Review, the per-bucket verdicts (the exchange's)
+        self.overlap = None  # policy.mode: cost_model: the probed fraction of a dense allreduce backward hides
 
     def _override(self, name: str):
         for o in self.config.policy.layers:
