@@ -16,7 +16,7 @@ from redsync_hvd.compressors.base import Layer
 from redsync_hvd.exchange import GradientExchange
 from redsync_hvd.memory import ResidualMemory
 from redsync_hvd.policy import LayerPolicy
-from redsync_hvd.policy.costmodel import ComputeModel, Network
+from redsync_hvd.policy.costmodel import ComputeModel, Network, ring_allreduce
 from redsync_hvd.policy.review import BucketVerdict, Review, review_log_lines
 
 
@@ -80,10 +80,11 @@ def test_a_blocking_allreduce_is_measured_as_hiding_nothing():
     assert probe_overlap(LocalCommunicator(1), 1 << 18) == 0.0
 
 
-def _exchange(overlap=0.0, every=3):
+def _exchange(overlap=0.0, every=3, min_numel=0):
     comm = LocalCommunicator(2)
     comp, cfg = build_compressor({"method": "redsync", "density": 0.01, "dgc": {"momentum_correction": False},
-                                  "policy": {"mode": "cost_model", "review_every": every, "overlap": overlap}}, comm)
+                                  "policy": {"mode": "cost_model", "review_every": every, "overlap": overlap,
+                                             "min_compress_numel": min_numel}}, comm)
     layers = [Layer(f"l{i}", (n,), n, i, torch.device("cpu")) for i, n in enumerate([100, 1 << 14, 1 << 15])]
     policy = LayerPolicy(cfg, comp)
     policy.compute = ComputeModel(0.0, 0.0, 0.0, 0.0, 0.0)
@@ -97,6 +98,16 @@ def test_the_plan_sends_a_bucket_dense_that_is_priced_slower_than_dense():
     hidden, _ = _exchange(overlap=1.0)   # a dense allreduce wholly hidden behind backward: nothing to win
     assert all(b.kind == "reduce" for b in hidden.buckets)
     assert any("no faster than dense" in d["why"] for d in hidden.policy.decisions)
+
+
+def test_a_bucket_that_would_join_the_dense_bucket_is_priced_by_its_bytes_alone():
+    """l0 (100 elements) travels dense anyway: the compressed bucket, sent dense, would be fused
+    into that allreduce, so no second collective's latency is in its dense price."""
+    ex, _ = _exchange(min_numel=1000)
+    (verdict,) = [v for v in ex.policy.review.verdicts if v.compressed]
+    net = ex.policy.network
+    assert verdict.names == ["l2", "l1"] and any(b.names == ["l0"] and b.kind == "reduce" for b in ex.buckets)
+    assert verdict.full_s == ring_allreduce(2, 4.0 * verdict.numel, net) - ring_allreduce(2, 0.0, net)
 
 
 def test_a_bucket_that_goes_dense_while_training_sends_its_residual_and_loses_nothing():

@@ -33,13 +33,15 @@ def plan(exchange) -> Review | None:
     overlap = policy.overlap if policy.overlap is not None else (p.overlap or 0.0)
     review = Review(every=p.review_every, margin=p.review_margin, overlap=overlap)
     priced = {d["name"] for d in policy.decisions if str(d["why"]).startswith("cost model")}
+    # layers that go dense join the dense bucket that runs anyway: their bytes, no latency of their own
+    fused = any(b.kind == "reduce" and not b.layers[0].compressed for b in exchange.buckets)
     for bucket in exchange.buckets:
         if not any(n in priced for n in bucket.names):
             continue
         layers = bucket.layers
         wires = [policy._wire(l, l.base_density) for l in layers]
         full, compressed = bucket_prediction([l.numel for l in layers], wires, exchange.compressor.collective,
-                                             exchange.comm.size, policy.network, policy.compute)
+                                             exchange.comm.size, policy.network, policy.compute, fused=fused)
         verdict = BucketVerdict(bucket.index, list(bucket.names), sum(l.numel for l in layers),
                                 full * (1.0 - overlap), compressed, compressed=layers[0].compressed, full_s=full)
         if not verdict.compressed:

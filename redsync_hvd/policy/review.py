@@ -63,18 +63,22 @@ class BucketVerdict:
 
 
 def bucket_prediction(layers: list, wires: list, collective: str, N: int, net: Network,
-                      compute: ComputeModel | None = None, overlap: float = 0.0) -> tuple[float, float]:
+                      compute: ComputeModel | None = None, overlap: float = 0.0,
+                      fused: bool = False) -> tuple[float, float]:
     """(dense, compressed) predicted seconds per step of one bucket of ``layers`` (numels) whose
     messages are ``wires`` (``Compressor.wire`` per layer) over ``collective``.
 
     1. dense: one ring allreduce of 4 bytes per element, of which ``1 - overlap`` is exposed
-       (``overlap``: the fraction of a dense allreduce that runs hidden behind backward);
+       (``overlap``: the fraction of a dense allreduce that runs hidden behind backward); ``fused``:
+       the layers would join a dense bucket that runs anyway, so only their bytes are priced, not
+       another collective's latency;
     2. compressed: each layer's selection and decode (``compute``'s measured rates) and its share
        of the collective's bandwidth, plus the collective's latency once for the bucket (and an
        8-byte header per layer for a gather). Selection runs on the step's critical path (on a
        CPU it takes the cores backward uses), so none of it is counted as hidden.
     """
-    dense = ring_allreduce(N, 4.0 * sum(layers), net) * (1.0 - overlap)
+    dense = ring_allreduce(N, 4.0 * sum(layers), net) - (ring_allreduce(N, 0.0, net) if fused else 0.0)
+    dense *= 1.0 - overlap
     costs: list[LayerCost] = [predict_message(n, w, collective, N, net, compute=compute, shared=True)
                               for n, w in zip(layers, wires)]
     rounds = ring_allreduce(N, 0.0, net) if collective == "allreduce" else \
