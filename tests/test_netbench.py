@@ -63,6 +63,11 @@ def test_prediction_uses_measured_message_sizes():
                                                              "dense_bytes": 4e6}]}
     assert predict(dense, 2, net, 0.0)["predicted_comm_s"] == pytest.approx(cm.ring_allreduce(2, 4e6 + 4, net))
     assert wire_method({"method": "fp16"}) == "dense_fp16" and wire_method({"method": "topk"}) == "pairs"
+    # PowerSGD's factors are allreduced in fp32: a compressed layer is priced by the bytes it sent
+    psgd = {"compression": {"method": "powersgd", "rank": 2}, "layers": [
+        {"name": "w", "group": "sparse", "wire_bytes": 4 * 2 * (1000 + 1000), "dense_bytes": 4e6},
+        {"name": "b", "group": "dense", "wire_bytes": 4000, "dense_bytes": 4000}]}
+    assert plan_from_run(psgd) == [(4000, 1.0, "dense"), (1000, 1.0, "dense")]
 
 
 def test_in_run_work_takes_each_steps_slowest_rank():
