@@ -13,7 +13,7 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export PATH := $(VENV)/bin:$(PATH)
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast bench bench-sweep clean
 
 $(STAMP): setup.py scripts/install.sh
 	REDSYNC_VENV=$(VENV) REDSYNC_WITH_TF=$(REDSYNC_WITH_TF) bash scripts/install.sh
@@ -32,6 +32,12 @@ test-fast: install
 
 bench: install
 	$(PY) scripts/bench_selection.py
+
+# the end-to-end sweep on shaped links (root: network namespaces): the full grid, then the fast
+# links; each prints its results table with the cost model's predicted-vs-measured error columns
+bench-sweep: install
+	$(PY) scripts/bench_end_to_end.py --config configs/bench/full.yaml
+	$(PY) scripts/bench_end_to_end.py --config configs/bench/fast.yaml
 
 clean:
 	rm -rf runs build *.egg-info

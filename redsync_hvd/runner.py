@@ -29,6 +29,7 @@ from . import checkpoint, launchers, progress, resize
 from .config import RunConfig, validate
 from .config.run import RESUMABLE
 from .policy.budget import log_lines as budget_log_lines
+from .policy.review import review_log_lines
 from .preemption import EXIT_STOPPED, QuietStream, StopController, allgather_max, say
 from .runlog import RunLog, build_summary, test_figures, write_layer_decisions
 from .schedule import eval_due, total_steps
@@ -291,14 +292,18 @@ class Run:
     def _note_decisions(self) -> None:
         """A policy that chooses again while training (``policy.mode: budget``): each new choice is
         appended to layers.log and rewrites decisions.json and the record checkpoints keep."""
-        revision = getattr(self._policy, "revision", None)
+        revision = getattr(self._policy, "log_revision", None)
         if revision is None or revision == self._revision:
             return
         self._revision = revision
         self.record = self.trainer.decision_record()
-        if self.rank == 0 and "budget" in self.record:
+        lines = []
+        if "budget" in self.record:
             lines = budget_log_lines(self.record["budget"], self._logged)
             self._logged = len(self.record["budget"]["history"])
+        elif "review" in self.record:   # the cost model's buckets, with what each window measured
+            lines = review_log_lines(self.record["review"])
+        if self.rank == 0 and lines:
             with open(self.log.dir / "layers.log", "a") as f:
                 f.writelines(line + "\n" for line in lines)
         self.log.decisions(self.record)

@@ -5,6 +5,7 @@
     torchrun --standalone --nproc_per_node 2 scripts/bench_ddp_hook.py --models cnn --rounds 15 \
         --out docs/results/ddp_hook.md
     torchrun --standalone --nproc_per_node 2 scripts/bench_ddp_hook.py --variants compressed --models cnn
+    torchrun --standalone --nproc_per_node 2 scripts/bench_ddp_hook.py --variants cost_model --models cnn
 
 For each model, DDP copies (same weights, same synthetic batches, same SGD) train in rounds
 of ``--steps`` steps, one copy after the other in an order that rotates every round, so load
@@ -17,6 +18,9 @@ other jobs share the cores, since waiting costs none). Rank 0 prints the medians
 median ratios with their interquartile ranges over rounds, and the machine, as a Markdown
 table; ``--out FILE`` also writes it there, with the command that made it. The target is a
 ratio within 1.05 for ``hook none`` (wall clock, on a machine with nothing else running).
+``--variants cost_model``: RedSync's hook under ``policy.mode: cost_model`` on a link where dense
+wins (the probes decide) should send dense and cost no more than 1/0.97 of plain DDP; the table
+says how many layers it compressed.
 """
 from __future__ import annotations
 
@@ -61,13 +65,19 @@ VARIANT_SETS = {
         "hook powersgd": {"method": "powersgd", "rank": 2, "start_iter": 2},   # configs/digits/powersgd.yaml
         "hook redsync": REDSYNC,
     },
+    "cost_model": {
+        "plain DDP": None,
+        "hook redsync cost_model": {**REDSYNC, "policy": {"mode": "cost_model", "min_compress_numel": 1024}},
+    },
 }
 # the ratios each set is judged by: (variant, against)
 JUDGED = {"hook": [("hook none", "plain DDP")],
-          "compressed": [("hook powersgd", "torch powerSGD_hook"), ("hook redsync", "plain DDP")]}
+          "compressed": [("hook powersgd", "torch powerSGD_hook"), ("hook redsync", "plain DDP")],
+          "cost_model": [("hook redsync cost_model", "plain DDP")]}
+COMPRESSED: dict = {}   # {(model, variant): "k/n layers compressed"} of our hooks, for the table
 
 
-def variant(spec: dict, device, compression):
+def variant(spec: dict, device, compression, key=None):
     """A DDP model, its optimizer and a step function; ``compression``: our hook's config, or None."""
     torch.manual_seed(0)
     model = build_model(spec["model"], spec["classes"], spec["input_shape"], **spec["options"]).to(device)
@@ -76,7 +86,9 @@ def variant(spec: dict, device, compression):
         state = torch_psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2)
         ddp.register_comm_hook(state, torch_psgd.powerSGD_hook)
     elif compression is not None:
-        rddp.register(ddp, compression)
+        decided = rddp.register(ddp, compression).layer_decisions()
+        if decided:   # the fast path (method none) decides nothing
+            COMPRESSED[key] = f"{sum(d['compressed'] for d in decided)}/{len(decided)} layers compressed at start"
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     x = torch.randn(spec["batch"], *spec["input_shape"], device=device)
     y = torch.randint(0, spec["classes"], (spec["batch"],), device=device)
@@ -113,7 +125,8 @@ def summary(times: list, base: list) -> tuple:
 def bench(name: str, args, device) -> dict:
     """{variant: [(wall, CPU) seconds per step, one per round]}; the order rotates every round."""
     spec = MODELS[name]
-    steps = {label: variant(spec, device, compression) for label, compression in VARIANT_SETS[args.variants].items()}
+    steps = {label: variant(spec, device, compression, (name, label))
+             for label, compression in VARIANT_SETS[args.variants].items()}
     labels = list(steps)
     times: dict = {label: [] for label in labels}
     for r in range(args.rounds):
@@ -127,7 +140,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--variants", default="hook", choices=list(VARIANT_SETS),
                         help="hook: our hook as none against plain DDP; compressed: torch's PowerSGD hook "
-                             "against ours, and our RedSync hook against plain DDP")
+                             "against ours, and our RedSync hook against plain DDP; cost_model: our RedSync "
+                             "hook under policy.mode cost_model against plain DDP")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
@@ -164,7 +178,8 @@ def table(rows: list, args, device) -> list:
             column = {label: [t[clock] for t in ts] for label, ts in times.items()}
             for label, ts in column.items():
                 ms, (q1, q2, q3) = summary(ts, column["plain DDP"])
-                lines.append(f"| {name} | {clock_name} | {label} | {ms:.2f} | {q2:.3f} ({q1:.3f}-{q3:.3f}) |")
+                note = f" ({COMPRESSED[name, label]})" if (name, label) in COMPRESSED else ""
+                lines.append(f"| {name} | {clock_name} | {label}{note} | {ms:.2f} | {q2:.3f} ({q1:.3f}-{q3:.3f}) |")
             for label, against in JUDGED[args.variants]:
                 _, (q1, q2, q3) = summary(column[label], column[against])
                 judged.append(f"| {name} | {clock_name} | {label} / {against} | {q2:.3f} ({q1:.3f}-{q3:.3f}) |")

@@ -44,6 +44,9 @@ DENSE = [
     },
     # IWP at density 1: the leader's broadcast indices cover everything
     {"method": "iwp", "density": 1.0, "policy": {"min_compress_numel": 0}},
+    # the cost model on a 1 Pbit/s, 1 us link: nothing pays, every layer dense, DDP's own reduction
+    {"method": "redsync", "density": 0.01, "dgc": {"momentum_correction": False},
+     "policy": {"mode": "cost_model", "min_compress_numel": 0, "latency_s": 1e-6, "bandwidth_gbit": 1e6}},
 ]
 
 

@@ -63,6 +63,11 @@ def test_prediction_uses_measured_message_sizes():
                                                              "dense_bytes": 4e6}]}
     assert predict(dense, 2, net, 0.0)["predicted_comm_s"] == pytest.approx(cm.ring_allreduce(2, 4e6 + 4, net))
     assert wire_method({"method": "fp16"}) == "dense_fp16" and wire_method({"method": "topk"}) == "pairs"
+    # PowerSGD's factors are allreduced in fp32: a compressed layer is priced by the bytes it sent
+    psgd = {"compression": {"method": "powersgd", "rank": 2}, "layers": [
+        {"name": "w", "group": "sparse", "wire_bytes": 4 * 2 * (1000 + 1000), "dense_bytes": 4e6},
+        {"name": "b", "group": "dense", "wire_bytes": 4000, "dense_bytes": 4000}]}
+    assert plan_from_run(psgd) == [(4000, 1.0, "dense"), (1000, 1.0, "dense")]
 
 
 def test_in_run_work_takes_each_steps_slowest_rank():
@@ -81,14 +86,16 @@ def test_in_run_work_takes_each_steps_slowest_rank():
 def test_bench_configs_validate():
     sys.path.insert(0, str(REPO / "scripts"))
     import bench_end_to_end as bench
-    for name in ("quick.yaml", "full.yaml", "costmodel.yaml", "quick-horovod-cycle.yaml", "decentralized.yaml"):
+    for name in ("quick.yaml", "full.yaml", "costmodel.yaml", "quick-horovod-cycle.yaml", "decentralized.yaml",
+                 "fast.yaml"):
         cfg = bench.load_config(str(REPO / "configs" / "bench" / name))
         for setting in cfg["networks"]:
             for method, spec in cfg["methods"].items():
                 comp = bench.method_config(spec, setting)
                 policy = comp.get("policy") or {}
                 if policy.get("mode") == "cost_model":
-                    assert policy["bandwidth_gbit"] == pytest.approx(setting["bandwidth_mbit"] / 1e3)
+                    bw = setting["bandwidth_mbit"]   # an unshaped link is given as 100 Gbit/s
+                    assert policy["bandwidth_gbit"] == pytest.approx(bw / 1e3 if bw else 100.0)
                     # alpha is left to the start-up probe (Horovod's real cost per round)...
                     assert policy.get("latency_s") is None
                     # ...unless the bench config gives a base latency

@@ -163,6 +163,18 @@ class PolicyConfig(_Group):
     latency_s: Optional[float] = Field(None, ge=0, description="cost_model: cost of one collective round "
                                                                "(None: measured at start)")
     bandwidth_gbit: Optional[float] = Field(None, gt=0, description="cost_model: bandwidth (None: measured)")
+    review_every: int = Field(20, ge=0, description="cost_model: every this many steps, each compressed bucket's "
+                                                   "measured seconds (averaged over ranks) are compared with its "
+                                                   "predicted dense time, and it goes dense where it does not pay "
+                                                   "(longer: less noise, a slow choice kept longer; 0: never)")
+    review_margin: float = Field(0.1, ge=0, description="cost_model: how much slower than its predicted dense time "
+                                                       "a compressed bucket may be measured before it goes dense "
+                                                       "(0: flips on the model's own error; large: keeps buckets "
+                                                       "that cost time)")
+    overlap: Optional[float] = Field(None, ge=0, le=1, description="cost_model: the fraction of a dense "
+                                     "allreduce hidden behind backward, which the dense side of each bucket's price "
+                                     "leaves out (None: measured at start, engine/probes.py:probe_overlap; while "
+                                     "training it is bounded by the measured compute per step)")
     decisions: Optional[Union[str, dict]] = Field(
         None, description="a decisions.json of a run folder: which layers travel compressed is taken from it "
                           "(no probing, no cost model), so runs of one config compress the same layers. A resume "

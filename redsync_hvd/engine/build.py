@@ -32,7 +32,7 @@ from ..exchange import GradientExchange
 from ..memory import MomentumCorrectionMemory, ResidualMemory
 from ..policy import LayerPolicy
 from .decisions import pin
-from .probes import network_for, probe_compute
+from .probes import network_for, probe_compute, probe_overlap
 
 
 class UnsupportedMethodError(ValueError, NotImplementedError):
@@ -168,7 +168,13 @@ def build_exchange(compression: Any, layers: list, comm, *, framework: str = "to
     else:
         network = network_for(config, comm)
         if network is not None:
-            policy.compute = probe_compute(comm, layers[0].device if layers else "cpu")
+            device = layers[0].device if layers else "cpu"
+            # the run's own method on the model's own smallest and largest candidate layers
+            sizes = [l.numel for l in layers if l.numel >= config.policy.min_compress_numel]
+            policy.compute = probe_compute(comm, device,
+                                           spec=config.model_dump(mode="json"), sizes=sizes or None)
+            if config.policy.mode == "cost_model" and config.policy.overlap is None:
+                policy.overlap = probe_overlap(comm, sum(l.numel for l in layers), device)
     exchange = GradientExchange(layers, compressor, comm, policy, memory, check_finite=config.finite_check,  # 6.
                                 fusion_bytes=config.fusion_bytes, clip_norm=config.local_clip, network=network,
                                 cuda_graph=config.cuda_graph, **options)

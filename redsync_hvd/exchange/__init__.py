@@ -1,4 +1,5 @@
 """The gradient exchange: compensate -> compress -> update memory -> send, then finish()."""
-from .exchange import GradientExchange, NonFiniteGradientError
+from .exchange import GradientExchange
+from .nonfinite import NonFiniteGradientError
 
 __all__ = ["GradientExchange", "NonFiniteGradientError"]

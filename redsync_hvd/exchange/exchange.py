@@ -15,8 +15,6 @@ and take averaged torch tensors back:
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..compressors.base import Compressor, Layer
@@ -24,14 +22,11 @@ from ..compressors.dense import FP16Compressor, NoneCompressor
 from ..core import layout
 from ..core.stats import CommStats
 from ..memory import NoMemory
+from . import nonfinite, redecide
 from .buckets import Buffers, GatherBucket, ReduceBucket
 from .planned import FlatMemory, PlannedBucket
 from .scatter import ScatterBucket, ScatterGroup
 from .step import StepResult, StepState
-
-
-class NonFiniteGradientError(FloatingPointError):
-    pass
 
 
 class GradientExchange:
@@ -42,7 +37,7 @@ class GradientExchange:
         ``policy.dense_values`` how the dense ones do (fp32, or fp16).
     memory: residual memory for compressed layers (None: no error feedback).
     check_finite: agree across ranks that the step was finite (else every rank raises). Off, a
-        step whose inputs held NaN/Inf passes them on instead (``_pass_nonfinite``).
+        step whose inputs held NaN/Inf passes them on instead (``nonfinite.pass_on``).
     on_nonfinite: "raise" (NonFiniteGradientError) | "skip": roll back and return gradients
         filled with inf, so a GradScaler skips the step (fp16 training; :meth:`use_grad_scaler`).
     clip_norm: DGC's local clipping; each worker's share of the norm is clip_norm * N**-0.5.
@@ -80,22 +75,29 @@ class GradientExchange:
         self.carry = None
         self.last: StepResult | None = None   # the last finished step's result
         self.buffers = Buffers(reuse_buffers)
+        self._shape = (fusion_bytes, cuda_graph)
+        self.pending: dict = {}   # {name: residual of a layer that went dense}, added to its next gradient
         policy.setup(layers, comm.size, network)
         self.buckets = self._build(layers, fusion_bytes, cuda_graph)                                  # 1.
         policy.start_budget(layers, sum(b.control_bytes for b in self.buckets))
+        self._wire()
+        self.state = StepState()
+        self._density_key = None
+        redecide.start(self)   # policy.mode cost_model: per-bucket verdicts, checked while training
+
+    def _wire(self) -> None:
+        """What ``submit`` and ``finish`` read of the buckets."""
         self.bucket_of = {n: b for b in self.buckets for n in b.names}
         self.planned = [b for b in self.buckets if isinstance(b, PlannedBucket)]
         scatter = [b for b in self.buckets if isinstance(b, ScatterBucket)]
         # finish() order: the reduce buckets, the scatter group, the gathered ones
         self.finishing = [b for b in self.buckets if b.kind == "reduce"] + \
-            ([ScatterGroup(scatter, comm, self.stats)] if scatter else []) + \
+            ([ScatterGroup(scatter, self.comm, self.stats)] if scatter else []) + \
             [b for b in self.buckets if b.kind == "gather" and not isinstance(b, ScatterBucket)]
         # blocking buckets are compressed in finish(), in the order their last layer registered
         self.blocking = sorted((b for b in self.buckets if getattr(b, "blocking", False)),
                                key=lambda b: max(l.index for l in b.layers))
         self.carrier = next((b for b in self.buckets if b.kind == "reduce"), None)
-        self.state = StepState()
-        self._density_key = None
 
     # -- 1. the buckets, each with its route -----------------------------------------------------
     def _build(self, layers: list, fusion_bytes: int, cuda_graph: str) -> list:
@@ -202,7 +204,15 @@ class GradientExchange:
             if self.carry is not None:
                 st.carry = [float(v) for v in self.carry()]
         st.submitted.add(name)
-        self.bucket_of[name].add(layer, grad, st)
+        if name in self.pending:   # what it kept back while it travelled compressed
+            grad = grad.reshape(-1).float() + self.pending.pop(name).to(grad.device)
+        self._call(self.bucket_of[name], "add", layer, grad, st)
+
+    def _call(self, bucket, call: str, *args):
+        """``bucket.<call>(*args)``, timed for the cost model's review where one runs."""
+        if getattr(self.policy, "review", None) is None:
+            return getattr(bucket, call)(*args)
+        return redecide.timed(self.policy.review, bucket, call, *args)
 
     def _set_densities(self) -> None:
         """Each layer's density for this step (``LayerPolicy.density``), set again only where the
@@ -234,19 +244,19 @@ class GradientExchange:
         apply = apply or {}
         try:
             for bucket in self.blocking:
-                bucket.flush(self.state)
+                self._call(bucket, "flush", self.state)
             carry = self._start_carry()
             arrived = []
             for bucket in self.finishing:
-                got = bucket.finish(into or {}, apply)
+                got = self._call(bucket, "finish", into or {}, apply)
                 arrived += got if isinstance(got, list) else [got]
             out = {n: t for a in arrived for n, t in a.averages.items()}
             bad, carried = self._read(carry, arrived)
             passed = bad and not self.check_finite and not self.state.vetoed
             if (bad or self.state.vetoed) and not passed:
-                return self._nonfinite(out, carried)   # raises, or (on_nonfinite="skip") rolls back
+                return nonfinite.fail(self, out, carried)   # raises, or (on_nonfinite="skip") rolls back
             if passed:
-                self._pass_nonfinite(out, apply)
+                nonfinite.pass_on(self, out, apply)
             applied = self._after_average(arrived, out, apply)
         except BaseException:
             self.abort()
@@ -257,6 +267,7 @@ class GradientExchange:
         self.step += 1
         self.state = StepState(step=self.step)
         self.last = StepResult(out, applied, carried)
+        redecide.after_step(self)   # policy.mode cost_model: a window's measurements, agreed
         return self.last
 
     def _start_carry(self):
@@ -291,42 +302,6 @@ class GradientExchange:
         (or, with a GradScaler, skips) as for the exchange's own. Every rank must veto alike: call
         it with what every rank received, not with this rank's own inputs."""
         self.state.vetoed = list(names)
-
-    def _pass_nonfinite(self, out: dict, apply: dict) -> None:
-        """check_finite off, and some rank's inputs held NaN/Inf: pass them on as an uncompressed
-        average does. Dense fp32 layers hold them already (their sum carries them, element by
-        element); a layer that travelled compressed or as fp16 (whose clamp hides an Inf) is NaN
-        on every rank where any rank flagged it, agreed by one allreduce of per-layer flags (on
-        such steps only). The memories then zero what is not finite, and the compressor's state
-        stays as it was (``_settle``)."""
-        names = [n for b in self.buckets if not getattr(b, "passthrough", False) for n in b.names]
-        if not names:
-            return
-        mine = {n for b in self.buckets for n in b.flagged()}
-        flags = torch.tensor([float(n in mine) for n in names], device=self.layers[names[0]].device)
-        agreed = self.comm.wait(self.comm.allreduce_async(flags, name="rsync.nonfinite_layers", average=False))
-        for name, count in zip(names, agreed.tolist()):
-            if count > 0 and name in out:
-                out[name].fill_(math.nan)
-            elif count > 0 and name in apply:   # sparse_update: the step would write NaN into it
-                apply[name][0].fill_(math.nan)
-
-    def _nonfinite(self, out: dict, carried) -> StepResult:
-        bad = [n for b in self.buckets for n in b.flagged()] + self.state.vetoed
-        if self.on_nonfinite == "skip":
-            self.abort()
-            for t in out.values():
-                t.fill_(math.inf)
-            self.last = StepResult(out, [], carried)
-            return self.last
-        raise NonFiniteGradientError(
-            f"non-finite gradient (NaN/Inf) at step {self.step}"
-            + (f" in {bad[:5]} on this rank" if bad else " (on this or another rank)")
-            + ". No update was applied and the residuals were left as they were. "
-              "Lower the learning rate, clip gradients, or check the input data; "
-              "This check is on by default where the method keeps a residual (a NaN there would stay for good); "
-              "compression.check_finite=false passes NaN/Inf on instead, as Horovod's uncompressed average does "
-              "(residuals stay finite).")
 
     def _after_average(self, arrived: list, out: dict, apply: dict) -> list:
         """What needs the checked average: DGC momentum of dense layers, the GradScaler's scale, and

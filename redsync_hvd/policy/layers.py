@@ -50,6 +50,8 @@ class LayerPolicy:
         self.size = 1
         self.budget: Budget | None = None  # policy.mode: budget
         self.notes: list[str] = []        # what the engine changed of the config, and why (layers.log)
+        self.review = None   # policy.mode: cost_model: review.Review, the per-bucket verdicts (the exchange's)
+        self.overlap = None  # policy.mode: cost_model: the probed fraction of a dense allreduce backward hides
 
     def _override(self, name: str):
         for o in self.config.policy.layers:
@@ -144,6 +146,8 @@ class LayerPolicy:
             out["budget"] = self.budget.record()
         if self.notes:
             out["notes"] = list(self.notes)
+        if self.review is not None:
+            out["review"] = self.review.record()
         return out
 
     # -- policy.mode: budget (budget.py); nothing for the other modes ---------------------------------
@@ -151,6 +155,11 @@ class LayerPolicy:
     def revision(self) -> int | None:
         """Counts the budget's choices (None: the decisions never change after setup)."""
         return None if self.budget is None else self.budget.revision
+
+    @property
+    def log_revision(self) -> int | None:
+        """Counts what the run folder should log again: a budget's choices, the review's windows."""
+        return self.review.windows if self.review is not None else self.revision
 
     def observe(self, layers, xs: list, step: int, grads: list) -> None:
         """A unit's compensated x and this step's gradients, before compression (the budget

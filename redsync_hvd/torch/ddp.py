@@ -34,6 +34,10 @@ gradients per step (scripts/bench_ddp_hook.py times it).
 Set explicitly, it sums every averaged bucket once the last one is reduced and reads the
 total once: a NaN or Inf on any rank is in every rank's average, so every rank raises
 without a collective of its own.
+The same path serves a compressing method whose exchange sends every layer dense
+(``policy.mode: cost_model`` where compression does not pay, decided at start or by the
+review while training): from the step after that is known, and once no residual is left
+to send, the hooks run DDP's reduction and the exchange is skipped.
 
 Methods that fit a hook: everything that compresses one step's gradients (none, fp16,
 topk, randomk, redsync, iwp and the allreduce/allgather baselines). Refused, with the
@@ -87,10 +91,16 @@ class DDPCompressionState:
         self._reduced: list = []         # fast path: (work, buffer, future) of this step's buckets
         # fast path: check only when asked for by name (see the module docstring)
         self._check_dense = config.finite_check
+        self._fast, self._layout = False, None   # the exchange's layers all dense: DDP's own reduction
 
     # -- the step, from the hooks -----------------------------------------------
     def submit_bucket(self, bucket) -> torch.futures.Future:
-        """Steps 1 and 2 of the module docstring, for one bucket."""
+        """Steps 1 and 2 of the module docstring, for one bucket; the fast path where every layer
+        travels dense (decided at a step's first bucket, from what every rank agreed)."""
+        if not self._pending and not self._reduced:
+            self._fast = self._all_dense()
+        if self._fast:
+            return self.reduce_bucket(bucket)
         params, grads = bucket.parameters(), bucket.gradients()
         names = self.names_of(params)
         try:
@@ -106,6 +116,18 @@ class DDPCompressionState:
         if bucket.is_last():
             self._finish_step()
         return fut
+
+    def _all_dense(self) -> bool:
+        """Whether the exchange sends every layer dense and holds no residual still to send (the
+        cost model decided so at start, or its review since): then the exchange would only add its
+        per-layer work to DDP's allreduce. Looked at again only when the exchange rebuilt its buckets."""
+        ex = self.exchange
+        if ex.pending:
+            return False
+        layout = getattr(ex, "rebuilt", 0)
+        if layout != self._layout:
+            self._layout, self._dense_only = layout, not any(l.compressed for l in ex.layers.values())
+        return self._dense_only
 
     def count_bucket(self, bucket) -> None:
         """The fast path's accounting: what DDP's own allreduce of this bucket hands over. A

@@ -85,7 +85,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hooks = [] if self._local_steps else \
             [p.register_post_accumulate_grad_hook(self._make_hook(n)) for n, p in named]
         # sparse gradients must stay sparse for their optimizer: no dense buffer for them to land in
-        self._landing = {} if self._local_steps else self._grad_views([(n, p) for n, p in exchanged if n not in sparse])
+        self._landing_named = [] if self._local_steps else [(n, p) for n, p in exchanged if n not in sparse]
+        self._landing, self._layout = self._grad_views(self._landing_named), 0
         self._attach()
 
     def _horovod_options(self, options: HorovodOptions, comm, spec) -> None:
@@ -122,6 +123,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         buffers: those are zeroed in place and stay there (``set_to_none`` would make backward
         allocate new ones, to be copied in every step), as DDP's ``gradient_as_bucket_view`` does."""
         super(self.__class__, self).zero_grad(set_to_none)
+        if getattr(self._exchange, "rebuilt", 0) != self._layout:   # the cost model's review rebuilt the buckets
+            self._layout = self._exchange.rebuilt
+            self._landing = self._grad_views(self._landing_named)
         flats = {v.untyped_storage().data_ptr(): v._base for v in self._landing.values() if v._base is not None}
         for flat in flats.values():
             flat.zero_()   # a fill per bucket, not per layer

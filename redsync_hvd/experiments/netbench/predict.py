@@ -78,6 +78,9 @@ def plan_from_run(run: dict) -> list:
     plan = []
     for layer in run.get("layers", []):
         n = int(layer["dense_bytes"]) // 4
+        if method == "dense" and layer["group"] != "dense":
+            # a compressed layer whose message is fp32 allreduced (PowerSGD's factors): its measured bytes
+            n = max(1, int(layer["wire_bytes"]) // 4)
         if layer["group"] == "dense" or method.startswith("dense"):
             plan.append((n, 1.0, dense))
         else:

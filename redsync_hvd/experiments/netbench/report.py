@@ -105,7 +105,8 @@ def skipped_rows(setting, models, methods, why) -> list[dict]:
 def markdown(rows: list[dict]) -> str:
     cols = ["model", "method", "hosts", "bandwidth_mbit", "latency_ms", "step_time_s", "speedup_vs_dense",
             "wire_bytes_per_step", "compute_s", "select_s", "communicate_s", "decompress_s",
-            "overhead_pct_of_compute", "predicted_step_time_s", "prediction_error_pct"]
+            "overhead_pct_of_compute", "predicted_step_time_s", "prediction_error_pct", "predicted_in_run_s",
+            "in_run_error_pct"]
     return markdown_table(cols, [[short(r.get(c), 3) for c in cols] for r in rows if r.get("step_time_s")]).rstrip()
 
 

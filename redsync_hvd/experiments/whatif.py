@@ -1,0 +1,199 @@
+"""What would a step cost on a cluster this machine is not? The cost model's answer, from a short probe here.
+
+    python -m redsync_hvd.experiments.whatif --config configs/digits/redsync.yaml --hosts 8 --bandwidth 10gbit
+
+1. builds the config's model and times its forward and backward on one batch of the config's
+   batch size, in this one process (the median of ``--repeats``);
+2. for the config's method and each baseline (none, fp16, topk, powersgd, redsync, sbc, ...):
+   times an exchange step of a compressed layer of the model's smallest and largest size here
+   (``engine/probes.py:probe_rates``: select, encode, the residual, decoding N ranks' messages)
+   and fits a cost per layer and per element;
+3. lays the model out in the method's buckets as the exchange would, for N = hosts x processes
+   per host, and prices each (``policy/review.py:bucket_prediction``): a compressed bucket's
+   selection, collective and decode, the dense buckets' ring allreduce (``--overlap`` of it hidden
+   behind backward);
+4. prints one row per method, predicted step time and speedup over dense, and the pick.
+
+The link is one alpha-beta network for every pair of processes (``policy/costmodel.py``): with
+several processes per host the inter-host link is the ring's slowest and is priced for all.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+
+import torch
+from torch.utils.data import default_collate
+
+from redsync_hvd.comm.local import LocalCommunicator
+from redsync_hvd.compressors import build_compressor
+from redsync_hvd.compressors.base import Layer
+from redsync_hvd.config import ConfigError
+from redsync_hvd.config.compression import parse_compression
+from redsync_hvd.config.run import load_config
+from redsync_hvd.data import build_datasets
+from redsync_hvd.engine.probes import probe_rates
+from redsync_hvd.exchange import GradientExchange
+from redsync_hvd.memory import ResidualMemory
+from redsync_hvd.models import build_model
+from redsync_hvd.policy import LayerPolicy
+from redsync_hvd.policy.costmodel import Network, ring_allreduce
+from redsync_hvd.policy.review import bucket_prediction
+from redsync_hvd.torch.training import loss_and_correct
+
+BASELINES = ("none", "fp16", "topk", "powersgd", "redsync", "sbc", "iwp", "qsgd", "signsgd")
+_BANDWIDTH = re.compile(r"^(\d+(?:\.\d+)?)(gbit|mbit|kbit)$")
+_LATENCY = re.compile(r"^(\d+(?:\.\d+)?)(s|ms|us)$")
+
+
+def bandwidth(text: str) -> float:
+    """Bytes per second of ``10gbit``, ``100mbit``, ``1.5gbit`` (bits per second, decimal)."""
+    m = _BANDWIDTH.match(text.strip().lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"--bandwidth {text!r}: write a number and a unit of bits per second, "
+                                         "gbit, mbit or kbit (10gbit, 100mbit, 2.5gbit)")
+    return float(m.group(1)) * {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}[m.group(2)] / 8.0
+
+
+def latency(text: str) -> float:
+    """Seconds of ``25us``, ``1ms``, ``0.002s``."""
+    m = _LATENCY.match(text.strip().lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"--latency {text!r}: write a number and a unit, s, ms or us "
+                                         "(25us, 1ms, 0.002s)")
+    return float(m.group(1)) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[m.group(2)]
+
+
+def positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
+def model_and_batch(cfg):
+    """The config's model and one batch of its batch size (the data's own samples)."""
+    data = build_datasets(cfg.data.name, path=cfg.data.path, seed=cfg.training.seed, **cfg.data.options)
+    model = build_model(cfg.model.name, data.num_classes, data.input_shape, **cfg.model.options)
+    n = min(cfg.training.batch_size, len(data.train))
+    x, y = default_collate([data.train[i] for i in range(n)])
+    return model, x, y, data.task
+
+
+def time_compute(model, x, y, task: str, repeats: int) -> float:
+    """Seconds of the fastest forward + backward of one batch in this process, of ``repeats`` after
+    one untimed (a shared host slows some repeats; the fastest is what the model costs)."""
+    times = []
+    for rep in range(repeats + 1):
+        t0 = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        loss, _, _ = loss_and_correct(model, x, y, task)
+        loss.backward()
+        if rep:
+            times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def price(spec: dict, layers: list, N: int, net: Network, rates, compute_s: float, overlap: float) -> dict:
+    """Predicted seconds of one step under ``spec`` (step 3): the exchange's own buckets and
+    decisions for N workers, each priced."""
+    config = parse_compression(spec)
+    steady = {k: v for k, v in spec.items() if k not in ("warmup", "start_iter", "dgc")}   # no optimizer here
+    policy_spec = spec.get("policy")
+    if isinstance(policy_spec, dict):
+        steady["policy"] = {k: v for k, v in policy_spec.items() if k != "decisions"}
+    if parse_compression(steady).corrects_momentum:
+        steady["dgc"] = {"momentum_correction": False}
+    comm = LocalCommunicator(N)
+    comp, cfg = build_compressor(steady, comm)
+    policy = LayerPolicy(cfg, comp)
+    policy.compute = rates
+    mine = [Layer(l.name, l.shape, l.numel, l.index, l.device) for l in layers]
+    ex = GradientExchange(mine, comp, comm, policy, ResidualMemory() if cfg.uses_memory else None,
+                          fusion_bytes=cfg.fusion_bytes, network=net)
+    dense_s, comm_s = 0.0, 0.0
+    for bucket in ex.buckets:
+        numels = [l.numel for l in bucket.layers]
+        if not bucket.layers[0].compressed:
+            dense_s += ring_allreduce(N, (2 if cfg.policy.dense_values == "fp16" else 4) * sum(numels), net)
+            continue
+        wires = [policy._wire(l, l.base_density) for l in bucket.layers]
+        comm_s += bucket_prediction(numels, wires, comp.collective, N, net, rates, overlap)[1]
+    every = int(getattr(config, "local_steps", 1) or 1) if config.delayed else 1   # SBC: an exchange every few
+    step = compute_s + (dense_s * (1.0 - overlap) + comm_s) / every
+    compressed = 0 if comp.passthrough else sum(l.compressed for l in mine)   # "none": every layer is its own
+    return {"method": config.method, "compressed": compressed, "layers": len(mine),
+            "exchange_s": step - compute_s, "step_s": step}
+
+
+def candidates(cfg, names: list) -> list:
+    """(label, compression spec): the config's own, then each baseline at its defaults."""
+    own = cfg.compression.model_dump(mode="json")
+    out = [(f"config ({own['method']})", own)]
+    for name in names:
+        spec = {"method": name}
+        if parse_compression(spec).strategy == "exchange":
+            out.append((name, spec))
+    return out
+
+
+def table(rows: list, compute_s: float) -> str:
+    dense = next(r["step_s"] for r in rows if r["method"] == "none")
+    lines = [f"forward+backward: {compute_s * 1e3:.2f} ms (measured here)", "",
+             "| method | compressed layers | exchange ms | step ms | vs dense |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['label']} | {r['compressed']}/{r['layers']} | {r['exchange_s'] * 1e3:.2f} | "
+                     f"{r['step_s'] * 1e3:.2f} | {dense / r['step_s']:.2f}x |")
+    best = min(rows, key=lambda r: r["step_s"])
+    return "\n".join(lines + ["", f"pick: {best['label']} ({best['step_s'] * 1e3:.2f} ms per step predicted)"])
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m redsync_hvd.experiments.whatif", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True, help="a training YAML (python -m redsync_hvd.train's)")
+    ap.add_argument("--hosts", type=positive, required=True)
+    ap.add_argument("--bandwidth", type=bandwidth, required=True, help="per link: 10gbit, 100mbit, ...")
+    ap.add_argument("--latency", type=latency, default=25e-6, help="per collective round: 25us (default), 1ms")
+    ap.add_argument("--np-per-host", "--gpus-per-host", dest="per_host", type=positive, default=1)
+    ap.add_argument("--overlap", type=float, default=0.0, help="fraction of a dense allreduce hidden by backward")
+    ap.add_argument("--methods", default=",".join(BASELINES), help="baselines to price, comma-separated")
+    ap.add_argument("--repeats", type=positive, default=5)
+    args = ap.parse_args(argv)
+    if not 0.0 <= args.overlap <= 1.0:
+        ap.error(f"--overlap {args.overlap}: a fraction from 0 to 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+        names = ["none"] + [m.strip() for m in args.methods.split(",") if m.strip() not in ("", "none")]
+        for name in names:
+            parse_compression({"method": name})
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"whatif: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    model, x, y, task = model_and_batch(cfg)
+    compute_s = time_compute(model, x, y, task, args.repeats)
+    layers = [Layer(n, tuple(p.shape), p.numel(), i, torch.device("cpu"))
+              for i, (n, p) in enumerate(model.named_parameters()) if p.requires_grad]
+    N, net = args.hosts * args.per_host, Network(args.latency, args.bandwidth)
+    rows, skipped = [], []
+    for label, spec in candidates(cfg, names):
+        try:
+            rates = probe_rates(N, "cpu", spec, [l.numel for l in layers], repeats=2)
+            rows.append({"label": label, **price(spec, layers, N, net, rates, compute_s, args.overlap)})
+        except (RuntimeError, ValueError, IndexError) as exc:   # a method the one-process probe cannot run
+            skipped.append(f"{label}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+    print(f"N = {N} ({args.hosts} hosts x {args.per_host}), {args.bandwidth * 8 / 1e9:g} Gbit/s, "
+          f"{args.latency * 1e6:g} us per collective round, overlap {args.overlap:g}")
+    print(table(rows, compute_s))
+    for line in skipped:
+        print(f"not priced (its probe failed in one process): {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""policy.mode: cost_model decides per bucket and decides again from what the run measures
+(policy/review.py, exchange/redecide.py), and ``python -m redsync_hvd.experiments.whatif``
+prices every method for a cluster this machine is not."""
+import subprocess
+import sys
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from launch import REPO, train
+
+from redsync_hvd import checkpoint
+from redsync_hvd.comm import LocalCommunicator
+from redsync_hvd.compressors import build_compressor
+from redsync_hvd.compressors.base import Layer
+from redsync_hvd.exchange import GradientExchange
+from redsync_hvd.memory import ResidualMemory
+from redsync_hvd.policy import LayerPolicy
+from redsync_hvd.policy.costmodel import ComputeModel, Network, ring_allreduce
+from redsync_hvd.policy.review import BucketVerdict, Review, review_log_lines
+
+
+def _review(dense, compressed, margin=0.1, every=4):
+    review = Review(every=every, margin=margin)
+    for i, (d, c) in enumerate(zip(dense, compressed)):
+        review.plan(BucketVerdict(i, [f"b{i}"], 1000, d, c))
+    return review
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(1e-5, 1.0), st.floats(1e-5, 1.0)), min_size=1, max_size=6),
+       st.floats(0.0, 1.0))
+def test_a_bucket_goes_dense_exactly_where_its_measured_time_exceeds_the_dense_prediction(cases, margin):
+    """Rule 4: flip iff measured per step > predicted dense x (1 + margin); a flipped bucket is
+    not watched again, so it never comes back; every flip is in the record and the log."""
+    dense, measured = [d for d, _ in cases], [m for _, m in cases]
+    review = _review(dense, [d / 2 for d in dense], margin, every=3)
+    assert not review.due(1) and not review.due(3) and review.due(4)   # step 1 is not counted
+    for i, m in enumerate(measured):
+        review.add(i, 3 * m)   # three steps' worth
+    flips = review.decide([3 * m for m in measured], 4)
+    assert [v.index for v in flips] == [i for i, (d, m) in enumerate(cases) if 3 * m / 3 > d * (1 + margin)]
+    review.flip(flips, 4)
+    assert {v.index for v in review.watched()} == {v.index for v in review.verdicts} - {v.index for v in flips}
+    lines = review_log_lines(review.record())
+    assert len(lines) == len(cases) and all("predicted dense" in line and "measured compressed" in line
+                                            for line in lines)
+    assert sum(": dense;" in line for line in lines) == len(flips)
+
+
+def test_a_measurement_that_moves_flips_a_bucket_that_paid_before():
+    review = _review([0.010], [0.002])
+    review.due(1)
+    (verdict,) = review.verdicts
+    assert review.decide([4 * 0.005], 5) == [] and verdict.compressed and verdict.measured_s == 0.005
+    assert review.decide([4 * 0.020], 9) == [verdict] and verdict.steps == (6, 9)
+
+
+def test_the_dense_side_is_priced_again_with_the_measured_compute():
+    """Backward hides at most its own length of the dense allreduce: a bucket measured at 5 ms
+    stays compressed while the compute measured is short (little can hide), and goes dense once
+    it is long enough to hide 90% of a 10 ms allreduce."""
+    review = Review(every=2, margin=0.0, overlap=0.9)
+    review.plan(BucketVerdict(0, ["w"], 1000, 0.001, 0.004, full_s=0.010))
+    review.due(1, now=0.0)
+    assert not review.due(2, now=1.0) and review.due(3, now=2.0)
+    review.add(0, 0.010)
+    assert review.mine() == [0.010, 2.0 - 0.010]   # the window's wall less the buckets' seconds
+    assert review.decide([2 * 0.005], 3, compute=2 * 0.0015) == []   # 1.5 ms of compute hides 1 ms
+    assert review.compute_s == 0.0015 and abs(review.verdicts[0].dense_s - 0.009) < 1e-12
+    assert review.decide([2 * 0.005], 5, compute=2 * 0.100) == review.verdicts
+    assert abs(review.verdicts[0].dense_s - 0.001) < 1e-12
+    assert "compute 100.000 ms/step measured" in review_log_lines(review.record())[0]
+
+
+def test_a_blocking_allreduce_is_measured_as_hiding_nothing():
+    """LocalCommunicator's allreduce_async returns done: nothing runs beside the work."""
+    from redsync_hvd.engine.probes import probe_overlap
+    assert probe_overlap(LocalCommunicator(2), 1 << 18, repeats=3) < 0.5
+    assert probe_overlap(LocalCommunicator(1), 1 << 18) == 0.0
+
+
+def _exchange(overlap=0.0, every=3, min_numel=0):
+    comm = LocalCommunicator(2)
+    comp, cfg = build_compressor({"method": "redsync", "density": 0.01, "dgc": {"momentum_correction": False},
+                                  "policy": {"mode": "cost_model", "review_every": every, "overlap": overlap,
+                                             "min_compress_numel": min_numel}}, comm)
+    layers = [Layer(f"l{i}", (n,), n, i, torch.device("cpu")) for i, n in enumerate([100, 1 << 14, 1 << 15])]
+    policy = LayerPolicy(cfg, comp)
+    policy.compute = ComputeModel(0.0, 0.0, 0.0, 0.0, 0.0)
+    return GradientExchange(layers, comp, comm, policy, ResidualMemory(), network=Network(1e-4, 1e7)), layers
+
+
+def test_the_plan_sends_a_bucket_dense_that_is_priced_slower_than_dense():
+    ex, _ = _exchange()
+    (verdict,) = [v for v in ex.policy.review.verdicts if v.compressed]
+    assert verdict.compressed_s < verdict.dense_s
+    hidden, _ = _exchange(overlap=1.0)   # a dense allreduce wholly hidden behind backward: nothing to win
+    assert all(b.kind == "reduce" for b in hidden.buckets)
+    assert any("no faster than dense" in d["why"] for d in hidden.policy.decisions)
+
+
+def test_a_bucket_that_would_join_the_dense_bucket_is_priced_by_its_bytes_alone():
+    """l0 (100 elements) travels dense anyway: the compressed bucket, sent dense, would be fused
+    into that allreduce, so no second collective's latency is in its dense price."""
+    ex, _ = _exchange(min_numel=1000)
+    (verdict,) = [v for v in ex.policy.review.verdicts if v.compressed]
+    net = ex.policy.network
+    assert verdict.names == ["l2", "l1"] and any(b.names == ["l0"] and b.kind == "reduce" for b in ex.buckets)
+    assert verdict.full_s == ring_allreduce(2, 4.0 * verdict.numel, net) - ring_allreduce(2, 0.0, net)
+
+
+def test_a_bucket_that_goes_dense_while_training_sends_its_residual_and_loses_nothing():
+    """After the flip every average is exact, and what was kept back arrives with the next step:
+    the sum of the averages equals the sum of the inputs (both ranks of LocalCommunicator are this one)."""
+    ex, layers = _exchange(every=2)
+    watched = ex.policy.review.watched()
+    for v in watched:
+        v.dense_s = v.full_s = 0.0   # every measurement is now slower than dense
+    gen = torch.Generator().manual_seed(0)
+    sent = {l.name: torch.zeros(l.numel) for l in layers}
+    given_ = {l.name: torch.zeros(l.numel) for l in layers}
+    for _ in range(6):
+        for layer in reversed(layers):
+            g = torch.randn(layer.numel, generator=gen)
+            given_[layer.name] += g
+            ex.submit(layer.name, g)
+        for name, avg in ex.finish().averages.items():
+            sent[name] += avg
+    assert ex.policy.review.revision == 1 and all(not v.compressed for v in watched)
+    assert all(b.kind == "reduce" for b in ex.buckets) and not ex.pending
+    for layer in layers:
+        torch.testing.assert_close(sent[layer.name], given_[layer.name], rtol=1e-4, atol=1e-4)
+
+
+def _whatif(*args):
+    return subprocess.run([sys.executable, "-m", "redsync_hvd.experiments.whatif", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=240)
+
+
+def test_whatif_prints_each_methods_predicted_step_and_its_pick():
+    res = _whatif("--config", "configs/digits/redsync.yaml", "--hosts", "4", "--bandwidth", "10mbit",
+                  "--latency", "50us", "--methods", "fp16,topk,powersgd", "--repeats", "2")
+    assert res.returncode == 0, res.stderr
+    rows = [line for line in res.stdout.splitlines() if line.startswith("| ") and "ms" not in line]
+    assert [r.split("|")[1].strip() for r in rows] == ["config (redsync)", "none", "fp16", "topk", "powersgd"]
+    steps = {r.split("|")[1].strip(): float(r.split("|")[4]) for r in rows}
+    pick = res.stdout.strip().splitlines()[-1]
+    assert pick.startswith(f"pick: {min(steps, key=steps.get)} ("), res.stdout
+    assert "N = 4 (4 hosts x 1), 0.01 Gbit/s, 50 us" in res.stdout
+    # half the bytes of an allreduce that takes ~0.4 s: a loaded CPU's fp16 casts cannot make up the difference
+    assert steps["fp16"] < steps["none"]
+
+
+def test_whatif_names_the_accepted_forms_of_a_mistyped_bandwidth():
+    res = _whatif("--config", "configs/digits/redsync.yaml", "--hosts", "8", "--bandwidth", "10gbps")
+    assert res.returncode == 2 and "gbit, mbit or kbit (10gbit, 100mbit, 2.5gbit)" in res.stderr, res.stderr
+    res = _whatif("--config", "configs/digits/nope.yaml", "--hosts", "8", "--bandwidth", "10gbit")
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_horovod_run_logs_a_line_per_bucket_and_its_ranks_agree(tmp_path):
+    """horovodrun -np 2, policy.mode cost_model on a slow given link: layers.log holds the per-bucket
+    lines (predicted dense and compressed, then what was measured), and both ranks' checkpoints
+    hold the same decisions (a rank that decided alone would have hung the collectives)."""
+    train(tmp_path, "configs/digits/redsync.yaml", "compression.policy.mode=cost_model",
+          "compression.policy.latency_s=1e-4", "compression.policy.bandwidth_gbit=0.05",
+          "compression.policy.review_every=4", "compression.policy.overlap=0.9", "compression.warmup.epochs=0",
+          "training.steps=12", "output.name=cm", timeout=300)
+    log = (tmp_path / "cm" / "layers.log").read_text().splitlines()
+    buckets = [line for line in log if line.startswith("[cost model] bucket")]
+    assert buckets and all("predicted dense" in line and "compressed" in line for line in buckets), log
+    assert any("measured compressed" in line and "over steps 2-5" in line for line in buckets), log
+    assert any(line.startswith("[cost model] compute ") and "ms/step measured" in line for line in log), log
+    records = [checkpoint.load(tmp_path / "cm", rank)["decisions"] for rank in range(2)]
+    assert records[0]["review"]["buckets"] and records[0]["review"] == records[1]["review"]
+    assert [d["compressed"] for d in records[0]["layers"]] == [d["compressed"] for d in records[1]["layers"]]
