@@ -3,6 +3,8 @@
 prices every method for a cluster this machine is not."""
 import subprocess
 import sys
+import threading
+import time
 
 import torch
 from hypothesis import given, settings
@@ -73,11 +75,42 @@ def test_the_dense_side_is_priced_again_with_the_measured_compute():
     assert "compute 100.000 ms/step measured" in review_log_lines(review.record())[0]
 
 
-def test_a_blocking_allreduce_is_measured_as_hiding_nothing():
-    """LocalCommunicator's allreduce_async returns done: nothing runs beside the work."""
+class SleepComm:
+    """Two ranks whose allreduce takes 30 ms and no CPU: done inside ``allreduce_async`` (blocking:
+    nothing runs beside it), or in a thread until ``wait`` (backward's work runs beside it)."""
+    size = 2
+
+    def __init__(self, threaded: bool):
+        self.threaded = threaded
+
+    def allreduce_async(self, tensor, name, average=True):
+        if not self.threaded:
+            time.sleep(0.03)
+            return None, tensor
+        thread = threading.Thread(target=time.sleep, args=(0.03,))
+        thread.start()
+        return thread, tensor
+
+    def wait(self, handle):
+        if handle[0] is not None:
+            handle[0].join()
+        return handle[1]
+
+
+def _sleep_work(count: int) -> float:
+    """Work that takes 1 ms a unit of wall time whatever the host's load (the matrix products the
+    probe runs by default stretch several-fold on a loaded shared host)."""
+    time.sleep(count * 1e-3)
+    return count * 1e-3
+
+
+def test_the_overlap_probe_tells_a_blocking_allreduce_from_one_that_runs_beside_backward():
     from redsync_hvd.engine.probes import probe_overlap
-    assert probe_overlap(LocalCommunicator(2), 1 << 18, repeats=3) < 0.5
+    blocking = probe_overlap(SleepComm(threaded=False), 1 << 10, work=_sleep_work)
+    beside = probe_overlap(SleepComm(threaded=True), 1 << 10, work=_sleep_work)
+    assert blocking < 0.2 and beside > 0.8, (blocking, beside)
     assert probe_overlap(LocalCommunicator(1), 1 << 18) == 0.0
+    assert 0.0 <= probe_overlap(LocalCommunicator(2), 1 << 16, repeats=1) <= 1.0   # the matrix products run
 
 
 def _exchange(overlap=0.0, every=3, min_numel=0):
