@@ -61,16 +61,20 @@ def test_a_measurement_that_moves_flips_a_bucket_that_paid_before():
 def test_the_dense_side_is_priced_again_with_the_measured_compute():
     """Backward hides at most its own length of the dense allreduce: a bucket measured at 5 ms
     stays compressed while the compute measured is short (little can hide), and goes dense once
-    it is long enough to hide 90% of a 10 ms allreduce."""
-    review = Review(every=2, margin=0.0, overlap=0.9)
-    review.plan(BucketVerdict(0, ["w"], 1000, 0.001, 0.004, full_s=0.010))
+    it is long enough to hide 90% of a 10 ms allreduce. A probed overlap counts for nothing
+    before compute was measured; a step's compute is its wall time less the buckets' seconds,
+    the window's median (a long gap between two steps is not compute)."""
+    review = Review(every=3, margin=0.0, overlap=0.9)
+    review.plan(BucketVerdict(0, ["w"], 1000, 0.010, 0.004, full_s=0.010))
+    assert review.hidden() == 0.0 and Review(1, 0.0, overlap=0.9, given=True).hidden() == 0.9
     review.due(1, now=0.0)
-    assert not review.due(2, now=1.0) and review.due(3, now=2.0)
-    review.add(0, 0.010)
-    assert review.mine() == [0.010, 2.0 - 0.010]   # the window's wall less the buckets' seconds
-    assert review.decide([2 * 0.005], 3, compute=2 * 0.0015) == []   # 1.5 ms of compute hides 1 ms
+    for step, (now, seconds) in enumerate([(1.0, 0.004), (60.0, 0.006), (62.0, 0.002)], start=2):
+        review.add(0, seconds)
+        assert review.due(step, now=now) is (step == 4)
+    assert review.mine() == [0.012, 1.998]   # the buckets' sums; the median of 0.996, 58.994, 1.998
+    assert review.decide([3 * 0.005], 4, compute=0.0015) == []   # 1.5 ms of compute hides 1 ms
     assert review.compute_s == 0.0015 and abs(review.verdicts[0].dense_s - 0.009) < 1e-12
-    assert review.decide([2 * 0.005], 5, compute=2 * 0.100) == review.verdicts
+    assert review.decide([3 * 0.005], 7, compute=0.100) == review.verdicts
     assert abs(review.verdicts[0].dense_s - 0.001) < 1e-12
     assert "compute 100.000 ms/step measured" in review_log_lines(review.record())[0]
 
