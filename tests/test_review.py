@@ -3,6 +3,8 @@
 prices every method for a cluster this machine is not."""
 import subprocess
 import sys
+import threading
+import time
 
 import torch
 from hypothesis import given, settings
@@ -59,25 +61,60 @@ def test_a_measurement_that_moves_flips_a_bucket_that_paid_before():
 def test_the_dense_side_is_priced_again_with_the_measured_compute():
     """Backward hides at most its own length of the dense allreduce: a bucket measured at 5 ms
     stays compressed while the compute measured is short (little can hide), and goes dense once
-    it is long enough to hide 90% of a 10 ms allreduce."""
-    review = Review(every=2, margin=0.0, overlap=0.9)
-    review.plan(BucketVerdict(0, ["w"], 1000, 0.001, 0.004, full_s=0.010))
+    it is long enough to hide 90% of a 10 ms allreduce. A probed overlap counts for nothing
+    before compute was measured; a step's compute is its wall time less the buckets' seconds,
+    the window's median (a long gap between two steps is not compute)."""
+    review = Review(every=3, margin=0.0, overlap=0.9)
+    review.plan(BucketVerdict(0, ["w"], 1000, 0.010, 0.004, full_s=0.010))
+    assert review.hidden() == 0.0 and Review(1, 0.0, overlap=0.9, given=True).hidden() == 0.9
     review.due(1, now=0.0)
-    assert not review.due(2, now=1.0) and review.due(3, now=2.0)
-    review.add(0, 0.010)
-    assert review.mine() == [0.010, 2.0 - 0.010]   # the window's wall less the buckets' seconds
-    assert review.decide([2 * 0.005], 3, compute=2 * 0.0015) == []   # 1.5 ms of compute hides 1 ms
+    for step, (now, seconds) in enumerate([(1.0, 0.004), (60.0, 0.006), (62.0, 0.002)], start=2):
+        review.add(0, seconds)
+        assert review.due(step, now=now) is (step == 4)
+    assert review.mine() == [0.012, 1.998]   # the buckets' sums; the median of 0.996, 58.994, 1.998
+    assert review.decide([3 * 0.005], 4, compute=0.0015) == []   # 1.5 ms of compute hides 1 ms
     assert review.compute_s == 0.0015 and abs(review.verdicts[0].dense_s - 0.009) < 1e-12
-    assert review.decide([2 * 0.005], 5, compute=2 * 0.100) == review.verdicts
+    assert review.decide([3 * 0.005], 7, compute=0.100) == review.verdicts
     assert abs(review.verdicts[0].dense_s - 0.001) < 1e-12
     assert "compute 100.000 ms/step measured" in review_log_lines(review.record())[0]
 
 
-def test_a_blocking_allreduce_is_measured_as_hiding_nothing():
-    """LocalCommunicator's allreduce_async returns done: nothing runs beside the work."""
+class SleepComm:
+    """Two ranks whose allreduce takes 30 ms and no CPU: done inside ``allreduce_async`` (blocking:
+    nothing runs beside it), or in a thread until ``wait`` (backward's work runs beside it)."""
+    size = 2
+
+    def __init__(self, threaded: bool):
+        self.threaded = threaded
+
+    def allreduce_async(self, tensor, name, average=True):
+        if not self.threaded:
+            time.sleep(0.03)
+            return None, tensor
+        thread = threading.Thread(target=time.sleep, args=(0.03,))
+        thread.start()
+        return thread, tensor
+
+    def wait(self, handle):
+        if handle[0] is not None:
+            handle[0].join()
+        return handle[1]
+
+
+def _sleep_work(count: int) -> float:
+    """Work that takes 1 ms a unit of wall time whatever the host's load (the matrix products the
+    probe runs by default stretch several-fold on a loaded shared host)."""
+    time.sleep(count * 1e-3)
+    return count * 1e-3
+
+
+def test_the_overlap_probe_tells_a_blocking_allreduce_from_one_that_runs_beside_backward():
     from redsync_hvd.engine.probes import probe_overlap
-    assert probe_overlap(LocalCommunicator(2), 1 << 18, repeats=3) < 0.5
+    blocking = probe_overlap(SleepComm(threaded=False), 1 << 10, work=_sleep_work)
+    beside = probe_overlap(SleepComm(threaded=True), 1 << 10, work=_sleep_work)
+    assert blocking < 0.2 and beside > 0.8, (blocking, beside)
     assert probe_overlap(LocalCommunicator(1), 1 << 18) == 0.0
+    assert 0.0 <= probe_overlap(LocalCommunicator(2), 1 << 16, repeats=1) <= 1.0   # the matrix products run
 
 
 def _exchange(overlap=0.0, every=3, min_numel=0):

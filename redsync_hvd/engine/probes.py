@@ -137,7 +137,7 @@ def _burst(device, count: int) -> float:
     return time.perf_counter() - t0
 
 
-def probe_overlap(comm, numel: int, device="cpu", repeats: int = 5, cap: int = 1 << 20) -> float:
+def probe_overlap(comm, numel: int, device="cpu", repeats: int = 5, cap: int = 1 << 20, work=None) -> float:
     """The fraction of a dense allreduce that runs hidden behind backward-like work here,
     measured on the run's own communicator (``policy.overlap`` left unset):
 
@@ -148,28 +148,33 @@ def probe_overlap(comm, numel: int, device="cpu", repeats: int = 5, cap: int = 1
 
     Steps 1-3 run back to back ``repeats`` times and the median of the fractions is taken (a shared
     host slows some timings; a pair taken together drifts together). Every rank runs the same
-    collectives, and the fraction is the mean over ranks, so every rank prices buckets alike."""
+    collectives, and the fraction is the mean over ranks, so every rank prices buckets alike.
+    ``work(count)``: seconds of ``count`` units of work (default: ``count`` matrix products)."""
     size = max(1, int(getattr(comm, "size", 1)))
     if size <= 1:
         return 0.0
     buf = torch.zeros(max(1, min(int(numel), cap)), dtype=torch.float32, device=device)
     sync = torch.cuda.synchronize if buf.is_cuda else (lambda: None)
+    burst = work or (lambda count: _burst(device, count))
 
-    def allreduce(tag: str, work: int = 0) -> float:
+    def allreduce(tag: str, count: int = 0) -> float:
         sync()
         t0 = time.perf_counter()
         handle = comm.allreduce_async(buf, name=f"costmodel.overlap.{tag}", average=True)
-        if work:
-            _burst(device, work)
+        if count:
+            burst(count)
         comm.wait(handle)
         sync()
         return time.perf_counter() - t0
 
     alone = min(allreduce(f"w{r}") for r in range(2))
-    count = max(1, min(int(alone / max(_burst(device, 8) / 8, 1e-7)), 10_000))
+    count, took = 8, burst(8)
+    for _ in range(2):   # as many products as last A here now (a loaded host stretches them)
+        count = max(1, min(int(count * alone / max(took, 1e-7)), 10_000))
+        took = burst(count)
     fractions = []
     for r in range(repeats):
-        a, w, t = allreduce(f"a{r}"), _burst(device, count), allreduce(f"t{r}", count)
+        a, w, t = allreduce(f"a{r}"), burst(count), allreduce(f"t{r}", count)
         fractions.append(min(max((a + w - t) / max(min(a, w), 1e-9), 0.0), 1.0))
     mine = torch.tensor([sorted(fractions)[len(fractions) // 2]], dtype=torch.float64)
     return float(comm.wait(comm.allreduce_async(mine, name="costmodel.overlap.agree", average=True))[0])

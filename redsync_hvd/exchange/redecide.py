@@ -31,7 +31,7 @@ def plan(exchange) -> Review | None:
     if policy.source != "cost model" or policy.network is None or exchange.comm.size <= 1:
         return None
     overlap = policy.overlap if policy.overlap is not None else (p.overlap or 0.0)
-    review = Review(every=p.review_every, margin=p.review_margin, overlap=overlap)
+    review = Review(every=p.review_every, margin=p.review_margin, overlap=overlap, given=p.overlap is not None)
     priced = {d["name"] for d in policy.decisions if str(d["why"]).startswith("cost model")}
     # layers that go dense join the dense bucket that runs anyway: their bytes, no latency of their own
     fused = any(b.kind == "reduce" and not b.layers[0].compressed for b in exchange.buckets)
@@ -43,7 +43,8 @@ def plan(exchange) -> Review | None:
         full, compressed = bucket_prediction([l.numel for l in layers], wires, exchange.compressor.collective,
                                              exchange.comm.size, policy.network, policy.compute, fused=fused)
         verdict = BucketVerdict(bucket.index, list(bucket.names), sum(l.numel for l in layers),
-                                full * (1.0 - overlap), compressed, compressed=layers[0].compressed, full_s=full)
+                                full * (1.0 - review.hidden()), compressed, compressed=layers[0].compressed,
+                                full_s=full)
         if not verdict.compressed:
             verdict.why = "cost model: each layer dense predicted faster"
         elif compressed >= verdict.dense_s:

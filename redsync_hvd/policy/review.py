@@ -6,12 +6,15 @@ prediction can be wrong (a shared CPU, Horovod's cycle time, a link that is not 
 probed as), so the run measures each compressed bucket's own seconds per step and decides again:
 
     1. before the first step: predicted dense and compressed seconds per bucket (``Review.plan``);
-       the dense side is the bucket's allreduce less the part backward hides (``overlap``: probed
-       at start, ``engine/probes.py:probe_overlap``, or ``policy.overlap``);
+       the dense side is the bucket's allreduce less the part backward hides (``policy.overlap``
+       where given; a probed overlap, ``engine/probes.py:probe_overlap``, counts only once step 4
+       has a measured compute to bound it: a noisy probe must not send buckets dense unchecked);
     2. for ``policy.review_every`` steps (the first step not counted), each compressed bucket's
        seconds are summed on every rank (its selection and encoding, the wait for its collective,
-       its decoding), and so is the compute: the step's wall time less every bucket's seconds
-       (forward, backward, the optimizer, with N processes sharing the host);
+       its decoding), and each step's compute is taken: its wall time less every bucket's seconds
+       (forward, backward, the optimizer, with N processes sharing the host), of which the window
+       keeps the median (an evaluation, a checkpoint or another job's turn between two steps
+       must not count as compute);
     3. every rank's sums are averaged by one allreduce, and rank 0's verdicts broadcast, so every
        rank flips the same buckets at the same step (a rank alone would hang the collectives);
     4. the dense side is priced again with the measured compute: backward (``BACKWARD`` of it)
@@ -32,6 +35,7 @@ Knobs, and what each trades:
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass, field
 
 from .costmodel import (
@@ -96,10 +100,12 @@ class Review:
     windows: int = 0     # counts the windows decided (each adds measurements to the log)
     history: list = field(default_factory=list)   # [(step, bucket index)] of every flip
     overlap: float = 0.0   # the fraction of a dense allreduce hidden behind backward (probed or given)
+    given: bool = False    # overlap is the config's (trusted before any compute was measured)
     compute_s: float | None = None   # measured forward + backward + optimizer per step, last window
     _sums: dict = field(default_factory=dict)
     _since: int = 0
-    _wall: float = 0.0
+    _step: float = 0.0     # every bucket's seconds so far this step
+    _computes: list = field(default_factory=list)   # each step's compute, this window
     _last: float | None = None
 
     def plan(self, verdict: BucketVerdict) -> None:
@@ -109,6 +115,7 @@ class Review:
     def add(self, index: int, seconds: float) -> None:
         """Step 2: seconds this rank spent on bucket ``index`` this step."""
         self._sums[index] = self._sums.get(index, 0.0) + seconds
+        self._step += seconds
 
     def watched(self) -> list:
         return [v for v in self.verdicts if v.compressed]
@@ -118,32 +125,36 @@ class Review:
         time is measured on). The first step's seconds are dropped: buffers are allocated and
         thresholds searched from scratch there, once."""
         if now is not None:
-            self._wall += now - self._last if self._last is not None else 0.0
-            self._last = now
+            if self._last is not None:
+                self._computes.append(max(now - self._last - self._step, 0.0))
+            self._last, self._step = now, 0.0
         if steps_done == 1:
-            self._sums, self._since, self._wall = {}, 1, 0.0
+            self._sums, self._since, self._computes = {}, 1, []
         return self.every > 0 and bool(self.watched()) and steps_done - self._since >= self.every
 
     def mine(self) -> list:
-        """This rank's sums of the window, one per watched bucket, then its compute (what step 3
-        averages)."""
+        """This rank's sums of the window, one per watched bucket, then its median compute per step
+        (what step 3 averages)."""
         return [self._sums.get(v.index, 0.0) for v in self.watched()] + \
-            [max(self._wall - sum(self._sums.values()), 0.0)]
+            [statistics.median(self._computes) if self._computes else 0.0]
 
     def hidden(self) -> float:
         """The fraction of each bucket's dense allreduce priced as hidden: ``overlap``, and no more
-        of the whole model's than backward lasts (once compute was measured)."""
+        of the whole model's than backward lasts (once compute was measured; before, a probed
+        overlap counts as none)."""
         total = sum(v.full_s or 0.0 for v in self.verdicts)
-        if self.compute_s is None or total <= 0:
+        if self.compute_s is None:
+            return self.overlap if self.given else 0.0
+        if total <= 0:
             return self.overlap
         return min(self.overlap, BACKWARD * self.compute_s / total)
 
     def decide(self, means: list, steps_done: int, compute: float | None = None) -> list:
-        """Steps 4-5, from the window's sums averaged over ranks (``compute``: their compute, summed
-        over the window): the verdicts that flip to dense."""
+        """Steps 4-5, from the window's sums averaged over ranks (``compute``: their median compute
+        per step): the verdicts that flip to dense."""
         flips, window = [], steps_done - self._since
         if compute is not None:
-            self.compute_s = compute / max(window, 1)
+            self.compute_s = compute
             for v in self.verdicts:
                 if v.full_s is not None:
                     v.dense_s = v.full_s * (1.0 - self.hidden())
@@ -151,7 +162,7 @@ class Review:
             v.measured_s, v.steps = total / max(window, 1), (self._since + 1, steps_done)
             if v.measured_s > v.dense_s * (1.0 + self.margin):
                 flips.append(v)
-        self._sums, self._since, self._wall = {}, steps_done, 0.0
+        self._sums, self._since, self._computes = {}, steps_done, []
         self.windows += 1
         return flips
 
