@@ -120,14 +120,12 @@ class RedSyncCompressor(Compressor):
         messages = []
         for layer, idx, value, selected, bad in zip(layers, got.indices, got.values, got.selected, got.nonfinite):
             msg = self._message(idx, value if self.codec.mean else self.codec.to_wire(value), layer, selected)
-            msg.nonfinite = bad   # sent empty; every rank fails the step in finish()
+            if bad:   # sent empty; every rank fails the step in finish()
+                msg.nonfinite = torch.ones((), dtype=torch.bool, device=idx.device)
             messages.append(msg)
         return messages
 
     # -- decompress -----------------------------------------------------------
-    def indices(self, tensors: list, layer: Layer) -> torch.Tensor:
-        return self.codec_of(layer).positions(tensors, layer)
-
     def decompress_add(self, out, tensors, layer, alpha=1.0, ctx=None):
         self.codec_of(layer).decode_add(out, tensors, layer, alpha)
 

@@ -25,7 +25,7 @@ from ..core import layout
 from ..core.stats import CommStats
 from ..memory import NoMemory
 from .buckets import Buffers, GatherBucket, ReduceBucket
-from .planned import FlatMemory, PlannedBucket
+from .planned import FlatMemory, PlannedBucket, flat_frame
 from .scatter import ScatterBucket, ScatterGroup
 from .step import StepResult, StepState
 
@@ -83,12 +83,12 @@ class GradientExchange:
         self.buckets = self._build(layers, fusion_bytes, cuda_graph)                                  # 1.
         policy.start_budget(layers, sum(b.control_bytes for b in self.buckets))
         self.bucket_of = {n: b for b in self.buckets for n in b.names}
-        self.planned = [b for b in self.buckets if isinstance(b, PlannedBucket)]
-        scatter = [b for b in self.buckets if isinstance(b, ScatterBucket)]
+        self.planned = [b for b in self.buckets if b.kind == "planned"]
+        scatter = [b for b in self.buckets if b.kind == "scatter"]
         # finish() order: the reduce buckets, the scatter group, the gathered ones
         self.finishing = [b for b in self.buckets if b.kind == "reduce"] + \
             ([ScatterGroup(scatter, comm, self.stats)] if scatter else []) + \
-            [b for b in self.buckets if b.kind == "gather" and not isinstance(b, ScatterBucket)]
+            [b for b in self.buckets if b.kind in ("gather", "planned")]
         # blocking buckets are compressed in finish(), in the order their last layer registered
         self.blocking = sorted((b for b in self.buckets if getattr(b, "blocking", False)),
                                key=lambda b: max(l.index for l in b.layers))
@@ -131,11 +131,9 @@ class GradientExchange:
                                  residual=memory.keeps, **common)
         terms = self.memory.flat_terms([l.name for l in group]) if comp.flat is not None else None
         if terms is not None:
-            planned = PlannedBucket(index, group, comp.flat.codec, comp.flat.backend, None, self.comm, self.stats,
-                                    self.policy, self.buffers, clip=self.clip, graphs=cuda_graph)
-            if terms.pop("residual"):
-                planned.memory = FlatMemory(planned.names, planned.frame, residual=True, **terms)
-            return planned
+            flat = FlatMemory([l.name for l in group], flat_frame(group), residual=True, **terms) \
+                if terms.pop("residual") else None
+            return PlannedBucket(*args[:3], flat, *args[4:], clip=self.clip, graphs=cuda_graph)
         return GatherBucket(*args, together=comp.selects_by_bucket(list(group)), **common)
 
     def grad_buffers(self, dtype: torch.dtype, device) -> dict:
@@ -234,8 +232,7 @@ class GradientExchange:
             carry = self._start_carry()
             arrived = []
             for bucket in self.finishing:
-                got = bucket.finish(into or {}, apply)
-                arrived += got if isinstance(got, list) else [got]
+                arrived.append(bucket.finish(into or {}, apply))
             out = {n: t for a in arrived for n, t in a.averages.items()}
             bad, carried = self._read(carry, arrived)
             passed = bad and not self.check_finite and not self.state.vetoed

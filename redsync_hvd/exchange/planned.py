@@ -31,7 +31,7 @@ from ..compressors.base import Message
 from ..core import radix_select as rs
 from ..core.segments import VECTOR, Segments
 from ..core.stats import CommStats
-from .buckets import account
+from .buckets import Bucket, account
 from .graph import CapturedSteps
 from .step import Arrived, StepState
 
@@ -111,39 +111,37 @@ class FlatMemory:
                 torch.nan_to_num_(pair.spare, nan=0.0, posinf=0.0, neginf=0.0)
 
 
-class PlannedBucket:
+def flat_frame(layers: tuple) -> Segments:
+    """A planned bucket's frame: its layers back to back, each aligned to the kernels' vector."""
+    return Segments([l.numel for l in layers], [0] * len(layers), align=VECTOR)
+
+
+class PlannedBucket(Bucket):
     """One flat bucket of exactly-k layers; see the module docstring.
 
-    codec: the compressor's message codec (``MessageCodec``: sign rule, sign_mean or values, the
-        values' wire dtype); backend: the kernels' ("auto", "triton", "torch");
-    memory: its :class:`FlatMemory`, or None without error feedback (x is the gradient itself);
+    compressor: its ``flat`` (``FlatCodec``) gives the message codec (sign rule, sign_mean or
+        values, the values' wire dtype) and the kernels' backend ("auto", "triton", "torch");
+    memory: its :class:`FlatMemory` (laid out by ``flat_frame(layers)``), or None without error
+        feedback (x is the gradient itself);
     graphs: "auto" | "on" | "off" (``compression.cuda_graph``)."""
-    kind = "gather"
-    aggregation = "allgather"
+    kind = "planned"
 
-    def __init__(self, index: int, layers: tuple, codec, backend: str, memory: FlatMemory | None, comm, stats,
+    def __init__(self, index: int, layers: tuple, compressor, memory: FlatMemory | None, comm, stats,
                  policy, buffers, *, clip: float | None, graphs: str = "auto"):
-        self.index, self.layers = index, tuple(layers)
-        self.names = [l.name for l in self.layers]
-        self.codec, self.backend, self.memory = codec, backend, memory
-        self.signs = (codec.sign(0), codec.sign(1))   # the kept sign alternates with the step's parity, or not
-        self.comm, self.stats, self.policy, self.buffers, self.clip = comm, stats, policy, buffers, clip
-        self.frame = Segments([l.numel for l in self.layers], [0] * len(self.layers), align=VECTOR)
-        self.dtypes = [torch.int32, codec.value_dtype, torch.int32]
+        self.codec, self.backend = compressor.flat.codec, compressor.flat.backend
+        self.frame = flat_frame(tuple(layers))
+        if memory is not None and memory.frame.sizes != self.frame.sizes:
+            raise ValueError(f"bucket {index}: its FlatMemory is laid out for {len(memory.frame.sizes)} other "
+                             "layers; build it with flat_frame(layers) of the same layers")
+        super().__init__(index, layers, compressor, memory, comm, stats, policy, buffers, evidence=False,
+                         clip=clip, together=True)
+        self.signs = (self.codec.sign(0), self.codec.sign(1))   # the kept sign alternates with the parity, or not
+        self.dtypes = [torch.int32, self.codec.value_dtype, torch.int32]
         cuda = self.layers[0].device.type == "cuda"
         self.graphs = CapturedSteps(graphs) if cuda else None
         self.grad: torch.Tensor | None = None
         self.views: dict = {}
         self._layouts: dict = {}       # layout key -> (Segments, its stats, its per-layer stats)
-        self.clear()
-
-    @property
-    def name(self) -> str:
-        return f"rsync.gather{self.index}"
-
-    @property
-    def control_bytes(self) -> int:
-        return 4
 
     @property
     def path(self) -> str:
