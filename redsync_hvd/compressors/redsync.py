@@ -68,8 +68,9 @@ class RedSyncCompressor(Compressor):
         return self.selection_state.setdefault(layer.name, SelectionState())
 
     def first_pass(self, layer: Layer, step: int):
-        return scan_request(self._state(layer), layer.k, self._method(layer),
-                            threshold_reuse=self.config.selection.threshold_reuse)
+        s = self.config.selection
+        return scan_request(self._state(layer), layer.k, self._method(layer), threshold_reuse=s.threshold_reuse,
+                            numel=layer.numel, sample_fraction=s.sample_fraction)
 
     def compress(self, x: torch.Tensor, layer: Layer, step: int, first=None) -> Message:
         s = self.config.selection
