@@ -224,3 +224,14 @@ def test_the_scatter_group_and_every_bucket_return_one_arrived():
                     and (n.returns is None or ast.unparse(n.returns) != "Arrived"):
                 wrong.append(f"{path.name}:{n.lineno} -> {ast.unparse(n.returns) if n.returns else None}")
     assert not wrong, wrong
+
+
+def test_the_exchange_keeps_its_memories_as_one():
+    """exchange/exchange.py merges no memory by hand: the per-layer memory and the planned buckets'
+    flat ones are one memory/flat.py:Memories (the learning-rate follow, commit, rollback, residuals,
+    state_dict), and the FSDP groups' double buffers are its FlatPair."""
+    text = (EXCHANGE / "exchange.py").read_text()
+    assert ".pairs" not in text and "bucket.memory" not in text and ".memory.scale" not in text
+    from redsync_hvd.exchange import sharded
+    from redsync_hvd.memory.flat import FlatPair
+    assert sharded.FlatPair is FlatPair and not hasattr(sharded, "_Pair")

@@ -24,8 +24,9 @@ from ..compressors.dense import FP16Compressor, NoneCompressor
 from ..core import layout
 from ..core.stats import CommStats
 from ..memory import NoMemory
+from ..memory.flat import FlatMemory, Memories
 from .buckets import Buffers, GatherBucket, ReduceBucket
-from .planned import FlatMemory, PlannedBucket, flat_frame
+from .planned import PlannedBucket, flat_frame
 from .scatter import ScatterBucket, ScatterGroup
 from .step import StepResult, StepState
 
@@ -84,6 +85,7 @@ class GradientExchange:
         policy.start_budget(layers, sum(b.control_bytes for b in self.buckets))
         self.bucket_of = {n: b for b in self.buckets for n in b.names}
         self.planned = [b for b in self.buckets if b.kind == "planned"]
+        self.memories = Memories(self.memory, [b.memory for b in self.planned if b.memory is not None])
         scatter = [b for b in self.buckets if b.kind == "scatter"]
         # finish() order: the reduce buckets, the scatter group, the gathered ones
         self.finishing = [b for b in self.buckets if b.kind == "reduce"] + \
@@ -173,10 +175,7 @@ class GradientExchange:
         have at its own step (a gradient g of step s, sent at t: lr_t * g * lr_s / lr_t)."""
         lr = float(lr)
         if self.lr is not None and lr != self.lr and lr > 0:
-            self.memory.scale(self.lr / lr)
-            for bucket in self.planned:
-                if bucket.memory is not None:
-                    bucket.memory.scale(self.lr / lr)
+            self.memories.scale(self.lr / lr)
         if lr > 0:
             self.lr = lr
 
@@ -341,14 +340,7 @@ class GradientExchange:
         """Every memory and the compressor's state keep this step (commit) or forget it. A step that
         passed NaN on keeps the memories with what is not finite zeroed, and the compressor's state
         (PowerSGD's warm Q) as it was."""
-        memories = [self.memory] + [b.memory for b in self.planned if b.memory is not None]
-        for memory in memories:
-            if passed:
-                memory.keep_finite()
-            if commit:
-                memory.commit()
-            else:
-                memory.rollback()
+        self.memories.settle(commit, passed)
         if commit and not passed:
             self.compressor.commit()
         else:
@@ -394,22 +386,11 @@ class GradientExchange:
     def residuals(self, kind: str = "residual") -> dict:
         """{name: this rank's current residual} of every compressed layer that keeps one (``kind``
         "velocity": DGC's velocities), wherever it lives (the memory, or a planned bucket)."""
-        out = dict(getattr(self.memory, kind, {}))
-        pair = "r" if kind == "residual" else "u"
-        for bucket in self.planned:
-            if bucket.memory is not None and pair in bucket.memory.pairs:
-                out.update(zip(bucket.names, bucket.frame.views(bucket.memory.pairs[pair].cur)))
-        return out
+        return self.memories.residuals(kind)
 
     # -- checkpointing ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        memory = self.memory.state_dict()
-        for bucket in self.planned:
-            if bucket.memory is not None:
-                memory.setdefault("residual", {}).update(bucket.memory.state("r"))
-                if bucket.memory.momentum is not None:
-                    memory.setdefault("velocity", {}).update(bucket.memory.state("u"))
-        return {"step": self.step, "memory": memory, "compressor": self.compressor.state_dict(),
+        return {"step": self.step, "memory": self.memories.state_dict(), "compressor": self.compressor.state_dict(),
                 "stats": self.stats.state_dict(), "lr": self.lr, "policy": self.policy.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -417,12 +398,7 @@ class GradientExchange:
         self.state = StepState(step=self.step)
         self.lr = state.get("lr")
         if state.get("memory"):
-            memory = dict(state["memory"])
-            residual, velocity = dict(memory.get("residual", {})), dict(memory.get("velocity", {}))
-            for bucket in self.planned:
-                if bucket.memory is not None:
-                    bucket.memory.load(residual, velocity)
-            self.memory.load_state_dict({**memory, "residual": residual, "velocity": velocity})
+            self.memories.load_state_dict(state["memory"])
         self.compressor.load_state_dict(state.get("compressor", {}))
         if "stats" in state:
             self.stats.load_state_dict(state["stats"])
