@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks, as one short script for a CUDA machine (an H100 or H200: under 6 minutes).
+# The GPU checks, as one short script for a CUDA machine (an H100 or H200: under 7 minutes).
 #
 #   bash scripts/gpu_check.sh              # python3 with torch (CUDA), triton; cupy, pytest, hypothesis if there
 #   PY=python RESULTS=/tmp/r bash scripts/gpu_check.sh
@@ -19,7 +19,7 @@
 # installed into /tmp/site before anything else. The first step lists every Python package the
 # others need that does not import.
 #
-# Steps (limits in seconds, 360 in all; the previous version's eight steps took 140 s on an H100):
+# Steps (limits in seconds, 390 in all; the previous version's eight steps took 140 s on an H100):
 #   deps       the Python packages the steps need: which do not import              10
 #   env        nvidia-smi and versions                                              10
 #   compile    scripts/compile_kernels.py --quick: does this Triton compile them,
@@ -38,6 +38,8 @@
 #              per-layer and tbs bucket paths; eager and, where configured, graph)  55
 #   profile    profile_exchange.py: device time and kernel launches per exchange
 #              step (torch.profiler), batch 16 and 128; the 16M select against topk  35
+#   roofline   bench_roofline.py: compensation + selection per mode against a
+#              triad's bandwidth, 16M and 64M fp32 (Triton's exact-k)                30
 #   summary    scripts/gpu_summary.py (also after every step)                       10
 # (--cpu scales every limit by 3: a shared CPU runs the same steps)
 set -u
@@ -141,6 +143,7 @@ if [ "$CPU" = 1 ]; then   # the same steps on tiny inputs: each command, its fla
   OVER=(--device cpu --models resnet20 --rounds 1 --steps 1 --warmup 1 --batches 16,32
         --methods redsync_mc_exact_k,redsync_mc_exact_k_graph,dense)
   PROFILE=(--device cpu --models resnet20 --batches 16 --size 16K --warmup 1 --repeats 1)
+  ROOF=(--device cpu --sizes 1M --steps 2 --warmup 1 --exact-steps 1)
 else
   ARCH=$("$PY" -c 'import torch; a, b = torch.cuda.get_device_capability(); print(a * 10 + b)' 2>/dev/null)
   step compile 30 "$PY" scripts/compile_kernels.py --quick --arch "${ARCH:-90}"
@@ -167,6 +170,7 @@ sys.exit(0 if cuda_select.load() is not None and select_topk(torch.randn(4096, d
   OVER=(--device cuda --threads 0 --rounds 2 --steps 6 --batches 16,128
         --methods "$EXACT,dense,redsync_mc_layer,redsync_mc_bucket")
   PROFILE=(--device cuda --batches 16,128 --size 16M)
+  ROOF=(--device cuda --sizes 16M,64M --backend triton)
 fi
 
 step selection 45 "$PY" scripts/bench_selection.py --dists gauss "${SEL[@]}" --out "$RESULTS/selection.json"
@@ -183,6 +187,9 @@ step overhead 55 "$PY" scripts/bench_overhead.py "${OVER[@]}" --out "$RESULTS/ov
 
 step profile 35 "$PY" scripts/profile_exchange.py "${PROFILE[@]}" --out "$RESULTS/profile.json"
 cp "$RESULTS/profile.log" "$RESULTS/profile.txt" 2>/dev/null
+
+step roofline 30 "$PY" scripts/bench_roofline.py "${ROOF[@]}" --out "$RESULTS/roofline.json"
+sed -n '/^Device:/,$p' "$RESULTS/roofline.log" > "$RESULTS/roofline.md"
 
 step summary 10 "$PY" scripts/gpu_summary.py "$RESULTS"
 cat "$RESULTS/steps.txt"

@@ -8,6 +8,7 @@ path calls into it; what a kernel or a communicator does inside (``core/``, ``co
 leaf's own business. A file is entered twice where a call goes back into a file that is still
 on the call stack beneath its caller (A calls B calls A).
 """
+import ast
 import re
 import sys
 from pathlib import Path
@@ -157,7 +158,6 @@ def test_the_ddp_hook_reaches_the_collective_through_the_documented_files(tmp_pa
 
 def test_every_function_the_document_names_exists():
     """`file.py:Name.attr` references in docs/architecture.md name real functions and classes."""
-    import ast
     refs = re.findall(r"`([\w/]+\.py):([\w.]+)`", DOC.read_text())
     assert len(refs) >= 20, refs
     missing = []
@@ -175,3 +175,63 @@ def test_every_function_the_document_names_exists():
                 missing.append(f"{file}:{qualname}")
                 break
     assert not missing, missing
+
+
+# -- the exchange's buckets speak in types, not sentinels ------------------------------------------
+EXCHANGE = PKG / "exchange"
+BUCKET_FILES = ("buckets.py", "planned.py", "scatter.py")
+
+
+def _calls(tree, name: str) -> list:
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == name]
+
+
+def test_every_bucket_is_a_bucket_with_its_own_kind():
+    """Each bucket kind subclasses exchange/buckets.py:Bucket and says its kind; the planned bucket's
+    memory is given when it is built (nothing assigns a bucket's memory afterwards)."""
+    from redsync_hvd.exchange.buckets import Bucket, GatherBucket, ReduceBucket
+    from redsync_hvd.exchange.planned import PlannedBucket
+    from redsync_hvd.exchange.scatter import ScatterBucket
+    kinds = {cls: cls.kind for cls in (ReduceBucket, GatherBucket, ScatterBucket, PlannedBucket)}
+    assert all(issubclass(cls, Bucket) for cls in kinds), kinds
+    assert sorted(kinds.values()) == ["gather", "planned", "reduce", "scatter"], kinds
+    late = [f"{p.name}:{n.lineno}" for p in EXCHANGE.glob("*.py") for n in ast.walk(ast.parse(p.read_text()))
+            if isinstance(n, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "memory"
+                                                 and ast.unparse(t.value) != "self" for t in n.targets)]
+    assert not late, late
+
+
+def test_no_isinstance_on_a_bucket_result_and_no_sentinel_strings():
+    """exchange/: no ``isinstance`` (a result is one type: a bucket's finish returns an Arrived,
+    a message's non-finite flag is a tensor or None), and no handle or size mode held as a string."""
+    hits = []
+    for path in sorted(EXCHANGE.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        hits += [f"{path.name}:{n.lineno} isinstance" for n in _calls(tree, "isinstance")]
+        hits += [f"{path.name}:{n.lineno} {ast.unparse(n)}" for n in ast.walk(tree) if isinstance(n, ast.Compare)
+                 and any(isinstance(c, ast.Constant) and c.value in ("rows", "fixed", "header") for c in n.comparators)]
+        hits += [f"{path.name}:{n.lineno} is True" for n in ast.walk(tree) if isinstance(n, ast.Compare)
+                 and any(isinstance(c, ast.Constant) and c.value is True for c in n.comparators)]
+    assert not hits, hits
+
+
+def test_the_scatter_group_and_every_bucket_return_one_arrived():
+    """``finish`` of every bucket kind and of the scatter group is annotated to return an Arrived."""
+    wrong = []
+    for path in sorted(EXCHANGE.glob("*.py")):
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.FunctionDef) and n.name == "finish" and path.name in BUCKET_FILES \
+                    and (n.returns is None or ast.unparse(n.returns) != "Arrived"):
+                wrong.append(f"{path.name}:{n.lineno} -> {ast.unparse(n.returns) if n.returns else None}")
+    assert not wrong, wrong
+
+
+def test_the_exchange_keeps_its_memories_as_one():
+    """exchange/exchange.py merges no memory by hand: the per-layer memory and the planned buckets'
+    flat ones are one memory/flat.py:Memories (the learning-rate follow, commit, rollback, residuals,
+    state_dict), and the FSDP groups' double buffers are its FlatPair."""
+    text = (EXCHANGE / "exchange.py").read_text()
+    assert ".pairs" not in text and "bucket.memory" not in text and ".memory.scale" not in text
+    from redsync_hvd.exchange import sharded
+    from redsync_hvd.memory.flat import FlatPair
+    assert sharded.FlatPair is FlatPair and not hasattr(sharded, "_Pair")

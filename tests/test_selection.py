@@ -535,11 +535,12 @@ def test_compensate_scan_equals_the_separate_passes(mode, n):
 
 
 @needs_native
-@pytest.mark.parametrize("method", ("tbs", "trimmed"))
+@pytest.mark.parametrize("method", ("tbs", "trimmed", "sampled"))
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_selection_from_the_fused_pass_equals_the_unfused_one(method, momentum):
     """Error feedback over 12 steps, threshold reuse 4: the memory that fuses the first
-    selection pass into its compensation sends exactly what the unfused pair sends."""
+    selection pass into its compensation sends exactly what the unfused pair sends (sampled:
+    the pass emits above the threshold of DGC's sample, taken from r + g first)."""
     from redsync_hvd.core.selection import scan_request
     from redsync_hvd.memory import MomentumCorrectionMemory, ResidualMemory
 
@@ -552,7 +553,7 @@ def test_selection_from_the_fused_pass_equals_the_unfused_one(method, momentum):
     used = 0
     for step in range(12):
         grad = torch.randn(200003, generator=g) * (1 + 0.05 * step)
-        req = scan_request(s_fused, k, method, threshold_reuse=4)
+        req = scan_request(s_fused, k, method, threshold_reuse=4, numel=grad.numel())
         x_f, first, _ = fused.compensate("w", grad, req)
         x_p = plain.compensate("w", grad).x
         if momentum == 0.0:
@@ -568,3 +569,19 @@ def test_selection_from_the_fused_pass_equals_the_unfused_one(method, momentum):
             mem.mask("w", idx)
             mem.commit()
     assert used >= 6   # most steps took their hits from the fused pass
+
+
+@needs_native
+def test_dgc_sampled_selection_takes_its_hits_from_the_compensating_pass():
+    """Without threshold reuse, DGC's sampled threshold is taken from r + g before x is written,
+    and the compensating pass emits above it: the selection reads x no more (its own index pass
+    would find the same hits) and returns what the unfused selection returns."""
+    from redsync_hvd.core.passes import compensate_scan
+    from redsync_hvd.core.selection import scan_request
+    n, k, g = 300_001, 300, torch.Generator().manual_seed(5)
+    r, grad, out = torch.randn(n, generator=g), torch.randn(n, generator=g), torch.empty(n)
+    scan = compensate_scan(r, grad, out, scan_request(None, k, "sampled", numel=n, sample_fraction=0.01))
+    assert scan is not None and k <= scan.count == scan.indices.numel() < 2 * k
+    assert torch.equal(out, r + grad)
+    assert torch.equal(select_topk(out, k, "sampled", scan=scan), select_topk(out.clone(), k, "sampled"))
+    assert math.isnan(scan.threshold)   # consumed: the selection made no pass of its own

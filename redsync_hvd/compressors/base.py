@@ -60,7 +60,9 @@ class Message:
     positions: Optional[torch.Tensor] = None   # int64 positions this rank sent (momentum masking)
     ctx: Any = None                  # what decoding needs that did not travel (shared positions, P)
     extra_bytes: dict = field(default_factory=dict)  # bytes sent by collectives run inside compress
-    nonfinite: Any = None            # True, or a device flag: the input held NaN/Inf (nothing was selected)
+    # a bool scalar on the layer's device, True where the input held NaN/Inf (nothing was selected);
+    # None where the compressor did not look (the bucket's own evidence covers it)
+    nonfinite: Optional[torch.Tensor] = None
 
     def nbytes(self) -> dict:
         out: dict = dict(self.extra_bytes)

@@ -68,8 +68,9 @@ class RedSyncCompressor(Compressor):
         return self.selection_state.setdefault(layer.name, SelectionState())
 
     def first_pass(self, layer: Layer, step: int):
-        return scan_request(self._state(layer), layer.k, self._method(layer),
-                            threshold_reuse=self.config.selection.threshold_reuse)
+        s = self.config.selection
+        return scan_request(self._state(layer), layer.k, self._method(layer), threshold_reuse=s.threshold_reuse,
+                            numel=layer.numel, sample_fraction=s.sample_fraction)
 
     def compress(self, x: torch.Tensor, layer: Layer, step: int, first=None) -> Message:
         s = self.config.selection
@@ -120,14 +121,12 @@ class RedSyncCompressor(Compressor):
         messages = []
         for layer, idx, value, selected, bad in zip(layers, got.indices, got.values, got.selected, got.nonfinite):
             msg = self._message(idx, value if self.codec.mean else self.codec.to_wire(value), layer, selected)
-            msg.nonfinite = bad   # sent empty; every rank fails the step in finish()
+            if bad:   # sent empty; every rank fails the step in finish()
+                msg.nonfinite = torch.ones((), dtype=torch.bool, device=idx.device)
             messages.append(msg)
         return messages
 
     # -- decompress -----------------------------------------------------------
-    def indices(self, tensors: list, layer: Layer) -> torch.Tensor:
-        return self.codec_of(layer).positions(tensors, layer)
-
     def decompress_add(self, out, tensors, layer, alpha=1.0, ctx=None):
         self.codec_of(layer).decode_add(out, tensors, layer, alpha)
 

@@ -18,6 +18,7 @@ written once:
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any, List, NamedTuple, Optional, Tuple
 
@@ -42,13 +43,43 @@ def _nonfinite(name: Optional[str], x: torch.Tensor) -> ValueError:
     return NonFiniteError("non-finite gradient values in %s (NaN or Inf): refusing to select" % where)
 
 
+_F32 = struct.Struct("f")
+_SAMPLE_AIM = 1.15       # sampled: first threshold targets 1.15k hits
+
+
+def _cast(t: float, dtype: torch.dtype) -> float:
+    """Round a threshold to x's dtype once, so every pass compares against the same value."""
+    if dtype == torch.float32 and abs(t) < 3e38:  # struct rounds like torch, no tensor
+        return _F32.unpack(_F32.pack(t))[0]
+    if dtype == torch.float64:
+        return float(t)
+    return float(torch.tensor(t, dtype=torch.float64).to(dtype))
+
+
+def sample_plan(n: int, k: int, fraction: float) -> Tuple[int, int]:
+    """DGC's sample of n elements: (stride, ks): every stride-th element, >= ``fraction`` of them
+    and >= ~1000 so small layers sample sanely; the threshold is the ks-th largest |x| there,
+    aimed at ~1.15k hits so sampling noise mostly lands inside DGC's accept band [k, 1.3k]."""
+    stride = max(1, min(int(1.0 / fraction), n // 1000))
+    size = -(-n // stride)
+    return stride, min(size, int(math.ceil(_SAMPLE_AIM * k * size / n)) + 1)
+
+
+def sample_threshold(sample: torch.Tensor, ks: int, dtype: torch.dtype) -> float:
+    """The ks-th largest |sample|, in x's dtype."""
+    return _cast(float(torch.topk(sample.abs(), ks, sorted=True).values[-1]), dtype)
+
+
 @dataclass(frozen=True)
 class ScanRequest:
     """What the selection that follows wants from the pass that computes x: statistics
     always, and the indices and |x| above ``threshold`` up to ``cap`` (threshold=inf:
-    none, a search step). ``compensate_scan`` returns the :class:`Scan` when it fused it."""
+    none, a search step). ``sample`` (DGC's (stride, ks), ``sample_plan``): the threshold
+    is taken from the sample of r + g first. ``compensate_scan`` returns the :class:`Scan`
+    when it fused it."""
     threshold: float = math.inf
     cap: int = 0
+    sample: Optional[Tuple[int, int]] = None
 
 
 @dataclass
@@ -99,10 +130,23 @@ def compensate_scan(residual: torch.Tensor, grad: torch.Tensor, out: torch.Tenso
     empty = _EMPTY
     thr = request.threshold if request is not None else math.inf
     cap = request.cap if request is not None else 0
+    if request is not None and request.sample is not None:
+        stride, ks = request.sample
+        thr = sample_threshold(_sampled_x(residual, grad, velocity, momentum, nesterov, stride), ks, torch.float32)
     idx, vals, c, finite, mx, s = mod.compensate_scan(
         residual, grad, out, velocity if velocity is not None else empty,
         velocity_out if velocity_out is not None else empty, float(momentum), bool(nesterov), float(thr), int(cap))
     return Scan(thr, cap, idx, vals, c, finite, mx, s)
+
+
+def _sampled_x(residual, grad, velocity, momentum: float, nesterov: bool, stride: int) -> torch.Tensor:
+    """x at every stride-th element, by the torch ops of the unfused compensation (where the
+    native kernel rounds DGC's momentum differently, the selection's own pass is made instead)."""
+    r, g = residual[::stride], grad[::stride]
+    if velocity is None:
+        return r + g
+    u = torch.add(g, velocity[::stride], alpha=momentum)
+    return r + (g + momentum * u if nesterov else u)
 
 
 class _Native:

@@ -67,16 +67,6 @@ class Selection:
     side: torch.Tensor | None
 
 
-@dataclass(frozen=True)
-class BucketRequest:
-    """What a bucket's selection wants from the compensation that writes its x: the layout, the
-    sign rule (which rows the first histogram counts) and the backend. The memory passes it to
-    ``compensate`` and returns the histogram with x (``core.passes.Compensated``)."""
-    seg: Segments
-    sign: str | None = None
-    backend: str = "auto"
-
-
 def sides(sign: str | None) -> tuple[int, tuple[int, ...]]:
     """(rows per layer R, the rows selected from): sign=None ranks |x| in one row; a sign
     splits each layer into a positive row 0 and a negative row 1."""

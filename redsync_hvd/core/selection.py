@@ -59,13 +59,22 @@ check fused into a pass already made (stats, the index pass, or the top-k values
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from redsync_hvd.core.passes import NonFiniteError, Scan, ScanRequest, _backend, _nonfinite, native_available
+from redsync_hvd.core.passes import (
+    NonFiniteError,
+    Scan,
+    ScanRequest,
+    _backend,
+    _cast,
+    _nonfinite,
+    native_available,
+    sample_plan,
+    sample_threshold,
+)
 
 __all__ = ["SelectionState", "select_topk", "scan_request", "METHODS", "native_available", "NonFiniteError"]
 
@@ -82,8 +91,6 @@ _DEFAULTS: Dict[str, Any] = {
 _BACKENDS = ("auto", "native", "cuda", "torch")
 _SHORTCUT_FRACTION = 16  # TBS: once <= n/16 elements exceed the low threshold, gather them
 _COUNT_CHUNK = 7         # trimmed: thresholds per count pass (one register group native)
-_F32 = struct.Struct("f")
-_SAMPLE_AIM = 1.15       # sampled: first threshold targets 1.15k hits
 _TRIM_SLACK = 2          # trimmed: bisect further while more than 2k candidates remain
 # CUDA, backend "auto": below this many elements a search costs more in kernel launches
 # and host waits (~0.45 ms) than torch.topk's radix select (0.17 ms at 1M, 0.46 ms at 16M
@@ -113,15 +120,6 @@ class SelectionState:
         self.steps_since_search = int(d.get("steps_since_search", 0))
         self.last_count = int(d.get("last_count", 0))
         self.searches = int(d.get("searches", 0))
-
-
-def _cast(t: float, dtype: torch.dtype) -> float:
-    """Round a threshold to x's dtype once, so every pass compares against the same value."""
-    if dtype == torch.float32 and abs(t) < 3e38:  # struct rounds like torch, no tensor
-        return _F32.unpack(_F32.pack(t))[0]
-    if dtype == torch.float64:
-        return float(t)
-    return float(torch.tensor(t, dtype=torch.float64).to(dtype))
 
 
 def _top(vals: torch.Tensor, k: int, for_state: bool):
@@ -247,12 +245,8 @@ def _trimmed(flat, k, be, o) -> Tuple[torch.Tensor, float]:
 
 def _sampled(flat, k, be, o) -> Tuple[torch.Tensor, float]:
     n = flat.numel()
-    # >= sample_fraction of the elements, and >= ~1000 of them so small layers sample sanely
-    stride = max(1, min(int(1.0 / o["sample_fraction"]), n // 1000))
-    sample = flat[::stride].abs()
-    # aim at ~1.15k so sampling noise mostly lands inside DGC's accept band [k, 1.3k]
-    ks = min(sample.numel(), int(math.ceil(_SAMPLE_AIM * k * sample.numel() / n)) + 1)
-    t = _cast(float(torch.topk(sample, ks, sorted=True).values[-1]), flat.dtype)
+    stride, ks = sample_plan(n, k, o["sample_fraction"])
+    t = sample_threshold(flat[::stride], ks, flat.dtype)   # the one a fused scan took from r + g, bit for bit
     for attempt in range(o["sample_max_retries"] + 1):
         cand, c, vals = be.select(t, n, attempt == 0, True)
         if c > 1.3 * k:
@@ -274,16 +268,20 @@ def _reusing(state: Optional[SelectionState], reuse: int) -> bool:
         and state.steps_since_search + 1 < reuse
 
 
-def scan_request(state: Optional[SelectionState], k: int, method: str = "tbs", *,
-                 threshold_reuse: int = 1) -> Optional[ScanRequest]:
+def scan_request(state: Optional[SelectionState], k: int, method: str = "tbs", *, threshold_reuse: int = 1,
+                 numel: int = 0, sample_fraction: float = _DEFAULTS["sample_fraction"]) -> Optional[ScanRequest]:
     """What the next ``select_topk(x, k, method, state=state, threshold_reuse=...)`` would
     read first, for the pass that computes x to produce it (``passes.compensate_scan``):
-    the count and hits at the reused threshold, or just max/sum|x| before a search. Pass
-    the filled ``request.result`` to select_topk as ``scan``. None: nothing to fuse."""
+    the count and hits at the reused threshold, or just max/sum|x| before a search, or
+    (sampled, given x's ``numel``) the hits above the threshold of DGC's sample, which the
+    pass takes from r + g before it writes x. Pass the returned :class:`Scan` to
+    select_topk as ``scan``. None: nothing to fuse."""
     if method == "exact" or k <= 0:
         return None
     if _reusing(state, int(threshold_reuse)):
         return ScanRequest(_cast(state.threshold, torch.float32), _reuse_cap(k))
+    if method == "sampled":
+        return ScanRequest(cap=numel, sample=sample_plan(numel, k, sample_fraction)) if k < numel else None
     return ScanRequest() if method in ("tbs", "trimmed") else None
 
 

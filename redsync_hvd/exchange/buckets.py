@@ -26,6 +26,10 @@ every rank's input was finite costs no collective of its own.
 """
 from __future__ import annotations
 
+import enum
+from dataclasses import dataclass
+from typing import Any, Optional
+
 import torch
 
 from ..comm.packing import pack, payload_bytes, unpack_fixed, unpack_gathered
@@ -96,12 +100,12 @@ class Bucket:
         ``flush``, called by ``finish()`` in a fixed order, never from a hook, where ranks whose
         backward passes produce gradients in different orders could deadlock.
     """
-    kind = "gather"
-    aggregation = "allgather"
+    kind = ""   # each kind's own: "reduce", "gather", "scatter", "planned"
 
     def __init__(self, index: int, layers: tuple, compressor, memory, comm, stats, policy, buffers: Buffers, *,
                  evidence: bool, clip: float | None, together: bool = False):
         self.index, self.layers = index, tuple(layers)
+        self.name = f"rsync.{self.kind}{index}"   # its collectives' name, the same on every rank
         self.names = [l.name for l in self.layers]
         self.compressor, self.memory = compressor, memory
         self.comm, self.stats, self.policy, self.buffers = comm, stats, policy, buffers
@@ -113,10 +117,6 @@ class Bucket:
         self.clear()
 
     @property
-    def name(self) -> str:
-        return f"rsync.{self.kind}{self.index}"
-
-    @property
     def control_bytes(self) -> int:
         """What this bucket sends each step besides its messages: its count of non-finite inputs."""
         return 4
@@ -124,7 +124,7 @@ class Bucket:
     def clear(self) -> None:
         """Forget this step (after ``finish``, or when the step is aborted)."""
         self._inputs, self._messages = {}, {}
-        self._trace, self._bad, self._evidence = [], [], []
+        self._trace, self._evidence = [], []
         self._aggregate: dict = {}
 
     # -- steps 1-3, as gradients arrive -------------------------------------------------------
@@ -177,9 +177,7 @@ class Bucket:
         if len(layers) > 1 or self.together:
             messages = comp.compress_bucket([c.x for c in cs], list(layers), st.step, [c.first for c in cs])
             for layer, msg in zip(layers, messages):
-                if msg.nonfinite is True:
-                    self._mark_bad(layer.name)   # sent empty; every rank fails the step in finish()
-                elif isinstance(msg.nonfinite, torch.Tensor):   # a device flag: counted by the bucket
+                if msg.nonfinite is not None:   # a device flag: counted by the bucket
                     self._trace.append(((layer.name,), msg.nonfinite.reshape(1)))
             return messages
         (layer,), (c,) = layers, cs
@@ -188,10 +186,10 @@ class Bucket:
         except NonFiniteError:
             # keep the collective well formed: compress the residual alone; finish() fails the step
             # (check_finite) or passes NaN on for the layer
-            self._mark_bad(layer.name)
             cs[0] = self.memory.compensate(layer.name, torch.zeros_like(grads[0]))
             msg = comp.compress(cs[0].x, layer, st.step)
-            msg.nonfinite = True   # the bucket's collective carries the count
+            msg.nonfinite = torch.ones((), dtype=torch.bool, device=c.x.device)   # the bucket's collective counts it
+            self._trace.append(((layer.name,), msg.nonfinite.reshape(1)))
             return [msg]
 
     def prepare(self, layer, grad: torch.Tensor, st: StepState) -> torch.Tensor:
@@ -210,20 +208,16 @@ class Bucket:
             flat = flat * (self.clip / flat.norm().clamp(min=1e-30)).clamp(max=1.0)
         return flat
 
-    def _mark_bad(self, name: str) -> None:
-        self._bad.append(name)
-
     def _count(self, messages: list) -> torch.Tensor:
-        """This rank's count of non-finite inputs: host-known bad layers, device flags, evidence."""
-        host_bad = sum(1 for m in messages if m.nonfinite is True)
-        flags = [torch.where(m.nonfinite, torch.inf, 0.0) for m in messages if isinstance(m.nonfinite, torch.Tensor)]
-        return nonfinite_count(flags + self._evidence, host_bad, self.layers[0].device)
+        """This rank's count of non-finite inputs: the messages' flags and the evidence."""
+        flags = [torch.where(m.nonfinite, torch.inf, 0.0) for m in messages if m.nonfinite is not None]
+        return nonfinite_count(flags + self._evidence, 0, self.layers[0].device)
 
     def flagged(self) -> list:
         """The layers this rank knows held NaN/Inf this step (to name them when the step fails)."""
         def bad(v):   # a flag (bool: set where bad), or evidence (not finite where bad)
             return v.reshape(-1) if v.dtype == torch.bool else ~torch.isfinite(v.reshape(-1).float())
-        return self._bad + [n for names, v in self._trace for n, b in zip(names, bad(v).tolist()) if b]
+        return [n for names, v in self._trace for n, b in zip(names, bad(v).tolist()) if b]
 
     def aggregate_feedback(self, averages: dict) -> None:
         """PowerSGD's error feedback: x -= the decoded average, for the layers it kept x of."""
@@ -344,15 +338,30 @@ class ReduceBucket(Bucket):
             torch._foreach_copy_([t for t, _ in copies], [v for _, v in copies])
 
 
+class Sizes(enum.Enum):
+    """How every rank of a gather bucket learns the others' message sizes."""
+    FIXED = "fixed"     # the counts are known before the step on every rank: no header
+    ROWS = "rows"       # torch.distributed with a bounded message: one row of that capacity, sizes inside
+    HEADER = "header"   # a fixed-size header of the counts, allgathered beside the payload (on
+    #                     torch.distributed, which needs every rank's size first, read before it)
+
+
+@dataclass
+class InFlight:
+    """A gather bucket's collectives between ``_start`` and ``finish``: the payload's (or capacity
+    rows') allgather, and the header's: still in flight (``header``), already read (``headers``,
+    torch.distributed reads them first), or neither (fixed sizes, rows)."""
+    data: Any
+    header: Any = None
+    headers: Optional[torch.Tensor] = None
+
+
 class GatherBucket(Bucket):
     """Per-rank messages, packed into one payload and allgathered.
 
-    wire: how every rank learns the sizes, chosen once from the compressor's ``wire``:
-        "fixed"  the counts are known before the step on every rank: no header;
-        "rows"   torch.distributed with a bounded message: one row of that capacity, sizes inside;
-        "header" a fixed-size header of the counts, allgathered beside the payload (on
-                 torch.distributed, which needs every rank's size first, read before it).
+    wire: how every rank learns the sizes (:class:`Sizes`), chosen once from the compressor's ``wire``.
     """
+    kind = "gather"
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
@@ -360,19 +369,20 @@ class GatherBucket(Bucket):
         self.dtypes = [d for w in wires for d in w.dtypes] + [torch.int32]
         needs_sizes = getattr(self.comm, "needs_sizes", False)
         if all(w.fixed for w in wires):
-            self.wire = "fixed"
+            self.wire = Sizes.FIXED
         elif needs_sizes and all(w.capacity is not None for w in wires):
-            self.wire = "rows"
+            self.wire = Sizes.ROWS
         else:
-            self.wire = "header"
+            self.wire = Sizes.HEADER
 
     @property
     def control_bytes(self) -> int:
-        return 4 if self.wire == "fixed" else 8   # the count, and its size in the header
+        return 4 if self.wire is Sizes.FIXED else 8   # the count, and its size in the header
 
     def clear(self) -> None:
         super().clear()
-        self._handles, self._sent = None, []
+        self._flight: InFlight | None = None
+        self._sent = []
 
     def _start(self, st: StepState, messages: list) -> None:
         """1. the wire tensors and the count of non-finite inputs; 2. the sizes: none (fixed), in a
@@ -382,25 +392,27 @@ class GatherBucket(Bucket):
         header, payload = pack(tensors, device=self.layers[0].device)
         size, sizes = self.comm.size, None
         self._sent = messages
-        if self.wire == "rows":                                                                          # 2.
+        if self.wire is Sizes.ROWS:                                                                      # 2.
             self.stats.add_bytes({"headers": header.numel() * 4, "scalars": 4})
             row = self._capacity_row(header, payload)
-            self._handles = ("rows", self.comm.allgather_async(row, name=self.name, sizes=[row.numel()] * size))
+            self._flight = InFlight(self.comm.allgather_async(row, name=self.name, sizes=[row.numel()] * size))
             return
-        if self.wire == "fixed":
+        flight = InFlight(None)
+        if self.wire is Sizes.FIXED:
             counts = self._counts()
             if [t.numel() for t in tensors] != counts:
                 raise RuntimeError(f"{type(self.compressor).__name__} declared fixed message sizes {counts[:-1]} "
                                    f"for bucket {self.index} but sent {[t.numel() for t in tensors[:-1]]}")
-            header, sizes = None, [payload.numel()] * size
+            sizes = [payload.numel()] * size
         else:
             self.stats.add_bytes({"headers": header.numel() * 4})
-            header = self.comm.allgather_async(header, name=f"{self.name}.hdr", sizes=[header.numel()] * size)
+            flight.header = self.comm.allgather_async(header, name=f"{self.name}.hdr", sizes=[header.numel()] * size)
             if getattr(self.comm, "needs_sizes", False):
-                header = self.comm.wait(header)
-                sizes = [payload_bytes(c, self.dtypes) for c in header.view(size, -1).tolist()]
+                flight.headers, flight.header = self.comm.wait(flight.header), None
+                sizes = [payload_bytes(c, self.dtypes) for c in flight.headers.view(size, -1).tolist()]
         self.stats.add_bytes({"scalars": 4})
-        self._handles = (header, self.comm.allgather_async(payload, name=self.name, sizes=sizes))        # 3.
+        flight.data = self.comm.allgather_async(payload, name=self.name, sizes=sizes)                     # 3.
+        self._flight = flight
 
     def _counts(self) -> list:
         return [n for l in self.layers for n in self.compressor.wire(l).counts] + [1]
@@ -428,18 +440,18 @@ class GatherBucket(Bucket):
         return header, payload
 
     def _wait(self) -> tuple:
-        """(the gathered headers or None, or "rows"; the gathered payload or rows)."""
-        header, data = self._handles
-        if header is not None and not isinstance(header, (str, torch.Tensor)):
-            header = self.comm.wait(header)
-        return header, self.comm.wait(data)
+        """(the gathered headers, or None where the sizes are fixed or inside the rows; the gathered
+        payload or rows)."""
+        flight = self._flight
+        headers = flight.headers if flight.header is None else self.comm.wait(flight.header)
+        return headers, self.comm.wait(flight.data)
 
     def _arrived(self, header, payload) -> list:
         """Every rank's wire tensors, cut out of the gathered payload (by its header, or by the sizes
         known in advance)."""
-        if header == "rows":
+        if self.wire is Sizes.ROWS:
             header, payload = self._open_rows(payload)
-        if header is None:
+        if self.wire is Sizes.FIXED:
             return unpack_fixed(payload, self._counts(), self.dtypes, self.comm.size)
         return unpack_gathered(header, payload, self.dtypes, self.comm.size)
 

@@ -22,9 +22,10 @@ from ..compressors.dense import FP16Compressor, NoneCompressor
 from ..core import layout
 from ..core.stats import CommStats
 from ..memory import NoMemory
+from ..memory.flat import FlatMemory, Memories
 from . import nonfinite, redecide
 from .buckets import Buffers, GatherBucket, ReduceBucket
-from .planned import FlatMemory, PlannedBucket
+from .planned import PlannedBucket, flat_frame
 from .scatter import ScatterBucket, ScatterGroup
 from .step import StepResult, StepState
 
@@ -88,12 +89,13 @@ class GradientExchange:
     def _wire(self) -> None:
         """What ``submit`` and ``finish`` read of the buckets."""
         self.bucket_of = {n: b for b in self.buckets for n in b.names}
-        self.planned = [b for b in self.buckets if isinstance(b, PlannedBucket)]
-        scatter = [b for b in self.buckets if isinstance(b, ScatterBucket)]
+        self.planned = [b for b in self.buckets if b.kind == "planned"]
+        self.memories = Memories(self.memory, [b.memory for b in self.planned if b.memory is not None])
+        scatter = [b for b in self.buckets if b.kind == "scatter"]
         # finish() order: the reduce buckets, the scatter group, the gathered ones
         self.finishing = [b for b in self.buckets if b.kind == "reduce"] + \
             ([ScatterGroup(scatter, self.comm, self.stats)] if scatter else []) + \
-            [b for b in self.buckets if b.kind == "gather" and not isinstance(b, ScatterBucket)]
+            [b for b in self.buckets if b.kind in ("gather", "planned")]
         # blocking buckets are compressed in finish(), in the order their last layer registered
         self.blocking = sorted((b for b in self.buckets if getattr(b, "blocking", False)),
                                key=lambda b: max(l.index for l in b.layers))
@@ -134,11 +136,9 @@ class GradientExchange:
                                  residual=memory.keeps, **common)
         terms = self.memory.flat_terms([l.name for l in group]) if comp.flat is not None else None
         if terms is not None:
-            planned = PlannedBucket(index, group, comp.flat.codec, comp.flat.backend, None, self.comm, self.stats,
-                                    self.policy, self.buffers, clip=self.clip, graphs=cuda_graph)
-            if terms.pop("residual"):
-                planned.memory = FlatMemory(planned.names, planned.frame, residual=True, **terms)
-            return planned
+            flat = FlatMemory([l.name for l in group], flat_frame(group), residual=True, **terms) \
+                if terms.pop("residual") else None
+            return PlannedBucket(*args[:3], flat, *args[4:], clip=self.clip, graphs=cuda_graph)
         return GatherBucket(*args, together=comp.selects_by_bucket(list(group)), **common)
 
     def grad_buffers(self, dtype: torch.dtype, device) -> dict:
@@ -181,10 +181,7 @@ class GradientExchange:
         have at its own step (a gradient g of step s, sent at t: lr_t * g * lr_s / lr_t)."""
         lr = float(lr)
         if self.lr is not None and lr != self.lr and lr > 0:
-            self.memory.scale(self.lr / lr)
-            for bucket in self.planned:
-                if bucket.memory is not None:
-                    bucket.memory.scale(self.lr / lr)
+            self.memories.scale(self.lr / lr)
         if lr > 0:
             self.lr = lr
 
@@ -248,8 +245,7 @@ class GradientExchange:
             carry = self._start_carry()
             arrived = []
             for bucket in self.finishing:
-                got = self._call(bucket, "finish", into or {}, apply)
-                arrived += got if isinstance(got, list) else [got]
+                arrived.append(self._call(bucket, "finish", into or {}, apply))
             out = {n: t for a in arrived for n, t in a.averages.items()}
             bad, carried = self._read(carry, arrived)
             passed = bad and not self.check_finite and not self.state.vetoed
@@ -325,14 +321,7 @@ class GradientExchange:
         """Every memory and the compressor's state keep this step (commit) or forget it. A step that
         passed NaN on keeps the memories with what is not finite zeroed, and the compressor's state
         (PowerSGD's warm Q) as it was."""
-        memories = [self.memory] + [b.memory for b in self.planned if b.memory is not None]
-        for memory in memories:
-            if passed:
-                memory.keep_finite()
-            if commit:
-                memory.commit()
-            else:
-                memory.rollback()
+        self.memories.settle(commit, passed)
         if commit and not passed:
             self.compressor.commit()
         else:
@@ -378,22 +367,11 @@ class GradientExchange:
     def residuals(self, kind: str = "residual") -> dict:
         """{name: this rank's current residual} of every compressed layer that keeps one (``kind``
         "velocity": DGC's velocities), wherever it lives (the memory, or a planned bucket)."""
-        out = dict(getattr(self.memory, kind, {}))
-        pair = "r" if kind == "residual" else "u"
-        for bucket in self.planned:
-            if bucket.memory is not None and pair in bucket.memory.pairs:
-                out.update(zip(bucket.names, bucket.frame.views(bucket.memory.pairs[pair].cur)))
-        return out
+        return self.memories.residuals(kind)
 
     # -- checkpointing ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        memory = self.memory.state_dict()
-        for bucket in self.planned:
-            if bucket.memory is not None:
-                memory.setdefault("residual", {}).update(bucket.memory.state("r"))
-                if bucket.memory.momentum is not None:
-                    memory.setdefault("velocity", {}).update(bucket.memory.state("u"))
-        return {"step": self.step, "memory": memory, "compressor": self.compressor.state_dict(),
+        return {"step": self.step, "memory": self.memories.state_dict(), "compressor": self.compressor.state_dict(),
                 "stats": self.stats.state_dict(), "lr": self.lr, "policy": self.policy.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -401,12 +379,7 @@ class GradientExchange:
         self.state = StepState(step=self.step)
         self.lr = state.get("lr")
         if state.get("memory"):
-            memory = dict(state["memory"])
-            residual, velocity = dict(memory.get("residual", {})), dict(memory.get("velocity", {}))
-            for bucket in self.planned:
-                if bucket.memory is not None:
-                    bucket.memory.load(residual, velocity)
-            self.memory.load_state_dict({**memory, "residual": residual, "velocity": velocity})
+            self.memories.load_state_dict(state["memory"])
         self.compressor.load_state_dict(state.get("compressor", {}))
         if "stats" in state:
             self.stats.load_state_dict(state["stats"])

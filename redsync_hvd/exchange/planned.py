@@ -22,7 +22,6 @@ a budget's choice: ``LayerPolicy.layout_key``) is a new layout, built once.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -31,119 +30,45 @@ from ..compressors.base import Message
 from ..core import radix_select as rs
 from ..core.segments import VECTOR, Segments
 from ..core.stats import CommStats
-from .buckets import account
+from ..memory.flat import FlatMemory
+from .buckets import Bucket, account
 from .graph import CapturedSteps
 from .step import Arrived, StepState
 
 MAX_LAYOUTS = 16   # layouts (k per layer) kept with their device tables and workspaces
 
 
-@dataclass
-class FlatPair:
-    """Per-layer buffers (residuals or velocities) as views of one flat tensor, double-buffered:
-    the step writes ``spare``; ``swap`` on commit makes it current. Padding stays zero in both."""
-    cur: torch.Tensor
-    spare: torch.Tensor
-
-    def swap(self) -> None:
-        self.cur, self.spare = self.spare, self.cur
+def flat_frame(layers: tuple) -> Segments:
+    """A planned bucket's frame: its layers back to back, each aligned to the kernels' vector."""
+    return Segments([l.numel for l in layers], [0] * len(layers), align=VECTOR)
 
 
-class FlatMemory:
-    """A planned bucket's residuals (``residual``) and DGC velocities (``momentum`` not None), laid out
-    by the bucket's frame. A step writes the spare halves; ``commit`` swaps them in, ``rollback``
-    leaves them, so a failed step loses nothing. Saved and restored per layer name, in the format
-    of ``memory/residual.py``'s ``state_dict`` (the exchange merges the two)."""
-
-    def __init__(self, names: list, frame: Segments, *, residual: bool, momentum: float | None = None,
-                 nesterov: bool = False, masking: bool = True):
-        self.names, self.frame = names, frame
-        self.residual, self.momentum, self.nesterov, self.masking = residual, momentum, nesterov, masking
-        self.pairs: dict = {}        # "r" / "u" -> FlatPair
-        self.loaded: dict = {}       # what a checkpoint held, copied in when the buffers are made
-        self.written = False
-
-    def ready(self, device) -> None:
-        if self.pairs and self.pairs["r"].cur.device == torch.device(device):
-            return
-        kinds = (["r"] if self.residual else []) + (["u"] if self.momentum is not None else [])
-        for kind in kinds:
-            pair = FlatPair(*(torch.zeros(self.frame.n, dtype=torch.float32, device=device) for _ in range(2)))
-            for view, name in zip(self.frame.views(pair.cur), self.names):
-                held = self.loaded.get(kind, {}).get(name)
-                if held is not None:
-                    view.copy_(held.reshape(-1))
-            self.pairs[kind] = pair
-
-    def state(self, kind: str) -> dict:
-        pair = self.pairs.get(kind)
-        if pair is None:
-            return {n: t.clone() for n, t in self.loaded.get(kind, {}).items()}
-        return {n: v.detach().clone() for n, v in zip(self.names, self.frame.views(pair.cur))}
-
-    def load(self, residual: dict, velocity: dict) -> None:
-        """Take this bucket's layers out of a checkpoint's dicts (the rest is the memory's)."""
-        self.loaded = {"r": {n: residual.pop(n) for n in self.names if n in residual},
-                       "u": {n: velocity.pop(n) for n in self.names if n in velocity}}
-        device = self.pairs["r"].cur.device if self.pairs else None
-        self.pairs = {}
-        if device is not None:
-            self.ready(device)
-
-    def scale(self, factor: float) -> None:
-        for pair in self.pairs.values():
-            pair.cur.mul_(factor)
-
-    def commit(self) -> None:
-        if self.written:
-            for pair in self.pairs.values():
-                pair.swap()
-        self.written = False
-
-    def rollback(self) -> None:
-        self.written = False
-
-    def keep_finite(self) -> None:
-        """Zero what is not finite in this step's (spare) halves: a step that passed NaN on
-        (``check_finite: false``) must not leave it in what outlives the step."""
-        if self.written:
-            for pair in self.pairs.values():
-                torch.nan_to_num_(pair.spare, nan=0.0, posinf=0.0, neginf=0.0)
-
-
-class PlannedBucket:
+class PlannedBucket(Bucket):
     """One flat bucket of exactly-k layers; see the module docstring.
 
-    codec: the compressor's message codec (``MessageCodec``: sign rule, sign_mean or values, the
-        values' wire dtype); backend: the kernels' ("auto", "triton", "torch");
-    memory: its :class:`FlatMemory`, or None without error feedback (x is the gradient itself);
+    compressor: its ``flat`` (``FlatCodec``) gives the message codec (sign rule, sign_mean or
+        values, the values' wire dtype) and the kernels' backend ("auto", "triton", "torch");
+    memory: its :class:`FlatMemory` (laid out by ``flat_frame(layers)``), or None without error
+        feedback (x is the gradient itself);
     graphs: "auto" | "on" | "off" (``compression.cuda_graph``)."""
-    kind = "gather"
-    aggregation = "allgather"
+    kind = "planned"
 
-    def __init__(self, index: int, layers: tuple, codec, backend: str, memory: FlatMemory | None, comm, stats,
+    def __init__(self, index: int, layers: tuple, compressor, memory: FlatMemory | None, comm, stats,
                  policy, buffers, *, clip: float | None, graphs: str = "auto"):
-        self.index, self.layers = index, tuple(layers)
-        self.names = [l.name for l in self.layers]
-        self.codec, self.backend, self.memory = codec, backend, memory
-        self.signs = (codec.sign(0), codec.sign(1))   # the kept sign alternates with the step's parity, or not
-        self.comm, self.stats, self.policy, self.buffers, self.clip = comm, stats, policy, buffers, clip
-        self.frame = Segments([l.numel for l in self.layers], [0] * len(self.layers), align=VECTOR)
-        self.dtypes = [torch.int32, codec.value_dtype, torch.int32]
+        self.codec, self.backend = compressor.flat.codec, compressor.flat.backend
+        self.frame = flat_frame(tuple(layers))
+        if memory is not None and memory.frame.sizes != self.frame.sizes:
+            raise ValueError(f"bucket {index}: its FlatMemory is laid out for {len(memory.frame.sizes)} other "
+                             "layers; build it with flat_frame(layers) of the same layers")
+        super().__init__(index, layers, compressor, memory, comm, stats, policy, buffers, evidence=False,
+                         clip=clip, together=True)
+        self.signs = (self.codec.sign(0), self.codec.sign(1))   # the kept sign alternates with the parity, or not
+        self.dtypes = [torch.int32, self.codec.value_dtype, torch.int32]
         cuda = self.layers[0].device.type == "cuda"
         self.graphs = CapturedSteps(graphs) if cuda else None
         self.grad: torch.Tensor | None = None
         self.views: dict = {}
         self._layouts: dict = {}       # layout key -> (Segments, its stats, its per-layer stats)
-        self.clear()
-
-    @property
-    def name(self) -> str:
-        return f"rsync.gather{self.index}"
-
-    @property
-    def control_bytes(self) -> int:
-        return 4
 
     @property
     def path(self) -> str:
@@ -181,9 +106,11 @@ class PlannedBucket:
     def _run(self, st: StepState) -> torch.Tensor:
         grad = self._load(st.grad_scale)                                                              # 0.
         seg, figures, layer_figures = self._layout(st.layout)
-        if self.memory is not None:
-            self.memory.ready(grad.device)
-            self.memory.written = True
+        m = self.memory
+        if m is not None:   # buffers made on the first step, after a checkpoint's load, on another device
+            if not m.pairs or m.pairs["r"].cur.device != grad.device:
+                m.ready(grad.device)
+            m.written = True
         args = (seg, grad, st.step)
         if st.observe:   # the budget's statistics: an eager step that shows x
             payload, flags = self._device_step(*args, observe=True)

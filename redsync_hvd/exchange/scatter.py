@@ -24,7 +24,7 @@ from .step import Arrived, StepState
 class ScatterBucket(Bucket):
     """A gather bucket's layers, met by the sparse reduce-scatter. ``residual``: the memory keeps a
     residual, to which the entries no owner kept come back."""
-    aggregation = "sparse_reduce_scatter"
+    kind = "scatter"
 
     def __init__(self, *args, residual: bool = True, **kw):
         super().__init__(*args, **kw)
@@ -73,7 +73,8 @@ class ScatterGroup:
     def __init__(self, buckets: list, comm, stats):
         self.buckets, self.comm, self.stats = buckets, comm, stats
 
-    def finish(self, into: dict, apply: dict) -> list:
+    def finish(self, into: dict, apply: dict) -> Arrived:
+        """Every scatter bucket's averages and counts of non-finite inputs, as one bucket's."""
         pendings = [b._pending for b in self.buckets]
         with self.stats.timer("communicate", "reduce_scatter"):
             for bucket, pending in zip(self.buckets, pendings):                                      # 1.
@@ -81,7 +82,9 @@ class ScatterGroup:
             handle = reduce_scatter.allgather(self.comm, pendings, name="rsync.reselected")          # 2.
             reduce_scatter.wait_allgather(self.comm, handle, pendings)
         with self.stats.timer("decompress", "reduce_scatter"):
-            return [bucket.decode(into) for bucket in self.buckets]                                   # 3.
+            got = [bucket.decode(into) for bucket in self.buckets]                                    # 3.
+        return Arrived(averages={n: t for a in got for n, t in a.averages.items()},
+                       flags=torch.cat([a.flags.reshape(-1) for a in got]))
 
 
 

@@ -40,6 +40,7 @@ from ..compressors.codec import MessageCodec
 from ..core import radix_select as rs
 from ..core.layout import k_of
 from ..core.segments import Segments
+from ..memory.flat import FlatPair
 from .reduce_scatter import Shards, SparseReduceScatter
 
 MAX_LAYOUTS = 16        # layouts (k per piece) kept with their tables: a warm-up changes k a few times
@@ -83,17 +84,6 @@ class ShardLayout:
         return slice(self.rank * self.row, (self.rank + 1) * self.row)
 
 
-class _Pair:
-    """A buffer carried between steps and the spare one a step writes (swapped on commit)."""
-
-    def __init__(self, numel: int, dtype, device):
-        self.cur = torch.zeros(numel, dtype=dtype, device=device)
-        self.spare = torch.zeros(numel, dtype=dtype, device=device)
-
-    def swap(self) -> None:
-        self.cur, self.spare = self.spare, self.cur
-
-
 # each message.quantize a group sends, as the cost model names its format (policy/costmodel.py:
 # sharded_group_time prices a group's reduce-scatter by it)
 MESSAGE_FORMATS = {"none": "pairs", "fp16": "pairs_fp16", "sign_mean": "sign_mean"}
@@ -135,7 +125,7 @@ class ShardedGroup:
         self.dense = [j for j, l in enumerate(self.layers) if not l.compressed]
         self.device = torch.device(device)
         self.codec = MessageCodec(quantize, "raw", sign_rule)
-        self.residual = self.velocity = self.dense_velocity = None   # _Pair, built on first use
+        self.residual = self.velocity = self.dense_velocity = None   # FlatPair, built on first use
         self.rsc = None
         if self.compressed:
             N, lay = comm.size, self.layout
@@ -164,10 +154,10 @@ class ShardedGroup:
                 out[key] = pair.cur
         return out
 
-    def _pair(self, key: str, numel: int, dtype) -> _Pair:
+    def _pair(self, key: str, numel: int, dtype) -> FlatPair:
         pair = getattr(self, key)
         if pair is None:
-            pair = _Pair(numel, dtype, self.device)
+            pair = FlatPair.zeros(numel, dtype, self.device)
             setattr(self, key, pair)
         return pair
 

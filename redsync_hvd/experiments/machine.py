@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import platform
-import re
 
 
 def cpu_name() -> str:
@@ -38,17 +37,3 @@ def line(info: dict) -> str:
     gpu = f", {info['gpu']}" if info.get("gpu") else ""
     return (f"{info['host']}: {info['cpu']}, {info['cores']} cores{gpu}; torch {info['torch']}, "
             f"Python {info['python']}; load average {info['load_average_1min']}")
-
-
-def slug() -> str:
-    """A results folder's machine part: the GPU's model ("h100"), else "cpu-<vendor>-<cores>cores"."""
-    try:
-        import torch
-        if torch.cuda.is_available():
-            model = re.search(r"[A-Z][0-9]{2,4}", torch.cuda.get_device_name(0))   # "NVIDIA H100 80GB HBM3"
-            return model.group(0).lower() if model else "gpu"
-    except ImportError:
-        pass
-    cpu = cpu_name().lower()
-    vendor = next((v for v in ("epyc", "xeon", "ryzen", "core") if v in cpu), "x86")
-    return f"cpu-{vendor}-{os.cpu_count()}cores"

@@ -91,7 +91,7 @@ class ResidualMemory:
         return Compensated(spare, scan if want is not None else None)
 
     def flat_terms(self, names: list) -> dict | None:
-        """What a bucket kept flat keeps for ``names`` (``exchange/planned.py``: ``FlatMemory``'s
+        """What a bucket kept flat keeps for ``names`` (``memory/flat.py``: ``FlatMemory``'s
         arguments), or None where one flat compensation cannot serve them all."""
         return {"residual": True}
 

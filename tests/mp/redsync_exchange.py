@@ -42,7 +42,7 @@ def main(options):
         sent = {}
         for r in range(size):
             for bucket in ex.buckets:
-                if bucket.kind != "gather":
+                if bucket.kind not in ("gather", "planned"):
                     continue
                 layers_b = list(bucket.layers)
                 msgs = messages_of(replicas[r], mems[r], layers_b, grads[r], step)

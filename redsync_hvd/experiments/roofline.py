@@ -1,0 +1,159 @@
+"""Compensation + selection against the memory-bandwidth limit (``scripts/bench_roofline.py``).
+
+Each selection mode runs the exchange's own steps on one flat fp32 gradient of n elements: the
+residual memory's compensation (x = r + g into the spare buffer, with the selection's first pass
+where the mode lets it ride along), the selection, the residual update at the sent positions and
+the commit. A mode's floor is the bytes per element any implementation of it must move per step:
+
+* every mode reads g and r and writes the new residual: 12 B;
+* exact-k (radix) and trimmed cannot emit before a full pass has fixed their threshold (the k-th
+  value; max and mean |x|), so x is read once more: 16 B;
+* TBS with threshold reuse emits what passes last step's threshold in the compensating pass: 12 B;
+* DGC's sampled threshold needs only a strided sample of r + g first (``sample_fraction`` of the
+  elements, 8 B each), then one compensating pass that emits: 12 B plus the sample.
+
+The stream limit is a triad ``a = b + s * c`` over fp32 buffers of n elements (12 B per element,
+best of several repeats, torch with the same thread count), measured in the same run before
+every mode; each share is against the median of them.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from redsync_hvd.core import radix_select as rs
+from redsync_hvd.core.segments import Segments
+from redsync_hvd.core.selection import SelectionState, scan_request, select_topk
+from redsync_hvd.experiments.stats import sync
+from redsync_hvd.memory import ResidualMemory
+
+SAMPLE_FRACTION = 0.01   # DGC's (selection.sample_fraction's default)
+REUSE = 5                # TBS's threshold_reuse in the RedSync configs
+# The residual starts as it is after this many steps of unit Gaussian gradients at density 0.001
+# (std sqrt(steps): almost nothing has been sent yet), so consecutive steps see the slowly
+# drifting magnitudes of a long run, not the first steps' jumps (x's scale grows by 41% from
+# step 1 to 2, by 0.05% from step 1000 to 1001).
+RESIDUAL_AGE = 1000
+
+
+def triad_bytes_per_s(n: int, device, repeats: int = 7) -> float:
+    """Best-of-``repeats`` bandwidth of a = b + s * c over n fp32 elements (12 B each)."""
+    b, c = (torch.rand(n, device=device) for _ in range(2))
+    a = torch.empty_like(b)
+    best = math.inf
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        torch.add(b, c, alpha=0.5, out=a)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 12 * n / best
+
+
+def aged_residual(n: int, device) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(1)).mul_(RESIDUAL_AGE ** 0.5).to(device)
+
+
+class PerLayer:
+    """TBS, trimmed or sampled on one layer, as the per-layer path runs them (``memory/residual.py``,
+    ``core/selection.py``: the native kernel on the CPU)."""
+
+    def __init__(self, method: str, n: int, k: int, device, reuse: int = 1, fuse: bool = True):
+        self.method, self.n, self.k, self.reuse = method, n, k, reuse
+        self.memory, self.state = ResidualMemory(fuse=fuse), SelectionState()
+        self.memory.residual["g"] = aged_residual(n, device)
+
+    @property
+    def floor(self) -> float:
+        if self.method == "trimmed":
+            return 16.0
+        return 12.0 + (8 * SAMPLE_FRACTION if self.method == "sampled" else 0.0)
+
+    def __call__(self, g: torch.Tensor) -> int:
+        want = scan_request(self.state, self.k, self.method, threshold_reuse=self.reuse, numel=self.n,
+                            sample_fraction=SAMPLE_FRACTION)
+        c = self.memory.compensate("g", g, want)
+        idx = select_topk(c.x, self.k, self.method, state=self.state, scan=c.first, threshold_reuse=self.reuse,
+                          sample_fraction=SAMPLE_FRACTION)
+        c.x.index_fill_(0, idx, 0.0)   # what a values message leaves in the residual where it sent
+        self.memory.commit()
+        return idx.numel()
+
+
+class ExactK:
+    """Exactly k (``selection.method: radix``), as a planned bucket runs it (``exchange/planned.py``):
+    ``radix_select.compensate`` and ``select`` with the residual update, sign-mean messages."""
+    floor = 16.0
+
+    def __init__(self, n: int, k: int, device, backend: str):
+        self.seg, self.backend = Segments([n], [k], align=16), backend
+        if self.seg.n != n:   # the gradient must be the bucket's buffer itself, as it is in the exchange
+            raise ValueError(f"n={n}: use a multiple of 16 elements (the kernels' alignment)")
+        self.r, self.spare = aged_residual(n, device), torch.zeros(n, device=device)
+
+    def __call__(self, g: torch.Tensor) -> int:
+        hist = rs.compensate(self.seg, self.r, g, self.spare, sign="pos", backend=self.backend)
+        sel = rs.select(self.seg, self.spare, sign="pos", mean=True, hist=hist, update=True, backend=self.backend)
+        self.r, self.spare = self.spare, self.r
+        return sel.positions.numel()
+
+
+def modes(n: int, k: int, device, backend: str) -> dict:
+    """Each mode's step; "unfused": x written by torch.add, then every pass of the selection its
+    own (``ResidualMemory(fuse=False)``), what the fused rows save."""
+    tbs = "tbs, threshold reuse %d" % REUSE
+    return {"exact-k (radix)": lambda: ExactK(n, k, device, backend),
+            tbs: lambda: PerLayer("tbs", n, k, device, reuse=REUSE),
+            tbs + ", unfused": lambda: PerLayer("tbs", n, k, device, reuse=REUSE, fuse=False),
+            "trimmed top-k": lambda: PerLayer("trimmed", n, k, device),
+            "sampled (DGC)": lambda: PerLayer("sampled", n, k, device),
+            "sampled (DGC), unfused": lambda: PerLayer("sampled", n, k, device, fuse=False)}
+
+
+def measure(step, grads: list, steps: int, warmup: int, device) -> dict:
+    """Best, median and mean seconds of ``steps`` steps after ``warmup``, the gradients taken in turn."""
+    times, sent = [], 0
+    for i in range(warmup + steps):
+        g = grads[i % len(grads)]
+        sync(device)
+        t0 = time.perf_counter()
+        sent = step(g)
+        sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    return {"best_s": times[0], "median_s": times[len(times) // 2], "mean_s": sum(times) / len(times), "sent": sent}
+
+
+def row(name: str, n: int, floor: float, got: dict, triad: float) -> dict:
+    """Bandwidth at the floor and its share of the triad's, at the best step (the triad's statistic
+    too: on a shared machine it is the one least moved by others' work) and at the median step."""
+    achieved = floor * n / got["best_s"]
+    return {"mode": name, "n": n, "floor_B_per_elem": floor, "best_ms": 1e3 * got["best_s"],
+            "ms": 1e3 * got["median_s"], "mean_ms": 1e3 * got["mean_s"], "GB_s": achieved / 1e9,
+            "triad_GB_s": triad / 1e9, "share": achieved / triad,
+            "share_median": floor * n / got["median_s"] / triad, "sent": got["sent"]}
+
+
+def run_size(n: int, density: float, device, backend: str, steps: int, warmup: int, only=None,
+             exact_steps: int | None = None) -> list:
+    """Every mode's row at n elements: the triad first, then the modes on the same gradients.
+    ``exact_steps``: exact-k's steps where they differ (the CPU runs its torch reference)."""
+    k = max(1, math.ceil(density * n))
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=gen).to(device) for _ in range(3)]
+    got, triads = [], []
+    for name, make in modes(n, k, device, backend).items():
+        if only and not any(o in name for o in only):
+            continue
+        triads.append(triad_bytes_per_s(n, device))   # before every mode: the load of a shared machine moves
+        step = make()
+        timed = (exact_steps, 0) if exact_steps and isinstance(step, ExactK) else (steps, warmup)
+        got.append((name, step.floor, measure(step, grads, *timed, device)))
+        del step
+    # the median of the triads (each a best of several): one taken in a lull of a shared machine's load
+    # neither sets the limit alone, nor one taken under a burst of it
+    triads.sort()
+    return [row(name, n, floor, m, triads[len(triads) // 2]) for name, floor, m in got]
