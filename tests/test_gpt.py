@@ -152,8 +152,9 @@ def test_every_shipped_config_keeps_its_learning_rates_bit_for_bit():
             cfg = load_config(path)
         except ConfigError:
             continue   # sweeps and benchmarks: not run configs
-        if path == GPT_YAML:
-            continue
+        sched = cfg.optimizer.schedule
+        if sched.warmup_steps or sched.warmup_fraction or sched.min_lr_factor:
+            continue   # the GPT configs: they use the new knobs, which the old factor did not have
         for spe in (1, 7, 55):
             new, old = lr_factor(cfg, spe), _old_lr_factor(cfg, spe)
             assert all(new(s) == old(s) for s in range(0, total_steps(cfg, spe) + 2, 3)), (path, spe)

@@ -13,7 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = ["deps", "env", "compile", "tests", "tests_old", "selection", "passes", "stages", "overhead", "profile",
-         "summary"]
+         "roofline", "summary"]
 
 
 @pytest.mark.slow
