@@ -37,6 +37,10 @@ import torch
 
 RULES = ("error", "sum", "reset")
 MEMORY_KEYS = ("residual", "velocity")
+# error feedback in update units (memory/adam.py): each worker's Adam moments. They are statistics
+# of a worker's gradients, not signal owed to the model: "sum" averages them (and keeps the most
+# steps taken, for the bias correction), "reset" drops them with the residuals.
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 class ResizeError(ValueError):
@@ -78,10 +82,11 @@ def nonzero(memory_state: dict | None) -> dict:
 def merge(states: Sequence[dict | None], rule: str, scale: float = 1.0) -> tuple[dict, dict]:
     """One new worker's memory state from the old workers' states assigned to it.
 
-    1. ``"reset"``: empty residual and velocity (each layer starts at zero on its first step);
-       the dropped nonzero elements are counted.
+    1. ``"reset"``: empty residual and velocity, and no Adam moments (each layer starts at zero on
+       its first step); the dropped nonzero elements are counted.
     2. ``"sum"``: per layer, the float32 sum of the given states' tensors, times ``scale``;
-       a layer some states lack counts as zero there. Nothing is dropped.
+       a layer some states lack counts as zero there. Nothing is dropped. Adam moments (error
+       feedback in update units) are averaged instead, unscaled.
     Returns (memory state, {"residual": dropped, "velocity": dropped}).
     """
     check_rule(rule)
@@ -104,7 +109,25 @@ def merge(states: Sequence[dict | None], rule: str, scale: float = 1.0) -> tuple
                 t = t.detach().float()
                 acc[name] = t.clone() if name not in acc else acc[name].add_(t.to(acc[name].device))
         merged[key] = {name: t.mul_(scale) if scale != 1.0 else t for name, t in acc.items()}
+    merged.update(_averaged_moments(present))
     return merged, dict.fromkeys(MEMORY_KEYS, 0)
+
+
+def _averaged_moments(states: list) -> dict:
+    """Per layer, the mean of the given states' Adam moments over the states that hold the layer,
+    and the largest step count among them."""
+    out: dict = {}
+    for key in MOMENT_KEYS:
+        held: dict = {}
+        for s in states:
+            for name, t in (s.get(key) or {}).items():
+                held.setdefault(name, []).append(t.detach().float())
+        if held:
+            out[key] = {name: torch.stack([t.to(ts[0].device) for t in ts]).mean(0) for name, ts in held.items()}
+    steps = [s.get("steps") or {} for s in states]
+    if any(steps):
+        out["steps"] = {name: max(st.get(name, 0) for st in steps) for name in set().union(*steps)}
+    return out
 
 
 def assignment(old_size: int, new_size: int, new_rank: int) -> list:

@@ -248,6 +248,11 @@ class WarmupConfig(_Group):
     steps: int = Field(0, ge=0, description="... or in steps (takes precedence when > 0)")
     start_density: float = Field(0.25, description="density at the start of warm-up")
     stages: int = Field(4, ge=1, description="number of equal stages")
+    min_sends: float = Field(0.0, ge=0, description=(
+        "c > 0: the density follows the run, d_t = max(density, c / t) at step t (1-based), rounded up to a "
+        "quarter octave: every coordinate could have been sent at least c times over the steps so far, so a "
+        "residual's delay (about 1/d steps) stays at most t / c. Needs no run length; a short run stays close "
+        "to dense, a long one reaches density. 0: off"))
 
     @field_validator("start_density")
     @classmethod
@@ -288,6 +293,11 @@ class MethodConfig(BaseModel):
     @property
     def updates_in_step(self) -> bool:
         """``sparse_update``: compressed layers are decoded into the weights inside step()."""
+        return False
+
+    @property
+    def in_update_units(self) -> bool:
+        """``feedback_units: update``: residuals hold each worker's own Adam steps, not gradients."""
         return False
 
     @property
@@ -447,6 +457,16 @@ _SPARSE_UPDATE = ("PyTorch, plain SGD only: apply each compressed layer's averag
                   "without momentum and weight decay in the optimizer (dgc.momentum_correction takes both out)")
 
 
+_FEEDBACK_UNITS = ("what the residual holds under Adam and AdamW. gradient: the gradient (x = r + g, the "
+                   "optimizer steps on the averaged decompressed gradient) | update: each worker keeps its own "
+                   "Adam moments from its own gradient, feeds its own Adam direction into the residual and sends "
+                   "the top of that; every worker applies lr * the average sent, plus AdamW's decoupled decay "
+                   "(error feedback in update units, Chen et al. 2021). Dense layers keep the optimizer's own Adam. "
+                   "Costs two moment buffers per compressed layer per worker. PyTorch's torch.optim.Adam and AdamW "
+                   "under engine: horovod or ddp; elsewhere gradient units, with a note (docs/redsync.md). Under "
+                   "SGD, DGC's momentum correction already is error feedback in update units")
+
+
 _AGGREGATION = ("how a bucket's (position, value) messages meet. allgather: every rank receives every "
                 "rank's message ((N-1)*k entries, growing with N; one collective) | sparse_reduce_scatter: "
                 "Ok-Topk's balanced sparse reduce-scatter: each rank's entries go by alltoall to the owners of "
@@ -468,11 +488,16 @@ class AllgatherConfig(ResidualConfig):
         "fp32", description="engine: fsdp: how residuals and velocities are stored between steps: fp32 | bf16 "
                             "(half the memory; each step still adds and selects in fp32, and the rounding to bf16 "
                             "is not fed back; docs/fsdp.md). The other engines keep fp32")
+    feedback_units: Literal["gradient", "update"] = Field("gradient", description=_FEEDBACK_UNITS)
     engines: ClassVar[tuple] = ("horovod", "ddp", "fsdp")
 
     @property
     def updates_in_step(self) -> bool:
         return self.sparse_update
+
+    @property
+    def in_update_units(self) -> bool:
+        return self.feedback_units == "update" and self.residual
 
     def sharded_problems(self) -> dict:
         problems = {

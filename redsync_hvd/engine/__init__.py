@@ -2,6 +2,7 @@
 measurements the cost-model policy takes at start (probes.py)."""
 from .build import (
                     NO_MOMENTUM_NOTE,
+                    AdamSpec,
                     Built,
                     MomentumSpec,
                     UnsupportedMethodError,
@@ -15,6 +16,7 @@ from .probes import network_for, probe_compute
 
 __all__ = [
     "NO_MOMENTUM_NOTE",
+    "AdamSpec",
     "Built",
     "MomentumSpec",
     "UnsupportedMethodError",

@@ -10,7 +10,8 @@ call :func:`build_exchange`, which
     4. builds the memory: residuals, or DGC momentum correction with the momentum (and weight
        decay) taken out of the wrapped optimizer through the adapter's ``take_momentum``; an
        optimizer without momentum (``take_momentum`` gives None: Adam, AdamW) keeps plain
-       residuals, and the run's decisions say so (``notes``);
+       residuals, or with ``feedback_units: update`` each worker's own Adam moments (read through
+       ``take_moments``: the residual then holds Adam steps), and the run's decisions say so (``notes``);
     5. makes the per-layer decisions, probing network and compute where the cost model needs them,
        or takes them from ``policy.decisions`` (engine/decisions.py: pinned, nothing probed);
     6. builds the exchange.
@@ -29,7 +30,7 @@ from ..config.compression import (
     parse_compression,
 )
 from ..exchange import GradientExchange
-from ..memory import MomentumCorrectionMemory, ResidualMemory
+from ..memory import AdamUnitsMemory, MomentumCorrectionMemory, ResidualMemory
 from ..policy import LayerPolicy
 from .decisions import pin
 from .probes import network_for, probe_compute, probe_overlap
@@ -48,10 +49,20 @@ class MomentumSpec:
 
 
 @dataclass
+class AdamSpec:
+    """What error feedback in update units reads of an Adam or AdamW optimizer, per layer name:
+    (b1, b2), eps, and Adam's coupled weight decay as (decay, parameter)."""
+    betas: dict = field(default_factory=dict)
+    eps: dict = field(default_factory=dict)
+    l2: dict = field(default_factory=dict)
+
+
+@dataclass
 class Built:
     exchange: GradientExchange
     config: CompressionConfig
     momentum: Optional[MomentumSpec] = None   # set when momentum correction took it out
+    moments: Optional[AdamSpec] = None        # set when the residuals hold update units (Adam, AdamW)
 
 
 def parse(compression: Any) -> MethodConfig:
@@ -128,9 +139,38 @@ def without_momentum_correction(config: MethodConfig) -> MethodConfig:
     return config.model_copy(update={"dgc": dgc})
 
 
-def build_memory(config: CompressionConfig, momentum: Optional[MomentumSpec], fuse: bool = True):
+NO_MOMENTS_NOTE = ("compression.feedback_units: update needs each worker's own Adam moments, but {why}: the "
+                   "residual holds gradients (docs/redsync.md, Adam and AdamW)")
+
+
+UPDATE_UNITS_NOTE = ("compression.feedback_units: update: each worker keeps its own Adam moments of the compressed "
+                     "layers and its residual holds its own Adam steps; the compressed layers move by lr times the "
+                     "average sent (plus AdamW's decoupled decay), the dense ones by the optimizer's own Adam "
+                     "(docs/redsync.md, Adam and AdamW)")
+
+
+def update_units(config: MethodConfig, take_moments: Optional[Callable[[], Optional[AdamSpec]]],
+                 where: str, why: Optional[str] = None) -> tuple:
+    """(the Adam spec, notes) for ``feedback_units: update`` once momentum correction has had its say:
+    under SGD DGC's correction already is error feedback in update units, so nothing changes."""
+    if not config.in_update_units or config.corrects_momentum:
+        return None, []
+    moments = take_moments() if take_moments is not None else None
+    if moments is not None:
+        return moments, []
+    why = why or (f"{where} cannot read them from an optimizer (the torch adapter can under engine: horovod, and "
+                  "under engine: ddp with register(..., optimizer=))" if take_moments is None else
+                  "the optimizer is not torch.optim.Adam or AdamW with amsgrad and maximize off (a step linear in "
+                  "the gradient needs none)")
+    return None, [NO_MOMENTS_NOTE.format(why=why)]
+
+
+def build_memory(config: CompressionConfig, momentum: Optional[MomentumSpec], fuse: bool = True,
+                 moments: Optional[AdamSpec] = None):
     if not config.uses_memory:
         return None
+    if moments is not None:
+        return AdamUnitsMemory(moments.betas, moments.eps, moments.l2)
     if config.corrects_momentum:
         return MomentumCorrectionMemory(momentum.momentum, nesterov=momentum.nesterov,
                                         masking=config.dgc.momentum_masking, fuse=fuse)
@@ -138,11 +178,14 @@ def build_memory(config: CompressionConfig, momentum: Optional[MomentumSpec], fu
 
 
 def build_exchange(compression: Any, layers: list, comm, *, framework: str = "torch", engine: str = "horovod",
-                   take_momentum: Optional[Callable[[], MomentumSpec]] = None, agree: bool = True,
+                   take_momentum: Optional[Callable[[], MomentumSpec]] = None,
+                   take_moments: Optional[Callable[[], Optional[AdamSpec]]] = None, agree: bool = True,
                    fuse: bool = True, **options) -> Built:
     """The exchange for ``layers`` (Layer objects) over ``comm``; ``options`` go to GradientExchange
     (reuse_buffers, on_nonfinite). ``take_momentum``: called once, only when the
-    config asks for momentum correction; it takes momentum and weight decay out of the optimizer."""
+    config asks for momentum correction; it takes momentum and weight decay out of the optimizer.
+    ``take_moments``: called once, only for ``feedback_units: update`` where momentum correction
+    does not apply; it reads the Adam optimizer's betas, eps and coupled weight decay (None: no Adam)."""
     config = parse(compression)                                                     # 1.
     refuse(config, framework, engine)                                               # 2.
     if config.strategy != "exchange":
@@ -160,7 +203,9 @@ def build_exchange(compression: Any, layers: list, comm, *, framework: str = "to
         momentum = take_momentum()
         if momentum is None:
             config, notes = without_momentum_correction(config), [NO_MOMENTUM_NOTE]
-    memory = build_memory(config, momentum, fuse)
+    moments, more = update_units(config, take_moments, f"the {framework} adapter under engine: {engine}")
+    notes = [UPDATE_UNITS_NOTE] if moments is not None else notes + more
+    memory = build_memory(config, momentum, fuse, moments)
     policy = LayerPolicy(config, compressor)                                        # 5.
     policy.notes = notes
     if config.policy.decisions is not None:
@@ -179,4 +224,4 @@ def build_exchange(compression: Any, layers: list, comm, *, framework: str = "to
                                 fusion_bytes=config.fusion_bytes, clip_norm=config.local_clip, network=network,
                                 cuda_graph=config.cuda_graph, **options)
     exchange.check_finite_unset = config.check_finite is None
-    return Built(exchange, config, momentum)
+    return Built(exchange, config, momentum, moments)

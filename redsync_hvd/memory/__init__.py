@@ -1,4 +1,5 @@
+from .adam import AdamUnitsMemory
 from .momentum import MomentumCorrectionMemory
 from .residual import NoMemory, ResidualMemory
 
-__all__ = ["NoMemory", "ResidualMemory", "MomentumCorrectionMemory"]
+__all__ = ["NoMemory", "ResidualMemory", "MomentumCorrectionMemory", "AdamUnitsMemory"]

@@ -252,15 +252,26 @@ class LayerPolicy:
         what a bucket kept flat builds its layout once for."""
         total = self.warmup_steps()
         stage = math.floor(step / total * self.config.warmup_schedule.stages) if total and step < total else -1
-        return stage, self.revision
+        return stage, self.revision, self._follow_octave(step)
+
+    def _follow_octave(self, step: int) -> int | None:
+        """``warmup.min_sends`` c: the quarter octave of c / t at step t = step + 1, or None."""
+        w = self.config.warmup_schedule
+        if w is None or not w.min_sends:
+            return None
+        # at most 0 (density 1); no lower than the lowest density set, below which nothing changes
+        floor = min([self.config.layer_density()] + [o.density for o in self.config.policy.layers if o.density])
+        return min(0, max(math.ceil(4 * math.log2(w.min_sends / (step + 1))), math.floor(4 * math.log2(floor))))
 
     def density(self, layer, step: int) -> float:
         if not layer.compressed:
             return 1.0
+        octave = self._follow_octave(step)   # d_t = max(d, c / t), rounded up: the density follows the run
+        follow = 0.0 if octave is None else 2.0 ** (octave / 4)
         final, total = layer.base_density, self.warmup_steps()
         if not total or step >= total:
-            return final
+            return max(final, follow)
         w = self.config.warmup_schedule
         start = max(w.start_density, final)
         frac = math.floor(step / total * w.stages) / w.stages
-        return start * (final / start) ** frac
+        return max(start * (final / start) ** frac, follow)

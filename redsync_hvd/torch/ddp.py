@@ -72,6 +72,7 @@ from ..core.stats import CommStats
 from ..engine import build_exchange, check_same_everywhere, parse, refuse
 from ..exchange import NonFiniteGradientError
 from .params import layers_of, take_momentum
+from .update_units import UpdateUnitsStep, take_moments
 
 
 class DDPCompressionState:
@@ -86,6 +87,7 @@ class DDPCompressionState:
         self.stats = exchange.stats if exchange is not None else CommStats()
         self._name = {id(p): n for n, p in named}
         self._decay = decay or {}
+        self.update_units = None     # feedback_units: update: the optimizer's hooks (update_units.py)
         self._pending: list = []     # (names, grads, buffer, future) of this step's buckets
         self._bucket_bytes: dict = {}    # fast path: (bucket index, buffer address) -> bytes
         self._reduced: list = []         # fast path: (work, buffer, future) of this step's buckets
@@ -288,10 +290,14 @@ def register(ddp_model, compression=None, process_group=None, optimizer=None) ->
         state = DDPCompressionState(config, comm, named)
         ddp_model.register_comm_hook(state, _allreduce_hook)
         return state
-    built = build_exchange(compression, layers, comm, engine="ddp",
-                           take_momentum=_momentum_taker(optimizer, named))
+    take = _momentum_taker(optimizer, named)
+    built = build_exchange(compression, layers, comm, engine="ddp", take_momentum=take,
+                           take_moments=take and (lambda: take_moments(optimizer, {p: n for n, p in named})))
     decay = built.momentum.weight_decay if built.momentum else {}
     state = DDPCompressionState(built.config, comm, named, built.exchange, decay)
+    if built.moments:   # compressed layers arrive as Adam steps: the optimizer's hooks apply them
+        state.update_units = UpdateUnitsStep(optimizer, {p: n for n, p in named}, built.exchange.memory)
+        state.update_units.hook(optimizer)
     ddp_model.register_comm_hook(state, _exchange_hook)
     return state
 

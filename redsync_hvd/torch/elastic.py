@@ -164,8 +164,8 @@ class ElasticState(TorchState):
         if self._rule == "reset":
             memory.load_state_dict({key: {} for key in resize.MEMORY_KEYS})
         elif self._scale is not None and old != new:
-            merged, _ = resize.merge([self._memory_state()], "sum", float(self._scale(old, new)))
-            memory.load_state_dict({key: merged.get(key, {}) for key in resize.MEMORY_KEYS})
+            merged, _ = resize.merge([memory.state_dict()], "sum", float(self._scale(old, new)))
+            memory.load_state_dict({key: merged.get(key, {}) for key in resize.MEMORY_KEYS} | merged)
 
     def _memory_state(self) -> dict | None:
         """The residual/velocity dicts themselves (no copy: only counted)."""

@@ -34,6 +34,7 @@ from .options import (
 )
 from .params import check_plain_sgd, layers_of, resolve_names, take_momentum
 from .sparse import SparseRows, makes_sparse_grads
+from .update_units import UpdateUnitsStep, take_moments
 
 STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
                    "optimizer.synchronize(): step() uses the gradients synchronize() wrote (horovod.torch would "
@@ -60,8 +61,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                              f"which the sparse gradients of {sorted(rows)[:3]} travel beside: pass "
                              "sparse_as_dense=True, or set dgc: {momentum_correction: false}")
         built = build_exchange(compression, layers_of(exchanged), comm,
-                               take_momentum=lambda: take_momentum(self.param_groups, self._names))
+                               take_momentum=lambda: take_momentum(self.param_groups, self._names),
+                               take_moments=lambda: take_moments(self, self._names))
         self._exchange, self.compression_config = built.exchange, built.config
+        # feedback_units: update: compressed layers arrive as Adam steps, applied here (update_units.py)
+        self._units = UpdateUnitsStep(self, self._names, built.exchange.memory) if built.moments else None
         if built.config.follows_own_lr:
             self._exchange.lr_of = lambda: self.param_groups[0]["lr"]
         self._weight_decay = built.momentum.weight_decay if built.momentum else {}
@@ -321,7 +325,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             else:
                 self._synchronize(apply_sparse=self._sparse_update)
         self._synchronized = False
-        return super(self.__class__, self).step(closure)
+        if self._units is None:
+            return super(self.__class__, self).step(closure)
+        self._units.apply()
+        try:
+            return super(self.__class__, self).step(closure)
+        finally:
+            self._units.restore()
 
     def communication_stats(self) -> dict:
         """Cumulative per-worker figures since start; see :class:`~redsync_hvd.core.stats.CommStats`."""

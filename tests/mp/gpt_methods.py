@@ -19,7 +19,9 @@ TINY = ["model.options={d_model: 32, n_layers: 1, n_heads: 2, dropout: 0.1}", "d
         "training.progress=false", "optimizer.schedule.warmup_fraction=0.3"]
 METHODS = {"redsync": ["compression.method=redsync", "compression.density=0.01"],
            "topk": ["compression.method=topk", "compression.density=0.01"],
-           "powersgd": ["compression.method=powersgd", "compression.rank=1", "compression.start_iter=2"]}
+           "powersgd": ["compression.method=powersgd", "compression.rank=1", "compression.start_iter=2"],
+           "redsync-update": ["compression.method=redsync", "compression.density=0.01",
+                              "compression.feedback_units=update"]}
 
 
 def joined(adapter):
@@ -34,8 +36,8 @@ def joined(adapter):
 
 engine, out = sys.argv[1], sys.argv[2]
 runs = [(engine, method) for method in METHODS]
-if engine == "ddp":   # FSDP2's compressed reduce-scatter runs redsync and topk
-    runs.append(("fsdp", "redsync"))
+if engine == "ddp":   # FSDP2's compressed reduce-scatter runs redsync and topk; it keeps no Adam moments
+    runs += [("fsdp", "redsync"), ("fsdp", "redsync-update")]
 for run_engine, method in runs:
     cfg = load_config(CONFIG, [*TINY, *METHODS[method], f"engine={run_engine}", f"output.dir={out}",
                                f"output.name={run_engine}-{method}"])

@@ -1,0 +1,108 @@
+"""Error feedback in the optimizer's units: each worker's own Adam step, not its gradient.
+
+Adam divides each coordinate by its own RMS, so its step is not linear in the gradient. Error
+feedback in gradient units (x = r + g, send part of x, Adam on the average) sends a coordinate's
+accumulated gradient in one burst after about 1/density steps, and Adam's normalisation turns
+that burst into about one step's worth of movement: what waited is lost. Error feedback in the
+units of the update (Chen et al., "Quantized Adam with error feedback", 2021) keeps the
+moments on each worker, from its own gradient, and feeds the residual with the worker's own
+Adam direction:
+
+    1. m = b1*m + (1 - b1)*g;  v = b2*v + (1 - b2)*g**2          (this worker's moments)
+    2. s = (m / (1 - b1**t)) / (sqrt(v / (1 - b2**t)) + eps)     (its own Adam direction)
+    3. x = r + s;  send part of x;  r = x - what was sent          (the residual in update units)
+    4. every worker: w = w*(1 - lr*wd) - lr * mean of what was sent (torch/adam_units.py)
+
+Step 4 is the wrapped optimizer's job for these layers, done by the adapter: the averages are
+already Adam directions. Dense layers never pass through a memory, so they keep the wrapped
+optimizer's own Adam on their averaged gradient, exactly as dense training.
+
+Adam's coupled weight decay (``Adam(weight_decay=...)``: L2 added to the gradient) joins g
+before the moments here, as it would in Adam; AdamW's decoupled decay stays in step 4.
+
+Moments and residuals are per-worker state: double-buffered (a failed step leaves them as
+they were), zeroed where a NaN passed on, saved with the residuals (``exp_avg``,
+``exp_avg_sq``, ``steps``) and carried through a resize by ``resize.py``'s rules.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..core.passes import Compensated, ScanRequest
+from .residual import ResidualMemory, double_buffer
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+class AdamUnitsMemory(ResidualMemory):
+    """``betas``, ``eps``: {layer name: (b1, b2)}, {layer name: eps}, from the optimizer's param
+    groups; ``l2``: {layer name: (weight decay, parameter)} for Adam's coupled weight decay."""
+
+    def __init__(self, betas: dict, eps: dict, l2: dict | None = None):
+        super().__init__(fuse=False)   # the native fused pass knows x = r + g and DGC's u only
+        self.betas, self.eps, self.l2 = betas, eps, l2 or {}
+        self.moments: dict[str, dict] = {k: {} for k in MOMENT_KEYS}
+        self._spare_moments: dict[str, dict] = {k: {} for k in MOMENT_KEYS}
+        self._pending_moments: dict[str, dict] = {k: {} for k in MOMENT_KEYS}
+        self.steps: dict[str, int] = {}
+        self.sent: set = set()          # the layers whose averages are in update units, last step
+
+    def compensate(self, name: str, grad: torch.Tensor, want: ScanRequest | None = None) -> Compensated:
+        g = grad.float()
+        if name in self.l2:
+            wd, param = self.l2[name]
+            g = g.add(param.detach().reshape(g.shape).float(), alpha=wd)
+        b1, b2 = self.betas[name]
+        t = self.steps.get(name, 0) + 1
+        m, m_new = self._moment("exp_avg", name, g)
+        v, v_new = self._moment("exp_avg_sq", name, g)
+        torch.lerp(m, g, 1 - b1, out=m_new)                               # 1.
+        torch.mul(v, b2, out=v_new).addcmul_(g, g, value=1 - b2)
+        denom = (v_new.sqrt() / (1 - b2 ** t) ** 0.5).add_(self.eps[name])   # 2. as torch's Adam
+        r, x = self._buffers(name, g)
+        torch.addcdiv(r, m_new, denom, value=1 / (1 - b1 ** t), out=x)       # 3. x = r + s
+        self._pending[name] = x
+        return Compensated(x, None)
+
+    def _moment(self, key: str, name: str, like: torch.Tensor):
+        cur, new = double_buffer(self.moments[key], self._spare_moments[key], name, like)
+        self._pending_moments[key][name] = new
+        return cur, new
+
+    def flat_terms(self, names: list) -> None:
+        return None   # a planned bucket keeps residuals and DGC velocities flat, not moments
+
+    def _pending_buffers(self) -> list:
+        return [self._pending, *self._pending_moments.values()]
+
+    def commit(self) -> None:
+        for key in MOMENT_KEYS:
+            for name, buf in self._pending_moments[key].items():
+                self._spare_moments[key][name], self.moments[key][name] = self.moments[key][name], buf
+            self._pending_moments[key].clear()
+        self.sent = set(self._pending)
+        for name in self.sent:
+            self.steps[name] = self.steps.get(name, 0) + 1
+        super().commit()
+
+    def rollback(self) -> None:
+        for pending in self._pending_moments.values():
+            pending.clear()
+        self.sent = set()
+        super().rollback()
+
+    def state_dict(self) -> dict:
+        out = super().state_dict()
+        for key in MOMENT_KEYS:
+            out[key] = {k: v.detach().clone() for k, v in self.moments[key].items()}
+        out["steps"] = dict(self.steps)
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        for key in MOMENT_KEYS:
+            self.moments[key] = {k: v.detach().clone().float() for k, v in (state.get(key) or {}).items()}
+            self._spare_moments[key].clear()
+            self._pending_moments[key].clear()
+        self.steps = {k: int(v) for k, v in (state.get("steps") or {}).items()}
+        self.sent = set()

@@ -1,0 +1,82 @@
+"""Error feedback in update units under torch's Adam and AdamW: the adapter's two parts.
+
+``memory/adam.py`` keeps each worker's moments and feeds its own Adam direction into the
+residual; what arrives for a compressed layer is then the average of the workers' sent Adam
+directions, not a gradient. The wrapped optimizer must not run Adam on it again:
+
+    1. ``take_moments``: at build, read (b1, b2), eps and Adam's coupled weight decay per layer
+       from the param groups (nothing is taken out: dense layers keep the optimizer's own Adam);
+    2. ``UpdateUnitsStep.apply``: before the optimizer's step, every layer the memory sent in update
+       units this step moves by w = w*(1 - lr*wd) - lr*average (AdamW's decoupled decay; Adam's
+       coupled one joined the gradient in the memory), and its ``.grad`` is hidden so the
+       optimizer skips it;
+    3. ``UpdateUnitsStep.restore``: after the step, the hidden ``.grad`` come back (they are views of
+       the exchange's or DDP's bucket buffers).
+
+The Horovod optimizer calls 2 and 3 around its wrapped ``step()``; under the DDP hook they are
+the optimizer's step pre- and post-hooks (``torch.optim.Optimizer.register_step_pre_hook``).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..engine import AdamSpec
+
+
+def take_moments(optimizer, names: dict) -> AdamSpec | None:
+    """{layer name: hyper-parameters} of a torch.optim.Adam or AdamW, or None for any other optimizer
+    (and for amsgrad or maximize, whose steps this does not reproduce)."""
+    if not isinstance(optimizer, torch.optim.Adam):
+        return None
+    spec = AdamSpec()
+    for group in optimizer.param_groups:
+        if group.get("amsgrad") or group.get("maximize"):
+            return None
+        decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
+        for p in group["params"]:
+            name = names.get(p)
+            if name is None:
+                continue
+            spec.betas[name] = tuple(float(b) for b in group["betas"])
+            spec.eps[name] = float(group["eps"])
+            if group["weight_decay"] and not decoupled:
+                spec.l2[name] = (float(group["weight_decay"]), p)
+    return spec
+
+
+class UpdateUnitsStep:
+    """Steps 2 and 3 above for ``optimizer``'s parameters named by ``names`` ({param: name});
+    ``memory``: the exchange's :class:`~redsync_hvd.memory.AdamUnitsMemory` (its ``sent``)."""
+
+    def __init__(self, optimizer, names: dict, memory):
+        self.optimizer, self.names, self.memory = optimizer, names, memory
+        self.hidden: list = []
+
+    def apply(self) -> None:
+        sent = self.memory.sent
+        if not sent:
+            return
+        with torch.no_grad():
+            for group in self.optimizer.param_groups:
+                lr = float(group["lr"])
+                decay = group["weight_decay"] if group.get("decoupled_weight_decay",
+                                                           isinstance(self.optimizer, torch.optim.AdamW)) else 0.0
+                for p in group["params"]:
+                    if p.grad is None or self.names.get(p) not in sent:
+                        continue
+                    if decay:
+                        p.mul_(1 - lr * decay)
+                    p.add_(p.grad.to(p.dtype), alpha=-lr)
+                    self.hidden.append((p, p.grad))
+                    p.grad = None
+        self.memory.sent = set()   # applied once: a second step() without an exchange moves nothing
+
+    def restore(self) -> None:
+        for p, grad in self.hidden:
+            p.grad = grad
+        self.hidden = []
+
+    def hook(self, optimizer) -> list:
+        """Register steps 2 and 3 as ``optimizer``'s step pre- and post-hooks (the DDP hook's way)."""
+        return [optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.apply()),
+                optimizer.register_step_post_hook(lambda opt, args, kwargs: self.restore())]

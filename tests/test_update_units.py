@@ -1,0 +1,145 @@
+"""Error feedback in update units (``feedback_units: update``) and the density that follows the run
+(``warmup.min_sends``): what the engine builds for each optimizer, the schedule the docs give, the
+resize rules for the moments, and two workers under horovodrun and torchrun against a reference."""
+import math
+
+import pytest
+import torch
+from launch import run_script, run_torch_script
+
+from redsync_hvd import resize
+from redsync_hvd.comm import LocalCommunicator
+from redsync_hvd.compressors.base import Layer
+from redsync_hvd.config.compression import parse_compression
+from redsync_hvd.engine import build_exchange
+from redsync_hvd.memory import AdamUnitsMemory, MomentumCorrectionMemory, ResidualMemory
+from redsync_hvd.policy import LayerPolicy
+from redsync_hvd.torch.params import layers_of, take_momentum
+from redsync_hvd.torch.update_units import take_moments
+
+UPDATE = {"method": "redsync", "density": 0.01, "feedback_units": "update"}
+
+
+def built_for(make, spec=UPDATE):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 80), torch.nn.Linear(80, 3))
+    opt = make(model.parameters())
+    named = list(model.named_parameters())
+    names = {p: n for n, p in named}
+    return opt, build_exchange(spec, layers_of(named), LocalCommunicator(1),
+                               take_momentum=lambda: take_momentum(opt.param_groups, names),
+                               take_moments=lambda: take_moments(opt, names))
+
+
+@pytest.mark.parametrize("make, memory, note", [
+    (lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1), AdamUnitsMemory, None),
+    (lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.1), AdamUnitsMemory, None),
+    (lambda ps: torch.optim.Adam(ps, lr=1e-3, amsgrad=True), ResidualMemory, "amsgrad and maximize off"),
+    (lambda ps: torch.optim.Adagrad(ps, lr=1e-3), ResidualMemory, "is not torch.optim.Adam or AdamW"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), MomentumCorrectionMemory, None),
+])
+def test_the_memory_each_optimizer_gets(make, memory, note):
+    """Adam and AdamW keep moments per worker; SGD keeps DGC's correction (already update units); the rest
+    fall back to gradient units and say so in the run's notes."""
+    opt, built = built_for(make)
+    assert type(built.exchange.memory) is memory
+    notes = [n for n in built.exchange.decision_record().get("notes", []) if "feedback_units" in n]
+    assert len(notes) == (memory is not MomentumCorrectionMemory), notes
+    assert all(note in n for n in notes) if note else all("its residual holds its own Adam steps" in n for n in notes)
+    if memory is AdamUnitsMemory:
+        assert built.moments.betas["0.weight"] == tuple(opt.param_groups[0]["betas"])
+        coupled = not opt.param_groups[0]["decoupled_weight_decay"]
+        assert ("0.weight" in built.moments.l2) is coupled   # Adam's L2 joins the gradient; AdamW's stays out
+        assert opt.param_groups[0]["weight_decay"] == 0.1    # dense layers keep the optimizer's own Adam
+
+
+def test_gradient_units_stay_the_default_and_without_an_optimizer_the_note_says_how():
+    assert parse_compression({"method": "redsync"}).feedback_units == "gradient"
+    assert parse_compression({"method": "topk"}).in_update_units is False
+    named = list(torch.nn.Linear(64, 80).named_parameters())
+    built = build_exchange(UPDATE, layers_of(named), LocalCommunicator(1), engine="ddp",
+                           take_momentum=lambda: None)
+    assert type(built.exchange.memory) is ResidualMemory
+    assert "register(..., optimizer=)" in built.exchange.decision_record()["notes"][-1]
+
+
+def test_moments_are_transactional_and_finite():
+    layer = Layer("w", (6,), 6, 0, "cpu")
+    mem = AdamUnitsMemory({"w": (0.9, 0.99)}, {"w": 1e-8})
+    g = torch.tensor([1.0, -2.0, 0.5, 0.0, 3.0, -1.0])
+    x = mem.compensate("w", g).x
+    assert torch.allclose(x, torch.sign(g) * (g != 0), atol=1e-6)   # Adam's first step: sign(g)
+    mem.rollback()
+    assert mem.steps == {} and mem.sent == set() and mem.moments["exp_avg"]["w"].abs().sum() == 0
+    mem.compensate("w", g)
+    mem.commit()
+    assert mem.steps == {"w": 1} and mem.sent == {"w"}
+    mem.compensate("w", torch.full((6,), float("nan")))
+    mem.keep_finite()
+    mem.commit()
+    state = mem.state_dict()
+    assert all(torch.isfinite(t).all() for key in ("residual", "exp_avg", "exp_avg_sq") for t in state[key].values())
+    other = AdamUnitsMemory({"w": (0.9, 0.99)}, {"w": 1e-8})
+    other.load_state_dict(state)
+    assert other.steps == {"w": 2}
+    assert torch.equal(other.compensate("w", g).x, mem.compensate("w", g).x)   # the same next step
+    del layer
+
+
+def test_resize_sums_residuals_averages_moments_and_reset_drops_both():
+    a = {"residual": {"w": torch.ones(3)}, "exp_avg": {"w": torch.full((3,), 2.0)},
+         "exp_avg_sq": {"w": torch.full((3,), 4.0)}, "steps": {"w": 7}}
+    b = {"residual": {"w": torch.full((3,), 2.0)}, "exp_avg": {"w": torch.zeros(3)},
+         "exp_avg_sq": {"w": torch.full((3,), 2.0)}, "steps": {"w": 5}}
+    merged, dropped = resize.merge([a, b], "sum", scale=0.5)
+    assert torch.equal(merged["residual"]["w"], torch.full((3,), 1.5))       # summed, then scaled
+    assert torch.equal(merged["exp_avg"]["w"], torch.ones(3))                # averaged, not scaled
+    assert torch.equal(merged["exp_avg_sq"]["w"], torch.full((3,), 3.0)) and merged["steps"] == {"w": 7}
+    gone, counted = resize.merge([a, b], "reset")
+    assert "exp_avg" not in gone and counted["residual"] == 6
+    mem = AdamUnitsMemory({"w": (0.9, 0.99)}, {"w": 1e-8})
+    mem.load_state_dict(gone)
+    assert mem.steps == {} and mem.moments["exp_avg"] == {}
+
+
+# -- the density that follows the run ---------------------------------------------------------------------
+def schedule(spec: dict, steps) -> list:
+    cfg = parse_compression(spec)
+    policy = LayerPolicy(cfg)
+    layer = Layer("w", (100_000,), 100_000, 0, "cpu")
+    layer.compressed, layer.base_density = True, cfg.layer_density()
+    return [policy.density(layer, s) for s in steps], policy
+
+
+def test_min_sends_is_max_of_density_and_c_over_t_rounded_up_a_quarter_octave():
+    """d_t = max(d, c / t) at step t = step + 1, up to the next 2**(j/4): docs/redsync.md's schedule."""
+    c, d = 10.0, 0.001
+    steps = list(range(0, 20_000, 37))
+    got, policy = schedule({"method": "redsync", "density": d, "warmup": {"min_sends": c}}, steps)
+    for s, dt in zip(steps, got):
+        want = min(1.0, max(d, c / (s + 1)))
+        assert want <= dt <= max(d, min(1.0, want * 2 ** 0.25)) + 1e-15, (s, dt, want)
+        assert dt == 1.0 or dt == d or math.log2(dt) * 4 == pytest.approx(round(math.log2(dt) * 4))
+    assert got[0] == 1.0 and got[-1] == d
+    keys = {policy.layout_key(s) for s in range(20_000)}   # a bounded number of layouts
+    assert len(keys) <= 4 * math.log2(1 / d) + 2
+    off, _ = schedule({"method": "redsync", "density": d}, steps)
+    assert set(off) == {d}
+
+
+def test_min_sends_and_the_exponential_warmup_take_the_larger_density():
+    spec = {"method": "redsync", "density": 0.001, "warmup": {"steps": 400, "min_sends": 2}}
+    got, _ = schedule(spec, [0, 50, 100, 399, 400, 4000])
+    warm, _ = schedule({**spec, "warmup": {"steps": 400}}, [0, 50, 100, 399, 400, 4000])
+    follow, _ = schedule({**spec, "warmup": {"min_sends": 2}}, [0, 50, 100, 399, 400, 4000])
+    assert got == [max(a, b) for a, b in zip(warm, follow)]
+
+
+# -- two workers ----------------------------------------------------------------------------------------------
+def test_horovod_update_units_equal_the_workers_own_adamw_steps_and_resume_bit_for_bit():
+    out = run_script("update_units.py", "horovod", np=2, timeout=180).stdout
+    assert out.count("OK density 1 equals") == 2 and out.count("OK a resume keeps") == 2, out[-3000:]
+
+
+def test_ddp_hook_update_units_equal_the_workers_own_adamw_steps_and_resume_bit_for_bit():
+    out = run_torch_script("update_units.py", "ddp", nproc=2, timeout=180).stdout
+    assert out.count("OK density 1 equals") == 2 and out.count("OK a resume keeps") == 2, out[-3000:]
