@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
-from launch import run_script, run_torch_script
+from launch import run_script, run_torch_script, summary, train
 
-from redsync_hvd import resize
+from redsync_hvd import checkpoint, resize
 from redsync_hvd.comm import LocalCommunicator
 from redsync_hvd.compressors.base import Layer
 from redsync_hvd.config.compression import parse_compression
@@ -143,3 +143,25 @@ def test_horovod_update_units_equal_the_workers_own_adamw_steps_and_resume_bit_f
 def test_ddp_hook_update_units_equal_the_workers_own_adamw_steps_and_resume_bit_for_bit():
     out = run_torch_script("update_units.py", "ddp", nproc=2, timeout=180).stdout
     assert out.count("OK density 1 equals") == 2 and out.count("OK a resume keeps") == 2, out[-3000:]
+
+
+TINY_GPT = ("model.options={d_model: 32, n_layers: 1, n_heads: 2, dropout: 0.0}", "data.options.seq_len=16",
+            "training.batch_size=8", "training.eval_every=0", "training.steps=4",
+            "compression={method: redsync, density: 0.01, feedback_units: update}")
+
+
+def test_moments_follow_on_resize_sum_from_two_workers_to_one(tmp_path):
+    """The pydoc GPT under AdamW with update units, 2 workers, resumed on 1 with on_resize=sum: the new
+    rank holds the mean of the two ranks' moments, the most steps, and the residuals' scaled sum."""
+    train(tmp_path, "configs/pydoc/gpt.yaml", *TINY_GPT, "output.name=two", np=2, timeout=240)
+    train(tmp_path, "configs/pydoc/gpt.yaml", *TINY_GPT, "output.name=one", f"training.resume={tmp_path / 'two'}",
+          "training.on_resize=sum", np=1, timeout=240)
+    old = [checkpoint.load(tmp_path / "two", r)["optimizer"]["redsync"]["memory"] for r in (0, 1)]
+    new = checkpoint.load(tmp_path / "one", 0)["optimizer"]["redsync"]["memory"]
+    scale = summary(tmp_path / "one")["resumes"][-1]["resize"]["scale"]
+    assert new["steps"] and set(new["steps"].values()) == {4}
+    for name in new["exp_avg"]:
+        assert not torch.equal(old[0]["exp_avg"][name], old[1]["exp_avg"][name])   # the workers' own moments
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(new[key][name], (old[0][key][name] + old[1][key][name]) / 2), (key, name)
+        assert torch.allclose(new["residual"][name], (old[0]["residual"][name] + old[1]["residual"][name]) * scale)
