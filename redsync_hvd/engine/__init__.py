@@ -1,6 +1,7 @@
 """The adapter core: what every framework adapter needs to run the exchange (build.py), and the
 measurements the cost-model policy takes at start (probes.py)."""
 from .build import (
+                    NO_MOMENTS_NOTE,
                     NO_MOMENTUM_NOTE,
                     AdamSpec,
                     Built,
@@ -15,6 +16,7 @@ from .build import (
 from .probes import network_for, probe_compute
 
 __all__ = [
+    "NO_MOMENTS_NOTE",
     "NO_MOMENTUM_NOTE",
     "AdamSpec",
     "Built",

@@ -51,8 +51,15 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from ..comm.torch_dist import TorchDistCommunicator
 from ..compressors.base import Layer
 from ..core.stats import CommStats
-from ..engine import NO_MOMENTUM_NOTE, check_same_everywhere, network_for, parse, probe_compute, refuse
-from ..engine.build import update_units, without_momentum_correction
+from ..engine import (
+    NO_MOMENTS_NOTE,
+    NO_MOMENTUM_NOTE,
+    check_same_everywhere,
+    network_for,
+    parse,
+    probe_compute,
+    refuse,
+)
 from ..engine.decisions import pin
 from ..exchange import NonFiniteGradientError
 from ..exchange.sharded import MESSAGE_FORMATS, Settings, ShardedGroup
@@ -276,10 +283,9 @@ def register(model, compression=None, optimizer=None, communicator=None) -> FSDP
     policy = _decide(config, layers, per_group, comm)                                        # 4.
     if config.corrects_momentum and spec is None:   # Adam, AdamW: plain residuals (momentum 0 below)
         policy.notes = [NO_MOMENTUM_NOTE]
-    # per-worker Adam moments of every whole layer would undo what sharding saves: gradient units
-    policy.notes += update_units(without_momentum_correction(config) if spec is None else config, None, "",
-                                 why="engine: fsdp would keep them for every whole layer on every worker, which "
-                                     "is what sharding exists to avoid")[1]
+    if config.in_update_units and spec is None:   # (under SGD, DGC's correction already is update units)
+        policy.notes.append(NO_MOMENTS_NOTE.format(why="engine: fsdp would keep them for every whole layer on "
+                                                       "every worker, which is what sharding exists to avoid"))
     groups, extras = [], []
     for name, params, mine, pg in per_group:
         groups.append(_group(config, name, params, mine, comm, spec))
