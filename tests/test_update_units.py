@@ -52,6 +52,14 @@ def test_the_memory_each_optimizer_gets(make, memory, note):
         assert opt.param_groups[0]["weight_decay"] == 0.1    # dense layers keep the optimizer's own Adam
 
 
+def test_a_partial_dgc_section_keeps_redsyncs_momentum_correction():
+    """``dgc: {momentum_masking: false}`` on redsync leaves the correction on (it turned it off, as the
+    DGC group's own default, so a screen row meant as "no masking" ran without the correction)."""
+    assert parse_compression({"method": "redsync", "dgc": {"momentum_masking": False}}).corrects_momentum
+    assert not parse_compression({"method": "redsync", "dgc": {"momentum_correction": False}}).corrects_momentum
+    assert not parse_compression({"method": "topk", "dgc": {"momentum_masking": False}}).corrects_momentum
+
+
 def test_gradient_units_stay_the_default_and_without_an_optimizer_the_note_says_how():
     assert parse_compression({"method": "redsync"}).feedback_units == "gradient"
     assert parse_compression({"method": "topk"}).in_update_units is False

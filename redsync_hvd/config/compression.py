@@ -558,6 +558,13 @@ class RedSyncConfig(AllgatherConfig):
     def _selection_shorthand(cls, v):
         return {"method": v} if isinstance(v, str) else v
 
+    @field_validator("dgc", mode="before")
+    @classmethod
+    def _dgc_keeps_the_correction(cls, v):
+        """A ``dgc`` section that leaves momentum_correction out keeps RedSync's default (on):
+        ``dgc: {momentum_masking: false}`` must not turn the correction off with it."""
+        return {**v, "momentum_correction": True} if isinstance(v, dict) and "momentum_correction" not in v else v
+
     @field_validator("policy", mode="before")
     @classmethod
     def _policy_floor(cls, v):
