@@ -106,3 +106,28 @@ sys.exit(subprocess.run([sys.executable, "-c", {job!r}]).returncode)   # inherit
     res = plain(["-c", caller], timeout=180)
     log = (tmp_path / "job.log").read_text()
     assert res.stdout.strip().splitlines()[-1] == "ok" and log.count("<stdout>:rank up") == 2, res.stdout + log
+
+
+def test_a_finished_run_that_the_code_now_resolves_differently_is_refused(tmp_path):
+    """The same overrides can mean another run after a default changes or a bug is fixed (a dgc
+    section that dropped the momentum correction did): such a folder is not read as the new run."""
+    import yaml
+
+    from redsync_hvd.config import load_config
+    from redsync_hvd.experiments.sweep import build as build_sweep
+    from redsync_hvd.experiments.sweep import conflicts, folder_of, parse_args, plan
+    args = parse_args(["configs/sweeps/remedies.yaml", "--only", "lstm-follow10-nomask", "--seeds", "3"])
+    [job] = plan(build_sweep(args), args)
+    folder = folder_of(job, tmp_path)
+    folder.mkdir(parents=True)
+    (folder / "job.json").write_text(json.dumps(job.identity()))
+    (folder / "summary.json").write_text("{}")
+    # what the runner writes: the resolved config, with its launch's own output and progress keys
+    config = load_config(REPO / job.config, [*job.sets, "training.seed=3", f"output.dir={tmp_path}",
+                                             "training.progress=false"]).to_dict()
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    assert conflicts([job], tmp_path) == []
+    config["compression"]["dgc"]["momentum_correction"] = False
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    [message] = conflicts([job], tmp_path)
+    assert "now resolves differently (compression.dgc.momentum_correction: False then, True now)" in message, message

@@ -20,8 +20,9 @@ Each job has a hard timeout (``--timeout``; on expiry its whole session is kille
 folder ``<runs>/<part>/<row>-<launch>-s<seed>``. A folder with a summary.json is read, not run
 again, and one stopped part-way goes on from its last checkpoint, so an interrupted sweep
 resumes where it stopped; each folder records its job (job.json), and a sweep that finds a
-folder made by another job (other overrides, other launcher, ``--quick`` against a full run)
-stops before it launches anything. ``--quick`` runs the first seed with the sweep's quick
+folder made by another job (other overrides, other launcher, ``--quick`` against a full run),
+or a finished run whose overrides the code or config file now resolves to another config (a
+default changed, a bug fixed), stops before it launches anything. ``--quick`` runs the first seed with the sweep's quick
 overrides, by default in ``runs/sweeps/<name>-quick`` (full runs: ``runs/sweeps/<name>``).
 
 Writes, under ``--out`` (default: the runs folder): table.md (one row per row and launch, the
@@ -240,7 +241,42 @@ def conflicts(jobs: list, runs: Path) -> list:
             bad.append(f"{folder} holds a run of another job (other overrides, launcher or --quick)")
         elif not record.is_file() and (folder / "summary.json").is_file():
             bad.append(f"{folder} holds a run this command did not start (no job.json)")
+        elif (folder / "summary.json").is_file() and (moved := resolved_elsewhere(job, folder)):
+            bad.append(f"{folder} holds a run of the same overrides that the code or {job.config} now resolves "
+                       f"differently ({moved})")
     return bad
+
+
+# What a run folder's config.yaml records of its own launch (besides output), not of the job.
+_LAUNCH_KEYS = ("resume", "progress")
+
+
+def _job_part(config: dict) -> dict:
+    config = {k: v for k, v in config.items() if k != "output"}
+    config["training"] = {k: v for k, v in config.get("training", {}).items() if k not in _LAUNCH_KEYS}
+    return config
+
+
+def resolved_elsewhere(job: Job, folder: Path) -> str:
+    """The keys whose value in the finished run's config.yaml differs from what ``job``'s
+    overrides resolve to now (a default changed, a bug fixed, the config file edited), so that
+    a sweep never reads an old run as a run of the new code; "" when they agree or when the run
+    records no config (another module's job)."""
+    recorded = folder / "config.yaml"
+    if job.module != "redsync_hvd.train" or not recorded.is_file():
+        return ""
+    from redsync_hvd.config.run import load_config  # pydantic only; a --list need not load it
+    config = REPO / job.config if (REPO / job.config).is_file() else Path(job.config)
+    sets = train_command(job.launcher, job.np, config, [*job.sets, f"training.seed={job.seed}"])
+    sets = [a for flag, a in zip(sets, sets[1:]) if flag == "--set"]
+    now, then = _job_part(load_config(config, sets).to_dict()), _job_part(yaml.safe_load(recorded.read_text()))
+    return ", ".join(_differing(now, then)[:4])
+
+
+def _differing(a, b, prefix="") -> list:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _differing(a.get(k), b.get(k), f"{prefix}{k}.")]
+    return [] if a == b else [f"{prefix[:-1]}: {b!r} then, {a!r} now"]
 
 
 def run_job(job: Job, runs: Path, timeout: float) -> dict:
