@@ -42,6 +42,8 @@ def test_cli_overrides_use_the_same_names():
     (["optimizer.lr=-1"], ["optimizer.lr"]),
     (["training.batch_size=abc"], ["training.batch_size"]),
     (["nonsense"], ["section.key=value"]),
+    (["compression.policy.compute_s=[-1e-4, 1e-9]"], ["policy.compute_s", "seconds per layer, seconds per element"]),
+    (["compression.policy.compute_s=[1e-4]"], ["compute_s"]),
 ])
 def test_bad_values_name_field_and_fix(overrides, words):
     with pytest.raises(ConfigError) as info:

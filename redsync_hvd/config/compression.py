@@ -18,6 +18,7 @@ is refused with the name it moved to.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -163,6 +164,11 @@ class PolicyConfig(_Group):
     latency_s: Optional[float] = Field(None, ge=0, description="cost_model: cost of one collective round "
                                                                "(None: measured at start)")
     bandwidth_gbit: Optional[float] = Field(None, gt=0, description="cost_model: bandwidth (None: measured)")
+    compute_s: Optional[tuple[float, float]] = Field(
+        None, description="cost_model: a compressed layer's cost here as [seconds per layer, seconds per element] "
+                          "(its selection, encoding, residual update and decoding; None: measured at start on the "
+                          "model's smallest and largest layers). Given, with latency_s, bandwidth_gbit and overlap, "
+                          "the plan no longer moves with the machine's load")
     review_every: int = Field(20, ge=0, description="cost_model: every this many steps, each compressed bucket's "
                                                    "measured seconds (averaged over ranks) are compared with its "
                                                    "predicted dense time, and it goes dense where it does not pay "
@@ -181,6 +187,14 @@ class PolicyConfig(_Group):
                           "fills it from the checkpoint")
     budget: BudgetConfig = Field(default_factory=BudgetConfig, description="mode: budget: the byte budget and "
                                                                           "how it is shared")
+
+    @field_validator("compute_s")
+    @classmethod
+    def _compute(cls, v):
+        if v is not None and (min(v) < 0 or not all(math.isfinite(x) for x in v)):
+            raise ValueError(f"policy.compute_s={list(v)!r}: give [seconds per layer, seconds per element], both "
+                             "finite and >= 0 (e.g. [2e-4, 5e-9]), or leave it out to measure them at start")
+        return v
 
 
 class SelectionConfig(_Group):

@@ -32,6 +32,7 @@ from ..config.compression import (
 from ..exchange import GradientExchange
 from ..memory import AdamUnitsMemory, MomentumCorrectionMemory, ResidualMemory
 from ..policy import LayerPolicy
+from ..policy.costmodel import ComputeModel
 from .decisions import pin
 from .probes import network_for, probe_compute, probe_overlap
 
@@ -177,6 +178,17 @@ def build_memory(config: CompressionConfig, momentum: Optional[MomentumSpec], fu
     return ResidualMemory(fuse=fuse)
 
 
+def compute_model(config, comm, layers: list, device) -> ComputeModel:
+    """What a compressed layer costs here, ``c0 + c1 * n``: ``policy.compute_s`` where the config
+    gives it (decisions that do not move with the machine's load), else the run's own method
+    timed on the model's own smallest and largest candidate layers."""
+    if config.policy.compute_s is not None:
+        c0, c1 = config.policy.compute_s
+        return ComputeModel(select_c0=c0, select_c1=c1, decompress_c0=0.0, decompress_c1=0.0)
+    sizes = [l.numel for l in layers if l.numel >= config.policy.min_compress_numel]
+    return probe_compute(comm, device, spec=config.model_dump(mode="json"), sizes=sizes or None)
+
+
 def build_exchange(compression: Any, layers: list, comm, *, framework: str = "torch", engine: str = "horovod",
                    take_momentum: Optional[Callable[[], MomentumSpec]] = None,
                    take_moments: Optional[Callable[[], Optional[AdamSpec]]] = None, agree: bool = True,
@@ -214,10 +226,7 @@ def build_exchange(compression: Any, layers: list, comm, *, framework: str = "to
         network = network_for(config, comm)
         if network is not None:
             device = layers[0].device if layers else "cpu"
-            # the run's own method on the model's own smallest and largest candidate layers
-            sizes = [l.numel for l in layers if l.numel >= config.policy.min_compress_numel]
-            policy.compute = probe_compute(comm, device,
-                                           spec=config.model_dump(mode="json"), sizes=sizes or None)
+            policy.compute = compute_model(config, comm, layers, device)
             if config.policy.mode == "cost_model" and config.policy.overlap is None:
                 policy.overlap = probe_overlap(comm, sum(l.numel for l in layers), device)
     exchange = GradientExchange(layers, compressor, comm, policy, memory, check_finite=config.finite_check,  # 6.
