@@ -189,6 +189,27 @@ def test_whatif_prints_each_methods_predicted_step_and_its_pick():
     assert steps["fp16"] < steps["none"]
 
 
+def test_whatif_prices_dense_and_fp16_as_the_allreduce_of_their_bytes_with_no_measured_rate():
+    """none and fp16 select nothing: their rows are the cost model's ring allreduce of the model's
+    bytes (one fused bucket here), whatever this machine's load; a method that selects is priced
+    from its probed rates."""
+    from redsync_hvd.config import load_config
+    from redsync_hvd.experiments.whatif import model_and_batch, price
+    model = model_and_batch(load_config(REPO / "configs/digits/redsync.yaml"))[0]
+    layers = [Layer(n, tuple(p.shape), p.numel(), i, torch.device("cpu"))
+              for i, (n, p) in enumerate(model.named_parameters())]
+    numel, net = sum(l.numel for l in layers), Network(25e-6, 10e9 / 8)
+    assert numel * 4 == 212_008
+    for method, width in (("none", 4), ("fp16", 2)):
+        row = price({"method": method}, layers, 8, net, None, 0.0, 0.0)
+        assert row["compressed"] == 0 and row["exchange_s"] == ring_allreduce(8, width * numel, net), row
+    assert price({"method": "none"}, layers, 8, net, None, 0.05, 0.5)["step_s"] == \
+        0.05 + 0.5 * ring_allreduce(8, 4 * numel, net)
+    slow, fast = (price({"method": "topk"}, layers, 8, net, ComputeModel(select_c0=c0, select_c1=0.0), 0.0, 0.0)
+                  for c0 in (1e-2, 1e-4))
+    assert slow["compressed"] == 8 and slow["exchange_s"] > fast["exchange_s"] + 1e-2 - 1e-4
+
+
 def test_whatif_names_the_accepted_forms_of_a_mistyped_bandwidth():
     res = _whatif("--config", "configs/digits/redsync.yaml", "--hosts", "8", "--bandwidth", "10gbps")
     assert res.returncode == 2 and "gbit, mbit or kbit (10gbit, 100mbit, 2.5gbit)" in res.stderr, res.stderr

@@ -118,6 +118,9 @@ class Compressor(ABC):
     error_feedback: ClassVar[str] = "own"
     # True when the message is x itself in fp32 (dense fp32): its average is the summed buffer / N
     passthrough: ClassVar[bool] = False
+    # True when the message is every element of the layer, at most cast (dense fp32, fp16): nothing is
+    # selected or encoded, so a step costs the allreduce of its bytes and no measured per-element rate
+    dense_wire: ClassVar[bool] = False
     # a ``FlatCodec`` where the compressor sends exactly k per layer of a bucket kept as one flat
     # buffer on the device (compressors/exact_k.py): the exchange then plans such buckets
     flat: ClassVar[Any] = None

@@ -11,6 +11,7 @@ class NoneCompressor(Compressor):
     """Send the gradient as it is; Horovod averages it (and fuses small layers)."""
     collective = "allreduce"
     passthrough = True
+    dense_wire = True
 
     def wire(self, layer: Layer) -> Wire:
         return Wire((torch.float32,), ("values",), (layer.numel,), fixed=True)

@@ -4,15 +4,17 @@
 
 1. builds the config's model and times its forward and backward on one batch of the config's
    batch size, in this one process (the median of ``--repeats``);
-2. for the config's method and each baseline (none, fp16, topk, powersgd, redsync, sbc, ...):
-   times an exchange step of a compressed layer of the model's smallest and largest size here
-   (``engine/probes.py:probe_rates``: select, encode, the residual, decoding N ranks' messages)
-   and fits a cost per layer and per element;
+2. for the config's method and each baseline (none, fp16, topk, powersgd, redsync, sbc, ...)
+   that selects or encodes: times an exchange step of a compressed layer of the model's smallest
+   and largest size here (``engine/probes.py:probe_rates``: select, encode, the residual,
+   decoding N ranks' messages) and fits a cost per layer and per element, ``--repeats`` times;
 3. lays the model out in the method's buckets as the exchange would, for N = hosts x processes
-   per host, and prices each (``policy/review.py:bucket_prediction``): a compressed bucket's
-   selection, collective and decode, the dense buckets' ring allreduce (``--overlap`` of it hidden
-   behind backward);
-4. prints one row per method, predicted step time and speedup over dense, and the pick.
+   per host, and prices each: a compressed bucket's selection, collective and decode
+   (``policy/review.py:bucket_prediction``), a bucket that sends every element (the dense
+   layers; every bucket of none and fp16) as the ring allreduce of its bytes, ``--overlap`` of it
+   hidden behind backward, with no measured rate in it;
+4. prints one row per method, the median predicted step over the repeats with their spread, the
+   speedup over dense, and the pick (the lowest median).
 
 The link is one alpha-beta network for every pair of processes (``policy/costmodel.py``): with
 several processes per host the inter-host link is the ring's slowest and is priced for all.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import statistics
 import sys
 import time
 
@@ -81,9 +84,9 @@ def model_and_batch(cfg):
     return model, x, y, data.task
 
 
-def time_compute(model, x, y, task: str, repeats: int) -> float:
-    """Seconds of the fastest forward + backward of one batch in this process, of ``repeats`` after
-    one untimed (a shared host slows some repeats; the fastest is what the model costs)."""
+def time_compute(model, x, y, task: str, repeats: int) -> list:
+    """Seconds of each of ``repeats`` forward + backward passes of one batch in this process,
+    after one untimed (which allocates)."""
     times = []
     for rep in range(repeats + 1):
         t0 = time.perf_counter()
@@ -92,12 +95,14 @@ def time_compute(model, x, y, task: str, repeats: int) -> float:
         loss.backward()
         if rep:
             times.append(time.perf_counter() - t0)
-    return min(times)
+    return times
 
 
 def price(spec: dict, layers: list, N: int, net: Network, rates, compute_s: float, overlap: float) -> dict:
     """Predicted seconds of one step under ``spec`` (step 3): the exchange's own buckets and
-    decisions for N workers, each priced."""
+    decisions for N workers, each priced. A bucket that sends every element (dense layers, and
+    every bucket of a ``dense_wire`` method: none, fp16) is the ring allreduce of its bytes, with
+    no measured rate in it; ``rates`` prices the others."""
     config = parse_compression(spec)
     steady = {k: v for k, v in spec.items() if k not in ("warmup", "start_iter", "dgc")}   # no optimizer here
     policy_spec = spec.get("policy")
@@ -115,16 +120,33 @@ def price(spec: dict, layers: list, N: int, net: Network, rates, compute_s: floa
     dense_s, comm_s = 0.0, 0.0
     for bucket in ex.buckets:
         numels = [l.numel for l in bucket.layers]
-        if not bucket.layers[0].compressed:
+        if comp.dense_wire:
+            dense_s += ring_allreduce(N, sum(comp.wire(l).nbytes(N) for l in bucket.layers), net)
+        elif not bucket.layers[0].compressed:
             dense_s += ring_allreduce(N, (2 if cfg.policy.dense_values == "fp16" else 4) * sum(numels), net)
-            continue
-        wires = [policy._wire(l, l.base_density) for l in bucket.layers]
-        comm_s += bucket_prediction(numels, wires, comp.collective, N, net, rates, overlap)[1]
+        else:
+            wires = [policy._wire(l, l.base_density) for l in bucket.layers]
+            comm_s += bucket_prediction(numels, wires, comp.collective, N, net, rates, overlap)[1]
     every = int(getattr(config, "local_steps", 1) or 1) if config.delayed else 1   # SBC: an exchange every few
     step = compute_s + (dense_s * (1.0 - overlap) + comm_s) / every
-    compressed = 0 if comp.passthrough else sum(l.compressed for l in mine)   # "none": every layer is its own
+    compressed = 0 if comp.dense_wire else sum(l.compressed for l in mine)   # none, fp16: no layer selects
     return {"method": config.method, "compressed": compressed, "layers": len(mine),
             "exchange_s": step - compute_s, "step_s": step}
+
+
+def price_repeats(spec: dict, layers: list, N: int, net: Network, compute_s: float, overlap: float,
+                  repeats: int) -> dict:
+    """``price`` with the rates probed ``repeats`` times here (once for a ``dense_wire`` method,
+    which has none): the median predicted step, and the spread (min, max) of the repeats, so
+    that a probe slowed by another job moves neither the row nor the pick."""
+    dense = build_compressor(spec, LocalCommunicator(N))[0].dense_wire
+    rows = [price(spec, layers, N, net, None if dense else probe_rates(N, "cpu", spec, [l.numel for l in layers],
+                                                                        repeats=2), compute_s, overlap)
+            for _ in range(1 if dense else repeats)]
+    steps = sorted(r["step_s"] for r in rows)
+    row = min(rows, key=lambda r: abs(r["step_s"] - statistics.median(steps)))
+    return {**row, "exchange_s": statistics.median(steps) - compute_s, "step_s": statistics.median(steps),
+            "spread_s": (steps[0], steps[-1])}
 
 
 def candidates(cfg, names: list) -> list:
@@ -138,13 +160,16 @@ def candidates(cfg, names: list) -> list:
     return out
 
 
-def table(rows: list, compute_s: float) -> str:
+def table(rows: list, computes: list) -> str:
     dense = next(r["step_s"] for r in rows if r["method"] == "none")
-    lines = [f"forward+backward: {compute_s * 1e3:.2f} ms (measured here)", "",
-             "| method | compressed layers | exchange ms | step ms | vs dense |", "|---|---|---|---|---|"]
+    lines = [f"forward+backward: {statistics.median(computes) * 1e3:.2f} ms (measured here: the median of "
+             f"{len(computes)}, {min(computes) * 1e3:.2f}-{max(computes) * 1e3:.2f})", "",
+             "| method | compressed layers | exchange ms | step ms | vs dense | step ms over the probes |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
+        low, high = r["spread_s"]
         lines.append(f"| {r['label']} | {r['compressed']}/{r['layers']} | {r['exchange_s'] * 1e3:.2f} | "
-                     f"{r['step_s'] * 1e3:.2f} | {dense / r['step_s']:.2f}x |")
+                     f"{r['step_s'] * 1e3:.2f} | {dense / r['step_s']:.2f}x | {low * 1e3:.2f}-{high * 1e3:.2f} |")
     best = min(rows, key=lambda r: r["step_s"])
     return "\n".join(lines + ["", f"pick: {best['label']} ({best['step_s'] * 1e3:.2f} ms per step predicted)"])
 
@@ -158,7 +183,8 @@ def parse_args(argv):
     ap.add_argument("--np-per-host", "--gpus-per-host", dest="per_host", type=positive, default=1)
     ap.add_argument("--overlap", type=float, default=0.0, help="fraction of a dense allreduce hidden by backward")
     ap.add_argument("--methods", default=",".join(BASELINES), help="baselines to price, comma-separated")
-    ap.add_argument("--repeats", type=positive, default=5)
+    ap.add_argument("--repeats", type=positive, default=5,
+                    help="timed passes and rate probes per method; each row is their median (default 5)")
     args = ap.parse_args(argv)
     if not 0.0 <= args.overlap <= 1.0:
         ap.error(f"--overlap {args.overlap}: a fraction from 0 to 1")
@@ -176,20 +202,21 @@ def main(argv=None) -> int:
         print(f"whatif: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
     model, x, y, task = model_and_batch(cfg)
-    compute_s = time_compute(model, x, y, task, args.repeats)
+    computes = time_compute(model, x, y, task, args.repeats)
+    compute_s = statistics.median(computes)
     layers = [Layer(n, tuple(p.shape), p.numel(), i, torch.device("cpu"))
               for i, (n, p) in enumerate(model.named_parameters()) if p.requires_grad]
     N, net = args.hosts * args.per_host, Network(args.latency, args.bandwidth)
     rows, skipped = [], []
     for label, spec in candidates(cfg, names):
         try:
-            rates = probe_rates(N, "cpu", spec, [l.numel for l in layers], repeats=2)
-            rows.append({"label": label, **price(spec, layers, N, net, rates, compute_s, args.overlap)})
+            rows.append({"label": label, **price_repeats(spec, layers, N, net, compute_s, args.overlap,
+                                                         args.repeats)})
         except (RuntimeError, ValueError, IndexError) as exc:   # a method the one-process probe cannot run
             skipped.append(f"{label}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
     print(f"N = {N} ({args.hosts} hosts x {args.per_host}), {args.bandwidth * 8 / 1e9:g} Gbit/s, "
           f"{args.latency * 1e6:g} us per collective round, overlap {args.overlap:g}")
-    print(table(rows, compute_s))
+    print(table(rows, computes))
     for line in skipped:
         print(f"not priced (its probe failed in one process): {line}")
     return 0
