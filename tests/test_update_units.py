@@ -33,7 +33,7 @@ def built_for(make, spec=UPDATE):
 @pytest.mark.parametrize("make, memory, note", [
     (lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1), AdamUnitsMemory, None),
     (lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.1), AdamUnitsMemory, None),
-    (lambda ps: torch.optim.Adam(ps, lr=1e-3, amsgrad=True), ResidualMemory, "amsgrad and maximize off"),
+    (lambda ps: torch.optim.Adam(ps, lr=1e-3, amsgrad=True), ResidualMemory, "amsgrad or maximize"),
     (lambda ps: torch.optim.Adagrad(ps, lr=1e-3), ResidualMemory, "is not torch.optim.Adam or AdamW"),
     (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), MomentumCorrectionMemory, None),
 ])
@@ -50,6 +50,23 @@ def test_the_memory_each_optimizer_gets(make, memory, note):
         coupled = not opt.param_groups[0]["decoupled_weight_decay"]
         assert ("0.weight" in built.moments.l2) is coupled   # Adam's L2 joins the gradient; AdamW's stays out
         assert opt.param_groups[0]["weight_decay"] == 0.1    # dense layers keep the optimizer's own Adam
+
+
+@pytest.mark.parametrize("method", ["redsync", "topk"])
+@pytest.mark.parametrize("make, memory, noted", [
+    (lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1), AdamUnitsMemory, False),
+    (lambda ps: torch.optim.Adam(ps, lr=1e-3, amsgrad=True), ResidualMemory, True),
+    (lambda ps: torch.optim.Adagrad(ps, lr=1e-3), ResidualMemory, False),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), None, False),
+])
+def test_auto_takes_update_units_under_adam_and_is_silent_under_other_optimizers(method, make, memory, noted):
+    """``feedback_units: auto``: update units where the adapter reproduces the optimizer's Adam; gradient
+    units under any other (their own units: no note), a note where an Adam step cannot be reproduced."""
+    opt, built = built_for(make, {"method": method, "density": 0.01, "feedback_units": "auto"})
+    sgd = {"redsync": MomentumCorrectionMemory, "topk": ResidualMemory}[method]
+    assert type(built.exchange.memory) is (memory or sgd)
+    notes = [n for n in built.exchange.decision_record().get("notes", []) if "feedback_units: update needs" in n]
+    assert len(notes) == noted and all("amsgrad or maximize" in n for n in notes), notes
 
 
 def test_a_partial_dgc_section_keeps_redsyncs_momentum_correction():

@@ -311,7 +311,8 @@ class MethodConfig(BaseModel):
 
     @property
     def in_update_units(self) -> bool:
-        """``feedback_units: update``: residuals hold each worker's own Adam steps, not gradients."""
+        """``feedback_units: update`` (or ``auto``): residuals hold each worker's own Adam steps, not
+        gradients, where the optimizer is one the adapter reproduces."""
         return False
 
     @property
@@ -477,8 +478,11 @@ _FEEDBACK_UNITS = ("what the residual holds under Adam and AdamW. gradient: the 
                    "the top of that; every worker applies lr * the average sent, plus AdamW's decoupled decay "
                    "(error feedback in update units, Chen et al. 2021). Dense layers keep the optimizer's own Adam. "
                    "Costs two moment buffers per compressed layer per worker. PyTorch's torch.optim.Adam and AdamW "
-                   "under engine: horovod or ddp; elsewhere gradient units, with a note (docs/redsync.md). Under "
-                   "SGD, DGC's momentum correction already is error feedback in update units")
+                   "under engine: horovod or ddp; elsewhere gradient units, with a note (docs/redsync.md) | auto: "
+                   "update where the adapter can read a plain torch Adam or AdamW (no amsgrad, no maximize), "
+                   "gradient under any other optimizer without a note (a note only where the optimizer is Adam "
+                   "and its step cannot be reproduced). Under SGD, DGC's momentum correction already is error "
+                   "feedback in update units")
 
 
 _AGGREGATION = ("how a bucket's (position, value) messages meet. allgather: every rank receives every "
@@ -502,7 +506,7 @@ class AllgatherConfig(ResidualConfig):
         "fp32", description="engine: fsdp: how residuals and velocities are stored between steps: fp32 | bf16 "
                             "(half the memory; each step still adds and selects in fp32, and the rounding to bf16 "
                             "is not fed back; docs/fsdp.md). The other engines keep fp32")
-    feedback_units: Literal["gradient", "update"] = Field("gradient", description=_FEEDBACK_UNITS)
+    feedback_units: Literal["auto", "gradient", "update"] = Field("gradient", description=_FEEDBACK_UNITS)
     engines: ClassVar[tuple] = ("horovod", "ddp", "fsdp")
 
     @property
@@ -511,7 +515,7 @@ class AllgatherConfig(ResidualConfig):
 
     @property
     def in_update_units(self) -> bool:
-        return self.feedback_units == "update" and self.residual
+        return self.feedback_units in ("auto", "update") and self.residual
 
     def sharded_problems(self) -> dict:
         problems = {

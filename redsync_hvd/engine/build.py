@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from ..compressors import Compressor, build_compressor
 from ..config.compression import (
@@ -150,19 +150,22 @@ UPDATE_UNITS_NOTE = ("compression.feedback_units: update: each worker keeps its 
                      "(docs/redsync.md, Adam and AdamW)")
 
 
-def update_units(config: MethodConfig, take_moments: Optional[Callable[[], Optional[AdamSpec]]],
+def update_units(config: MethodConfig, take_moments: Optional[Callable[[], Union[AdamSpec, str, None]]],
                  where: str, why: Optional[str] = None) -> tuple:
-    """(the Adam spec, notes) for ``feedback_units: update`` once momentum correction has had its say:
-    under SGD DGC's correction already is error feedback in update units, so nothing changes."""
+    """(the Adam spec, notes) for ``feedback_units: update`` or ``auto`` once momentum correction has
+    had its say: under SGD DGC's correction already is error feedback in update units, so nothing
+    changes. ``take_moments`` gives the spec, None (not Adam) or why an Adam step cannot be
+    reproduced; ``auto`` notes only the last (gradient units are any other optimizer's own)."""
     if not config.in_update_units or config.corrects_momentum:
         return None, []
-    moments = take_moments() if take_moments is not None else None
-    if moments is not None:
-        return moments, []
-    why = why or (f"{where} cannot read them from an optimizer (the torch adapter can under engine: horovod, and "
-                  "under engine: ddp with register(..., optimizer=))" if take_moments is None else
-                  "the optimizer is not torch.optim.Adam or AdamW with amsgrad and maximize off (a step linear in "
-                  "the gradient needs none)")
+    got = take_moments() if take_moments is not None else None
+    if isinstance(got, AdamSpec):
+        return got, []
+    if config.feedback_units == "auto" and not isinstance(got, str):
+        return None, []
+    why = why or got or (f"{where} cannot read them from an optimizer (the torch adapter can under engine: horovod, "
+                         "and under engine: ddp with register(..., optimizer=))" if take_moments is None else
+                         "the optimizer is not torch.optim.Adam or AdamW (a step linear in the gradient needs none)")
     return None, [NO_MOMENTS_NOTE.format(why=why)]
 
 

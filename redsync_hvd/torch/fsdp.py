@@ -283,7 +283,9 @@ def register(model, compression=None, optimizer=None, communicator=None) -> FSDP
     policy = _decide(config, layers, per_group, comm)                                        # 4.
     if config.corrects_momentum and spec is None:   # Adam, AdamW: plain residuals (momentum 0 below)
         policy.notes = [NO_MOMENTUM_NOTE]
-    if config.in_update_units and spec is None:   # (under SGD, DGC's correction already is update units)
+    adam = isinstance(optimizer, torch.optim.Adam)   # auto is silent under any other optimizer
+    if config.in_update_units and spec is None and (config.feedback_units == "update" or adam):
+        # (under SGD, DGC's correction already is update units)
         policy.notes.append(NO_MOMENTS_NOTE.format(why="engine: fsdp would keep them for every whole layer on "
                                                        "every worker, which is what sharding exists to avoid"))
     groups, extras = [], []

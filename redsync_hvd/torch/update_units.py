@@ -23,15 +23,15 @@ import torch
 from ..engine import AdamSpec
 
 
-def take_moments(optimizer, names: dict) -> AdamSpec | None:
-    """{layer name: hyper-parameters} of a torch.optim.Adam or AdamW, or None for any other optimizer
-    (and for amsgrad or maximize, whose steps this does not reproduce)."""
+def take_moments(optimizer, names: dict) -> AdamSpec | str | None:
+    """{layer name: hyper-parameters} of a torch.optim.Adam or AdamW; None for any other optimizer;
+    why not, for an Adam whose step this does not reproduce (amsgrad, maximize)."""
     if not isinstance(optimizer, torch.optim.Adam):
         return None
     spec = AdamSpec()
     for group in optimizer.param_groups:
         if group.get("amsgrad") or group.get("maximize"):
-            return None
+            return "the optimizer's Adam runs with amsgrad or maximize, whose step this does not reproduce"
         decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
         for p in group["params"]:
             name = names.get(p)
