@@ -110,6 +110,32 @@ def test_moments_are_transactional_and_finite():
     del layer
 
 
+def test_a_frozen_variance_stops_v_and_its_bias_correction_at_step_w():
+    """``frozen_variance_after: 3``: steps 1-3 are Adam's; from step 4 v and (1 - b2**3) stay, m moves on,
+    and the direction is torch's Adam formula with that v (checked by hand); the residual is not sent."""
+    b1, b2, eps, W = 0.9, 0.99, 1e-8, 3
+    mem = AdamUnitsMemory({"w": (b1, b2)}, {"w": eps}, freeze_after=W)
+    torch.manual_seed(0)
+    grads = [torch.randn(5) for _ in range(6)]
+    m, v, r = torch.zeros(5), torch.zeros(5), torch.zeros(5)
+    for t, g in enumerate(grads, 1):
+        x = mem.compensate("w", g).x
+        mem.commit()
+        m = b1 * m + (1 - b1) * g
+        if t <= W:
+            v = b2 * v + (1 - b2) * g * g
+        r = r + (m / (1 - b1 ** t)) / (v.sqrt() / (1 - b2 ** min(t, W)) ** 0.5 + eps)
+        assert torch.allclose(x, r, rtol=1e-5, atol=1e-6), (t, x, r)
+        if t >= W:
+            assert torch.allclose(mem.moments["exp_avg_sq"]["w"], v, rtol=1e-6, atol=0)
+    assert parse_compression({"method": "redsync", "feedback_units": "auto", "frozen_variance_after": 100}) \
+        .frozen_variance_after == 100
+    with pytest.raises(ValueError, match="set feedback_units: update"):
+        parse_compression({"method": "topk", "frozen_variance_after": 100})
+    opt, built = built_for(lambda ps: torch.optim.AdamW(ps, lr=1e-3), {**UPDATE, "frozen_variance_after": 7})
+    assert built.exchange.memory.freeze_after == 7
+
+
 def test_resize_sums_residuals_averages_moments_and_reset_drops_both():
     a = {"residual": {"w": torch.ones(3)}, "exp_avg": {"w": torch.full((3,), 2.0)},
          "exp_avg_sq": {"w": torch.full((3,), 4.0)}, "steps": {"w": 7}}

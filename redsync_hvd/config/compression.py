@@ -507,7 +507,20 @@ class AllgatherConfig(ResidualConfig):
                             "(half the memory; each step still adds and selects in fp32, and the rounding to bf16 "
                             "is not fed back; docs/fsdp.md). The other engines keep fp32")
     feedback_units: Literal["auto", "gradient", "update"] = Field("gradient", description=_FEEDBACK_UNITS)
+    frozen_variance_after: int = Field(
+        0, ge=0, description="feedback_units in update units: after this many steps each worker's second moment "
+                             "stops moving (1-bit Adam's frozen variance, Tang et al. 2021), so its Adam direction "
+                             "is its momentum over a fixed per-coordinate scale and a residual that waited keeps "
+                             "its size. Frozen early, v misses how gradients shrink late in the run; 0: never")
     engines: ClassVar[tuple] = ("horovod", "ddp", "fsdp")
+
+    @model_validator(mode="after")
+    def _frozen_needs_update_units(self):
+        if self.frozen_variance_after and not self.in_update_units:
+            raise ValueError(f"frozen_variance_after: {self.frozen_variance_after} freezes each worker's own Adam "
+                             "variance, which only error feedback in update units keeps: set feedback_units: update "
+                             "(or auto), or leave frozen_variance_after out")
+        return self
 
     @property
     def updates_in_step(self) -> bool:

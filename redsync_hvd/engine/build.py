@@ -174,7 +174,7 @@ def build_memory(config: CompressionConfig, momentum: Optional[MomentumSpec], fu
     if not config.uses_memory:
         return None
     if moments is not None:
-        return AdamUnitsMemory(moments.betas, moments.eps, moments.l2)
+        return AdamUnitsMemory(moments.betas, moments.eps, moments.l2, freeze_after=config.frozen_variance_after)
     if config.corrects_momentum:
         return MomentumCorrectionMemory(momentum.momentum, nesterov=momentum.nesterov,
                                         masking=config.dgc.momentum_masking, fuse=fuse)

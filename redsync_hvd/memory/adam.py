@@ -20,6 +20,10 @@ optimizer's own Adam on their averaged gradient, exactly as dense training.
 Adam's coupled weight decay (``Adam(weight_decay=...)``: L2 added to the gradient) joins g
 before the moments here, as it would in Adam; AdamW's decoupled decay stays in step 4.
 
+With ``freeze_after`` = W > 0, v stops at step W (1-bit Adam's frozen variance, Tang et al.
+2021) and its bias correction with it: from then on step 2 is linear in m, a fixed scale per
+coordinate.
+
 Moments and residuals are per-worker state: double-buffered (a failed step leaves them as
 they were), zeroed where a NaN passed on, saved with the residuals (``exp_avg``,
 ``exp_avg_sq``, ``steps``) and carried through a resize by ``resize.py``'s rules.
@@ -38,9 +42,9 @@ class AdamUnitsMemory(ResidualMemory):
     """``betas``, ``eps``: {layer name: (b1, b2)}, {layer name: eps}, from the optimizer's param
     groups; ``l2``: {layer name: (weight decay, parameter)} for Adam's coupled weight decay."""
 
-    def __init__(self, betas: dict, eps: dict, l2: dict | None = None):
+    def __init__(self, betas: dict, eps: dict, l2: dict | None = None, freeze_after: int = 0):
         super().__init__(fuse=False)   # the native fused pass knows x = r + g and DGC's u only
-        self.betas, self.eps, self.l2 = betas, eps, l2 or {}
+        self.betas, self.eps, self.l2, self.freeze_after = betas, eps, l2 or {}, freeze_after
         self.moments: dict[str, dict] = {k: {} for k in MOMENT_KEYS}
         self._spare_moments: dict[str, dict] = {k: {} for k in MOMENT_KEYS}
         self._pending_moments: dict[str, dict] = {k: {} for k in MOMENT_KEYS}
@@ -57,8 +61,12 @@ class AdamUnitsMemory(ResidualMemory):
         m, m_new = self._moment("exp_avg", name, g)
         v, v_new = self._moment("exp_avg_sq", name, g)
         torch.lerp(m, g, 1 - b1, out=m_new)                               # 1.
-        torch.mul(v, b2, out=v_new).addcmul_(g, g, value=1 - b2)
-        denom = (v_new.sqrt() / (1 - b2 ** t) ** 0.5).add_(self.eps[name])   # 2. as torch's Adam
+        tv = min(t, self.freeze_after) if self.freeze_after else t         # v's own steps
+        if tv < t:
+            v_new.copy_(v)
+        else:
+            torch.mul(v, b2, out=v_new).addcmul_(g, g, value=1 - b2)
+        denom = (v_new.sqrt() / (1 - b2 ** tv) ** 0.5).add_(self.eps[name])  # 2. as torch's Adam
         r, x = self._buffers(name, g)
         torch.addcdiv(r, m_new, denom, value=1 / (1 - b1 ** t), out=x)       # 3. x = r + s
         self._pending[name] = x
