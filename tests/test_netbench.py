@@ -70,6 +70,21 @@ def test_prediction_uses_measured_message_sizes():
     assert plan_from_run(psgd) == [(4000, 1.0, "dense"), (1000, 1.0, "dense")]
 
 
+def test_the_parts_errors_add_up_to_the_steps_and_name_the_part_that_missed(tmp_path):
+    from redsync_hvd.experiments.netbench.report import markdown, part_errors, plots
+    run = {"step_time_s": 1.0, "select_s": 0.1, "decompress_s": 0.05, "communicate_s": 0.5}
+    # compute measured alone 0.2 where the run spent 0.35 outside its phases; the link priced 0.55
+    p = {"predicted_compute_s": 0.2, "predicted_overhead_s": 0.15, "predicted_comm_s": 0.55}
+    errs = part_errors(run, p)
+    assert errs == pytest.approx({"compute_error_pct": -15.0, "overhead_error_pct": 0.0, "comm_error_pct": 5.0})
+    total = 100 * (sum(p.values()) - run["step_time_s"]) / run["step_time_s"]
+    assert sum(errs.values()) == pytest.approx(total)
+    row = {"model": "m", "method": "redsync", "hosts": 2, "bandwidth_mbit": 1000, "latency_ms": 0.0,
+           "speedup_vs_dense": 1.0, **run, "predicted_step_time_s": sum(p.values()), "prediction_error_pct": total,
+           **errs}
+    assert (tmp_path / "part_errors.png") in plots(tmp_path, [row]) and "| redsync |" in markdown([row])
+
+
 def test_in_run_work_takes_each_steps_slowest_rank():
     from redsync_hvd.experiments.netbench.report import in_run_work
     # rank 0 is slower in steps 0 and 2, rank 1 in step 1: the per-step maxima are 5, 6, 7

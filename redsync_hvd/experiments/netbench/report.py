@@ -53,6 +53,7 @@ def build_rows(cfg, setting, model, result, methods, probe, compute) -> list[dic
             prediction_error_pct=_err(p["predicted_step_time_s"], r["step_time_s"]),
             predicted_overlap_s=p["predicted_overlap_s"], predicted_comm_s=p["predicted_comm_s"],
             compressed_layers=sum(1 for _, _, m in plan_from_run(r) if not m.startswith("dense")),
+            **part_errors(r, p),
             loadavg_1min=(result.get("loadavg") or [None])[0],
             status=f"ok ({r['statistic']} of {len(r['steps_s'])} steps)")
         if net_hvd is not None:
@@ -92,6 +93,25 @@ def in_run_work(r: dict) -> float:
     return max(x["compute_s"] + x["select_s"] + x["decompress_s"] for x in ranks)
 
 
+PARTS = ("compute", "overhead", "comm")
+
+
+def part_errors(r: dict, p: dict) -> dict:
+    """Each part's error, (predicted - measured) in % of the measured step, so the three add up to
+    ``prediction_error_pct``: compute (the step less the exchange's timed phases: forward,
+    backward, the optimizer, and the exchange's untimed work, against compute measured with no
+    communication), overhead (selection and decoding, priced from the run's own medians) and comm
+    (the waits in collectives against the alpha-beta model's collectives)."""
+    step = r["step_time_s"]
+    if not step:
+        return {}
+    overhead = r["select_s"] + r["decompress_s"]
+    measured = {"compute": step - overhead - r["communicate_s"], "overhead": overhead, "comm": r["communicate_s"]}
+    predicted = {"compute": p["predicted_compute_s"], "overhead": p["predicted_overhead_s"],
+                 "comm": p["predicted_comm_s"]}
+    return {f"{part}_error_pct": 100 * (predicted[part] - measured[part]) / step for part in PARTS}
+
+
 def _err(predicted, measured):
     return 100 * (predicted - measured) / measured if measured else None
 
@@ -105,8 +125,8 @@ def skipped_rows(setting, models, methods, why) -> list[dict]:
 def markdown(rows: list[dict]) -> str:
     cols = ["model", "method", "hosts", "bandwidth_mbit", "latency_ms", "step_time_s", "speedup_vs_dense",
             "wire_bytes_per_step", "compute_s", "select_s", "communicate_s", "decompress_s",
-            "overhead_pct_of_compute", "predicted_step_time_s", "prediction_error_pct", "predicted_in_run_s",
-            "in_run_error_pct"]
+            "overhead_pct_of_compute", "predicted_step_time_s", "prediction_error_pct", "compute_error_pct",
+            "overhead_error_pct", "comm_error_pct", "predicted_in_run_s", "in_run_error_pct"]
     return markdown_table(cols, [[short(r.get(c), 3) for c in cols] for r in rows if r.get("step_time_s")]).rstrip()
 
 
@@ -122,7 +142,7 @@ def plots(run_dir: Path, rows: list[dict]) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     ok = [r for r in rows if r.get("step_time_s")]
-    return [draw(plt, ok, run_dir) for draw in (_speedup, _breakdown, _prediction)]
+    return [draw(plt, ok, run_dir) for draw in (_speedup, _breakdown, _prediction, _part_errors)]
 
 
 def _speedup(plt, ok: list, run_dir: Path) -> Path:
@@ -162,6 +182,26 @@ def _breakdown(plt, ok: list, run_dir: Path) -> Path:
     ax.set_title("Where a step's time goes")
     ax.legend(fontsize=7)
     return _save(plt, fig, run_dir / "time_breakdown.png")
+
+
+def _part_errors(plt, ok: list, run_dir: Path) -> Path:
+    """Which part carries the prediction's error: per cell, each part's (predicted - measured) in %
+    of the measured step, side by side; a bias of one sign across cells is a missing term."""
+    fig, ax = plt.subplots(figsize=(max(6.4, 0.8 * len(ok) + 2), 4.6))
+    labels = [f"{r['model']} N={r['hosts']} {short(r['bandwidth_mbit'])}M\n{r['method']}" for r in ok]
+    width = 0.8 / len(PARTS)
+    for i, (part, color) in enumerate(zip(PARTS, ("#4c72b0", "#dd8452", "#55a868"))):
+        ax.bar([x + (i - 1) * width for x in range(len(ok))], [r.get(f"{part}_error_pct") or 0.0 for r in ok],
+               width, color=color, label=part)
+    ax.scatter(range(len(ok)), [r.get("prediction_error_pct") or float("nan") for r in ok], marker="_", s=300,
+               color="black", label="whole step", zorder=3)
+    ax.axhline(0.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(ok)))
+    ax.set_xticklabels(labels, fontsize=6, rotation=35, ha="right")
+    ax.set_ylabel("predicted - measured (% of the measured step)")
+    ax.set_title("The prediction's error, part by part")
+    ax.legend(fontsize=7)
+    return _save(plt, fig, run_dir / "part_errors.png")
 
 
 def _prediction(plt, ok: list, run_dir: Path) -> Path:
