@@ -27,8 +27,8 @@ Stages, each one launch for the whole bucket (``triton_select.py``), or the same
 plain torch ops that run on any device (here, the reference the kernels are tested against):
 
     hist = compensate(seg, r, g, out, ...)   # out = r + g (DGC momentum too) + histogram 1
-    sel  = select(seg, out, hist=hist, ...)  # levels 2-3, compaction, means: Selection
-    update_residual(seg, out, sel)           # out[sent] -= what receivers decode
+    sel  = select(seg, out, hist=hist, update=True, ...)   # levels 2-3, compaction, means: Selection,
+                                             # and out[sent] -= what receivers decode
     decode_add(seg, avg, pos, vals, ...)     # gathered messages of N ranks, in rank order
 """
 from __future__ import annotations
@@ -222,18 +222,6 @@ def decode_add(seg: Segments, out: torch.Tensor, positions: torch.Tensor,
         out.index_add_(0, p, v * alpha)
         if zero is not None:
             zero.index_fill_(0, p, 0.0)
-
-
-def update_residual(seg: Segments, x: torch.Tensor, sel: Selection, *, sent: torch.Tensor | None = None,
-                    velocity: torch.Tensor | None = None, backend: str = "auto") -> None:
-    """x -= what receivers decode from this rank's message (error feedback): its mean per layer
-    where ``sel.means`` is set, else ``sent`` (the values as they travel, e.g. fp16) or
-    ``sel.values`` (then x becomes exactly 0 there). ``velocity``: zeroed at the positions."""
-    if sel.means is not None:
-        decode_add(seg, x, sel.positions, means=sel.means, alpha=-1.0, zero=velocity, backend=backend)
-    else:
-        decode_add(seg, x, sel.positions, sel.values if sent is None else sent, alpha=-1.0,
-                   zero=velocity, backend=backend)
 
 
 # ---- the torch reference: the kernels' steps in plain torch ops (any device) ----------------
