@@ -131,3 +131,19 @@ def test_a_finished_run_that_the_code_now_resolves_differently_is_refused(tmp_pa
     (folder / "config.yaml").write_text(yaml.safe_dump(config))
     [message] = conflicts([job], tmp_path)
     assert "now resolves differently (compression.dgc.momentum_correction: False then, True now)" in message, message
+    # a key the run's code did not have yet is not a difference (its default is what that code did)
+    config["compression"].pop("frozen_variance_after")
+    config["compression"]["dgc"]["momentum_correction"] = True
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    assert conflicts([job], tmp_path) == []
+    # a row that now spells out what its run had by default is the same job: its record is updated
+    config["compression"]["dgc"]["momentum_correction"] = True
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    spelled = {**job.identity(), "sets": [s for s in job.sets if not s.startswith("compression.dgc.momentum_masking")]}
+    (folder / "job.json").write_text(json.dumps(spelled))
+    assert conflicts([job], tmp_path) == [] and json.loads((folder / "job.json").read_text()) == job.identity()
+    # other overrides that ran another config stay another job's
+    config["compression"]["dgc"]["momentum_masking"] = True
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    (folder / "job.json").write_text(json.dumps(spelled))
+    assert "holds a run of another job" in conflicts([job], tmp_path)[0]

@@ -232,19 +232,35 @@ def folder_of(job: Job, runs: Path) -> Path:
 
 
 def conflicts(jobs: list, runs: Path) -> list:
-    """Run folders that another job made (job.json differs, or results without one)."""
+    """Run folders that another job made (job.json differs, or results without one), and finished
+    runs whose config is not what the job's overrides resolve to now. A finished training run
+    whose overrides were written otherwise (a row that now spells out a default) but resolve to
+    the config it ran is the job's own: its job.json is brought up to date."""
     bad = []
     for job in jobs:
         folder = folder_of(job, runs)
-        record = folder / "job.json"
-        if record.is_file() and json.loads(record.read_text()) != job.identity():
+        record, done = folder / "job.json", (folder / "summary.json").is_file()
+        if not record.is_file():
+            if done:
+                bad.append(f"{folder} holds a run this command did not start (no job.json)")
+            continue
+        old = json.loads(record.read_text())
+        if old != job.identity() and not _spelled_otherwise(old, job, folder, done):
             bad.append(f"{folder} holds a run of another job (other overrides, launcher or --quick)")
-        elif not record.is_file() and (folder / "summary.json").is_file():
-            bad.append(f"{folder} holds a run this command did not start (no job.json)")
-        elif (folder / "summary.json").is_file() and (moved := resolved_elsewhere(job, folder)):
+        elif done and (moved := resolved_elsewhere(job, folder)):
             bad.append(f"{folder} holds a run of the same overrides that the code or {job.config} now resolves "
                        f"differently ({moved})")
+        elif old != job.identity():
+            record.write_text(json.dumps(job.identity(), indent=1) + "\n")
     return bad
+
+
+def _spelled_otherwise(old: dict, job: Job, folder: Path, done: bool) -> bool:
+    """Only the overrides differ, and the finished run's config is what they resolve to now."""
+    same_rest = {k: v for k, v in old.items() if k != "sets"} == \
+        {k: v for k, v in job.identity().items() if k != "sets"}
+    return same_rest and done and (folder / "config.yaml").is_file() and job.module == "redsync_hvd.train" \
+        and not resolved_elsewhere(job, folder)
 
 
 # What a run folder's config.yaml records of its own launch (besides output), not of the job.
@@ -274,8 +290,10 @@ def resolved_elsewhere(job: Job, folder: Path) -> str:
 
 
 def _differing(a, b, prefix="") -> list:
+    """Where ``a`` (now) and ``b`` (then) differ; a key the run's code did not have yet is left out:
+    a new key's default is what the code did before it (a default changed later is caught)."""
     if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in sorted(set(a) | set(b)) for d in _differing(a.get(k), b.get(k), f"{prefix}{k}.")]
+        return [d for k in sorted(set(a) | set(b)) if k in b for d in _differing(a.get(k), b[k], f"{prefix}{k}.")]
     return [] if a == b else [f"{prefix[:-1]}: {b!r} then, {a!r} now"]
 
 
