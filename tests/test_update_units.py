@@ -77,9 +77,10 @@ def test_a_partial_dgc_section_keeps_redsyncs_momentum_correction():
     assert not parse_compression({"method": "topk", "dgc": {"momentum_masking": False}}).corrects_momentum
 
 
-def test_gradient_units_stay_the_default_and_without_an_optimizer_the_note_says_how():
-    assert parse_compression({"method": "redsync"}).feedback_units == "gradient"
-    assert parse_compression({"method": "topk"}).in_update_units is False
+def test_auto_is_the_default_and_without_an_optimizer_the_note_says_how():
+    assert parse_compression({"method": "redsync"}).feedback_units == "auto"
+    assert parse_compression({"method": "topk"}).in_update_units is True
+    assert parse_compression({"method": "topk", "feedback_units": "gradient"}).in_update_units is False
     named = list(torch.nn.Linear(64, 80).named_parameters())
     built = build_exchange(UPDATE, layers_of(named), LocalCommunicator(1), engine="ddp",
                            take_momentum=lambda: None)
@@ -131,7 +132,7 @@ def test_a_frozen_variance_stops_v_and_its_bias_correction_at_step_w():
     assert parse_compression({"method": "redsync", "feedback_units": "auto", "frozen_variance_after": 100}) \
         .frozen_variance_after == 100
     with pytest.raises(ValueError, match="set feedback_units: update"):
-        parse_compression({"method": "topk", "frozen_variance_after": 100})
+        parse_compression({"method": "topk", "feedback_units": "gradient", "frozen_variance_after": 100})
     opt, built = built_for(lambda ps: torch.optim.AdamW(ps, lr=1e-3), {**UPDATE, "frozen_variance_after": 7})
     assert built.exchange.memory.freeze_after == 7
 

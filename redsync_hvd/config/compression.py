@@ -506,7 +506,7 @@ class AllgatherConfig(ResidualConfig):
         "fp32", description="engine: fsdp: how residuals and velocities are stored between steps: fp32 | bf16 "
                             "(half the memory; each step still adds and selects in fp32, and the rounding to bf16 "
                             "is not fed back; docs/fsdp.md). The other engines keep fp32")
-    feedback_units: Literal["auto", "gradient", "update"] = Field("gradient", description=_FEEDBACK_UNITS)
+    feedback_units: Literal["auto", "gradient", "update"] = Field("auto", description=_FEEDBACK_UNITS)
     frozen_variance_after: int = Field(
         0, ge=0, description="feedback_units in update units: after this many steps each worker's second moment "
                              "stops moving (1-bit Adam's frozen variance, Tang et al. 2021), so its Adam direction "

@@ -20,8 +20,8 @@ TINY = ["model.options={d_model: 32, n_layers: 1, n_heads: 2, dropout: 0.1}", "d
 METHODS = {"redsync": ["compression.method=redsync", "compression.density=0.01"],
            "topk": ["compression.method=topk", "compression.density=0.01"],
            "powersgd": ["compression.method=powersgd", "compression.rank=1", "compression.start_iter=2"],
-           "redsync-update": ["compression.method=redsync", "compression.density=0.01",
-                              "compression.feedback_units=update"]}
+           "redsync-gradient": ["compression.method=redsync", "compression.density=0.01",
+                                "compression.feedback_units=gradient"]}
 
 
 def joined(adapter):
@@ -37,7 +37,7 @@ def joined(adapter):
 engine, out = sys.argv[1], sys.argv[2]
 runs = [(engine, method) for method in METHODS]
 if engine == "ddp":   # FSDP2's compressed reduce-scatter runs redsync and topk; it keeps no Adam moments
-    runs += [("fsdp", "redsync"), ("fsdp", "redsync-update")]
+    runs += [("fsdp", "redsync")]
 for run_engine, method in runs:
     cfg = load_config(CONFIG, [*TINY, *METHODS[method], f"engine={run_engine}", f"output.dir={out}",
                                f"output.name={run_engine}-{method}"])
