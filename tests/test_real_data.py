@@ -282,7 +282,9 @@ def test_install_data_script_sees_what_is_there_and_names_the_command_elsewhere(
     assert res.returncode == 0 and len(lines) == 2 and "already" in lines[1] and str(cache) in lines[1], res.stdout
     if os.getuid() != 0 or not shutil.which("setpriv"):
         return
-    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "bash", script]
-    res = subprocess.run(nobody, env={**os.environ, "HOME": str(tmp_path), austen.CACHE_ENV: str(tmp_path / "none")},
-                         capture_output=True, text=True, timeout=60)
+    # the script on stdin: a checkout under a private folder (mktemp -d is 0700) is not nobody's to read
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "bash", "-s"]
+    with open(script) as text:
+        res = subprocess.run(nobody, stdin=text, capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "HOME": str(tmp_path), austen.CACHE_ENV: str(tmp_path / "none")})
     assert res.returncode == 0 and "apt-get download r-cran-janeaustenr" in res.stdout, res.stdout + res.stderr
