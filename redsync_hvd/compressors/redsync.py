@@ -31,6 +31,10 @@ from .codec import VALUE_DTYPES, MessageCodec
 from .exact_k import ExactKCompressor
 
 CAPACITY = 2   # a capped message's positions per layer, in units of k (``Wire.capacity``)
+# what a threshold search (tbs, sampled) is expected to send with values, in units of k: it accepts
+# any count in [k, 2k]. Sign-mean keeps one side of that, about k (within 5% on the digits CNN,
+# tests/test_costmodel.py), so it is priced at k.
+LOOSE = {"tbs": 1.5, "sampled": 1.5}
 
 
 class RedSyncCompressor(Compressor):
@@ -54,6 +58,9 @@ class RedSyncCompressor(Compressor):
         """About k positions (int32, or Golomb-coded: their expected bytes) and their values or one
         mean; bounded at CAPACITY * k where the transport needs every rank's size first."""
         codec, k = self.codec_of(layer), layer.k
+        selection = getattr(self.config, "selection", None)
+        if not codec.mean and selection is not None and selection.scope != "bucket":   # by bucket: about k
+            k = min(layer.numel, math.ceil(LOOSE.get(self._method(layer), 1.0) * k))
         second = 1 if codec.mean else k
         counts = (golomb_bytes(k, layer.numel), 2, second) if codec.golomb else (k, second)
         cap = self._capacity(layer)
