@@ -38,7 +38,7 @@ from redsync_hvd.policy.allocate import (
 SIZES = {"big": 20000, "mid": 6000, "small": 900, "bias": 50}
 SCALES = {"big": 0.01, "mid": 1.0, "small": 0.3, "bias": 1.0}
 FORMATS = {
-    "radix sign_mean": {"method": "redsync", "selection": "radix"},
+    "radix sign_mean": {"method": "redsync", "selection": "radix", "message": {"quantize": "sign_mean"}},
     "radix values": {"method": "redsync", "selection": "radix", "message": {"quantize": "none"}},
     "trimmed values": {"method": "redsync", "selection": "trimmed", "message": {"quantize": "none"}},
     "topk": {"method": "topk"},
@@ -297,7 +297,7 @@ def test_bad_budget_values_are_named(policy, match):
 
 @pytest.mark.parametrize("spec, match", [
     ({"method": "redsync"}, r"selection.method=tbs sends about k .* set selection.method: radix"),
-    ({"method": "redsync", "selection": "trimmed"}, r"sign_mean with selection.method=trimmed .* radix"),
+    ({"method": "redsync", "selection": "trimmed", "message": {"quantize": "sign_mean"}}, r"sign_mean with selection.method=trimmed .* radix"),
     ({"method": "redsync", "selection": "trimmed", "message": {"quantize": "none", "index_coding": "golomb"}},
      r"index_coding=golomb"),
     ({"method": "sbc"}, r"compression.method='sbc' sends no chosen number"),

@@ -90,7 +90,8 @@ def test_one_allgather_per_bucket_and_fixed_sizes():
                                   ex.communication_stats().get("bytes_headers", 0))
     assert counts["radix"] == (2, 2, 0)
     assert counts[str({"method": "tbs", "scope": "bucket"})][:2] == (2, 4)
-    comp, _ = build_compressor({"method": "redsync", "selection": "radix", "density": 0.01})
+    comp, _ = build_compressor({"method": "redsync", "selection": "radix", "density": 0.01,
+                                "message": {"quantize": "sign_mean"}})
     layers = [Layer("a", (1000,), 1000, 0, density=0.01), Layer("b", (300,), 300, 1, density=0.01)]
     assert [comp.wire(l).counts for l in layers] == [(10, 1), (3, 1)] and comp.wire(layers[0]).fixed
     _, payload = pack([torch.zeros(13, dtype=torch.int32), torch.zeros(2)], "cpu")
