@@ -297,7 +297,8 @@ def test_bad_budget_values_are_named(policy, match):
 
 @pytest.mark.parametrize("spec, match", [
     ({"method": "redsync"}, r"selection.method=tbs sends about k .* set selection.method: radix"),
-    ({"method": "redsync", "selection": "trimmed", "message": {"quantize": "sign_mean"}}, r"sign_mean with selection.method=trimmed .* radix"),
+    ({"method": "redsync", "selection": "trimmed", "message": {"quantize": "sign_mean"}},
+     r"sign_mean with selection.method=trimmed .* radix"),
     ({"method": "redsync", "selection": "trimmed", "message": {"quantize": "none", "index_coding": "golomb"}},
      r"index_coding=golomb"),
     ({"method": "sbc"}, r"compression.method='sbc' sends no chosen number"),

@@ -68,6 +68,10 @@ def launch_mpi(net, command: list, timeout: float = 600, log_dir: str | Path | N
         "mpirun", "-np", str(net.hosts), "--host", ",".join(f"{net.host_addr(i)}:1" for i in range(net.hosts)),
         "--mca", "plm_rsh_agent", str(agent), "--mca", "btl", "tcp,self",
         "--mca", "btl_tcp_if_include", subnet, "--mca", "oob_tcp_if_include", subnet,
+        # mpirun shares its hwloc topology with the daemons through shared memory mapped at a
+        # hole it finds in its own address space; a daemon whose /sys is the namespace's own
+        # (``ip netns exec`` remounts it) can crash adopting it, so each daemon reads its own
+        "--mca", "rtc_hwloc_vmhole", "none",
         "--tag-output", "--bind-to", "none"]
     for k, v in extra.items():
         cmd += ["-x", f"{k}={v}"]
