@@ -34,7 +34,7 @@ from ..memory import AdamUnitsMemory, MomentumCorrectionMemory, ResidualMemory
 from ..policy import LayerPolicy
 from ..policy.costmodel import ComputeModel
 from .decisions import pin
-from .probes import network_for, probe_compute, probe_overlap
+from .probes import given_compute, network_for, probe_compute, probe_overlap
 
 
 class UnsupportedMethodError(ValueError, NotImplementedError):
@@ -185,9 +185,9 @@ def compute_model(config, comm, layers: list, device) -> ComputeModel:
     """What a compressed layer costs here, ``c0 + c1 * n``: ``policy.compute_s`` where the config
     gives it (decisions that do not move with the machine's load), else the run's own method
     timed on the model's own smallest and largest candidate layers."""
-    if config.policy.compute_s is not None:
-        c0, c1 = config.policy.compute_s
-        return ComputeModel(select_c0=c0, select_c1=c1, decompress_c0=0.0, decompress_c1=0.0)
+    given = given_compute(config)
+    if given is not None:
+        return given
     sizes = [l.numel for l in layers if l.numel >= config.policy.min_compress_numel]
     return probe_compute(comm, device, spec=config.model_dump(mode="json"), sizes=sizes or None)
 
