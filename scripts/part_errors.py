@@ -104,7 +104,8 @@ def main(paths: list) -> int:
     both = [r for r in rows if "launch_compute_error_pct" in r and not r["cell"].endswith(" dense")]
     print("\n" + "\n".join(summary(rows, "", "compute measured alone, every row")))
     if both:
-        print("\n".join(summary(both, "", "compute measured alone, the rows with a launch measurement (dense's own left out)")))
+        label = "compute measured alone, the rows with a launch measurement (dense's own left out)"
+        print("\n".join(summary(both, "", label)))
         print("\n".join(summary(both, "launch_", "compute measured in the launch, the same rows")))
     return 0
 

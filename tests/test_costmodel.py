@@ -256,9 +256,9 @@ def test_probe_compute_measures_selection_cost_and_feeds_the_policy():
     from redsync_hvd.compressors import build_compressor
     from redsync_hvd.compressors.base import Layer
     from redsync_hvd.engine import probe_compute
+    from redsync_hvd.engine.probes import fit_rate
     from redsync_hvd.policy import LayerPolicy
     from redsync_hvd.policy.costmodel import ComputeModel, Network
-    from redsync_hvd.engine.probes import fit_rate
     # the fit through two timed sizes, from given times: 10 us a layer and 1 ns an element
     assert fit_rate(1 << 12, 10e-6 + 4096e-9, 1 << 16, 10e-6 + 65536e-9) == pytest.approx((10e-6, 1e-9))
     # noise swamped the difference (the bigger layer timed no slower): the slope is bounded by it

@@ -127,7 +127,8 @@ def check(paths) -> list:
     """Every cell of every results.csv in ``paths`` that has a config.yaml beside it, judged."""
     built, out = {}, []
     for path in map(Path, paths):
-        if not (path.parent / "config.yaml").exists() or "predicted_step_time_s" not in path.read_text().split("\n", 1)[0]:
+        header = path.read_text().split("\n", 1)[0]
+        if not (path.parent / "config.yaml").exists() or "predicted_step_time_s" not in header:
             continue
         for cell in cells(path):
             name = cell.model["name"]
