@@ -67,11 +67,16 @@ def build_rows(cfg, setting, model, result, methods, probe, compute) -> list[dic
             row.update(predicted_in_run_s=pr["predicted_step_time_s"],
                        in_run_error_pct=_err(pr["predicted_step_time_s"], r["step_time_s"]))
         rows.append(row)
+    return speedups(rows, methods)
+
+
+def speedups(rows: list, methods) -> list:
+    """Each row's ``speedup_vs_dense`` against dense Horovod in its own launch: the decentralized
+    methods ran under mpirun with "dense/mpi", the /comm rows against "dense/comm", the others
+    under Gloo with "dense"."""
     by = {row["method"]: row for row in rows}
     mpi_launch = {n for n, c in methods if (c or {}).get("method") in DECENTRALIZED} | {MPI_DENSE}
     for row in rows:
-        # each method against dense Horovod in its own launch: the decentralized methods ran
-        # under mpirun with "dense/mpi", the others under Gloo with "dense"
         base_label = "dense/comm" if row["method"].endswith("/comm") else (
             MPI_DENSE if row["method"] in mpi_launch else "dense")
         dense = by.get(base_label)
