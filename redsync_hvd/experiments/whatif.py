@@ -147,8 +147,11 @@ def price_repeats(spec: dict, layers: list, N: int, net: Network, compute_s: flo
     the pick."""
     comp = build_compressor(spec, LocalCommunicator(N))[0]
     exact = comp.dense_wire and comp.passthrough
-    rows = [price(spec, layers, N, net, None if exact else probe_rates(N, "cpu", spec, [l.numel for l in layers],
-                                                                        repeats=2), compute_s, overlap)
+    sizes = [l.numel for l in layers]
+    if comp.dense_wire:   # fp16 converts whole fused buckets: its slope over the model's size, not a layer's
+        sizes = [min(sizes), sum(sizes)]
+    rows = [price(spec, layers, N, net, None if exact else probe_rates(N, "cpu", spec, sizes, repeats=2),
+                  compute_s, overlap)
             for _ in range(1 if exact else repeats)]
     steps = sorted(r["step_s"] for r in rows)
     row = min(rows, key=lambda r: abs(r["step_s"] - statistics.median(steps)))
