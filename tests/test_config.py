@@ -246,9 +246,13 @@ def _cell_defaults(cell: str, methods: list) -> dict:
 
 
 def _lookup(obj, dotted: str):
-    for part in dotted.split("."):
+    *parents, last = dotted.split(".")
+    for part in parents:
         obj = getattr(obj, part)
-    return obj
+    value = getattr(obj, last)
+    # as a config file writes it: an ``auto`` the config resolved to a number is written back as auto
+    written = obj.model_dump().get(last, value) if hasattr(obj, "model_dump") else value
+    return written if written == "auto" else value
 
 
 def test_every_default_in_the_configuration_reference_is_the_models():

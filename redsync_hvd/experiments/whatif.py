@@ -43,7 +43,7 @@ from redsync_hvd.exchange import GradientExchange
 from redsync_hvd.memory import ResidualMemory
 from redsync_hvd.models import build_model
 from redsync_hvd.policy import LayerPolicy
-from redsync_hvd.policy.costmodel import Network, ring_allreduce
+from redsync_hvd.policy.costmodel import ComputeModel, Network, ring_allreduce
 from redsync_hvd.policy.review import bucket_prediction
 from redsync_hvd.torch.training import loss_and_correct
 
@@ -139,19 +139,42 @@ def price(spec: dict, layers: list, N: int, net: Network, rates, compute_s: floa
             "exchange_s": step - compute_s, "step_s": step}
 
 
+def conversion_rate(dtype, numel: int) -> ComputeModel:
+    """Seconds per element of converting a gradient of ``numel`` elements to ``dtype`` and back
+    here, the fastest of three after one untimed: the work fp16 does beyond none's (every rank's
+    sum of the converted values is the collective's). In one thread: a pass over memory, which
+    on a shared host would otherwise wait at every op for a second thread another job holds
+    (60 ms instead of 0.02 for the digits CNN's 53,002 elements beside two CPU hogs)."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    best, threads = float("inf"), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for rep in range(4):
+            t0 = time.perf_counter()
+            x.to(dtype).to(torch.float32)
+            if rep:
+                best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return ComputeModel(select_c0=0.0, select_c1=best / max(numel, 1), decompress_c0=0.0, decompress_c1=0.0)
+
+
 def price_repeats(spec: dict, layers: list, N: int, net: Network, compute_s: float, overlap: float,
                   repeats: int) -> dict:
     """``price`` with the rates probed ``repeats`` times here (once for none, which has none: its
     row is the allreduce of the model's bytes alone): the median predicted step, and the spread
     (min, max) of the repeats, so that a probe slowed by another job moves neither the row nor
-    the pick."""
+    the pick. fp16's rate is its conversions timed alone, over the model's size (the exchange
+    converts whole fused buckets)."""
     comp = build_compressor(spec, LocalCommunicator(N))[0]
     exact = comp.dense_wire and comp.passthrough
     sizes = [l.numel for l in layers]
-    if comp.dense_wire:   # fp16 converts whole fused buckets: its slope over the model's size, not a layer's
-        sizes = [min(sizes), sum(sizes)]
-    rows = [price(spec, layers, N, net, None if exact else probe_rates(N, "cpu", spec, sizes, repeats=2),
-                  compute_s, overlap)
+
+    def rates():
+        if comp.dense_wire:
+            return conversion_rate(comp.wire(layers[0]).dtypes[0], sum(sizes))
+        return probe_rates(N, "cpu", spec, sizes, repeats=2)
+    rows = [price(spec, layers, N, net, None if exact else rates(), compute_s, overlap)
             for _ in range(1 if exact else repeats)]
     steps = sorted(r["step_s"] for r in rows)
     row = min(rows, key=lambda r: abs(r["step_s"] - statistics.median(steps)))
