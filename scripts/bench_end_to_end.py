@@ -19,7 +19,9 @@ Output, in ``<output_dir>/<name>-<timestamp>/``:
   per worker, the time split (compute / select / communicate / decompress), the
   compression overhead in % of compute, the cost model's predicted step time and its
   error (``redsync_hvd/experiments/netbench/predict.py``) with three sets of inputs: the link's nominal
-  rate and latency with compute-only compute (``predicted_step_time_s``); Horovod's
+  rate and latency with the local work measured in the same launch from the ``<method>/comm`` rows
+  (``netbench/report.py:launch_compute``; compute-only compute where the launch lacks them,
+  ``compute_source``) (``predicted_step_time_s``), and each part's error; Horovod's
   probed alpha and B (``predicted_calibrated_s``); those and each step's slowest rank's
   own local work (``predicted_in_run_s``, see ``netbench/report.py:in_run_work``);
 * ``models.csv``: parameters, compute time at 1 and N processes and the
@@ -59,6 +61,7 @@ WORKER = "redsync_hvd.experiments.netbench.worker"
 COLUMNS = ["model", "method", "hosts", "bandwidth_mbit", "latency_ms", "step_time_s", "speedup_vs_dense",
            "wire_bytes_per_step", "dense_bytes_per_step", "compression_ratio", "compute_s", "select_s",
            "communicate_s", "decompress_s", "overhead_pct_of_compute", "compute_alone_s", "compute_nproc_s",
+           "compute_launch_s", "compute_source",
            "predicted_step_time_s", "prediction_error_pct", "compute_error_pct", "overhead_error_pct",
            "comm_error_pct", "predicted_calibrated_s", "calibrated_error_pct",
            "predicted_in_run_s", "in_run_error_pct", "predicted_overlap_s", "predicted_comm_s",

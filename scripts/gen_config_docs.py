@@ -85,7 +85,8 @@ def _table(model: type[BaseModel], prefix: str, skip=(), instances: dict | None 
         if name in skip or (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
             continue
         if instances and not field.is_required():
-            default = _cell({m: getattr(obj, name) for m, obj in instances.items()})
+            # as a config file would write it (an ``auto`` the config resolved is written back as auto)
+            default = _cell({m: obj.model_dump().get(name, getattr(obj, name)) for m, obj in instances.items()})
         else:
             default = _default(field)
         rows.append(_row(f"{prefix}{name}", field, default))

@@ -246,9 +246,13 @@ def _cell_defaults(cell: str, methods: list) -> dict:
 
 
 def _lookup(obj, dotted: str):
-    for part in dotted.split("."):
+    *parents, last = dotted.split(".")
+    for part in parents:
         obj = getattr(obj, part)
-    return obj
+    value = getattr(obj, last)
+    # as a config file writes it: an ``auto`` the config resolved to a number is written back as auto
+    written = obj.model_dump().get(last, value) if hasattr(obj, "model_dump") else value
+    return written if written == "auto" else value
 
 
 def test_every_default_in_the_configuration_reference_is_the_models():
@@ -347,3 +351,20 @@ def test_an_unexplained_key_fails_the_rule(tmp_path):
     assert _unexplained(bare) == ["warmup.epochs"]
     bare.write_text("# a warm-up of 4 epochs: the first steps move the weights most\n" + bare.read_text())
     assert _unexplained(bare) == []
+
+
+def test_an_auto_setting_is_the_experiment_it_was_before_it_was_auto():
+    """A checkpoint keeps the experiment's fingerprint; one written when threshold_reuse and
+    sparse_update were numbers and booleans must resume into the same config read now, where
+    they default to auto: each is recorded as what it means for the run's state. Under the cost
+    model the threshold reuse became 5, which is another experiment than the old default's 1."""
+    static = load_config(REPO / "configs/digits/topk.yaml").experiment()["compression"]
+    assert static["sparse_update"] is False
+    redsync = load_config(REPO / "configs/digits/redsync.yaml", ["compression.selection.threshold_reuse=auto"])
+    assert redsync.to_dict()["compression"]["selection"]["threshold_reuse"] == "auto"
+    assert redsync.experiment()["compression"]["selection"]["threshold_reuse"] == 1
+    chosen = load_config(REPO / "configs/digits/redsync.yaml", ["compression.selection.threshold_reuse=auto",
+                                                                "compression.policy.mode=cost_model"])
+    assert chosen.experiment()["compression"]["selection"]["threshold_reuse"] == 5
+    assert chosen.experiment()["compression"]["sparse_update"] == "auto"
+    assert redsync.experiment_fingerprint() != chosen.experiment_fingerprint()

@@ -256,11 +256,18 @@ def test_probe_compute_measures_selection_cost_and_feeds_the_policy():
     from redsync_hvd.compressors import build_compressor
     from redsync_hvd.compressors.base import Layer
     from redsync_hvd.engine import probe_compute
+    from redsync_hvd.engine.probes import fit_rate
     from redsync_hvd.policy import LayerPolicy
     from redsync_hvd.policy.costmodel import ComputeModel, Network
+    # the fit through two timed sizes, from given times: 10 us a layer and 1 ns an element
+    assert fit_rate(1 << 12, 10e-6 + 4096e-9, 1 << 16, 10e-6 + 65536e-9) == pytest.approx((10e-6, 1e-9))
+    # noise swamped the difference (the bigger layer timed no slower): the slope is bounded by it
+    assert fit_rate(1 << 12, 2e-3, 1 << 16, 1e-3) == (2e-3, 1e-3 / (1 << 16))
+    # measured here: how fast depends on this host and its load, the form of the answer does not
     cm = probe_compute(LocalCommunicator(2), numel=1 << 16, repeats=2)
-    assert 1e-12 < cm.select_c1 < 1e-6 and math.isfinite(cm.select_c1)   # s per element
-    assert 0.0 <= cm.select_c0 < 0.1  # s per compressed layer
+    assert 0.0 < cm.select_c1 and math.isfinite(cm.select_c1)   # s per element
+    assert 0.0 <= cm.select_c0 and math.isfinite(cm.select_c0)  # s per compressed layer
+    assert cm.decompress_c0 == cm.decompress_c1 == 0.0   # decoding was timed with the rest
     _, cfg = build_compressor(
         {"method": "redsync", "density": 0.001, "policy": {"mode": "cost_model", "min_compress_numel": 0}}
     )

@@ -98,6 +98,24 @@ def test_in_run_work_takes_each_steps_slowest_rank():
     assert in_run_work({"per_rank": old}) == pytest.approx(1.6)
 
 
+def test_the_nominal_compute_is_measured_in_the_launch_where_its_rows_are():
+    """Forward and backward from dense's local work less dense's exchange alone, plus the method's
+    own exchange alone, less what the run's phases time: every figure from the launch's own rows."""
+    from redsync_hvd.experiments.netbench.report import launch_compute
+
+    def local(seconds, select=0.0, decompress=0.0, comm_only=False):
+        return {"per_rank": [{"compute_s": seconds - select - decompress, "select_s": select,
+                              "decompress_s": decompress}], "select_s": select, "decompress_s": decompress,
+                "comm_only": comm_only}
+    runs = {"dense": local(0.30), "dense/comm": local(0.05, comm_only=True),
+            "redsync": local(0.31, select=0.02, decompress=0.01), "redsync/comm": local(0.07, 0.02, 0.01, True)}
+    # 0.30 - 0.05 of forward and backward, 0.07 of RedSync's exchange, 0.03 of it timed by the run's phases
+    assert launch_compute(runs, "redsync") == pytest.approx(0.25 + 0.07 - 0.03)
+    assert launch_compute(runs, "dense") == pytest.approx(0.30)   # dense's own local work back
+    assert launch_compute(runs, "redsync/comm") is None
+    assert launch_compute({k: v for k, v in runs.items() if k != "dense/comm"}, "redsync") is None
+
+
 def test_bench_configs_validate():
     sys.path.insert(0, str(REPO / "scripts"))
     import bench_end_to_end as bench

@@ -68,12 +68,14 @@ def test_reduce_scatter_exchange_under_torchrun():
 
 
 def test_yaml_run_takes_the_path_auto_picks_logs_it_and_resumes_on_fewer_workers(tmp_path):
-    """horovodrun -np 3: top-k with ``aggregation: auto`` on a 10 Mbit/s network (given, not
-    probed) takes the reduce-scatter for its bucket and says so in layers.log; its checkpoints
-    (residuals that the reduce-scatter returned entries to) resume on 2 workers with the resize
-    rule ``sum``, which conserves the residuals as for the allgather."""
+    """horovodrun -np 3: top-k with ``aggregation: auto`` on a 10 Mbit/s network and a compressed
+    layer's cost (given, not probed: the same choice at any load) takes the reduce-scatter for its
+    bucket and says so in layers.log; its checkpoints (residuals that the reduce-scatter returned
+    entries to) resume on 2 workers with the resize rule ``sum``, which conserves the residuals as
+    for the allgather."""
     common = ["compression.aggregation=auto", "compression.policy.latency_s=2.5e-5",
-              "compression.policy.bandwidth_gbit=0.01", "training.log_every=5"]
+              "compression.policy.bandwidth_gbit=0.01", "compression.policy.compute_s=[1e-4, 1e-9]",
+              "training.log_every=5"]
     train(tmp_path, "configs/digits/topk.yaml", *common, "training.steps=20", "output.name=three", np=3,
           timeout=400)
     log = (tmp_path / "three" / "layers.log").read_text()

@@ -112,3 +112,40 @@ def test_sparse_update_is_not_a_knob_of_allreduce_methods():
     from redsync_hvd.compressors import parse_compression
     with pytest.raises(ValueError, match="sparse_update: unknown key"):
         parse_compression({"method": "randomk", "sparse_update": True})
+
+
+COST_MODEL = {"mode": "cost_model", "min_compress_numel": 200, "latency_s": 1e-4, "bandwidth_gbit": 0.01,
+              "compute_s": [1e-5, 1e-9], "overlap": 0.0}
+
+
+def test_auto_under_the_cost_model_applies_in_step_where_the_optimizer_is_plain_sgd_and_says_so():
+    """sparse_update: auto (the default) is on under policy.mode: cost_model where momentum correction
+    leaves a plain SGD, and the weights are those of the dense gradient path; with the momentum
+    still in the optimizer, under the static policy, or with a GradScaler, it stays off. Each
+    choice under the cost model is a line of the decisions' notes (layers.log); so is the
+    threshold reuse the cost model's auto picks."""
+    a, b = _model(), _model()
+    opt_a = _opt(a, policy=COST_MODEL, sparse_update=False)
+    opt_b = _opt(b, policy=COST_MODEL)
+    notes = opt_b.exchange.decision_record()["notes"]
+    assert opt_b._sparse_update and any("sparse_update: true (auto" in n for n in notes), notes
+    assert any("threshold_reuse: 5 (auto" in n for n in notes), notes
+    assert opt_b.compression_config.selection.threshold_reuse == 5
+    lossf = torch.nn.CrossEntropyLoss()
+    for x, y in _batches(4):
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            opt.zero_grad()
+            lossf(model(x), y).backward()
+            opt.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.allclose(p, q, atol=1e-6, rtol=0)
+    assert any(p.grad is None for p in b.parameters())   # the compressed layer was applied in step()
+    kept = _opt(_model(), policy=COST_MODEL, dgc={"momentum_correction": False})
+    assert not kept._sparse_update
+    assert any("sparse_update: false (auto): param group 0 has momentum=0.9" in n
+               for n in kept.exchange.decision_record()["notes"])
+    static = _opt(_model())
+    assert not static._sparse_update and static.compression_config.selection.threshold_reuse == 1
+    scaled = _opt(_model(), policy=COST_MODEL)
+    scaled.set_grad_scaler(torch.amp.GradScaler("cpu"))
+    assert not scaled._sparse_update and "GradScaler" in scaled.exchange.decision_record()["notes"][-1]

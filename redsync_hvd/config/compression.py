@@ -21,7 +21,16 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 from . import registry
 from .errors import closest, dotted, plain, relevant, unknown_key
@@ -215,8 +224,34 @@ class SelectionConfig(_Group):
     tbs_max_probes: int = Field(20, gt=0, description="tbs: probe budget before the exact fallback")
     trimmed_eps: float = Field(0.2, gt=0, lt=1, description="trimmed: step of the threshold ratio")
     sample_fraction: float = Field(0.01, gt=0, le=1, description="sampled: fraction of elements sampled")
-    threshold_reuse: int = Field(1, ge=1, description="re-search a layer's threshold every R steps (or when "
-                                                      "the count leaves [k/2, 2k]); else only count")
+    threshold_reuse: Union[int, Literal["auto"]] = Field(
+        "auto", description="re-search a layer's threshold every R steps (or when the count leaves [k/2, 2k]); "
+                            "else only count | auto: 5 under policy.mode: cost_model (the setting of the tuned "
+                            "runs: a search costs several counting passes), 1 (a search every step) otherwise")
+
+    _reuse_auto: bool = PrivateAttr(False)   # threshold_reuse was auto: a number now, written back as auto
+
+    @field_validator("threshold_reuse")
+    @classmethod
+    def _reuse(cls, v):
+        if v != "auto" and (isinstance(v, bool) or int(v) < 1):
+            raise ValueError(f"selection.threshold_reuse={v!r}: a whole number of steps of at least 1, or auto")
+        return v
+
+    @field_serializer("threshold_reuse")
+    def _reuse_as_given(self, v):
+        return "auto" if self._reuse_auto else v
+
+    @property
+    def reuse_chosen(self) -> bool:
+        """``threshold_reuse`` is what ``auto`` became for this config's policy, not a number given."""
+        return self._reuse_auto
+
+    def resolved(self, reuse: int) -> "SelectionConfig":
+        """This group with ``threshold_reuse: auto`` resolved to ``reuse``, remembered as chosen."""
+        out = self.model_copy(update={"threshold_reuse": reuse})
+        out._reuse_auto = True
+        return out
     radix_backend: Literal["auto", "triton", "torch"] = Field(
         "auto", description="radix: auto (Triton kernels on CUDA tensors, torch ops elsewhere) | triton | torch "
                             "(the reference in plain torch ops, any device)")
@@ -471,7 +506,10 @@ _SPARSE_UPDATE = ("PyTorch, plain SGD only: apply each compressed layer's averag
                   "every weight. Saves two passes over the compressed layers per step (worth it on CPUs; a GPU "
                   "does those passes in microseconds). Those parameters' .grad is None after step(); call "
                   "synchronize() first to see dense averaged gradients (e.g. to clip them). Needs torch.optim.SGD "
-                  "without momentum and weight decay in the optimizer (dgc.momentum_correction takes both out)")
+                  "without momentum and weight decay in the optimizer (dgc.momentum_correction takes both out) | "
+                  "auto: on under policy.mode: cost_model where redsync_hvd.torch.DistributedOptimizer under "
+                  "horovodrun wraps such an SGD with the allgather and no GradScaler (layers.log says which), "
+                  "off otherwise")
 
 
 _FEEDBACK_UNITS = ("what the residual holds under Adam and AdamW. gradient: the gradient (x = r + g, the "
@@ -501,7 +539,7 @@ _AGGREGATION = ("how a bucket's (position, value) messages meet. allgather: ever
 class AllgatherConfig(ResidualConfig):
     """Sparse methods whose messages (own positions, own values) travel by allgather, or by a sparse
     reduce-scatter (``aggregation``); under FSDP (``engine: fsdp``) through FSDP's reduce-scatter."""
-    sparse_update: bool = Field(False, description=_SPARSE_UPDATE)
+    sparse_update: Union[bool, Literal["auto"]] = Field("auto", description=_SPARSE_UPDATE)
     aggregation: Literal["allgather", "sparse_reduce_scatter", "auto"] = Field("allgather",
                                                                                 description=_AGGREGATION)
     residual_dtype: Literal["fp32", "bf16"] = Field(
@@ -526,7 +564,13 @@ class AllgatherConfig(ResidualConfig):
 
     @property
     def updates_in_step(self) -> bool:
-        return self.sparse_update
+        return self.sparse_update is True
+
+    @property
+    def may_update_in_step(self) -> bool:
+        """``sparse_update: auto`` under the cost model: the torch adapter turns it on where its
+        optimizer is plain SGD (``torch/optimizer.py``)."""
+        return self.sparse_update == "auto" and self.policy.mode == "cost_model" and self.aggregation == "allgather"
 
     @property
     def in_update_units(self) -> bool:
@@ -551,7 +595,7 @@ class AllgatherConfig(ResidualConfig):
     def _reduce_scatter_needs_pairs(self):
         if self.aggregation == "allgather":
             return self
-        if self.sparse_update:
+        if self.sparse_update is True:
             raise ValueError(f"aggregation={self.aggregation!r} with sparse_update: a reduce-scatter bucket is "
                              "decoded into dense averages, not applied to the weights in step(); set "
                              "sparse_update: false, or aggregation: allgather")
@@ -602,6 +646,15 @@ class RedSyncConfig(AllgatherConfig):
     @classmethod
     def _policy_floor(cls, v):
         return policy_with_floor(v, 4096)
+
+    @model_validator(mode="after")
+    def _reuse_by_policy(self):
+        """``selection.threshold_reuse: auto`` becomes a number here, so every reader sees one: 5 where
+        the cost model decides (the tuned runs' setting), 1 elsewhere. A dump writes ``auto`` back,
+        so a config read again resolves it again for its own policy."""
+        if self.selection.threshold_reuse == "auto":
+            self.selection = self.selection.resolved(5 if self.policy.mode == "cost_model" else 1)
+        return self
 
     def budget_refusal(self) -> Optional[str]:
         methods = {self.selection.method} | {o.selection for o in self.policy.layers if o.selection}

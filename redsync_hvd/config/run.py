@@ -183,6 +183,7 @@ class RunConfig(_Section):
         """The config without what a resume may change (:data:`RESUMABLE`): what a checkpoint's
         state depends on."""
         out = self.to_dict()
+        out["compression"] = settled(out["compression"], self.compression)
         for dotted in RESUMABLE:
             section, _, key = dotted.partition(".")
             if key:
@@ -195,6 +196,20 @@ class RunConfig(_Section):
         """Hash of :meth:`experiment`: checkpoints resume only into a run with the same one."""
         blob = json.dumps(self.experiment(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def settled(compression: dict, config: MethodConfig) -> dict:
+    """The ``auto`` settings of ``compression`` (a dumped section) as a run's state depends on them,
+    which is how checkpoints written before they were ``auto`` recorded them: the threshold reuse
+    as the number it became, ``sparse_update`` false where it cannot turn on (any policy but the
+    cost model's). A run whose ``auto`` chose differently stays another experiment."""
+    out = dict(compression)
+    selection = getattr(config, "selection", None)
+    if isinstance(out.get("selection"), dict) and hasattr(selection, "threshold_reuse"):
+        out["selection"] = {**out["selection"], "threshold_reuse": selection.threshold_reuse}
+    if out.get("sparse_update") == "auto" and not getattr(config, "may_update_in_step", False):
+        out["sparse_update"] = False
+    return out
 
 
 # What a resumed run may set differently from the run that wrote the checkpoints: where it

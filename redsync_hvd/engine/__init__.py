@@ -13,7 +13,7 @@ from .build import (
                     parse,
                     refuse,
 )
-from .probes import network_for, probe_compute
+from .probes import given_compute, network_for, probe_compute
 
 __all__ = [
     "NO_MOMENTS_NOTE",
@@ -25,6 +25,7 @@ __all__ = [
     "build_exchange",
     "build_memory",
     "check_same_everywhere",
+    "given_compute",
     "network_for",
     "parse",
     "probe_compute",

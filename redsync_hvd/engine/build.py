@@ -34,7 +34,7 @@ from ..memory import AdamUnitsMemory, MomentumCorrectionMemory, ResidualMemory
 from ..policy import LayerPolicy
 from ..policy.costmodel import ComputeModel
 from .decisions import pin
-from .probes import network_for, probe_compute, probe_overlap
+from .probes import given_compute, network_for, probe_compute, probe_overlap
 
 
 class UnsupportedMethodError(ValueError, NotImplementedError):
@@ -150,6 +150,16 @@ UPDATE_UNITS_NOTE = ("compression.feedback_units: update: each worker keeps its 
                      "(docs/redsync.md, Adam and AdamW)")
 
 
+def auto_notes(config: MethodConfig) -> list:
+    """layers.log lines for the ``auto`` settings the cost model set other than a static policy would."""
+    selection = getattr(config, "selection", None)
+    if selection is None or not getattr(selection, "reuse_chosen", False) or config.policy.mode != "cost_model":
+        return []
+    r = selection.threshold_reuse
+    return [f"compression.selection.threshold_reuse: {r} (auto under policy.mode: cost_model): each layer's "
+            f"threshold is searched every {r} steps and only counted in between (docs/redsync.md)"]
+
+
 def update_units(config: MethodConfig, take_moments: Optional[Callable[[], Union[AdamSpec, str, None]]],
                  where: str, why: Optional[str] = None) -> tuple:
     """(the Adam spec, notes) for ``feedback_units: update`` or ``auto`` once momentum correction has
@@ -185,11 +195,14 @@ def compute_model(config, comm, layers: list, device) -> ComputeModel:
     """What a compressed layer costs here, ``c0 + c1 * n``: ``policy.compute_s`` where the config
     gives it (decisions that do not move with the machine's load), else the run's own method
     timed on the model's own smallest and largest candidate layers."""
-    if config.policy.compute_s is not None:
-        c0, c1 = config.policy.compute_s
-        return ComputeModel(select_c0=c0, select_c1=c1, decompress_c0=0.0, decompress_c1=0.0)
+    given = given_compute(config)
+    if given is not None:
+        return given
     sizes = [l.numel for l in layers if l.numel >= config.policy.min_compress_numel]
-    return probe_compute(comm, device, spec=config.model_dump(mode="json"), sizes=sizes or None)
+    spec = config.model_dump(mode="json")
+    if isinstance(spec.get("selection"), dict):   # the probe runs the run's own reuse, not auto's static one
+        spec["selection"]["threshold_reuse"] = config.selection.threshold_reuse
+    return probe_compute(comm, device, spec=spec, sizes=sizes or None)
 
 
 def build_exchange(compression: Any, layers: list, comm, *, framework: str = "torch", engine: str = "horovod",
@@ -202,6 +215,7 @@ def build_exchange(compression: Any, layers: list, comm, *, framework: str = "to
     ``take_moments``: called once, only for ``feedback_units: update`` where momentum correction
     does not apply; it reads the Adam optimizer's betas, eps and coupled weight decay (None: no Adam)."""
     config = parse(compression)                                                     # 1.
+    chosen = auto_notes(config)
     refuse(config, framework, engine)                                               # 2.
     if config.strategy != "exchange":
         raise ValueError(f"compression.method={config.method!r} {config.limits()}: build it with "
@@ -222,7 +236,7 @@ def build_exchange(compression: Any, layers: list, comm, *, framework: str = "to
     notes = [UPDATE_UNITS_NOTE] if moments is not None else notes + more
     memory = build_memory(config, momentum, fuse, moments)
     policy = LayerPolicy(config, compressor)                                        # 5.
-    policy.notes = notes
+    policy.notes = chosen + notes
     if config.policy.decisions is not None:
         network, policy.compute = pin(policy, config, comm)
     else:

@@ -109,6 +109,17 @@ def probe_compute(comm, device="cpu", numel: int = 1 << 22, repeats: int = 5, sm
     return ComputeModel(select_c0=float(mine[0]), select_c1=float(mine[1]), decompress_c0=0.0, decompress_c1=0.0)
 
 
+def given_compute(config) -> ComputeModel | None:
+    """``policy.compute_s`` as the cost model's ComputeModel where the config gives it (decisions
+    that do not move with the machine's load: a compressed layer's whole cost, decoding included),
+    else None (the caller probes)."""
+    given = getattr(getattr(config, "policy", None), "compute_s", None)
+    if given is None:
+        return None
+    c0, c1 = given
+    return ComputeModel(select_c0=c0, select_c1=c1, decompress_c0=0.0, decompress_c1=0.0)
+
+
 def network_for(config, comm) -> Network | None:
     """The network the cost model plans for: what the config gives, the rest measured here
     (a probed alpha is Horovod's cost per collective round: its cycle, negotiation, the wait,

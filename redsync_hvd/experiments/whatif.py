@@ -12,7 +12,8 @@
    per host, and prices each: a compressed bucket's selection, collective and decode
    (``policy/review.py:bucket_prediction``), a bucket that sends every element (the dense
    layers; every bucket of none and fp16) as the ring allreduce of its bytes, ``--overlap`` of it
-   hidden behind backward, with no measured rate in it;
+   hidden behind backward, with no measured rate in it (fp16 adds its measured conversions of
+   every element to half precision and back: on a CPU they are not free);
 4. prints one row per method, the median predicted step over the repeats with their spread, the
    speedup over dense, and the pick (the lowest median).
 
@@ -42,7 +43,7 @@ from redsync_hvd.exchange import GradientExchange
 from redsync_hvd.memory import ResidualMemory
 from redsync_hvd.models import build_model
 from redsync_hvd.policy import LayerPolicy
-from redsync_hvd.policy.costmodel import Network, ring_allreduce
+from redsync_hvd.policy.costmodel import ComputeModel, Network, ring_allreduce
 from redsync_hvd.policy.review import bucket_prediction
 from redsync_hvd.torch.training import loss_and_correct
 
@@ -101,8 +102,10 @@ def time_compute(model, x, y, task: str, repeats: int) -> list:
 def price(spec: dict, layers: list, N: int, net: Network, rates, compute_s: float, overlap: float) -> dict:
     """Predicted seconds of one step under ``spec`` (step 3): the exchange's own buckets and
     decisions for N workers, each priced. A bucket that sends every element (dense layers, and
-    every bucket of a ``dense_wire`` method: none, fp16) is the ring allreduce of its bytes, with
-    no measured rate in it; ``rates`` prices the others."""
+    every bucket of a ``dense_wire`` method: none, fp16) is the ring allreduce of its bytes; fp16
+    also converts every element down and back (``rates``: its measured cost per element; a bucket's
+    fixed cost, which none has too and is priced without, is left out; none sends the gradient
+    itself and has no rate). ``rates`` prices the selecting methods' buckets."""
     config = parse_compression(spec)
     steady = {k: v for k, v in spec.items() if k not in ("warmup", "start_iter", "dgc")}   # no optimizer here
     policy_spec = spec.get("policy")
@@ -122,6 +125,8 @@ def price(spec: dict, layers: list, N: int, net: Network, rates, compute_s: floa
         numels = [l.numel for l in bucket.layers]
         if comp.dense_wire:
             dense_s += ring_allreduce(N, sum(comp.wire(l).nbytes(N) for l in bucket.layers), net)
+            if rates is not None and not comp.passthrough:   # fp16's casts; none's message is the gradient
+                comm_s += rates.select_c1 * sum(numels)   # per element: a bucket's fixed cost none has too
         elif not bucket.layers[0].compressed:
             dense_s += ring_allreduce(N, (2 if cfg.policy.dense_values == "fp16" else 4) * sum(numels), net)
         else:
@@ -134,15 +139,43 @@ def price(spec: dict, layers: list, N: int, net: Network, rates, compute_s: floa
             "exchange_s": step - compute_s, "step_s": step}
 
 
+def conversion_rate(dtype, numel: int) -> ComputeModel:
+    """Seconds per element of converting a gradient of ``numel`` elements to ``dtype`` and back
+    here, the fastest of three after one untimed: the work fp16 does beyond none's (every rank's
+    sum of the converted values is the collective's). In one thread: a pass over memory, which
+    on a shared host would otherwise wait at every op for a second thread another job holds
+    (60 ms instead of 0.02 for the digits CNN's 53,002 elements beside two CPU hogs)."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    best, threads = float("inf"), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for rep in range(4):
+            t0 = time.perf_counter()
+            x.to(dtype).to(torch.float32)
+            if rep:
+                best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return ComputeModel(select_c0=0.0, select_c1=best / max(numel, 1), decompress_c0=0.0, decompress_c1=0.0)
+
+
 def price_repeats(spec: dict, layers: list, N: int, net: Network, compute_s: float, overlap: float,
                   repeats: int) -> dict:
-    """``price`` with the rates probed ``repeats`` times here (once for a ``dense_wire`` method,
-    which has none): the median predicted step, and the spread (min, max) of the repeats, so
-    that a probe slowed by another job moves neither the row nor the pick."""
-    dense = build_compressor(spec, LocalCommunicator(N))[0].dense_wire
-    rows = [price(spec, layers, N, net, None if dense else probe_rates(N, "cpu", spec, [l.numel for l in layers],
-                                                                        repeats=2), compute_s, overlap)
-            for _ in range(1 if dense else repeats)]
+    """``price`` with the rates probed ``repeats`` times here (once for none, which has none: its
+    row is the allreduce of the model's bytes alone): the median predicted step, and the spread
+    (min, max) of the repeats, so that a probe slowed by another job moves neither the row nor
+    the pick. fp16's rate is its conversions timed alone, over the model's size (the exchange
+    converts whole fused buckets)."""
+    comp = build_compressor(spec, LocalCommunicator(N))[0]
+    exact = comp.dense_wire and comp.passthrough
+    sizes = [l.numel for l in layers]
+
+    def rates():
+        if comp.dense_wire:
+            return conversion_rate(comp.wire(layers[0]).dtypes[0], sum(sizes))
+        return probe_rates(N, "cpu", spec, sizes, repeats=2)
+    rows = [price(spec, layers, N, net, None if exact else rates(), compute_s, overlap)
+            for _ in range(1 if exact else repeats)]
     steps = sorted(r["step_s"] for r in rows)
     row = min(rows, key=lambda r: abs(r["step_s"] - statistics.median(steps)))
     return {**row, "exchange_s": statistics.median(steps) - compute_s, "step_s": statistics.median(steps),

@@ -55,6 +55,7 @@ from ..engine import (
     NO_MOMENTS_NOTE,
     NO_MOMENTUM_NOTE,
     check_same_everywhere,
+    given_compute,
     network_for,
     parse,
     probe_compute,
@@ -354,7 +355,7 @@ def _decide(config, layers: list, per_group: list, comm) -> LayerPolicy:
     elif getattr(config, "policy", None) is not None:
         network = network_for(config, comm)
         if network is not None:
-            policy.compute = probe_compute(comm, layers[0].device)
+            policy.compute = given_compute(config) or probe_compute(comm, layers[0].device)
     if network is not None and policy.pinned is None:   # priced per group below, not per layer
         cheap = config.model_copy(update={"policy": config.policy.model_copy(update={"mode": "static"})})
         policy.config = cheap

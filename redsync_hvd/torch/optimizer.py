@@ -32,10 +32,13 @@ from .options import (
     resolve,
     with_group_hint,
 )
-from .params import check_plain_sgd, layers_of, resolve_names, take_momentum
+from .params import check_plain_sgd, layers_of, plain_sgd_problems, resolve_names, take_momentum
 from .sparse import SparseRows, makes_sparse_grads
 from .update_units import UpdateUnitsStep, take_moments
 
+SPARSE_AUTO_NOTE = ("compression.sparse_update: true (auto under policy.mode: cost_model): the optimizer is plain "
+                    "SGD, so step() applies each compressed layer's average straight to its weights; their .grad "
+                    "is None after step() (synchronize() first gives dense averages)")
 STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
                    "optimizer.synchronize(): step() uses the gradients synchronize() wrote (horovod.torch would "
                    "exchange them again); wrap step() in `with optimizer.skip_synchronize():`")
@@ -77,6 +80,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 raise ValueError("compression.sparse_update applies the average straight to the weights, which "
                                  "op=hvd.Sum and gradient_predivide_factor would have to scale: set sparse_update: "
                                  "false, or leave op and gradient_predivide_factor at their defaults")
+        self._sparse_auto = self._choose_sparse_update(config, options)
         self._rows = SparseRows(comm, rows, options.op == "average", self._exchange.stats) if rows else None
         self._arrived_sparse: set = set()   # this step's layers whose gradient came sparse and went dense
         self._warned_sparse: set = set()
@@ -92,6 +96,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._landing_named = [] if self._local_steps else [(n, p) for n, p in exchanged if n not in sparse]
         self._landing, self._layout = self._grad_views(self._landing_named), 0
         self._attach()
+
+    def _choose_sparse_update(self, config, options: HorovodOptions) -> bool:
+        """``sparse_update: auto`` under the cost model: on where this optimizer is plain SGD (as it is
+        once momentum correction holds momentum and weight decay) and the average is applied as
+        it is; layers.log says which, and why not."""
+        if not getattr(config, "may_update_in_step", False) or self._delayed:
+            return False
+        problems = plain_sgd_problems(self)
+        if options.op != "average" or options.predivide != 1.0:
+            problems.append("op=hvd.Sum or gradient_predivide_factor scales the average")
+        notes = self._exchange.policy.notes
+        if problems:
+            notes.append(f"compression.sparse_update: false (auto): {'; '.join(problems)}")
+            return False
+        self._sparse_update = True
+        notes.append(SPARSE_AUTO_NOTE)
+        return True
 
     def _horovod_options(self, options: HorovodOptions, comm, spec) -> None:
         """horovod.torch's attributes, and what the exchange does with them: a gradient
@@ -214,6 +235,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             with opt.skip_synchronize(): scaler.step(opt)
             scaler.update()
         """
+        if self._sparse_update and self._sparse_auto:   # chosen, not asked for: the scaler must skip steps
+            self._sparse_update = False
+            self._exchange.policy.notes.append("compression.sparse_update: false (auto): a GradScaler skips "
+                                               "overflowing steps, which an update inside step() would not")
         if self._sparse_update:
             raise ValueError("compression.sparse_update updates the weights inside step(), before a GradScaler "
                              "could skip an overflowing step: set sparse_update: false to train with fp16")

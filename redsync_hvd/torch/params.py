@@ -54,6 +54,16 @@ def take_momentum(param_groups, names: dict) -> MomentumSpec | None:
 
 def check_plain_sgd(opt) -> None:
     """``sparse_update`` does the optimizer's job for compressed layers: only right for plain SGD."""
+    problems = plain_sgd_problems(opt)
+    if problems:
+        raise ValueError("compression.sparse_update applies the averaged sparse gradient straight to the weights, "
+                         "which is a plain SGD step, but " + "; ".join(problems) + ". Use torch.optim.SGD with "
+                         "dgc: {momentum_correction: true} (it moves momentum and weight decay into the compressor), "
+                         "or momentum 0 and weight_decay 0; or set sparse_update: false")
+
+
+def plain_sgd_problems(opt) -> list:
+    """Why ``opt`` is not a plain SGD step (none: it is)."""
     problems = []
     if not isinstance(opt, torch.optim.SGD):
         problems.append(f"the optimizer is {type(opt).__mro__[1].__name__}, not torch.optim.SGD")
@@ -63,8 +73,4 @@ def check_plain_sgd(opt) -> None:
                 problems.append(f"param group {i} has {key}={group[key]}")
         if group.get("maximize", False):
             problems.append(f"param group {i} has maximize=True")
-    if problems:
-        raise ValueError("compression.sparse_update applies the averaged sparse gradient straight to the weights, "
-                         "which is a plain SGD step, but " + "; ".join(problems) + ". Use torch.optim.SGD with "
-                         "dgc: {momentum_correction: true} (it moves momentum and weight decay into the compressor), "
-                         "or momentum 0 and weight_decay 0; or set sparse_update: false")
+    return problems

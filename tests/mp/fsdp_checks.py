@@ -218,14 +218,14 @@ def check_state():
 
 
 def check_policy():
-    """policy.mode: cost_model prices each group (given network, nothing probed but compute): on a
+    """policy.mode: cost_model prices each group (network and compute given, nothing probed): on a
     1 Mbit/s link the two larger layers' groups compress; on a fast one every group stays dense
     and takes FSDP's own reduce-scatter; the decisions name the group and why."""
     kinds = {}
     for link, (latency, gbit) in {"slow": (1e-3, 0.001), "fast": (1e-6, 1000.0)}.items():
         model = build()
         compression = {**DENSE1, "density": 0.05, "policy": {"mode": "cost_model", "latency_s": latency,
-                                                              "bandwidth_gbit": gbit}}
+                                                              "bandwidth_gbit": gbit, "compute_s": [1e-4, 1e-9]}}
         state = rfsdp.register(model, compression, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
         kinds[link] = [g.kind for g in state.groups]
         decisions = state.layer_decisions()

@@ -41,7 +41,8 @@ def build_rows(cfg, setting, model, result, methods, probe, compute) -> list[dic
         else:
             c_alone = compute[model["name"]]["1"]["compute_s"]
             c_n = compute[model["name"]].get(str(hosts), compute[model["name"]]["1"])["compute_s"]
-        p = predict(r, hosts, net, c_n, fusion)
+        c_launch = launch_compute(result["runs"], name)
+        p = predict(r, hosts, net, c_n if c_launch is None else c_launch, fusion)
         row = dict(
             base, method=name, step_time_s=r["step_time_s"], wire_bytes_per_step=r["wire_bytes_per_step"],
             dense_bytes_per_step=r["dense_bytes_per_step"], compression_ratio=r.get("compression_ratio"),
@@ -49,7 +50,8 @@ def build_rows(cfg, setting, model, result, methods, probe, compute) -> list[dic
             decompress_s=r["decompress_s"],
             overhead_pct_of_compute=100 * (r["select_s"] + r["decompress_s"]) / r["compute_s"]
             if r["compute_s"] > 0 else None,
-            compute_alone_s=c_alone, compute_nproc_s=c_n, predicted_step_time_s=p["predicted_step_time_s"],
+            compute_alone_s=c_alone, compute_nproc_s=c_n, compute_launch_s=c_launch,
+            compute_source="alone" if c_launch is None else "launch", predicted_step_time_s=p["predicted_step_time_s"],
             prediction_error_pct=_err(p["predicted_step_time_s"], r["step_time_s"]),
             predicted_overlap_s=p["predicted_overlap_s"], predicted_comm_s=p["predicted_comm_s"],
             compressed_layers=sum(1 for _, _, m in plan_from_run(r) if not m.startswith("dense")),
@@ -65,11 +67,16 @@ def build_rows(cfg, setting, model, result, methods, probe, compute) -> list[dic
             row.update(predicted_in_run_s=pr["predicted_step_time_s"],
                        in_run_error_pct=_err(pr["predicted_step_time_s"], r["step_time_s"]))
         rows.append(row)
+    return speedups(rows, methods)
+
+
+def speedups(rows: list, methods) -> list:
+    """Each row's ``speedup_vs_dense`` against dense Horovod in its own launch: the decentralized
+    methods ran under mpirun with "dense/mpi", the /comm rows against "dense/comm", the others
+    under Gloo with "dense"."""
     by = {row["method"]: row for row in rows}
     mpi_launch = {n for n, c in methods if (c or {}).get("method") in DECENTRALIZED} | {MPI_DENSE}
     for row in rows:
-        # each method against dense Horovod in its own launch: the decentralized methods ran
-        # under mpirun with "dense/mpi", the others under Gloo with "dense"
         base_label = "dense/comm" if row["method"].endswith("/comm") else (
             MPI_DENSE if row["method"] in mpi_launch else "dense")
         dense = by.get(base_label)
@@ -93,20 +100,47 @@ def in_run_work(r: dict) -> float:
     return max(x["compute_s"] + x["select_s"] + x["decompress_s"] for x in ranks)
 
 
+def launch_compute(runs: dict, label: str) -> float | None:
+    """The nominal prediction's compute for run ``label``, measured in its own launch: what a step
+    does locally beside the timed selection and decoding (priced from the run's own medians), on
+    the cores the launch's workers and their Horovod threads share, each step as long as its
+    slowest rank's. None where the launch lacks the rows it is taken from (then compute measured
+    with no communication stands in, as before):
+
+    1. forward and backward: dense's local work less the local work of dense's exchange alone
+       (``dense/comm``: no forward and backward; both the step less its waits in collectives,
+       ``in_run_work``);
+    2. plus the local work of ``label``'s own exchange alone (``<label>/comm``: its selection,
+       decoding, the copies no phase times, the update), less the run's timed selection and decoding.
+
+    For dense itself steps 1 and 2 give back dense's own local work: its prediction then checks the
+    collectives alone. The /comm rows are not predicted this way (they have no forward and backward)."""
+    dense, alone, own, run = runs.get("dense"), runs.get("dense/comm"), runs.get(f"{label}/comm"), runs.get(label)
+    if not (dense and alone and own and run) or run.get("comm_only"):
+        return None
+    forward_backward = in_run_work(dense) - in_run_work(alone)
+    return max(forward_backward + in_run_work(own) - run["select_s"] - run["decompress_s"], 0.0)
+
+
 PARTS = ("compute", "overhead", "comm")
 
 
-def part_errors(r: dict, p: dict) -> dict:
+def part_errors(r: dict, p: dict, local: float | None = None) -> dict:
     """Each part's error, (predicted - measured) in % of the measured step, so the three add up to
-    ``prediction_error_pct``: compute (the step less the exchange's timed phases: forward,
-    backward, the optimizer, and the exchange's untimed work, against compute measured with no
-    communication), overhead (selection and decoding, priced from the run's own medians) and comm
-    (the waits in collectives against the alpha-beta model's collectives)."""
+    ``prediction_error_pct``: compute (the step's local work less the exchange's timed phases:
+    forward, backward, the optimizer, and the exchange's untimed work), overhead (selection and
+    decoding, priced from the run's own medians) and comm (the rest of the step: the waits in
+    collectives, against the alpha-beta model's collectives). The local work is the slowest rank's,
+    step by step (``in_run_work``; ``local`` where the caller has it, rank 0's without per-rank
+    lists): a rank that waits for a slower one's compute waits in a collective, and that wait is
+    the slower rank's compute, not the network's."""
     step = r["step_time_s"]
     if not step:
         return {}
     overhead = r["select_s"] + r["decompress_s"]
-    measured = {"compute": step - overhead - r["communicate_s"], "overhead": overhead, "comm": r["communicate_s"]}
+    if local is None:
+        local = in_run_work(r) if r.get("per_rank") else step - r["communicate_s"]
+    measured = {"compute": local - overhead, "overhead": overhead, "comm": step - local}
     predicted = {"compute": p["predicted_compute_s"], "overhead": p["predicted_overhead_s"],
                  "comm": p["predicted_comm_s"]}
     return {f"{part}_error_pct": 100 * (predicted[part] - measured[part]) / step for part in PARTS}
@@ -125,7 +159,8 @@ def skipped_rows(setting, models, methods, why) -> list[dict]:
 def markdown(rows: list[dict]) -> str:
     cols = ["model", "method", "hosts", "bandwidth_mbit", "latency_ms", "step_time_s", "speedup_vs_dense",
             "wire_bytes_per_step", "compute_s", "select_s", "communicate_s", "decompress_s",
-            "overhead_pct_of_compute", "predicted_step_time_s", "prediction_error_pct", "compute_error_pct",
+            "overhead_pct_of_compute", "compute_source", "predicted_step_time_s", "prediction_error_pct",
+            "compute_error_pct",
             "overhead_error_pct", "comm_error_pct", "predicted_in_run_s", "in_run_error_pct"]
     return markdown_table(cols, [[short(r.get(c), 3) for c in cols] for r in rows if r.get("step_time_s")]).rstrip()
 
