@@ -61,21 +61,9 @@ def launch_mpi(net, command: list, timeout: float = 600, log_dir: str | Path | N
     agent = log_dir / "rsh-agent.sh"
     agent.write_text(_AGENT.format(map=hostmap))
     agent.chmod(agent.stat().st_mode | stat.S_IXUSR)
-    subnet = net.host_addr(0).rsplit(".", 1)[0] + ".0/24"
     extra = {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in (env or {}).items()}}
     argv = [sys.executable if c == "python" else str(c) for c in command]
-    cmd = net.exec_prefix(None) + [
-        "mpirun", "-np", str(net.hosts), "--host", ",".join(f"{net.host_addr(i)}:1" for i in range(net.hosts)),
-        "--mca", "plm_rsh_agent", str(agent), "--mca", "btl", "tcp,self",
-        "--mca", "btl_tcp_if_include", subnet, "--mca", "oob_tcp_if_include", subnet,
-        # mpirun shares its hwloc topology with the daemons through shared memory mapped at a
-        # hole it finds in its own address space; a daemon whose /sys is the namespace's own
-        # (``ip netns exec`` remounts it) can crash adopting it, so each daemon reads its own
-        "--mca", "rtc_hwloc_vmhole", "none",
-        "--tag-output", "--bind-to", "none"]
-    for k, v in extra.items():
-        cmd += ["-x", f"{k}={v}"]
-    cmd += argv
+    cmd = _mpirun_argv(net, agent, extra) + argv
     log = log_dir / "mpirun.log"
     run_env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     with open(log, "w") as f:
@@ -106,3 +94,21 @@ def launch_mpi(net, command: list, timeout: float = 600, log_dir: str | Path | N
         why = f"timed out after {timeout:.0f}s" if timed_out else f"mpirun exited with {p.returncode}"
         raise LaunchError(f"{why} ({net.describe()}); log {log}\n{log.read_text()[-3000:]}")
     return results
+
+
+def _mpirun_argv(net, agent: Path, extra: dict) -> list:
+    """mpirun's command line, in the switch namespace: one rank per host, TCP on the hosts' subnet
+    only, ``extra`` exported to every rank."""
+    subnet = net.host_addr(0).rsplit(".", 1)[0] + ".0/24"
+    cmd = net.exec_prefix(None) + [
+        "mpirun", "-np", str(net.hosts), "--host", ",".join(f"{net.host_addr(i)}:1" for i in range(net.hosts)),
+        "--mca", "plm_rsh_agent", str(agent), "--mca", "btl", "tcp,self",
+        "--mca", "btl_tcp_if_include", subnet, "--mca", "oob_tcp_if_include", subnet,
+        # mpirun shares its hwloc topology with the daemons through shared memory mapped at a
+        # hole it finds in its own address space; a daemon whose /sys is the namespace's own
+        # (``ip netns exec`` remounts it) can crash adopting it, so each daemon reads its own
+        "--mca", "rtc_hwloc_vmhole", "none",
+        "--tag-output", "--bind-to", "none"]
+    for k, v in extra.items():
+        cmd += ["-x", f"{k}={v}"]
+    return cmd
