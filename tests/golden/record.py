@@ -8,6 +8,12 @@ at the config's own epochs. What is kept per run: a SHA-256 of every rank's fina
 (from the run's last checkpoint, in the state dict's order) and the byte counts of its
 summary.json. A change that moves no number (a refactoring of the exchange) passes ``--check``;
 one that moves a number names the run and the figure.
+
+Eight runs (redsync, redsync-0.001, tf-redsync and topk) end on other weights where torch's CPU
+kernels take another vector width (``torch.backends.cpu.get_cpu_capability()``): digits.json was
+recorded where it was not AVX2, and the recording commit itself gives other weights under AVX2.
+A machine of another capability keeps the runs that differ in ``digits-<capability>.json``
+(``--record-capability`` writes them), and ``--check`` compares with digits.json overlaid by it.
 """
 from __future__ import annotations
 
@@ -25,6 +31,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 GOLDEN = Path(__file__).with_name("digits.json")
+CAPABILITY = torch.backends.cpu.get_cpu_capability()
+OVERLAY = Path(__file__).with_name(f"digits-{CAPABILITY}.json")
 SEEDS = (0, 1)
 BYTES = ("wire_bytes", "dense_bytes", "steps")
 
@@ -65,8 +73,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="compare with digits.json instead of writing it")
     ap.add_argument("--only", nargs="*", default=None, help="config stems to run (default: all)")
+    ap.add_argument("--record-capability", action="store_true",
+                    help=f"write the runs that differ from digits.json to {OVERLAY.name} (this machine's kind)")
     args = ap.parse_args()
     golden = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
+    overlay = json.loads(OVERLAY.read_text()) if OVERLAY.exists() else {}
+    if args.check or args.record_capability:
+        golden = {**golden, **overlay}
     got, differ = {}, []
     with tempfile.TemporaryDirectory() as tmp:
         for config in configs():
@@ -81,8 +94,16 @@ def main() -> int:
                 if args.check and not same:
                     differ.append(f"{key}: golden {golden.get(key)} now {got[key]}")
     if args.check:
-        print("\n".join(differ) if differ else f"all {len(got)} runs bit-identical to {GOLDEN.name}")
+        against = GOLDEN.name + (f" + {OVERLAY.name}" if overlay else "")
+        print("\n".join(differ) if differ else f"all {len(got)} runs bit-identical to {against}")
         return 1 if differ else 0
+    if args.record_capability:
+        base = json.loads(GOLDEN.read_text())
+        moved = {k: v for k, v in got.items() if base.get(k) != v}
+        kept = {k: v for k, v in overlay.items() if k not in got}
+        OVERLAY.write_text(json.dumps({**kept, **moved}, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {len(moved)} runs that differ under {CAPABILITY} to {OVERLAY}")
+        return 0
     GOLDEN.write_text(json.dumps({**golden, **got}, indent=1, sort_keys=True) + "\n")
     print(f"wrote {len(got)} runs to {GOLDEN}")
     return 0
