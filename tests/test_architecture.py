@@ -235,3 +235,48 @@ def test_the_exchange_keeps_its_memories_as_one():
     from redsync_hvd.exchange import sharded
     from redsync_hvd.memory.flat import FlatPair
     assert sharded.FlatPair is FlatPair and not hasattr(sharded, "_Pair")
+
+
+# -- one selection: the entry point, and torch.topk only in core/ ----------------------------------
+SELECT = "redsync_hvd.core.select"
+# what exchange/ and compressors/ may take from the selection package: the entry point, its types,
+# the radix strategy's first and last passes, and the helpers of the sign rule and the registry
+ENTRY = {"select", "single", "Contract", "SelectionState", "NonFiniteError", "scan_request", "compensate",
+         "decode_add", "keep_side", "kept_mean", "backends", "pick", "check"}
+
+
+def _imports(path: Path) -> list:
+    """(module, name) of every ``from ... import name`` in a package file, made absolute."""
+    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    out = []
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.ImportFrom):
+            base = package.rsplit(".", n.level - 1)[0] if n.level else ""
+            module = ".".join(p for p in (base, n.module) if p)
+            out += [(module, a.name) for a in n.names]
+    return out
+
+
+def test_exchange_and_compressors_select_through_the_one_entry_point():
+    """exchange/ and compressors/ take from core/select only the entry point and its types (no
+    strategy, backend or kernel module of it), and both call ``select``."""
+    callers, wrong = set(), []
+    for folder in ("exchange", "compressors"):
+        for path in sorted((PKG / folder).glob("*.py")):
+            for module, name in _imports(path):
+                if module.startswith(SELECT) and (name not in ENTRY or module.rsplit(".", 1)[-1]
+                                                  not in ("select", "registry", "reference")):
+                    wrong.append(f"{folder}/{path.name}: {module}.{name}")
+            if any(getattr(n.func, "id", None) == "select" for n in ast.walk(ast.parse(path.read_text()))
+                   if isinstance(n, ast.Call)):
+                callers.add(folder)
+    assert not wrong, wrong
+    assert callers == {"exchange", "compressors"}, callers
+
+
+def test_no_topk_outside_core():
+    """Every top-k of the package goes through core/ (the exact strategy of core/select)."""
+    outside = [p for p in sorted(PKG.rglob("*.py")) if p.relative_to(PKG).parts[0] != "core"]
+    hits = [f"{p.relative_to(PKG)}:{n.lineno}" for p in outside for n in ast.walk(ast.parse(p.read_text()))
+            if isinstance(n, ast.Attribute) and n.attr == "topk"]
+    assert not hits, hits

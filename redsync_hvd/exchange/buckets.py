@@ -34,7 +34,7 @@ import torch
 
 from ..comm.packing import pack, payload_bytes, unpack_fixed, unpack_gathered
 from ..compressors.base import Message
-from ..core.selection import NonFiniteError
+from ..core.select import NonFiniteError
 from ..core.wire import finite_evidence
 from .step import Arrived, StepState
 

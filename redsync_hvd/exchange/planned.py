@@ -8,12 +8,12 @@ its residuals and DGC velocities (views of flat double buffers, :class:`FlatMemo
 its step as device work only, with no host read and no per-layer call:
 
     0. gradients   into ``self.grad``, copied only where they did not land there
-    1. compensate  x = r + g (DGC: u = m u + g, x = r + u) and the first histogram   rs.compensate
-    2. compress    exactly k per layer: positions, values or one mean per layer;     rs.select
+    1. compensate  x = r + g (DGC: u = m u + g, x = r + u) and the first histogram   compensate
+    2. compress    exactly k per layer: positions, values or one mean per layer;     select
                    x -= what receivers decode and u zeroed there, in the same write (3. update)
     4. send        [positions | values or means | count of non-finite layers]: one allgather,
                    whose size every rank knows (no header)
-    finish         every rank's message decoded, in rank order, into ``self.grad``  rs.decode_add
+    finish         every rank's message decoded, in rank order, into ``self.grad``  decode_add
 
 On CUDA, steps 1-4 of a layout that has run eagerly twice are captured into a CUDA graph and
 replayed with one launch (``graph.py``). A change of any layer's k (the density warm-up's stages,
@@ -27,8 +27,8 @@ import torch
 
 from ..comm.packing import pack, unpack_fixed
 from ..compressors.base import Message
-from ..core import radix_select as rs
 from ..core.segments import VECTOR, Segments
+from ..core.select import compensate, decode_add, select
 from ..core.stats import CommStats
 from ..memory.flat import FlatMemory
 from .buckets import Bucket, account
@@ -47,7 +47,7 @@ class PlannedBucket(Bucket):
     """One flat bucket of exactly-k layers; see the module docstring.
 
     compressor: its ``flat`` (``FlatCodec``) gives the message codec (sign rule, sign_mean or
-        values, the values' wire dtype) and the kernels' backend ("auto", "triton", "torch");
+        values, the values' wire dtype) and the radix contract, whose backend runs the kernels;
     memory: its :class:`FlatMemory` (laid out by ``flat_frame(layers)``), or None without error
         feedback (x is the gradient itself);
     graphs: "auto" | "on" | "off" (``compression.cuda_graph``)."""
@@ -55,7 +55,7 @@ class PlannedBucket(Bucket):
 
     def __init__(self, index: int, layers: tuple, compressor, memory: FlatMemory | None, comm, stats,
                  policy, buffers, *, clip: float | None, graphs: str = "auto"):
-        self.codec, self.backend = compressor.flat.codec, compressor.flat.backend
+        self.codec, self.contract = compressor.flat.codec, compressor.flat.contract
         self.frame = flat_frame(tuple(layers))
         if memory is not None and memory.frame.sizes != self.frame.sizes:
             raise ValueError(f"bucket {index}: its FlatMemory is laid out for {len(memory.frame.sizes)} other "
@@ -158,13 +158,13 @@ class PlannedBucket(Bucket):
             r, u = m.pairs["r"], m.pairs.get("u")
             extra = {} if u is None else {"velocity": u.cur, "velocity_out": u.spare, "momentum": m.momentum,
                                           "nesterov": m.nesterov}
-            hist = rs.compensate(seg, r.cur, grad, r.spare, sign=sign, backend=self.backend, **extra)
+            hist = compensate(seg, r.cur, grad, r.spare, sign=sign, contract=self.contract, **extra)
             x, velocity = r.spare, (u.spare if u is not None and m.masking else None)
         if observe:
             self.policy.observe(list(self.layers), seg.views(x), step, [self.views[n] for n in self.names])
-        sel = rs.select(seg, x, sign=sign, mean=self.codec.mean, hist=hist, index_dtype=torch.int32,          # 2.-3.
-                        value_dtype=self.codec.value_dtype, update=m is not None, velocity=velocity,
-                        backend=self.backend)
+        sel = select(seg, x, self.contract, sign=sign, mean=self.codec.mean, first=hist,                     # 2.-3.
+                     index_dtype=torch.int32, value_dtype=self.codec.value_dtype, update=m is not None,
+                     velocity=velocity)
         flag = sel.nonfinite.sum(dtype=torch.int32).reshape(1)
         return pack([sel.positions, sel.means if self.codec.mean else sel.values, flag], grad.device)[1], \
             sel.nonfinite
@@ -224,7 +224,7 @@ class PlannedBucket(Bucket):
                 pos = per_rank[0][0][None] if size == 1 else torch.stack([p[0] for p in per_rank])
                 second = per_rank[0][1][None] if size == 1 else torch.stack([p[1] for p in per_rank])
                 wire = {"means": second} if self.codec.mean else {"values": second}
-                rs.decode_add(seg, flat.zero_(), pos, alpha=alpha, backend=self.backend, **wire)
+                decode_add(seg, flat.zero_(), pos, alpha=alpha, contract=self.contract, **wire)
                 if not exact:
                     flat.div_(size)
                 got.averages.update(self.views if flat is self.grad else zip(self.names, self.frame.views(flat)))

@@ -6,10 +6,10 @@ N rows: row o holds, for every parameter j of the group, the o-th of its N equal
 of the shard its optimizer updates. Here the same buffer travels compressed (``ShardedGroup``):
 
     1. compensate  x = r + g (DGC: r + u, u = m u + g) of every other rank's row, fused with the
-                   row's first histogram                                 rs.compensate
+                   row's first histogram                                 compensate
     2. select      exactly k of every piece (o, j) of those rows (k = ceil(d * the piece's real
                    elements)); x -= what the owner decodes, the velocity zeroed there (DGC's
-                   masking)                                              rs.select(update=True)
+                   masking)                                              select(update=True)
     3. route       the selected entries to their owners by the sparse reduce-scatter's alltoall,
                    with FSDP's contiguous shards as the owners (reduce_scatter.py: ``Shards``);
                    each owner adds up what it received                   SparseReduceScatter
@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..compressors.codec import MessageCodec
-from ..core import radix_select as rs
 from ..core.layout import k_of
 from ..core.segments import Segments
+from ..core.select import Contract, compensate, select
 from ..memory.flat import FlatPair
 from .reduce_scatter import Shards, SparseReduceScatter
 
@@ -125,6 +125,7 @@ class ShardedGroup:
         self.dense = [j for j, l in enumerate(self.layers) if not l.compressed]
         self.device = torch.device(device)
         self.codec = MessageCodec(quantize, "raw", sign_rule)
+        self.radix = Contract("radix", backend=settings.backend)
         self.residual = self.velocity = self.dense_velocity = None   # FlatPair, built on first use
         self.rsc = None
         if self.compressed:
@@ -245,11 +246,10 @@ class ShardedGroup:
             seg = lay.segments(o, densities)
             extra = {} if u is None else {"velocity": u_in, "velocity_out": u_out, "momentum": s.momentum,
                                           "nesterov": s.nesterov}
-            hist = rs.compensate(seg, r_in, grad[sl], x, sign=sign, backend=s.backend, **extra)
-            out.append((o, seg, rs.select(seg, x, sign=sign, mean=self.codec.mean, hist=hist,
-                                          value_dtype=self.codec.value_dtype, update=True,
-                                          velocity=u_out if s.masking and u is not None else None,
-                                          backend=s.backend)))
+            hist = compensate(seg, r_in, grad[sl], x, sign=sign, contract=self.radix, **extra)
+            out.append((o, seg, select(seg, x, self.radix, sign=sign, mean=self.codec.mean, first=hist,
+                                       value_dtype=self.codec.value_dtype, update=True,
+                                       velocity=u_out if s.masking and u is not None else None)))
             if packed is not None:   # 5. the dense parameters' pieces of this row leave x
                 packed[o] = x.index_select(0, self._dense_out)
                 x.index_fill_(0, self._dense_out, 0.0)

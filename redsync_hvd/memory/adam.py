@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.passes import Compensated, ScanRequest
+from ..core.select import Compensated, ScanRequest
 from .residual import ResidualMemory, double_buffer
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from ..core.passes import Compensated, ScanRequest, compensate_scan
+from ..core.select import Compensated, ScanRequest
+from ..core.select.native import compensate_scan
 from .residual import ResidualMemory, double_buffer
 
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..core.passes import Compensated, ScanRequest, compensate_scan
+from ..core.select import Compensated, ScanRequest
+from ..core.select.native import compensate_scan
 
 
 def double_buffer(current: dict, spare: dict, name: str, like: torch.Tensor):

@@ -389,8 +389,9 @@ def _count(x_ptr, prefix_ptr, need_ptr, side_ptr, arrivals, cnt_ptr, base_ptr, c
 @_device
 def _wire(x, bits, val_ptr, at, take, limit, BF16: tl.constexpr, CLAMP: tl.constexpr):
     """Store x's values at slots ``at`` in the wire's dtype; returns them as float32 (what
-    receivers decode). CLAMP: first clamped to +-limit, the wire type's finite range, as
-    ``core/wire.py:to_wire`` does, so a finite value stays finite (NaN compares false and stays)."""
+    receivers decode): the Triton form of ``core/wire.py:to_wire`` (its torch reference; the
+    tests compare them bit for bit). CLAMP: first clamped to +-limit, the wire type's finite
+    range, so a finite value stays finite (NaN compares false and stays)."""
     if CLAMP:
         x = tl.where(x > limit, limit, tl.where(x < -limit, -limit, x))
         bits = x.to(tl.int32, bitcast=True)
