@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..compressors.codec import MessageCodec
+from ..core.compensate import corrected, torch_compensate, velocity
 from ..core.layout import k_of
 from ..core.segments import Segments
 from ..core.select import Contract, compensate, select
@@ -264,13 +265,9 @@ class ShardedGroup:
         the velocity is not masked, as for a dense layer); its residual becomes 0."""
         s, own = self.settings, self.layout.own()
         r, u = self._pairs()
-        g = grad[own].float()
-        if u is None:
-            torch.add(r.cur[own], g, out=acc)
-        else:
-            v = g + u.cur[own].float() * s.momentum
-            u.spare[own] = v
-            torch.add(r.cur[own], g + v * s.momentum if s.nesterov else v, out=acc)
+        torch_compensate(r.cur[own], grad[own], acc, velocity_in=None if u is None else u.cur[own],
+                         velocity_out=None if u is None else u.spare[own], momentum=s.momentum,
+                         nesterov=s.nesterov, fma=False)
         r.spare[own] = 0.0
 
     def _send(self, sels: list) -> object:
@@ -321,6 +318,5 @@ class ShardedGroup:
             if decay is not None:
                 avg += decay if average else decay * factor
             u = self._pair("dense_velocity", lay.row, torch.float32)
-            torch.add(avg, u.cur, alpha=s.momentum, out=u.spare)
-            out.copy_(avg + s.momentum * u.spare if s.nesterov else u.spare)
+            out.copy_(corrected(avg, velocity(avg, u.cur, s.momentum, out=u.spare), s.momentum, s.nesterov))
         return GroupStep(bad, share, share, share, {"values": share})

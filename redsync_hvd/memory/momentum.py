@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.compensate import torch_compensate, velocity
 from ..core.select import Compensated, ScanRequest
 from ..core.select.native import compensate_scan
 from .residual import ResidualMemory, double_buffer
@@ -50,9 +51,8 @@ class MomentumCorrectionMemory(ResidualMemory):
         v, v_new = self._buffers(name, grad)
         # one pass over g, u and v where the native kernel runs; torch ops make three
         scan = compensate_scan(v, grad, v_new, want, u, u_new, m, self.nesterov, fuse=self.fuse)
-        if scan is None:
-            torch.add(grad, u, alpha=m, out=u_new)       # u = m*u + g
-            torch.add(v, grad + m * u_new if self.nesterov else u_new, out=v_new)
+        if scan is None:   # u = m*u + g; v + u (core/compensate.py)
+            torch_compensate(v, grad, v_new, velocity_in=u, velocity_out=u_new, momentum=m, nesterov=self.nesterov)
         self._pending[name] = v_new                      # v + step, in v's spare buffer
         return Compensated(v_new, scan if want is not None else None)
 
@@ -84,9 +84,7 @@ class MomentumCorrectionMemory(ResidualMemory):
         for m, items in groups.items():
             avgs = [a for _, a in items]
             pairs = [self._velocity_buffers(name, a) for name, a in items]
-            news = [new for _, new in pairs]
-            torch._foreach_copy_(news, avgs)
-            torch._foreach_add_(news, [u for u, _ in pairs], alpha=m)    # u = m*u + avg
+            news = velocity(avgs, [u for u, _ in pairs], m, out=[new for _, new in pairs])   # u = m*u + avg
             if self.nesterov:
                 torch._foreach_add_(avgs, news, alpha=m)                # avg + m*u
             else:

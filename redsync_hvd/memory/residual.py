@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.compensate import torch_compensate
 from ..core.select import Compensated, ScanRequest
 from ..core.select.native import compensate_scan
 
@@ -87,7 +88,7 @@ class ResidualMemory:
         r, spare = self._buffers(name, grad)
         scan = compensate_scan(r, grad, spare, want, fuse=self.fuse)
         if scan is None:
-            torch.add(r, grad, out=spare)
+            torch_compensate(r, grad, spare)
         self._pending[name] = spare
         return Compensated(spare, scan if want is not None else None)
 

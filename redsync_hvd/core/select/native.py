@@ -17,6 +17,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from .. import _native
+from ..compensate import torch_compensate
 from .passes import Scan, ScanRequest, sample_threshold
 from .registry import Loader, Unavailable
 
@@ -125,10 +126,8 @@ def compensate_scan(residual: torch.Tensor, grad: torch.Tensor, out: torch.Tenso
 def _sampled_x(residual, grad, velocity, momentum: float, nesterov: bool, stride: int) -> torch.Tensor:
     """x at every stride-th element, by the torch ops of the unfused compensation (where the
     native kernel rounds DGC's momentum differently, the selection's own pass is made instead)."""
-    r, g = residual[::stride], grad[::stride]
-    if velocity is None:
-        return r + g
-    u = torch.add(g, velocity[::stride], alpha=momentum)
-    return r + (g + momentum * u if nesterov else u)
+    return torch_compensate(residual[::stride], grad[::stride],
+                            velocity_in=None if velocity is None else velocity[::stride], momentum=momentum,
+                            nesterov=nesterov)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..compensate import torch_compensate
 from ..segments import BINS, NONFINITE_BIN, SHIFTS, Segments, to_device
 from ..wire import to_wire
 from .reference import kth_bin
@@ -24,12 +25,9 @@ class TorchRadix:
                    momentum: float = 0.0, nesterov: bool = False) -> torch.Tensor:
         """out = residual + grad (DGC: velocity_out = grad + momentum * velocity, out = residual +
         velocity_out, or residual + grad + momentum * velocity_out); the first histogram of out."""
-        g = grad.float()
-        if velocity is None:
-            torch.add(residual, g, out=out)
-        else:   # the kernels' order of operations, unfused (torch.add's alpha may use an FMA)
-            torch.add(g, velocity * momentum, out=velocity_out)
-            torch.add(residual, g + velocity_out * momentum if nesterov else velocity_out, out=out)
+        # the kernels' order of operations, unfused (torch.add's alpha may use an FMA)
+        torch_compensate(residual, grad, out, velocity_in=velocity, velocity_out=velocity_out, momentum=momentum,
+                         nesterov=nesterov, fma=False)
         if seg.padded:   # the kernels write zeros between layers
             for t in (out, velocity_out):
                 if t is not None:

@@ -144,7 +144,8 @@ def _row_key(bits, side, R: tl.constexpr):
 def _pass1(x_ptr, r_ptr, g_ptr, u_ptr, uo_ptr, hist_ptr, tile_seg, tile_lo, tile_hi, momentum,
            COMPENSATE: tl.constexpr, MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
            R: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    """1. x = r + g (DGC: u' = g + m*u; x = r + u', nesterov r + (g + m*u')), stored (0 in the
+    """1. x = r + g (DGC: u' = g + m*u; x = r + u', nesterov r + (g + m*u'): the Triton form of
+    ``core/compensate.py:torch_compensate`` with ``fma=False``), stored (0 in the
     padding), or x loaded; 2. bin = the exponent of |x| (+256 for negative x when R == 2);
     3. the tile's histogram; 4. one atomic add per non-empty bin."""
     NB: tl.constexpr = R * 256
