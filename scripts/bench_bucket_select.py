@@ -26,7 +26,7 @@ import warnings
 import torch
 
 from redsync_hvd.core.segments import Segments
-from redsync_hvd.core.select import Contract, compensate, decode_add, select
+from redsync_hvd.core.select import Contract, HistogramRequest, compensate, decode_add, select
 from redsync_hvd.experiments import machine, tables
 from redsync_hvd.experiments.stats import graphed, sync, timed_ms
 from redsync_hvd.experiments.tables import write_result
@@ -51,8 +51,8 @@ class Stages:
 
     def __call__(self):
         seg, c = self.seg, Contract("radix", backend=self.backend)
-        hist = compensate(seg, self.r, self.g, self.x, velocity=self.u, velocity_out=self.u_new, momentum=0.9,
-                          sign="pos", contract=c)
+        hist = compensate(self.r, self.g, self.x, velocity=self.u, velocity_out=self.u_new, momentum=0.9,
+                          first=HistogramRequest(seg, "pos", c))
         sel = select(seg, self.x, c, sign="pos", mean=True, first=hist, update=True, velocity=self.u_new)
         # every rank's message is this one: the decode does the work of world messages
         decode_add(seg, self.avg, sel.positions.expand(self.world, -1), means=sel.means.expand(self.world, -1),

@@ -242,7 +242,7 @@ SELECT = "redsync_hvd.core.select"
 # what exchange/ and compressors/ may take from the selection package: the entry point, its types,
 # the radix strategy's first and last passes, and the helpers of the sign rule and the registry
 ENTRY = {"select", "single", "Contract", "SelectionState", "NonFiniteError", "scan_request", "compensate",
-         "decode_add", "keep_side", "kept_mean", "backends", "pick", "check"}
+         "HistogramRequest", "decode_add", "keep_side", "kept_mean", "backends", "pick", "check"}
 
 
 def _imports(path: Path) -> list:

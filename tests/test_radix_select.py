@@ -14,7 +14,7 @@ from hypothesis import given, settings
 
 from redsync_hvd.core.host_reads import HostReads
 from redsync_hvd.core.segments import Segments, auto_tile
-from redsync_hvd.core.select import Contract, compensate, decode_add, select
+from redsync_hvd.core.select import Contract, HistogramRequest, compensate, decode_add, select
 from redsync_hvd.core.select.contract import SIGNS
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -132,8 +132,8 @@ def conservation_run(backend, device, *, sign, mean, value_dtype, grad_dtype, mo
     for _ in range(steps):
         g = padded(seg, torch.randn(sum(sizes), generator=gen)).to(device, grad_dtype)   # the padding holds 0
         x, u_new = torch.empty(n, device=device), torch.empty(n, device=device)
-        hist = compensate(seg, r, g, x, velocity=u if momentum else None, velocity_out=u_new if momentum else None,
-                          momentum=momentum, sign=sign, contract=c)
+        hist = compensate(r, g, x, velocity=u if momentum else None, velocity_out=u_new if momentum else None,
+                          momentum=momentum, first=HistogramRequest(seg, sign, c))
         total += (u_new if momentum else g.float()).double()
         before = x.clone()
         sel = select(seg, x, c, sign=sign, mean=mean, first=hist,
@@ -208,8 +208,8 @@ def test_no_host_wait_in_a_compressed_step(device, n_layers):
     x, u_new, avg = torch.empty_like(r), torch.empty_like(r), torch.zeros_like(r)
     with HostReads() as reads:
         for sign, mean in ((None, False), ("pos", True), ("larger", True)):
-            hist = compensate(seg, r, g.half(), x, velocity=u, velocity_out=u_new, momentum=0.9, sign=sign,
-                              contract=TORCH)
+            hist = compensate(r, g.half(), x, velocity=u, velocity_out=u_new, momentum=0.9,
+                              first=HistogramRequest(seg, sign, TORCH))
             sel = select(seg, x, TORCH, sign=sign, mean=mean, first=hist, update=True, velocity=u_new)
             wire = {"means": torch.stack([sel.means] * 4)} if mean else {"values": torch.stack([sel.values] * 4)}
             decode_add(seg, avg, torch.stack([sel.positions] * 4), alpha=0.25, **wire, contract=TORCH)

@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 from hypothesis import example, given, settings  # noqa: E402
 
 from redsync_hvd.core.segments import Segments  # noqa: E402
-from redsync_hvd.core.select import Contract, compensate, decode_add, select  # noqa: E402
+from redsync_hvd.core.select import Contract, HistogramRequest, compensate, decode_add, select  # noqa: E402
 from redsync_hvd.core.select.contract import SIGNS  # noqa: E402
 from redsync_hvd.core.select.radix import k_rows  # noqa: E402
 
@@ -161,9 +161,9 @@ def test_compensation_fused_with_the_first_histogram(grad_dtype, momentum, neste
     outs = {}
     for backend in ("torch", "triton"):
         x, u_new = torch.empty_like(r), torch.empty_like(r)
-        hist = compensate(seg, r, g, x, velocity=u if momentum else None, velocity_out=u_new if momentum else None,
-                          momentum=momentum, nesterov=nesterov, sign="larger",
-                          contract=Contract("radix", backend=backend))
+        hist = compensate(r, g, x, velocity=u if momentum else None, velocity_out=u_new if momentum else None,
+                          momentum=momentum, nesterov=nesterov,
+                          first=HistogramRequest(seg, "larger", Contract("radix", backend=backend)))
         outs[backend] = (x, u_new if momentum else None, hist)
     (xa, ua, ha), (xb, ub, hb) = outs["torch"], outs["triton"]
     assert same(xa, xb) and same(ua, ub) and torch.equal(ha, hb)
@@ -233,9 +233,9 @@ def test_padding_is_never_selected_and_stays_zero():
     for backend in ("torch", "triton"):
         x, u_new = torch.full((seg.n,), float("nan"), device=DEV), torch.full((seg.n,), float("nan"), device=DEV)
         c = Contract("radix", backend=backend)
-        hist = compensate(seg, padded(seg, r, float("nan")), padded(seg, g, float("nan")), x,
-                          velocity=padded(seg, u, float("nan")), velocity_out=u_new, momentum=0.9, sign="pos",
-                          contract=c)
+        hist = compensate(padded(seg, r, float("nan")), padded(seg, g, float("nan")), x,
+                          velocity=padded(seg, u, float("nan")), velocity_out=u_new, momentum=0.9,
+                          first=HistogramRequest(seg, "pos", c))
         assert (x[pad] == 0).all() and (u_new[pad] == 0).all(), backend
         sel = select(seg, x, c, sign="pos", mean=True, first=hist, update=True, velocity=u_new)
         assert not sel.nonfinite.any()
@@ -257,15 +257,15 @@ def test_a_histogram_nobody_consumed_is_not_added_to():
     gen = torch.Generator().manual_seed(4)
     r, g = (torch.randn(seg.n, generator=gen).to(DEV) for _ in range(2))
     x_ref = torch.empty_like(r)
-    h_ref = compensate(seg, r, g, x_ref, contract=TORCH)
+    h_ref = compensate(r, g, x_ref, first=HistogramRequest(seg, None, TORCH))
     want = select(seg, x_ref.clone(), TORCH, first=h_ref)
     x = torch.empty_like(r)
-    compensate(seg, g, r, x, contract=TRITON)               # never consumed
-    hist = compensate(seg, r, g, x, contract=TRITON)
+    compensate(g, r, x, first=HistogramRequest(seg, None, TRITON))               # never consumed
+    hist = compensate(r, g, x, first=HistogramRequest(seg, None, TRITON))
     assert torch.equal(hist, h_ref)
     assert_same(want, select(seg, x.clone(), TRITON, first=hist))
     assert workspace_is_clean(seg, 1)
-    compensate(seg, g, r, x.clone(), contract=TRITON)       # never consumed again
+    compensate(g, r, x.clone(), first=HistogramRequest(seg, None, TRITON))       # never consumed again
     assert_same(want, select(seg, x, TRITON, first=h_ref))
     assert workspace_is_clean(seg, 1)
 
@@ -297,7 +297,8 @@ def test_five_launches_per_bucket_whatever_its_layers(model, options, scale):
     x, u_new = torch.zeros_like(r), torch.zeros_like(r)
     seg.tables(DEV), k_rows(seg, DEV, "pos"), triton_select.workspace(seg, 2, DEV)
     with Launches() as launches:
-        hist = compensate(seg, r, g, x, velocity=u, velocity_out=u_new, momentum=0.9, sign="pos", contract=TRITON)
+        hist = compensate(r, g, x, velocity=u, velocity_out=u_new, momentum=0.9,
+                          first=HistogramRequest(seg, "pos", TRITON))
         sel = select(seg, x, TRITON, sign="pos", mean=True, first=hist, update=True, velocity=u_new)
     assert launches.triton == ["_pass1", "_filter", "_refine", "_count", "_write"], launches.triton
     assert launches.aten == [], launches.aten
@@ -348,7 +349,8 @@ def test_no_device_sync_in_a_compressed_step(backend):
     c = Contract("radix", backend=backend)
 
     def step():
-        hist = compensate(seg, r, g.half(), x, velocity=u, velocity_out=u_new, momentum=0.9, sign="larger", contract=c)
+        hist = compensate(r, g.half(), x, velocity=u, velocity_out=u_new, momentum=0.9,
+                          first=HistogramRequest(seg, "larger", c))
         sel = select(seg, x, c, sign="larger", mean=True, first=hist, update=True, velocity=u_new)
         decode_add(seg, avg, torch.stack([sel.positions] * 4), means=torch.stack([sel.means] * 4),
                    alpha=0.25, contract=c)

@@ -28,7 +28,7 @@ import torch
 from ..comm.packing import pack, unpack_fixed
 from ..compressors.base import Message
 from ..core.segments import VECTOR, Segments
-from ..core.select import compensate, decode_add, select
+from ..core.select import HistogramRequest, compensate, decode_add, select
 from ..core.stats import CommStats
 from ..memory.flat import FlatMemory
 from .buckets import Bucket, account
@@ -158,7 +158,7 @@ class PlannedBucket(Bucket):
             r, u = m.pairs["r"], m.pairs.get("u")
             extra = {} if u is None else {"velocity": u.cur, "velocity_out": u.spare, "momentum": m.momentum,
                                           "nesterov": m.nesterov}
-            hist = compensate(seg, r.cur, grad, r.spare, sign=sign, contract=self.contract, **extra)
+            hist = compensate(r.cur, grad, r.spare, first=HistogramRequest(seg, sign, self.contract), **extra)
             x, velocity = r.spare, (u.spare if u is not None and m.masking else None)
         if observe:
             self.policy.observe(list(self.layers), seg.views(x), step, [self.views[n] for n in self.names])

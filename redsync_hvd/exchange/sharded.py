@@ -40,7 +40,7 @@ from ..compressors.codec import MessageCodec
 from ..core.compensate import corrected, torch_compensate, velocity
 from ..core.layout import k_of
 from ..core.segments import Segments
-from ..core.select import Contract, compensate, select
+from ..core.select import Contract, HistogramRequest, compensate, select
 from ..memory.flat import FlatPair
 from .reduce_scatter import Shards, SparseReduceScatter
 
@@ -247,7 +247,7 @@ class ShardedGroup:
             seg = lay.segments(o, densities)
             extra = {} if u is None else {"velocity": u_in, "velocity_out": u_out, "momentum": s.momentum,
                                           "nesterov": s.nesterov}
-            hist = compensate(seg, r_in, grad[sl], x, sign=sign, contract=self.radix, **extra)
+            hist = compensate(r_in, grad[sl], x, first=HistogramRequest(seg, sign, self.radix), **extra)
             out.append((o, seg, select(seg, x, self.radix, sign=sign, mean=self.codec.mean, first=hist,
                                        value_dtype=self.codec.value_dtype, update=True,
                                        velocity=u_out if s.masking and u is not None else None)))

@@ -24,7 +24,7 @@ import time
 import torch
 
 from redsync_hvd.core.segments import Segments
-from redsync_hvd.core.select import Contract, SelectionState, compensate, scan_request, select, single
+from redsync_hvd.core.select import Contract, HistogramRequest, SelectionState, compensate, scan_request, select, single
 from redsync_hvd.experiments.stats import sync
 from redsync_hvd.memory import ResidualMemory
 
@@ -91,7 +91,7 @@ class ExactK:
         self.r, self.spare = aged_residual(n, device), torch.zeros(n, device=device)
 
     def __call__(self, g: torch.Tensor) -> int:
-        hist = compensate(self.seg, self.r, g, self.spare, sign="pos", contract=self.contract)
+        hist = compensate(self.r, g, self.spare, first=HistogramRequest(self.seg, "pos", self.contract))
         sel = select(self.seg, self.spare, self.contract, sign="pos", mean=True, first=hist, update=True)
         self.r, self.spare = self.spare, self.r
         return sel.positions.numel()

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.select import Compensated, ScanRequest
+from ..core.select import Compensated, ScanRequest, compensate
 from .residual import ResidualMemory, double_buffer
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
@@ -52,6 +52,14 @@ class AdamUnitsMemory(ResidualMemory):
         self.sent: set = set()          # the layers whose averages are in update units, last step
 
     def compensate(self, name: str, grad: torch.Tensor, want: ScanRequest | None = None) -> Compensated:
+        """x = r + this worker's own Adam step: the step hook of the one compensation (core/select)."""
+        r, x = self._buffers(name, grad)
+        compensate(r, grad, x, step=lambda r, g, out: self._step(name, r, g, out))
+        self._pending[name] = x
+        return Compensated(x, None)
+
+    def _step(self, name: str, r: torch.Tensor, grad: torch.Tensor, x: torch.Tensor) -> None:
+        """Steps 1-3 of the module docstring, x = r + s in one addcdiv (torch's Adam rounds so)."""
         g = grad.float()
         if name in self.l2:
             wd, param = self.l2[name]
@@ -67,10 +75,7 @@ class AdamUnitsMemory(ResidualMemory):
         else:
             torch.mul(v, b2, out=v_new).addcmul_(g, g, value=1 - b2)
         denom = (v_new.sqrt() / (1 - b2 ** tv) ** 0.5).add_(self.eps[name])  # 2. as torch's Adam
-        r, x = self._buffers(name, g)
         torch.addcdiv(r, m_new, denom, value=1 / (1 - b1 ** t), out=x)       # 3. x = r + s
-        self._pending[name] = x
-        return Compensated(x, None)
 
     def _moment(self, key: str, name: str, like: torch.Tensor):
         cur, new = double_buffer(self.moments[key], self._spare_moments[key], name, like)

@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from ..core.compensate import torch_compensate, velocity
-from ..core.select import Compensated, ScanRequest
-from ..core.select.native import compensate_scan
+from ..core.compensate import velocity as dgc_velocity
+from ..core.select import Compensated, ScanRequest, compensate
 from .residual import ResidualMemory, double_buffer
 
 
@@ -49,12 +48,11 @@ class MomentumCorrectionMemory(ResidualMemory):
         m = self._m(name)
         u, u_new = self._velocity_buffers(name, grad)
         v, v_new = self._buffers(name, grad)
-        # one pass over g, u and v where the native kernel runs; torch ops make three
-        scan = compensate_scan(v, grad, v_new, want, u, u_new, m, self.nesterov, fuse=self.fuse)
-        if scan is None:   # u = m*u + g; v + u (core/compensate.py)
-            torch_compensate(v, grad, v_new, velocity_in=u, velocity_out=u_new, momentum=m, nesterov=self.nesterov)
+        # u = m*u + g; v + u: one pass over g, u and v where the native kernel runs, torch ops make three
+        first = compensate(v, grad, v_new, velocity=u, velocity_out=u_new, momentum=m, nesterov=self.nesterov,
+                           first=want, fuse=self.fuse)
         self._pending[name] = v_new                      # v + step, in v's spare buffer
-        return Compensated(v_new, scan if want is not None else None)
+        return Compensated(v_new, first)
 
     def flat_terms(self, names: list) -> dict | None:
         """A bucket kept flat keeps velocities too, with one momentum for all its layers (the
@@ -84,7 +82,7 @@ class MomentumCorrectionMemory(ResidualMemory):
         for m, items in groups.items():
             avgs = [a for _, a in items]
             pairs = [self._velocity_buffers(name, a) for name, a in items]
-            news = velocity(avgs, [u for u, _ in pairs], m, out=[new for _, new in pairs])   # u = m*u + avg
+            news = dgc_velocity(avgs, [u for u, _ in pairs], m, out=[new for _, new in pairs])   # u = m*u + avg
             if self.nesterov:
                 torch._foreach_add_(avgs, news, alpha=m)                # avg + m*u
             else:

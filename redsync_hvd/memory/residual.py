@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.compensate import torch_compensate
-from ..core.select import Compensated, ScanRequest
-from ..core.select.native import compensate_scan
+from ..core.select import Compensated, ScanRequest, compensate
 
 
 def double_buffer(current: dict, spare: dict, name: str, like: torch.Tensor):
@@ -86,11 +84,9 @@ class ResidualMemory:
         """x = residual + grad in a spare buffer; ``update`` then subtracts the sent part from it.
         ``want``: the selection's first pass, made in the same pass where the native kernel can."""
         r, spare = self._buffers(name, grad)
-        scan = compensate_scan(r, grad, spare, want, fuse=self.fuse)
-        if scan is None:
-            torch_compensate(r, grad, spare)
+        first = compensate(r, grad, spare, first=want, fuse=self.fuse)
         self._pending[name] = spare
-        return Compensated(spare, scan if want is not None else None)
+        return Compensated(spare, first)
 
     def flat_terms(self, names: list) -> dict | None:
         """What a bucket kept flat keeps for ``names`` (``memory/flat.py``: ``FlatMemory``'s

@@ -16,21 +16,23 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
+from ..compensate import torch_compensate
 from ..segments import Segments
 from . import cupy_kernels, histogram, native, radix
 from .contract import SEARCHES, Contract, NonFiniteError, Request, Selection, check_sign
 from .passes import Compensated, Scan, ScanRequest, TorchPasses
+from .radix import HistogramRequest
 from .radix_ref import TorchRadix
 from .registry import Backend, Gate, module, names, pick, register
 from .searches import SelectionState, exact_signed, ranked, scan_request, search
 
 __all__ = ["select", "select_topk", "single", "Contract", "Selection", "SelectionState", "NonFiniteError",
            "Backend", "register", "pick", "names", "scan_request", "ScanRequest", "Scan", "Compensated",
-           "compensate", "decode_add", "native_available", "ranked", "METHODS"]
+           "compensate", "HistogramRequest", "decode_add", "native_available", "ranked", "METHODS"]
 
 METHODS = SEARCHES            # the per-layer strategies (``select_topk``'s methods)
 _LAYERED = ("trimmed", "tbs", "sampled")
@@ -72,15 +74,33 @@ def select(seg: Segments, x: torch.Tensor, contract: Contract, *, sign: Optional
     return _by_segment(seg, x, contract, ask)
 
 
-def compensate(seg: Segments, residual: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, *,
+def compensate(residual: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, *,
                velocity: Optional[torch.Tensor] = None, velocity_out: Optional[torch.Tensor] = None,
-               momentum: float = 0.0, nesterov: bool = False, sign: Optional[str] = None, contract: Contract):
-    """out = residual + grad (DGC: velocity_out = grad + momentum * velocity, out = residual +
-    velocity_out, or + grad + momentum * velocity_out with nesterov), fused with the radix
-    select's first pass over out: hand what it returns to :func:`select` as ``first``
-    (``radix.py:compensate``)."""
-    return radix.compensate(seg, residual, grad, out, velocity=velocity, velocity_out=velocity_out,
-                            momentum=momentum, nesterov=nesterov, sign=sign, backend=contract.backend)
+               momentum: float = 0.0, nesterov: bool = False, step: Optional[Callable] = None, first=None,
+               fuse: bool = True):
+    """Error feedback's first step, out = residual + what this step adds, with the selection's first
+    pass over out made in the same pass where a backend's kernel can; returns that pass (hand it to
+    :func:`select` as ``first``), or None.
+
+    1. What is added: grad (plain); with ``velocity`` DGC's velocity_out = momentum * velocity +
+       grad, and velocity_out (or, nesterov, grad + momentum * velocity_out); or ``step``, a hook
+       that writes out = residual + a worker's own optimizer step (``memory/adam.py``). The torch
+       reference of all but the hook is ``core/compensate.py:torch_compensate``.
+    2. The fused form, by ``first``: a :class:`HistogramRequest` (a bucket: the radix backend's
+       ``compensate``, which makes the first histogram); else, with ``fuse``, the native CPU
+       kernel for a layer (``native.py:compensate_scan``, the :class:`ScanRequest`'s scan, or
+       statistics alone); the torch reference where neither runs."""
+    if step is not None:                                                                        # 1.
+        step(residual, grad, out)
+        return None
+    if isinstance(first, HistogramRequest):                                                     # 2.
+        return radix.compensate(first.seg, residual, grad, out, velocity=velocity, velocity_out=velocity_out,
+                                momentum=momentum, nesterov=nesterov, sign=first.sign, backend=first.contract.backend)
+    scan = native.compensate_scan(residual, grad, out, first, velocity, velocity_out, momentum, nesterov, fuse=fuse)
+    if scan is None:
+        torch_compensate(residual, grad, out, velocity_in=velocity, velocity_out=velocity_out, momentum=momentum,
+                         nesterov=nesterov)
+    return scan if first is not None else None
 
 
 def decode_add(seg: Segments, out: torch.Tensor, positions: torch.Tensor, values: Optional[torch.Tensor] = None, *,

@@ -37,6 +37,8 @@ A radix backend (``registry.py``) offers ``select``, and may offer ``compensate`
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..segments import BINS, Segments, to_device
@@ -45,6 +47,16 @@ from .radix_ref import TorchRadix
 from .registry import pick
 
 _GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class HistogramRequest:
+    """What a bucket's radix select wants from the pass that computes x (``compensate(first=...)``):
+    the first histogram of the layout's layers, split by the sign rule's rows, made by the
+    contract's backend."""
+    seg: Segments
+    sign: str | None
+    contract: object
 
 
 def sides(sign: str | None) -> tuple[int, tuple[int, ...]]:
