@@ -14,8 +14,8 @@ __version__ = "0.1.0"
 
 def select_topk(x, k, method="tbs", **options):
     """Indices (int64, into ``x.flatten()``) of the k largest-magnitude elements; see
-    :func:`redsync_hvd.core.selection.select_topk`."""
-    from .core.selection import select_topk as _select
+    :func:`redsync_hvd.core.select.select_topk`."""
+    from .core.select import select_topk as _select
     return _select(x, k, method=method, **options)
 
 

@@ -5,7 +5,7 @@
     python scripts/bench_bucket_select.py --models resnet20 --steps 3      # CPU smoke run
 
 For each model of scripts/bench_overhead.py (at its batch size) this times a training
-step's forward + backward + SGD update, and the exact-k stages of core/radix_select.py
+step's forward + backward + SGD update, and the exact-k stages of core/select/'s radix strategy
 over the model's compressed layers as one bucket (those of at least --min-numel elements,
 k = ceil(density * n) each, as the compressors count it): compensate with DGC momentum, select with
 sign_mean and the fused residual update and velocity masking, and the decode of --world
@@ -25,8 +25,8 @@ import warnings
 
 import torch
 
-from redsync_hvd.core import radix_select as rs
 from redsync_hvd.core.segments import Segments
+from redsync_hvd.core.select import Contract, HistogramRequest, compensate, decode_add, select
 from redsync_hvd.experiments import machine, tables
 from redsync_hvd.experiments.stats import graphed, sync, timed_ms
 from redsync_hvd.experiments.tables import write_result
@@ -50,13 +50,13 @@ class Stages:
         self.x, self.u_new, self.avg = (torch.zeros(n, device=device) for _ in range(3))
 
     def __call__(self):
-        seg, be = self.seg, self.backend
-        hist = rs.compensate(seg, self.r, self.g, self.x, velocity=self.u, velocity_out=self.u_new, momentum=0.9,
-                             sign="pos", backend=be)
-        sel = rs.select(seg, self.x, sign="pos", mean=True, hist=hist, update=True, velocity=self.u_new, backend=be)
+        seg, c = self.seg, Contract("radix", backend=self.backend)
+        hist = compensate(self.r, self.g, self.x, velocity=self.u, velocity_out=self.u_new, momentum=0.9,
+                          first=HistogramRequest(seg, "pos", c))
+        sel = select(seg, self.x, c, sign="pos", mean=True, first=hist, update=True, velocity=self.u_new)
         # every rank's message is this one: the decode does the work of world messages
-        rs.decode_add(seg, self.avg, sel.positions.expand(self.world, -1), means=sel.means.expand(self.world, -1),
-                      alpha=1.0 / self.world, backend=be)
+        decode_add(seg, self.avg, sel.positions.expand(self.world, -1), means=sel.means.expand(self.world, -1),
+                   alpha=1.0 / self.world, contract=c)
 
 
 def host_waits(fn, device) -> int:

@@ -11,7 +11,7 @@ Rows (device time per call, median of do_bench; "TB/s" = bytes the pass must mov
   per block, each flushed with one atomic per bin (what a radix pass costs with Triton's
   lowering of the histogram: warp votes, about 3 instructions per element and bin bit);
 - ``torch.topk(|x|, n/1000)``, the baseline of the selection;
-- the exact-k kernels of core/triton_kernels.py on one layer of n elements, k = n/1000:
+- the exact-k kernels of core/select/triton_kernels.py on one layer of n elements, k = n/1000:
   ``_pass1`` alone (the histogram), with the compensation (r + g, DGC momentum: five
   streams), at several block sizes and warp counts; then ``_filter``, ``_refine``, ``_count``,
   ``_write`` one by one, each repeated on the state the stages before it left (the refine,
@@ -32,11 +32,14 @@ if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cpu":
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from redsync_hvd.core import radix_select as rs  # noqa: E402
-from redsync_hvd.core import triton_kernels as tk  # noqa: E402
-from redsync_hvd.core import triton_select as ts  # noqa: E402
 from redsync_hvd.core.segments import Segments  # noqa: E402
+from redsync_hvd.core.select import Contract, select  # noqa: E402
+from redsync_hvd.core.select import triton_kernels as tk  # noqa: E402
+from redsync_hvd.core.select import triton_select as ts  # noqa: E402
+from redsync_hvd.core.select.radix import k_rows  # noqa: E402
 from redsync_hvd.experiments.stats import graphed  # noqa: E402
+
+TORCH, TRITON = Contract("radix", backend="torch"), Contract("radix", backend="triton")
 
 
 @triton.jit
@@ -105,9 +108,9 @@ def stage_rows(x, timer):
     """The stages after histogram 1, one by one, and the whole select (eager, graph)."""
     n = x.numel()
     seg = Segments([n], [n // 1000], align=16)
-    k_row = rs.k_rows(seg, x.device, None)
-    want = rs.select(seg, x.clone(), backend="torch") if not x.is_cuda else None
-    sel = rs.select(seg, x, backend="triton")          # builds the workspace and leaves its state
+    k_row = k_rows(seg, x.device, None)
+    want = select(seg, x.clone(), TORCH) if not x.is_cuda else None
+    sel = select(seg, x, TRITON)          # builds the workspace and leaves its state
     if want is not None:
         assert torch.equal(sel.positions, want.positions) and torch.equal(sel.kth, want.kth), "select"
     ws = ts.workspace(seg, 1, x.device)
@@ -126,9 +129,9 @@ def stage_rows(x, timer):
         rows.append((f"{name} (candidates: {cands / n:.1%} of x)", timer(launch), moved[name]))
     ws.pending = False
     ws.hist1.zero_()
-    rows.append(("exact-k select, eager (all launches)", timer(lambda: rs.select(seg, x, backend="triton")), 4 * n))
+    rows.append(("exact-k select, eager (all launches)", timer(lambda: select(seg, x, TRITON)), 4 * n))
     if x.is_cuda:
-        rows.append(("exact-k select, CUDA graph", timer(graphed(lambda: rs.select(seg, x, backend="triton"))), 4 * n))
+        rows.append(("exact-k select, CUDA graph", timer(graphed(lambda: select(seg, x, TRITON))), 4 * n))
     return rows
 
 

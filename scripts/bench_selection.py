@@ -10,7 +10,7 @@ For every size x distribution (Gaussian, Student-t with 3 dof) x density, both t
 baseline and each method run in this process on the same tensor; the table gives the
 median and best time over --repeats (after one warm-up), speedup = median topk_ms /
 median method_ms, and the number selected over k (exact/trimmed: 1.0; tbs/sampled: 1..2).
-``--exact-k`` adds the device-resident exact-k select of core/radix_select.py (one layer
+``--exact-k`` adds the device-resident exact-k select (core/select/'s radix strategy) (one layer
 as a bucket, no host wait): "torch" (its reference in plain torch ops), "triton" (the
 kernels), "triton-graph" (the kernels replayed from a CUDA graph: no launch overhead).
 Each such row also checks that its k-th key equals the smallest of torch.topk's values.
@@ -28,9 +28,8 @@ import time
 
 import torch
 
-from redsync_hvd.core import radix_select
 from redsync_hvd.core.segments import Segments
-from redsync_hvd.core.selection import native_available, select_topk
+from redsync_hvd.core.select import Contract, native_available, select, select_topk
 from redsync_hvd.experiments import machine, tables
 from redsync_hvd.experiments.stats import graphed, timed_ms
 from redsync_hvd.experiments.tables import write_result
@@ -77,10 +76,10 @@ def wait_idle(limit_s: float) -> None:
 
 
 def exact_k_row(x, k, backend, base, args):
-    """Time radix_select.select on x as a one-layer bucket; check its k-th key against topk."""
+    """Time the radix select on x as a one-layer bucket; check its k-th key against topk."""
     seg = Segments([x.numel()], [k], align=16 if x.numel() % 16 == 0 else 1)   # 16: 128-bit loads
     be = "torch" if backend == "torch" else "triton"
-    fn = lambda: radix_select.select(seg, x, backend=be)  # noqa: E731
+    fn = lambda: select(seg, x, Contract("radix", backend=be))  # noqa: E731
     try:
         kth = fn().kth.view(torch.float32)[0]
         ok = bool(kth == torch.topk(x.abs(), k).values.min())

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Compile the Triton selection kernels (core/triton_select.py) for a GPU, without one.
+"""Compile the Triton selection kernels (core/select/triton_select.py) for a GPU, without one.
 
     python scripts/compile_kernels.py              # every variant for sm_90 (H100/H200)
     python scripts/compile_kernels.py --quick      # the widest variant of each kernel
@@ -117,7 +117,7 @@ def main() -> int:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
 
-        from redsync_hvd.core import triton_kernels, triton_select
+        from redsync_hvd.core.select import triton_kernels, triton_select
     except ImportError as e:
         print("cannot compile here: %s" % e)
         return 2

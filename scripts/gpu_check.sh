@@ -151,13 +151,12 @@ else
     -k "not compiles_for_sm90"   # the compile step above does that
   step tests_old 20 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_selection.py tests/test_compressors.py \
     tests/test_bucket_select.py -k cuda
-  # the CuPy kernels (select_topk's "cuda" backend) only where CuPy imports AND builds and runs them
+  # the CuPy kernels (the selection registry's "cuda" backend) only where CuPy imports AND builds and runs them
   if "$PY" -c "
 import sys, torch
-from redsync_hvd.core import cuda_select
-from redsync_hvd.core.selection import select_topk
-sys.exit(0 if cuda_select.load() is not None and select_topk(torch.randn(4096, device='cuda'), 4, 'tbs',
-                                                             backend='cuda').numel() >= 4 else 1)" 2>/dev/null; then
+from redsync_hvd.core.select import Contract, cupy_kernels, select, single
+sys.exit(0 if cupy_kernels.load() is not None and select(single(4096, 4), torch.randn(4096, device='cuda'),
+                                                          Contract('tbs', backend='cuda')).positions.numel() >= 4 else 1)" 2>/dev/null; then
     CUPY=(--methods tbs,trimmed --backend cuda)
   else
     echo "CuPy's kernels do not load here: no tbs/trimmed rows" | tee -a "$RESULTS/steps.txt"

@@ -31,9 +31,9 @@ if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cpu":
 import bench_overhead as bench  # noqa: E402  (this script's folder: the models and methods of bench_overhead.py)
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from redsync_hvd.core import radix_select  # noqa: E402
 from redsync_hvd.core.launches import Launches  # noqa: E402
 from redsync_hvd.core.segments import Segments  # noqa: E402
+from redsync_hvd.core.select import Contract, select  # noqa: E402
 from redsync_hvd.experiments.stats import sync, timed_ms  # noqa: E402
 
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
@@ -115,7 +115,7 @@ def select_rows(args, cuda):
     x = torch.randn(n, device=args.device)
     seg = Segments([n], [max(1, n // 1000)], align=16)
     rows = []
-    for name, fn in (("exact-k select (triton)", lambda: radix_select.select(seg, x, backend="triton")),
+    for name, fn in (("exact-k select (triton)", lambda: select(seg, x, Contract("radix", backend="triton"))),
                      ("torch.topk", lambda: torch.topk(x.abs(), max(1, n // 1000)))):
         try:
             fn()

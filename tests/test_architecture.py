@@ -226,12 +226,102 @@ def test_the_scatter_group_and_every_bucket_return_one_arrived():
     assert not wrong, wrong
 
 
-def test_the_exchange_keeps_its_memories_as_one():
-    """exchange/exchange.py merges no memory by hand: the per-layer memory and the planned buckets'
-    flat ones are one memory/flat.py:Memories (the learning-rate follow, commit, rollback, residuals,
-    state_dict), and the FSDP groups' double buffers are its FlatPair."""
-    text = (EXCHANGE / "exchange.py").read_text()
-    assert ".pairs" not in text and "bucket.memory" not in text and ".memory.scale" not in text
-    from redsync_hvd.exchange import sharded
-    from redsync_hvd.memory.flat import FlatPair
-    assert sharded.FlatPair is FlatPair and not hasattr(sharded, "_Pair")
+def _tensors(obj, seen=None, depth=0) -> list:
+    """The tensors an object keeps in its attributes (dicts, lists, tuples and dataclasses followed two deep)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 3:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple, set)):
+        items = list(obj)
+    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("redsync_hvd"):
+        items = list(vars(obj).values())
+    else:
+        return []
+    return [t for item in items for t in _tensors(item, seen, depth + 1)]
+
+
+def test_one_class_in_memory_holds_what_is_carried():
+    """memory/state.py:Carried is the one class that keeps residual state: every memory's residuals,
+    DGC's velocities and a worker's Adam moments, and the planned buckets' flat blocks, with one
+    commit, rollback and state_dict; no other file of memory/ makes a tensor, and the exchange's
+    buckets and FSDP's groups keep theirs in a Carried (no double buffer of their own)."""
+    from redsync_hvd.memory import AdamUnitsMemory, Carried, MomentumCorrectionMemory, ResidualMemory
+    made = [f"{p.name}:{n.lineno}" for p in sorted((PKG / "memory").glob("*.py")) if p.name != "state.py"
+            for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.Call)
+            and getattr(n.func, "attr", None) in ("zeros", "zeros_like", "empty", "empty_like", "clone")]
+    assert not made, made
+    mems = [ResidualMemory(), MomentumCorrectionMemory(0.9), AdamUnitsMemory({"w": (0.9, 0.99)}, {"w": 1e-8})]
+    for mem in mems:
+        for _ in range(2):
+            mem.compensate("w", torch.randn(100))
+            mem.commit()
+        kept = {id(t) for t in _tensors(mem.state)}
+        assert isinstance(mem.state, Carried) and kept and all(id(t) in kept for t in _tensors(mem)), mem
+        assert mem.state_dict().keys() == mem.state.state_dict().keys()
+    import redsync_hvd.torch as rhvd
+    model = net()
+    opt = rhvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                    named_parameters=model.named_parameters(), compression=SPEC,
+                                    communicator=LocalCommunicator(2))
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(8, 64)).square().mean().backward()
+        opt.step()
+    ex = opt.exchange
+    (planned,) = ex.planned
+    assert planned.block is ex.memory.state.blocks[planned.key]
+    assert ex.residuals().keys() == set(planned.names) <= ex.residuals("velocity").keys()   # dense layers' u too
+    assert not hasattr(ex, "memories")
+    for path in [EXCHANGE / f"{m}.py" for m in ("planned", "scatter", "sharded")] + [PKG / "torch" / "fsdp.py"]:
+        text = path.read_text()
+        assert not any(word in text for word in ("swap(", "FlatPair", "_kept_x")), path
+
+
+# -- one selection: the entry point, and torch.topk only in core/ ----------------------------------
+SELECT = "redsync_hvd.core.select"
+# what exchange/ and compressors/ may take from the selection package: the entry point, its types,
+# the radix strategy's first and last passes, and the helpers of the sign rule and the registry
+ENTRY = {"select", "single", "Contract", "SelectionState", "NonFiniteError", "scan_request", "compensate",
+         "HistogramRequest", "decode_add", "keep_side", "kept_mean", "backends", "pick", "check"}
+
+
+def _imports(path: Path) -> list:
+    """(module, name) of every ``from ... import name`` in a package file, made absolute."""
+    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    out = []
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.ImportFrom):
+            base = package.rsplit(".", n.level - 1)[0] if n.level else ""
+            module = ".".join(p for p in (base, n.module) if p)
+            out += [(module, a.name) for a in n.names]
+    return out
+
+
+def test_exchange_and_compressors_select_through_the_one_entry_point():
+    """exchange/ and compressors/ take from core/select only the entry point and its types (no
+    strategy, backend or kernel module of it), and both call ``select``."""
+    callers, wrong = set(), []
+    for folder in ("exchange", "compressors"):
+        for path in sorted((PKG / folder).glob("*.py")):
+            for module, name in _imports(path):
+                if module.startswith(SELECT) and (name not in ENTRY or module.rsplit(".", 1)[-1]
+                                                  not in ("select", "registry", "reference")):
+                    wrong.append(f"{folder}/{path.name}: {module}.{name}")
+            if any(getattr(n.func, "id", None) == "select" for n in ast.walk(ast.parse(path.read_text()))
+                   if isinstance(n, ast.Call)):
+                callers.add(folder)
+    assert not wrong, wrong
+    assert callers == {"exchange", "compressors"}, callers
+
+
+def test_no_topk_outside_core():
+    """Every top-k of the package goes through core/ (the exact strategy of core/select)."""
+    outside = [p for p in sorted(PKG.rglob("*.py")) if p.relative_to(PKG).parts[0] != "core"]
+    hits = [f"{p.relative_to(PKG)}:{n.lineno}" for p in outside for n in ast.walk(ast.parse(p.read_text()))
+            if isinstance(n, ast.Attribute) and n.attr == "topk"]
+    assert not hits, hits

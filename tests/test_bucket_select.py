@@ -1,4 +1,5 @@
-"""Selecting a whole bucket at once (core/bucket_select.py, ``selection_scope: bucket``).
+"""Selecting a whole bucket at once (the ``histogram`` backend of tbs, core/select/histogram.py,
+``selection.scope: bucket``).
 
 The path exists for GPUs, where a host wait per layer costs more than the passes; it is
 the same torch code on the CPU, so its results and its number of host waits are checked here.
@@ -11,8 +12,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from redsync_hvd.compressors import build_compressor
 from redsync_hvd.compressors.base import Layer
-from redsync_hvd.core.bucket_select import select_bucket
+from redsync_hvd.core.segments import Segments
+from redsync_hvd.core.select import Contract, select
 from redsync_hvd.memory import MomentumCorrectionMemory, ResidualMemory
+
+BUCKET = Contract("tbs", backend="histogram")
 
 
 def _tensors(sizes, seed, heavy=False):
@@ -23,6 +27,11 @@ def _tensors(sizes, seed, heavy=False):
     return xs
 
 
+def select_bucket(xs, ks, **kw):
+    """The bucket backend over the layers ``xs`` laid out back to back."""
+    return select(Segments([x.numel() for x in xs], ks), torch.cat(xs), BUCKET, **kw)
+
+
 @settings(max_examples=40, deadline=None)
 @given(sizes=st.lists(st.integers(1, 3000), min_size=1, max_size=5), density=st.floats(0.001, 1.0),
        seed=st.integers(0, 999), heavy=st.booleans())
@@ -30,7 +39,7 @@ def test_each_layer_gets_its_top_k_up_to_128_ulps(sizes, density, seed, heavy):
     xs = _tensors(sizes, seed, heavy)
     ks = [max(1, int(density * n)) for n in sizes]
     got = select_bucket(xs, ks)
-    for x, k, idx, vals, selected in zip(xs, ks, got.indices, got.values, got.selected):
+    for x, k, idx, vals, selected in zip(xs, ks, got.parts(), got.parts(got.values), got.selected):
         a = x.abs()
         kth = torch.topk(a, k).values[-1]
         chosen = torch.zeros(x.numel(), dtype=torch.bool)
@@ -42,7 +51,7 @@ def test_each_layer_gets_its_top_k_up_to_128_ulps(sizes, density, seed, heavy):
         assert (a[~chosen] <= a[chosen].min()).all(), "everything unsent is smaller than what was sent"
         # the threshold is the k-th value rounded down to 128 float ulps (2**-16 relative)
         assert a[chosen].min() >= kth * (1 - 2.0 ** -16)
-        assert not any(got.nonfinite)
+        assert not got.nonfinite.any()
 
 
 def test_sign_rules_and_means():
@@ -51,13 +60,14 @@ def test_sign_rules_and_means():
     both = select_bucket(xs, ks)
     for sign, keep in (("pos", lambda v: v > 0), ("neg", lambda v: v < 0)):
         got = select_bucket(xs, ks, sign=sign, mean=True)
-        for x, idx_all, idx, mean, selected, k in zip(xs, both.indices, got.indices, got.values, got.selected, ks):
+        for x, idx_all, idx, mean, selected, k in zip(xs, both.parts(), got.parts(), got.means.split(1),
+                                                       got.selected, ks):
             expect = idx_all[keep(x[idx_all])]
             assert torch.equal(idx, expect), "the kept side of the same selection"
             assert selected == idx_all.numel() >= k
             assert torch.allclose(mean, x[idx].mean().reshape(1))
     got = select_bucket(xs, ks, sign="larger", mean=True)
-    for x, idx_all, idx, mean in zip(xs, both.indices, got.indices, got.values):
+    for x, idx_all, idx, mean in zip(xs, both.parts(), got.parts(), got.means.split(1)):
         v = x[idx_all]
         pos_wins = v[v > 0].abs().mean() >= v[v < 0].abs().mean()
         assert torch.equal(idx, idx_all[v > 0] if pos_wins else idx_all[v < 0])
@@ -69,12 +79,13 @@ def test_zeros_ties_and_nonfinite():
     xs[3][7] = float("inf")
     xs[2][1] = float("nan")
     got = select_bucket(xs, [5, 10, 4, 2])
-    assert got.indices[0].numel() == 0, "an all-zero layer sends nothing"
-    assert got.indices[1].tolist() == list(range(20)), "1000 ties: capped at 2k, the rest stays in the residual"
-    assert got.nonfinite == [False, False, True, True]
-    assert got.indices[2].numel() == got.indices[3].numel() == 0
-    with pytest.raises(ValueError, match="one flat float32 tensor per k"):
-        select_bucket(xs[:2], [1])
+    idx = got.parts()
+    assert idx[0].numel() == 0, "an all-zero layer sends nothing"
+    assert idx[1].tolist() == list(range(20)), "1000 ties: capped at 2k, the rest stays in the residual"
+    assert got.nonfinite.tolist() == [False, False, True, True]
+    assert idx[2].numel() == idx[3].numel() == 0
+    with pytest.raises(ValueError, match="x: 1100 elements for a layout of 1500"):
+        select(Segments([100, 1000, 400], [1, 1, 1]), torch.cat(xs[:2]), BUCKET)
     with pytest.raises(ValueError, match="sign='both' is not one of"):
         select_bucket(xs[:2], [1, 1], sign="both")
 
@@ -209,5 +220,4 @@ def test_auto_scope_selects_by_bucket_on_cuda_and_matches_the_cpu():
     xs = _tensors([300000, 5000, 70000], seed=4)
     a = select_bucket(xs, [300, 5, 70], sign="pos", mean=True)
     b = select_bucket([x.cuda() for x in xs], [300, 5, 70], sign="pos", mean=True)
-    for i, j, m, n in zip(a.indices, b.indices, a.values, b.values):
-        assert torch.equal(i, j.cpu()) and torch.allclose(m, n.cpu())
+    assert torch.equal(a.positions, b.positions.cpu()) and torch.allclose(a.means, b.means.cpu())

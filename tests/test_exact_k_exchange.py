@@ -1,7 +1,7 @@
 """``selection.method: radix`` through the exchange: exactly k per layer, chosen on the device,
 as the four steps of the pipeline over one flat buffer per bucket (compressors/exact_k.py).
 
-On CPU tensors the steps run the torch reference of core/radix_select.py (the Triton kernels
+On CPU tensors the steps run the torch reference of core/select/radix_ref.py (the Triton kernels
 under the interpreter: tests/test_triton_select.py); a GPU runs the same calls as kernels.
 """
 import math
@@ -74,7 +74,7 @@ def test_no_host_read_in_a_compressed_step(n_layers):
     old, old_layers, _ = make(sizes_of(n_layers), selection={"method": "tbs", "scope": "bucket"})
     with HostReads() as reads:
         run_step(old, old_layers, grads_for(old_layers, 0))
-    assert "redsync_hvd.core.bucket_select:select_bucket" in reads.where()   # its one wait per bucket
+    assert "redsync_hvd.core.select.histogram:select" in reads.where()   # its one wait per bucket
     assert "redsync_hvd.comm.packing:unpack_gathered" in reads.where()      # the header, on the host
 
 

@@ -20,7 +20,7 @@ def test_mpi4py_and_native_kernel_import():
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "Open MPI" in res.stdout, res.stdout + res.stderr
 
-    from redsync_hvd.core.selection import native_available
+    from redsync_hvd.core.select import native_available
     assert native_available(), "the native selection kernel was not built by scripts/install.sh"
 
 

@@ -1,4 +1,4 @@
-"""Exact-k selection over a bucket (core/radix_select.py): the torch reference path.
+"""Exact-k selection over a bucket (core/select/radix.py): the torch reference path.
 
 Checked against a plain sort (the k largest keys, ties broken by position), for every sign
 rule; conservation of the gradient under error feedback; NaN/Inf flags per layer; and a
@@ -12,11 +12,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from redsync_hvd.core import radix_select as rs
 from redsync_hvd.core.host_reads import HostReads
 from redsync_hvd.core.segments import Segments, auto_tile
+from redsync_hvd.core.select import Contract, HistogramRequest, compensate, decode_add, select
+from redsync_hvd.core.select.contract import SIGNS
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+RADIX, TORCH = Contract("radix"), Contract("radix", backend="torch")
 
 
 def bucket(sizes, seed, kind="gauss", device="cpu"):
@@ -80,14 +82,14 @@ def padded(seg, x, fill=0.0):
 
 @settings(max_examples=60, deadline=None)
 @given(sizes=layers, fracs=st.lists(st.floats(0, 1), min_size=6, max_size=6), seed=st.integers(0, 10 ** 6),
-       kind=st.sampled_from(["gauss", "heavy", "ties", "zeros"]), sign=st.sampled_from(rs.SIGNS),
+       kind=st.sampled_from(["gauss", "heavy", "ties", "zeros"]), sign=st.sampled_from(SIGNS),
        tile=st.sampled_from([16, 256, 0]), align=st.sampled_from([1, 16]))
 def test_exactly_the_k_largest_keys_ties_by_position(sizes, fracs, seed, kind, sign, tile, align):
     """Padding (NaN here, with align=16) is never read as data."""
     ks = [round(f * n) for f, n in zip(fracs, sizes)]
     seg = Segments(sizes, ks, tile=tile, align=align)
     x = padded(seg, bucket(sizes, seed, kind), float("nan"))
-    sel = rs.select(seg, x, sign=sign, mean=sign is not None, backend="torch")
+    sel = select(seg, x, TORCH, sign=sign, mean=sign is not None)
     assert sel.positions.shape == (sum(ks),) and sel.positions.dtype == torch.int32
     assert_exact(sel, x, seg, sign)
     assert not sel.nonfinite.any()
@@ -113,8 +115,8 @@ def test_many_layers_tiny_ones_and_k_near_n(device, n_layers):
     ks[-1] = sizes[-1]                               # k == n: everything
     seg = Segments(sizes, ks, tile=512)
     x = bucket(sizes, n_layers, "ties" if n_layers == 8 else "gauss", device)
-    for sign in rs.SIGNS:
-        assert_exact(rs.select(seg, x, sign=sign, backend="torch"), x, seg, sign)
+    for sign in SIGNS:
+        assert_exact(select(seg, x, TORCH, sign=sign), x, seg, sign)
 
 
 def conservation_run(backend, device, *, sign, mean, value_dtype, grad_dtype, momentum, steps=3):
@@ -123,21 +125,21 @@ def conservation_run(backend, device, *, sign, mean, value_dtype, grad_dtype, mo
     aligned to 16 elements."""
     sizes, ks = [3000, 17, 800, 1], [30, 17, 8, 1]
     seg = Segments(sizes, ks, tile=256, align=16)
-    n, gen = seg.n, torch.Generator().manual_seed(7)
+    n, gen, c = seg.n, torch.Generator().manual_seed(7), Contract("radix", backend=backend)
     r, u = torch.zeros(n, device=device), torch.zeros(n, device=device)
     total = torch.zeros(n, dtype=torch.float64, device=device)
     sent = torch.zeros(n, dtype=torch.float64, device=device)
     for _ in range(steps):
         g = padded(seg, torch.randn(sum(sizes), generator=gen)).to(device, grad_dtype)   # the padding holds 0
         x, u_new = torch.empty(n, device=device), torch.empty(n, device=device)
-        hist = rs.compensate(seg, r, g, x, velocity=u if momentum else None, velocity_out=u_new if momentum else None,
-                             momentum=momentum, sign=sign, backend=backend)
+        hist = compensate(r, g, x, velocity=u if momentum else None, velocity_out=u_new if momentum else None,
+                          momentum=momentum, first=HistogramRequest(seg, sign, c))
         total += (u_new if momentum else g.float()).double()
         before = x.clone()
-        sel = rs.select(seg, x, sign=sign, mean=mean, hist=hist, value_dtype=value_dtype, update=True,
-                        velocity=u_new if momentum else None, backend=backend)
+        sel = select(seg, x, c, sign=sign, mean=mean, first=hist,
+                     value_dtype=value_dtype, update=True, velocity=u_new if momentum else None)
         own = torch.zeros(n, device=device)
-        rs.decode_add(seg, own, sel.positions, sel.values, means=sel.means, backend=backend)
+        decode_add(seg, own, sel.positions, sel.values, means=sel.means, contract=c)
         if mean or value_dtype == torch.float32:   # the fp32 values leave exactly 0 behind
             assert torch.equal(x[own != 0], (before - own)[own != 0])
         assert torch.equal(own.double() + x.double(), before.double()) or mean
@@ -157,13 +159,13 @@ def test_sent_plus_residual_is_what_came_in(device, sign, mean, value_dtype, gra
                      momentum=momentum)
 
 
-@pytest.mark.parametrize("sign", rs.SIGNS)
+@pytest.mark.parametrize("sign", SIGNS)
 def test_nonfinite_is_flagged_per_layer_and_the_result_stays_well_formed(sign):
     sizes, ks = [500, 300, 400, 200, 100], [5, 3, 4, 2, 100]
     seg = Segments(sizes, ks, tile=128)
     x = bucket(sizes, 3)
     x[510], x[900], x[1350], x[1450] = float("nan"), float("inf"), -float("inf"), -float("nan")
-    sel = rs.select(seg, x, sign=sign, mean=sign is not None, backend="torch")
+    sel = select(seg, x, TORCH, sign=sign, mean=sign is not None)
     assert sel.nonfinite.tolist() == [False, True, True, True, True]
     for i, k in enumerate(ks):
         p = sel.positions[seg.kofs[i]:seg.kofs[i + 1]].long()
@@ -173,7 +175,7 @@ def test_nonfinite_is_flagged_per_layer_and_the_result_stays_well_formed(sign):
 def test_decode_adds_every_rank_in_order_and_masks_the_velocity():
     seg = Segments([1000, 3, 2000], [10, 3, 20], tile=256)
     gen = torch.Generator().manual_seed(1)
-    msgs = [rs.select(seg, torch.randn(seg.n, generator=gen), backend="torch") for _ in range(3)]
+    msgs = [select(seg, torch.randn(seg.n, generator=gen), TORCH) for _ in range(3)]
     pos = torch.stack([m.positions for m in msgs])
     vals = torch.stack([m.values for m in msgs]).half()
     out, zero = torch.randn(seg.n, generator=gen), torch.ones(seg.n)
@@ -183,13 +185,13 @@ def test_decode_adds_every_rank_in_order_and_masks_the_velocity():
             a, b = seg.kofs[i], seg.kofs[i + 1]
             for p, v in zip(pos[r, a:b].tolist(), vals[r, a:b].float().tolist()):
                 want[seg.offsets[i] + p] += torch.tensor(v) * 0.25
-    rs.decode_add(seg, out, pos, vals, alpha=0.25, zero=zero, backend="torch")
+    decode_add(seg, out, pos, vals, alpha=0.25, zero=zero, contract=TORCH)
     assert torch.equal(out, want)
     assert int((zero == 0).sum()) == len({
         (i, p) for r in range(3) for i in range(len(seg)) for p in pos[r, seg.kofs[i]:seg.kofs[i + 1]].tolist()})
     means = torch.tensor([[1.0, 2.0, 3.0], [10.0, 20.0, 30.0], [0.5, 0.5, 0.5]])
     out = torch.zeros(seg.n)
-    rs.decode_add(seg, out, pos, means=means, backend="torch")
+    decode_add(seg, out, pos, means=means, contract=TORCH)
     assert out[1000:1003].tolist() == [22.5] * 3      # every rank sends all 3 of layer 1: 2 + 20 + 0.5
 
 
@@ -206,11 +208,11 @@ def test_no_host_wait_in_a_compressed_step(device, n_layers):
     x, u_new, avg = torch.empty_like(r), torch.empty_like(r), torch.zeros_like(r)
     with HostReads() as reads:
         for sign, mean in ((None, False), ("pos", True), ("larger", True)):
-            hist = rs.compensate(seg, r, g.half(), x, velocity=u, velocity_out=u_new, momentum=0.9, sign=sign,
-                                 backend="torch")
-            sel = rs.select(seg, x, sign=sign, mean=mean, hist=hist, update=True, velocity=u_new, backend="torch")
+            hist = compensate(r, g.half(), x, velocity=u, velocity_out=u_new, momentum=0.9,
+                              first=HistogramRequest(seg, sign, TORCH))
+            sel = select(seg, x, TORCH, sign=sign, mean=mean, first=hist, update=True, velocity=u_new)
             wire = {"means": torch.stack([sel.means] * 4)} if mean else {"values": torch.stack([sel.values] * 4)}
-            rs.decode_add(seg, avg, torch.stack([sel.positions] * 4), alpha=0.25, backend="torch", **wire)
+            decode_add(seg, avg, torch.stack([sel.positions] * 4), alpha=0.25, **wire, contract=TORCH)
     assert reads.events == []
     with HostReads() as reads:      # the count can fail: it sees a wait when there is one
         torch.nonzero(x)
@@ -221,7 +223,8 @@ def test_no_host_wait_in_a_compressed_step(device, n_layers):
 def test_no_host_read_in_the_sources():
     """The count above sees the branches those inputs took; the sources must have no host read on any other."""
     from redsync_hvd.core import segments
-    for mod in (rs, segments):
+    from redsync_hvd.core.select import radix, radix_ref
+    for mod in (radix, radix_ref, segments):
         src = inspect.getsource(mod)
         for bad in (".item()", ".tolist()", "nonzero(", ".cpu()", "bool(", ".numpy()"):
             assert bad not in src, (mod.__name__, bad)
@@ -247,16 +250,16 @@ def test_layout_and_bad_input():
     with pytest.raises(ValueError, match="one k per layer"):
         Segments([4, 4], [1])
     with pytest.raises(ValueError, match="sign='both' is not one of"):
-        rs.select(seg, x, sign="both")
+        select(seg, x, RADIX, sign="both")
     with pytest.raises(ValueError, match="needs sign="):
-        rs.select(seg, x, mean=True)
+        select(seg, x, RADIX, mean=True)
     with pytest.raises(ValueError, match="x: need a contiguous 1-D tensor of 5013"):
-        rs.select(seg, x[:100])
-    with pytest.raises(ValueError, match=r"hist: need the \(8, 256\) int32 histogram"):
-        rs.select(seg, x, sign="pos", hist=torch.zeros(4, 4096, dtype=torch.int32))
+        select(seg, x[:100], RADIX)
+    with pytest.raises(ValueError, match=r"first: need the \(8, 256\) int32 histogram"):
+        select(seg, x, RADIX, sign="pos", first=torch.zeros(4, 4096, dtype=torch.int32))
     with pytest.raises(ValueError, match="backend='cuda' is not one of"):
-        rs.select(seg, x, backend="cuda")
+        select(seg, x, Contract("radix", backend="cuda"))
     with pytest.raises(ValueError, match="exactly one of values"):
-        rs.decode_add(seg, x, torch.zeros(54, dtype=torch.int32))
+        decode_add(seg, x, torch.zeros(54, dtype=torch.int32), contract=RADIX)
     with pytest.raises(ValueError, match="velocity masking comes with update=True"):
-        rs.select(seg, x, velocity=torch.zeros(seg.n))
+        select(seg, x, RADIX, velocity=torch.zeros(seg.n))

@@ -266,7 +266,7 @@ def test_nonfinite_in_a_compressed_layer_is_caught_by_selection_and_rolls_back()
     assert ex.finish().averages["w"].abs().sum() > 0
 
 
-@pytest.mark.skipif(not __import__("redsync_hvd.core.selection", fromlist=["x"]).native_available(),
+@pytest.mark.skipif(not __import__("redsync_hvd.core.select", fromlist=["x"]).native_available(),
                     reason="native kernel not built")
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_exchange_with_fused_compensation_equals_the_unfused_exchange(momentum):

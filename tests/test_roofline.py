@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from redsync_hvd.core.selection import native_available
+from redsync_hvd.core.select import native_available
 from redsync_hvd.experiments import roofline
 
 

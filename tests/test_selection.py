@@ -1,4 +1,4 @@
-"""Tests for redsync_hvd.core.selection: trimmed top-k and threshold binary search (Fang et al.,
+"""Tests for redsync_hvd.core.select's searches: trimmed top-k and threshold binary search (Fang et al.,
 RedSync, JPDC 2019), DGC's sampled threshold (Lin et al., ICLR 2018)."""
 import math
 
@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from redsync_hvd.core import _native, reference
-from redsync_hvd.core.selection import METHODS, SelectionState, native_available, select_topk
+from redsync_hvd.core.select import METHODS, Contract, SelectionState, native, native_available, select_topk
+from redsync_hvd.core.select import paper as reference
 
 BACKENDS = ["torch"] + (["native"] if native_available() else [])
 RANGE_METHODS = ("tbs", "sampled")
@@ -125,7 +125,7 @@ def test_layouts_and_dtypes(method):
 
 
 def reference_tbs(x, k, probes):
-    """The paper's walk (core/reference.py), probe by probe with plain counts: the positions, or
+    """The paper's walk (core/select/paper.py), probe by probe with plain counts: the positions, or
     None when no probe was accepted."""
     accepted = []
 
@@ -163,15 +163,15 @@ def test_trimmed_matches_the_reference(dist, backend, k, eps):
 @pytest.mark.parametrize("levels", [2, 4])
 def test_torch_path_batched_probes(monkeypatch, levels):
     """The CUDA setting (several probes per sync) walks the same probes as one per pass."""
-    import redsync_hvd.core.passes as sel
+    from redsync_hvd.core.select.passes import TorchPasses
 
-    init = sel._Torch.__init__
+    init = TorchPasses.__init__
 
-    def batched(self, flat, err):
-        init(self, flat, err)
+    def batched(self, flat, err, scan=None):
+        init(self, flat, err, scan)
         self.levels = levels
 
-    monkeypatch.setattr(sel._Torch, "__init__", batched)
+    monkeypatch.setattr(TorchPasses, "__init__", batched)
     for dist, k, probes in (("gauss", 200, 20), ("t3", 2000, 20), ("laplace", 200, 5)):
         x = sample(dist, 100000, seed=k)
         got = set(select_topk(x, k, "tbs", backend="torch", tbs_max_probes=probes).tolist())
@@ -235,7 +235,7 @@ def test_bad_arguments():
         select_topk(x, 5, "topk")
     with pytest.raises(ValueError, match=r"unknown selection option\(s\) tbs_probes.*tbs_max_probes"):
         select_topk(x, 5, "tbs", tbs_probes=3)
-    with pytest.raises(ValueError, match="unknown backend 'gpu'"):
+    with pytest.raises(ValueError, match="backend='gpu' is not one of"):
         select_topk(x, 5, backend="gpu")
     for opt in ({"trimmed_eps": 0.0}, {"tbs_max_probes": 0}, {"sample_fraction": 2.0},
                 {"threshold_reuse": 0}, {"sample_max_retries": -1}):
@@ -338,7 +338,7 @@ def test_native_and_torch_agree(method, dist):
 
 @needs_native
 def test_native_kernels_directly():
-    m = _native.load()
+    m = native.load()
     x = torch.randn(300001)
     mx, s = m.stats(x)
     assert mx == float(x.abs().max()) and math.isclose(s, float(x.double().abs().sum()), rel_tol=1e-5)
@@ -367,14 +367,14 @@ def test_native_kernels_directly():
 
 def test_loader_can_be_disabled(monkeypatch):
     monkeypatch.setenv("REDSYNC_NO_NATIVE", "1")
-    assert _native.load(force=True) is None and "REDSYNC_NO_NATIVE" in _native.load_error
+    assert native.load(force=True) is None and "REDSYNC_NO_NATIVE" in native.load.error
     assert select_topk(torch.randn(1000), 10, "tbs").numel() >= 10  # torch path
     monkeypatch.delenv("REDSYNC_NO_NATIVE")
     if native_available():  # a module built for another torch is never loaded
         monkeypatch.setattr(torch, "__version__", "0.0.1+other")
-        assert _native.load(force=True) is None and "another torch" in _native.load_error
+        assert native.load(force=True) is None and "another torch" in native.load.error
         monkeypatch.undo()
-    _native.load(force=True)
+    native.load(force=True)
 
 
 # ---- CUDA -----------------------------------------------------------------------------
@@ -406,17 +406,17 @@ def test_cuda_reuse():
 
 
 def _cupy_kernels():
-    from redsync_hvd.core import cuda_select
-    return cuda_select.load()
+    from redsync_hvd.core.select import cupy_kernels
+    return cupy_kernels.load()
 
 
 @cuda
 @pytest.mark.parametrize("dist", ["gauss", "t3"])
 def test_cuda_kernels_agree_with_torch(dist):
     """The CuPy passes count, sum and flag exactly what plain torch ops do."""
-    from redsync_hvd.core import cuda_select
+    from redsync_hvd.core.select import cupy_kernels as cuda_select
     if _cupy_kernels() is None:
-        pytest.skip("CuPy kernels unavailable: %s" % cuda_select.load_error)
+        pytest.skip("CuPy kernels unavailable: %s" % cuda_select.load.error)
     x = sample(dist, 3_000_001).cuda()
     be = cuda_select.CudaPasses(_cupy_kernels(), x, ValueError("bad"))
     mx, mean = be.stats()
@@ -503,7 +503,7 @@ def test_reuse_count_above_band_researches_among_candidates(method, backend):
 @pytest.mark.parametrize("mode", ["residual", "momentum", "nesterov"])
 @pytest.mark.parametrize("n", [1, 9, 4103, 300001])
 def test_compensate_scan_equals_the_separate_passes(mode, n):
-    m = _native.load()
+    m = native.load()
     g = torch.Generator().manual_seed(n)
     r, grad, u = (torch.randn(n, generator=g) for _ in range(3))
     out, u_out = torch.empty(n), torch.empty(n)
@@ -541,7 +541,7 @@ def test_selection_from_the_fused_pass_equals_the_unfused_one(method, momentum):
     """Error feedback over 12 steps, threshold reuse 4: the memory that fuses the first
     selection pass into its compensation sends exactly what the unfused pair sends (sampled:
     the pass emits above the threshold of DGC's sample, taken from r + g first)."""
-    from redsync_hvd.core.selection import scan_request
+    from redsync_hvd.core.select import scan_request
     from redsync_hvd.memory import MomentumCorrectionMemory, ResidualMemory
 
     def memory():
@@ -553,7 +553,7 @@ def test_selection_from_the_fused_pass_equals_the_unfused_one(method, momentum):
     used = 0
     for step in range(12):
         grad = torch.randn(200003, generator=g) * (1 + 0.05 * step)
-        req = scan_request(s_fused, k, method, threshold_reuse=4, numel=grad.numel())
+        req = scan_request(s_fused, k, Contract(method, threshold_reuse=4), grad.numel())
         x_f, first, _ = fused.compensate("w", grad, req)
         x_p = plain.compensate("w", grad).x
         if momentum == 0.0:
@@ -576,11 +576,11 @@ def test_dgc_sampled_selection_takes_its_hits_from_the_compensating_pass():
     """Without threshold reuse, DGC's sampled threshold is taken from r + g before x is written,
     and the compensating pass emits above it: the selection reads x no more (its own index pass
     would find the same hits) and returns what the unfused selection returns."""
-    from redsync_hvd.core.passes import compensate_scan
-    from redsync_hvd.core.selection import scan_request
+    from redsync_hvd.core.select import scan_request
+    from redsync_hvd.core.select.native import compensate_scan
     n, k, g = 300_001, 300, torch.Generator().manual_seed(5)
     r, grad, out = torch.randn(n, generator=g), torch.randn(n, generator=g), torch.empty(n)
-    scan = compensate_scan(r, grad, out, scan_request(None, k, "sampled", numel=n, sample_fraction=0.01))
+    scan = compensate_scan(r, grad, out, scan_request(None, k, Contract("sampled", sample_fraction=0.01), n))
     assert scan is not None and k <= scan.count == scan.indices.numel() < 2 * k
     assert torch.equal(out, r + grad)
     assert torch.equal(select_topk(out, k, "sampled", scan=scan), select_topk(out.clone(), k, "sampled"))

@@ -1,4 +1,4 @@
-"""The Triton kernels (core/triton_select.py) against the torch reference, bit for bit.
+"""The Triton kernels (core/select/triton_select.py) against the torch reference, bit for bit.
 
 Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before
 triton is imported) on CPU tensors: slow, so the inputs stay small (a few thousand to tens
@@ -17,19 +17,22 @@ import hypothesis.strategies as st  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import example, given, settings  # noqa: E402
 
-from redsync_hvd.core import radix_select as rs  # noqa: E402
 from redsync_hvd.core.segments import Segments  # noqa: E402
+from redsync_hvd.core.select import Contract, HistogramRequest, compensate, decode_add, select  # noqa: E402
+from redsync_hvd.core.select.contract import SIGNS  # noqa: E402
+from redsync_hvd.core.select.radix import k_rows  # noqa: E402
 
 try:
     import triton  # noqa: F401
 
-    from redsync_hvd.core import triton_select  # noqa: F401
+    from redsync_hvd.core.select import triton_select  # noqa: F401
     _WHY = ""
 except ImportError as e:     # pragma: no cover - CI installs the 'kernels' extra
     _WHY = f"triton cannot be imported ({e}); install it: pip install -e .[kernels]"
 pytestmark = pytest.mark.skipif(bool(_WHY), reason=_WHY or "triton present")
 
 DEV = "cuda" if CUDA else "cpu"
+RADIX, TORCH, TRITON = Contract("radix"), Contract("radix", backend="torch"), Contract("radix", backend="triton")
 FIELDS = ("positions", "values", "nonfinite", "kth", "side")
 
 
@@ -65,8 +68,8 @@ def both(seg, x, **kw):
     xa, xb = x.clone(), x.clone()
     ua = kw.pop("velocity", None)
     ub = None if ua is None else ua.clone()
-    a = rs.select(seg, xa, backend="torch", velocity=ua, **kw)
-    b = rs.select(seg, xb, backend="triton", velocity=ub, **kw)
+    a = select(seg, xa, TORCH, velocity=ua, **kw)
+    b = select(seg, xb, TRITON, velocity=ub, **kw)
     return a, b, (xa, xb), (ua, ub)
 
 
@@ -81,7 +84,7 @@ def assert_same(a, b, mean_rtol=1e-6):
 @given(sizes=st.lists(st.integers(0, 2500), min_size=1, max_size=3),
        fracs=st.lists(st.sampled_from([0.0, 0.001, 0.01, 0.3, 0.99, 1.0]), min_size=3, max_size=3),
        seed=st.integers(0, 10 ** 6), kind=st.sampled_from(["gauss", "ties", "heavy"]),
-       sign=st.sampled_from(rs.SIGNS), tile=st.sampled_from([512, 1024]), align=st.sampled_from([1, 16]))
+       sign=st.sampled_from(SIGNS), tile=st.sampled_from([512, 1024]), align=st.sampled_from([1, 16]))
 @example(sizes=[2500, 3, 1800], fracs=[0.01, 1.0, 0.3], seed=1, kind="ties", sign="larger", tile=512, align=16)
 @example(sizes=[2400, 1], fracs=[0.99, 1.0], seed=2, kind="heavy", sign="neg", tile=512, align=1)
 def test_triton_equals_the_reference(sizes, fracs, seed, kind, sign, tile, align):
@@ -106,7 +109,7 @@ def test_fused_residual_update_and_velocity_masking(sign, mean, value_dtype, ind
     assert_same(a, b)
     assert same(xa, xb) and same(ua, ub)
     assert b.positions.dtype == index_dtype and (mean or b.values.dtype == value_dtype)
-    rs.decode_add(seg, xb, b.positions, b.values, means=b.means, backend="triton")
+    decode_add(seg, xb, b.positions, b.values, means=b.means, contract=TRITON)
     assert torch.allclose(xb, x, rtol=0, atol=1e-6), "what was sent plus what is kept is x"
 
 
@@ -120,10 +123,10 @@ def test_the_update_in_the_write_pass_is_the_decode_of_the_own_message(sign, mea
     gen = torch.Generator().manual_seed(12)
     x, u = (padded(seg, torch.randn(sum(sizes), generator=gen).to(DEV)) for _ in range(2))
     xa, ua, xb, ub = x.clone(), u.clone(), x.clone(), u.clone()
-    a = rs.select(seg, xa, sign=sign, mean=mean, value_dtype=value_dtype, backend="triton")
+    a = select(seg, xa, TRITON, sign=sign, mean=mean, value_dtype=value_dtype)
     wire = {"means": a.means} if mean else {"values": a.values}
-    rs.decode_add(seg, xa, a.positions, alpha=-1.0, zero=ua, backend="triton", **wire)
-    b = rs.select(seg, xb, sign=sign, mean=mean, value_dtype=value_dtype, update=True, velocity=ub, backend="triton")
+    decode_add(seg, xa, a.positions, alpha=-1.0, zero=ua, **wire, contract=TRITON)
+    b = select(seg, xb, TRITON, sign=sign, mean=mean, value_dtype=value_dtype, update=True, velocity=ub)
     assert_same(a, b)
     assert same(xa, xb) and same(ua, ub)
 
@@ -158,15 +161,16 @@ def test_compensation_fused_with_the_first_histogram(grad_dtype, momentum, neste
     outs = {}
     for backend in ("torch", "triton"):
         x, u_new = torch.empty_like(r), torch.empty_like(r)
-        hist = rs.compensate(seg, r, g, x, velocity=u if momentum else None, velocity_out=u_new if momentum else None,
-                             momentum=momentum, nesterov=nesterov, sign="larger", backend=backend)
+        hist = compensate(r, g, x, velocity=u if momentum else None, velocity_out=u_new if momentum else None,
+                          momentum=momentum, nesterov=nesterov,
+                          first=HistogramRequest(seg, "larger", Contract("radix", backend=backend)))
         outs[backend] = (x, u_new if momentum else None, hist)
     (xa, ua, ha), (xb, ub, hb) = outs["torch"], outs["triton"]
     assert same(xa, xb) and same(ua, ub) and torch.equal(ha, hb)
     if grad_dtype != torch.bfloat16 or not nesterov:
         return     # once: the selection from the fused histogram
-    sa = rs.select(seg, xa, sign="larger", mean=True, hist=ha, backend="torch")
-    sb = rs.select(seg, xb, sign="larger", mean=True, hist=hb, backend="triton")
+    sa = select(seg, xa, TORCH, sign="larger", mean=True, first=ha)
+    sb = select(seg, xb, TRITON, sign="larger", mean=True, first=hb)
     assert_same(sa, sb)
 
 
@@ -228,11 +232,12 @@ def test_padding_is_never_selected_and_stays_zero():
     outs = {}
     for backend in ("torch", "triton"):
         x, u_new = torch.full((seg.n,), float("nan"), device=DEV), torch.full((seg.n,), float("nan"), device=DEV)
-        hist = rs.compensate(seg, padded(seg, r, float("nan")), padded(seg, g, float("nan")), x,
-                             velocity=padded(seg, u, float("nan")), velocity_out=u_new, momentum=0.9, sign="pos",
-                             backend=backend)
+        c = Contract("radix", backend=backend)
+        hist = compensate(padded(seg, r, float("nan")), padded(seg, g, float("nan")), x,
+                          velocity=padded(seg, u, float("nan")), velocity_out=u_new, momentum=0.9,
+                          first=HistogramRequest(seg, "pos", c))
         assert (x[pad] == 0).all() and (u_new[pad] == 0).all(), backend
-        sel = rs.select(seg, x, sign="pos", mean=True, hist=hist, update=True, velocity=u_new, backend=backend)
+        sel = select(seg, x, c, sign="pos", mean=True, first=hist, update=True, velocity=u_new)
         assert not sel.nonfinite.any()
         outs[backend] = (sel, x, u_new)
     (a, xa, ua), (b, xb, ub) = outs["torch"], outs["triton"]
@@ -252,16 +257,16 @@ def test_a_histogram_nobody_consumed_is_not_added_to():
     gen = torch.Generator().manual_seed(4)
     r, g = (torch.randn(seg.n, generator=gen).to(DEV) for _ in range(2))
     x_ref = torch.empty_like(r)
-    h_ref = rs.compensate(seg, r, g, x_ref, backend="torch")
-    want = rs.select(seg, x_ref.clone(), hist=h_ref, backend="torch")
+    h_ref = compensate(r, g, x_ref, first=HistogramRequest(seg, None, TORCH))
+    want = select(seg, x_ref.clone(), TORCH, first=h_ref)
     x = torch.empty_like(r)
-    rs.compensate(seg, g, r, x, backend="triton")               # never consumed
-    hist = rs.compensate(seg, r, g, x, backend="triton")
+    compensate(g, r, x, first=HistogramRequest(seg, None, TRITON))               # never consumed
+    hist = compensate(r, g, x, first=HistogramRequest(seg, None, TRITON))
     assert torch.equal(hist, h_ref)
-    assert_same(want, rs.select(seg, x.clone(), hist=hist, backend="triton"))
+    assert_same(want, select(seg, x.clone(), TRITON, first=hist))
     assert workspace_is_clean(seg, 1)
-    rs.compensate(seg, g, r, x.clone(), backend="triton")       # never consumed again
-    assert_same(want, rs.select(seg, x, hist=h_ref, backend="triton"))
+    compensate(g, r, x.clone(), first=HistogramRequest(seg, None, TRITON))       # never consumed again
+    assert_same(want, select(seg, x, TRITON, first=h_ref))
     assert workspace_is_clean(seg, 1)
 
 
@@ -290,14 +295,15 @@ def test_five_launches_per_bucket_whatever_its_layers(model, options, scale):
     gen = torch.Generator().manual_seed(0)
     r, u, g = (torch.randn(seg.n, generator=gen).to(DEV) for _ in range(3))
     x, u_new = torch.zeros_like(r), torch.zeros_like(r)
-    seg.tables(DEV), rs.k_rows(seg, DEV, "pos"), triton_select.workspace(seg, 2, DEV)
+    seg.tables(DEV), k_rows(seg, DEV, "pos"), triton_select.workspace(seg, 2, DEV)
     with Launches() as launches:
-        hist = rs.compensate(seg, r, g, x, velocity=u, velocity_out=u_new, momentum=0.9, sign="pos", backend="triton")
-        sel = rs.select(seg, x, sign="pos", mean=True, hist=hist, update=True, velocity=u_new, backend="triton")
+        hist = compensate(r, g, x, velocity=u, velocity_out=u_new, momentum=0.9,
+                          first=HistogramRequest(seg, "pos", TRITON))
+        sel = select(seg, x, TRITON, sign="pos", mean=True, first=hist, update=True, velocity=u_new)
     assert launches.triton == ["_pass1", "_filter", "_refine", "_count", "_write"], launches.triton
     assert launches.aten == [], launches.aten
     with Launches() as launches:        # the count can fail: it sees other kernels
-        rs.decode_add(seg, x, sel.positions, means=sel.means, backend="triton")
+        decode_add(seg, x, sel.positions, means=sel.means, contract=TRITON)
         x.zero_()
     assert launches.triton == ["_decode"] and launches.aten == ["aten::zero_"], (launches.triton, launches.aten)
 
@@ -306,7 +312,7 @@ def test_decode_of_gathered_messages_is_the_reference_in_rank_order():
     sizes = [6000, 5, 2500]
     seg = Segments(sizes, [60, 5, 25], tile=1024)
     gen = torch.Generator().manual_seed(4)
-    msgs = [rs.select(seg, torch.randn(seg.n, generator=gen).to(DEV), sign="pos", mean=True, backend="torch")
+    msgs = [select(seg, torch.randn(seg.n, generator=gen).to(DEV), TORCH, sign="pos", mean=True)
             for _ in range(3)]
     pos = torch.stack([m.positions for m in msgs])
     means = torch.stack([m.means for m in msgs])
@@ -316,7 +322,7 @@ def test_decode_of_gathered_messages_is_the_reference_in_rank_order():
         outs = [base.clone(), base.clone()]
         zeros = [torch.ones_like(base), torch.ones_like(base)]
         for out, zero, backend in zip(outs, zeros, ("torch", "triton")):
-            rs.decode_add(seg, out, pos, alpha=1 / 3, zero=zero, backend=backend, **wire)
+            decode_add(seg, out, pos, alpha=1 / 3, zero=zero, **wire, contract=Contract("radix", backend=backend))
         assert same(outs[0], outs[1]) and same(zeros[0], zeros[1])
 
 
@@ -326,7 +332,7 @@ def test_triton_needs_the_interpreter_or_cuda(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     seg = Segments([10], [1])
     with pytest.raises(ValueError, match="set TRITON_INTERPRET=1 before triton is imported, or pass CUDA tensors"):
-        rs.select(seg, torch.zeros(10), backend="triton")
+        select(seg, torch.zeros(10), TRITON)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA: torch.cuda's sync check sees real device waits")
@@ -340,12 +346,14 @@ def test_no_device_sync_in_a_compressed_step(backend):
     r, u, g = (torch.randn(seg.n, device=DEV) for _ in range(3))
     x, u_new, avg = torch.empty_like(r), torch.empty_like(r), torch.zeros_like(r)
 
+    c = Contract("radix", backend=backend)
+
     def step():
-        hist = rs.compensate(seg, r, g.half(), x, velocity=u, velocity_out=u_new, momentum=0.9, sign="larger",
-                             backend=backend)
-        sel = rs.select(seg, x, sign="larger", mean=True, hist=hist, update=True, velocity=u_new, backend=backend)
-        rs.decode_add(seg, avg, torch.stack([sel.positions] * 4), means=torch.stack([sel.means] * 4),
-                      alpha=0.25, backend=backend)
+        hist = compensate(r, g.half(), x, velocity=u, velocity_out=u_new, momentum=0.9,
+                          first=HistogramRequest(seg, "larger", c))
+        sel = select(seg, x, c, sign="larger", mean=True, first=hist, update=True, velocity=u_new)
+        decode_add(seg, avg, torch.stack([sel.positions] * 4), means=torch.stack([sel.means] * 4),
+                   alpha=0.25, contract=c)
     step()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

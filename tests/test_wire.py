@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 
 from redsync_hvd.comm import LocalCommunicator
 from redsync_hvd.compressors.base import Layer
-from redsync_hvd.core import radix_select as rs
 from redsync_hvd.core.segments import Segments
+from redsync_hvd.core.select import Contract, select
 from redsync_hvd.core.wire import finite_evidence, to_wire, wide_mean, wide_norm, wire_limit
 from redsync_hvd.engine import build_exchange
 
@@ -152,7 +152,7 @@ def test_the_radix_reference_sends_the_clamped_value_and_keeps_the_rest(value_dt
     x = torch.zeros(64)
     x[[3, 9, 20, 40]] = torch.tensor([1e5, -2e5, 3.4e38, -3.4e38])
     before = x.clone()
-    sel = rs.select(seg, x, value_dtype=value_dtype, update=True, backend="torch")
+    sel = select(seg, x, Contract("radix", backend="torch"), value_dtype=value_dtype, update=True)
     top = torch.finfo(value_dtype).max
     sent = sel.values.float()
     assert torch.isfinite(sent).all() and torch.isfinite(x).all()

@@ -106,7 +106,7 @@ class Compressor(ABC):
     memory's transaction, ``state_dict`` the checkpoint). Capabilities are class variables, read
     once when the exchange is built."""
     collective: ClassVar[str] = "allgather"
-    # True when compress() raises core.selection.NonFiniteError for NaN/Inf input: the
+    # True when compress() raises core.select.NonFiniteError for NaN/Inf input: the
     # exchange then skips its own finite-check pass over compressed layers
     checks_finite: ClassVar[bool] = False
     # True when compress() waits on a collective of its own (IWP's broadcast, PowerSGD's P round):
@@ -134,7 +134,7 @@ class Compressor(ABC):
         """What this layer's message looks like on the wire at its current k."""
 
     def first_pass(self, layer: Layer, step: int):
-        """What this layer's selection reads first (a ``core.passes.ScanRequest``), for the memory
+        """What this layer's selection reads first (a ``core.select.ScanRequest``), for the memory
         to make in the pass that computes x, or None. The exchange hands what the memory made
         (``Compensated.first``) to ``compress``."""
         return None

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from ..core.golomb import decode_positions, encode_positions
-from ..core.wire import to_wire, wide_mean
+from ..core.select.reference import keep_side, kept_mean
+from ..core.wire import to_wire
 
 VALUE_DTYPES = {"none": torch.float32, "fp16": torch.float16, "sign_mean": torch.float32}
 
@@ -84,18 +85,7 @@ class MessageCodec:
         out.index_add_(0, idx, value, alpha=alpha)
 
     def sign_mean(self, positions: torch.Tensor, values: torch.Tensor, step: int):
-        """(positions kept, their mean as (1,) float32) of one sign, by ``sign(step)``."""
-        side = self.sign(step)
-        if side == "pos":
-            keep = values > 0
-        elif side == "neg":
-            keep = values < 0
-        else:  # larger: the side whose mean magnitude is larger (SBC)
-            pos = values > 0
-            n_pos, n_neg = int(pos.sum()), int((values < 0).sum())
-            mu_pos = values[pos].sum() / max(n_pos, 1)
-            mu_neg = -values[values < 0].sum() / max(n_neg, 1)
-            keep = pos if bool(mu_pos >= mu_neg) else values < 0
-        positions, kept = positions[keep], values[keep]
-        mean = wide_mean(kept).reshape(1) if kept.numel() else torch.zeros(1, device=values.device)
-        return positions, mean.float()
+        """(positions kept, their mean as (1,) float32) of one sign, by ``sign(step)``: the sign
+        rule applied to a selection (``core/select/reference.py:keep_side``)."""
+        keep = keep_side(values, self.sign(step))
+        return positions[keep], kept_mean(values[keep])

@@ -2,15 +2,15 @@
 
 The bucket is the unit, kept as one flat buffer (the compressor offers its ``FlatCodec``; the
 exchange plans such a bucket, exchange/planned.py), and each of the exchange's four steps is one
-call over it (``core/radix_select.py``; Triton kernels on CUDA, the same steps in torch ops
-elsewhere):
+call over it (``core/select/``'s radix strategy; Triton kernels on CUDA, the same steps in torch
+ops elsewhere, or any radix backend registered):
 
-    1. compensate  memory: x = r + g (DGC: velocity too) + histogram 1   rs.compensate
-    2. compress    here:   exactly k positions per layer, values or means  rs.select(hist=...,
-                           and x -= what receivers decode, velocity masked   update=True)
+    1. compensate  memory: x = r + g (DGC: velocity too) + histogram 1   compensate
+    2. compress    here:   exactly k positions per layer, values or means  select(seg, x, RADIX,
+                           and x -= what receivers decode, velocity masked     first=..., update=True)
     3. update      memory: nothing left (done in 2's write)
     4. send        bucket: [positions (K,), values (K,) | means (L,)], sizes known in advance
-       decode      bucket: every rank's message in rank order             rs.decode_add
+       decode      bucket: every rank's message in rank order             decode_add
 
 Nothing is read back to the host, and the message of a bucket has the same size on every
 rank and step (K = sum of the layers' k), so the bucket needs no header allgather.
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core import radix_select as rs
-from ..core.segments import Segments
+from ..core.select import Contract, select, single
+from ..core.select.registry import check
 from .base import Compressor, Layer, Message, Wire
 from .codec import MessageCodec
 
@@ -34,10 +34,14 @@ from .codec import MessageCodec
 @dataclass(frozen=True)
 class FlatCodec:
     """What a bucket kept flat needs to run the selection over one buffer (exchange/planned.py):
-    the message codec (sign rule, values or one mean, the values' wire dtype) and the kernels'
-    backend ("auto": Triton on CUDA, torch ops elsewhere)."""
+    the message codec (sign rule, values or one mean, the values' wire dtype) and the radix
+    contract, whose backend ("auto": Triton on CUDA, torch ops elsewhere) runs the kernels."""
     codec: MessageCodec
-    backend: str
+    contract: Contract
+
+    @property
+    def backend(self) -> str:
+        return self.contract.backend
 
 
 class ExactKCompressor(Compressor):
@@ -47,9 +51,8 @@ class ExactKCompressor(Compressor):
     def __init__(self, config, comm=None):
         super().__init__(config, comm)
         self.codec = MessageCodec(config.message.quantize, "raw", config.message.sign_rule)
-        self.backend = config.selection.radix_backend
-        self.flat = FlatCodec(self.codec, self.backend)
-        self._layouts: dict = {}   # (numel, k) -> a layer's own layout, for compress
+        self.contract = Contract("radix", backend=check("radix", config.selection.radix_backend))
+        self.flat = FlatCodec(self.codec, self.contract)
 
     def wire(self, layer: Layer) -> Wire:
         """Exactly k int32 positions and k values or one mean: the same on every rank."""
@@ -61,13 +64,9 @@ class ExactKCompressor(Compressor):
         return True
 
     def compress(self, x: torch.Tensor, layer: Layer, step: int, first=None) -> Message:
-        """One layer alone (a bucket that is not kept flat): one ``rs.select`` over it."""
-        key = (layer.numel, layer.k)
-        seg = self._layouts.get(key)
-        if seg is None:
-            seg = self._layouts[key] = Segments([layer.numel], [layer.k], align=1)
-        sel = rs.select(seg, x.float(), sign=self.codec.sign(step), mean=self.codec.mean, index_dtype=torch.int32,
-                        value_dtype=self.codec.value_dtype, backend=self.backend)
+        """One layer alone (a bucket that is not kept flat): the radix select over it."""
+        sel = select(single(layer.numel, layer.k), x.float(), self.contract, sign=self.codec.sign(step),
+                     mean=self.codec.mean, index_dtype=torch.int32, value_dtype=self.codec.value_dtype)
         second = sel.means if self.codec.mean else sel.values
         return Message([sel.positions, second], self.codec.kinds, selected=layer.k, k=layer.k,
                        positions=sel.positions, nonfinite=sel.nonfinite[0])

@@ -17,7 +17,7 @@ import random
 
 import torch
 
-from ..core.selection import NonFiniteError, select_topk
+from ..core.select import Contract, NonFiniteError, select, single
 from .base import Compressor, Layer, Message, Wire
 
 
@@ -43,14 +43,15 @@ class IWPCompressor(Compressor):
         if self.comm.rank == leader:
             weight = layer.param.detach().reshape(-1).abs().to(x) if layer.param is not None else 0.0
             importance = x.abs() / (weight + self.config.eps)
-            method = layer.selection or self.config.selection
+            contract, seg = Contract(layer.selection or self.config.selection), single(layer.numel, k)
             try:
-                idx = select_topk(importance, k, method, name=layer.name)
+                idx = select(seg, importance, contract, name=layer.name).positions
             except NonFiniteError:
                 # the others wait on this broadcast: rank NaN/Inf first and send; the exchange's own
                 # finite check (every rank's evidence) then fails the step or passes the NaN on
                 most = torch.finfo(importance.dtype).max
-                idx = select_topk(torch.nan_to_num(importance, nan=most, posinf=most), k, method, name=layer.name)
+                ranked = torch.nan_to_num(importance, nan=most, posinf=most)
+                idx = select(seg, ranked, contract, name=layer.name).positions
             idx = idx.to(torch.int32)
         else:
             idx = torch.empty(k, dtype=torch.int32, device=x.device)

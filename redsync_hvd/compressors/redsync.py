@@ -1,6 +1,6 @@
 """RedSync (Fang et al., JPDC 2019): select about k of the residual, quantise, allgather.
 
-    idx  = select_topk(v, k, selection.method)       # exact | trimmed | tbs | sampled (core/selection.py)
+    idx  = select(single(n, k), v, contract)         # exact | trimmed | tbs | sampled (core/select/)
     message.quantize == sign_mean:
         keep one sign of v[idx] (alternating per step, or the side with the larger mean: SBC's rule)
         send (idx of that sign, ONE float: their mean)
@@ -9,8 +9,9 @@
     v[idx] -= what receivers will reconstruct        (the exchange: decompress_add(alpha=-1))
 
 ``selection.scope: bucket`` (the default on CUDA) selects for all layers of a bucket at once
-when its last gradient arrives (``core/bucket_select.py``: histogram thresholds, one host wait
-per bucket), with the same messages. ``selection.method: radix`` is its own compressor
+when its last gradient arrives (the selection registry's bucket backend for tbs,
+``core/select/histogram.py``: histogram thresholds, one host wait per bucket), with the same
+messages. ``selection.method: radix`` is its own compressor
 (``exact_k.py``): exactly k per layer of a bucket on the device, with no host wait at all.
 
 The wire format is ``codec.py``'s, shared with exact-k and SBC. Indices travel as int32, or as
@@ -20,12 +21,14 @@ for a sort and a CPU encode per layer).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
-from ..core.bucket_select import select_bucket
 from ..core.golomb import expected_bits
-from ..core.selection import SelectionState, scan_request, select_topk
+from ..core.segments import Segments
+from ..core.select import Contract, SelectionState, scan_request, select, single
+from ..core.select.registry import backends, pick
 from .base import Compressor, Layer, Message, Wire
 from .codec import VALUE_DTYPES, MessageCodec
 from .exact_k import ExactKCompressor
@@ -39,7 +42,7 @@ LOOSE = {"tbs": 1.5, "sampled": 1.5}
 
 class RedSyncCompressor(Compressor):
     collective = "allgather"
-    checks_finite = True   # select_topk raises NonFiniteError from a pass it makes anyway
+    checks_finite = True   # the searches raise NonFiniteError from a pass they make anyway
 
     def __init__(self, config, comm=None):
         super().__init__(config, comm)
@@ -49,6 +52,8 @@ class RedSyncCompressor(Compressor):
         # one codec per message format: a policy.layers override may give a layer its own
         self.codecs = {q: MessageCodec(q, m.index_coding, sign_rule) for q in VALUE_DTYPES}
         self.codec = self.codecs[m.quantize]
+        self.contracts: dict[str, Contract] = {}   # per selection method (a policy.layers override)
+        self._buckets: dict = {}                    # layer names -> the bucket backend's name, or None
 
     def codec_of(self, layer: Layer | None) -> MessageCodec:
         """The layer's message format (a ``policy.layers[].quantize`` override), else the config's."""
@@ -71,19 +76,25 @@ class RedSyncCompressor(Compressor):
     def _method(self, layer: Layer) -> str:
         return layer.selection or self.config.selection.method
 
+    def _contract(self, layer: Layer) -> Contract:
+        method = self._method(layer)
+        got = self.contracts.get(method)
+        if got is None:
+            s = self.config.selection
+            got = self.contracts[method] = Contract(method, threshold_reuse=s.threshold_reuse,
+                                                    tbs_max_probes=s.tbs_max_probes, trimmed_eps=s.trimmed_eps,
+                                                    sample_fraction=s.sample_fraction)
+        return got
+
     def _state(self, layer: Layer) -> SelectionState:
         return self.selection_state.setdefault(layer.name, SelectionState())
 
     def first_pass(self, layer: Layer, step: int):
-        s = self.config.selection
-        return scan_request(self._state(layer), layer.k, self._method(layer), threshold_reuse=s.threshold_reuse,
-                            numel=layer.numel, sample_fraction=s.sample_fraction)
+        return scan_request(self._state(layer), layer.k, self._contract(layer), layer.numel)
 
     def compress(self, x: torch.Tensor, layer: Layer, step: int, first=None) -> Message:
-        s = self.config.selection
-        idx = select_topk(x, layer.k, self._method(layer), state=self._state(layer), scan=first,
-                          threshold_reuse=s.threshold_reuse, tbs_max_probes=s.tbs_max_probes,
-                          trimmed_eps=s.trimmed_eps, sample_fraction=s.sample_fraction, name=layer.name)
+        idx = select(single(layer.numel, layer.k), x, self._contract(layer), state=self._state(layer), first=first,
+                     name=layer.name).positions
         cap = self._capacity(layer)
         if cap is not None and idx.numel() > cap:
             idx = idx[:cap]   # a capped message: what is left stays in the residual
@@ -112,22 +123,36 @@ class RedSyncCompressor(Compressor):
         return max(CAPACITY * layer.k, 1)
 
     def selects_by_bucket(self, layers: list) -> bool:
-        scope = self.config.selection.scope
-        if scope == "auto":
-            # CUDA's bincount has no deterministic kernel: deterministic runs select per layer
-            return (self.config.selection.method == "tbs" and all(l.device.type == "cuda" for l in layers)
-                    and not any(l.selection or l.quantize for l in layers)
-                    and not torch.are_deterministic_algorithms_enabled())
-        return scope == "bucket"
+        return self._bucket_backend(layers) is not None
+
+    def _bucket_backend(self, layers: list) -> str | None:
+        """The backend that selects these layers (one bucket) at once, or None: one at a time. The
+        selection registry picks it (``selection.scope`` auto: where it prefers a bucket backend,
+        on CUDA; bucket: one always); a layer with its own method or message goes alone."""
+        key = tuple(l.name for l in layers)
+        if key not in self._buckets:
+            scope, method = self.config.selection.scope, self.config.selection.method
+            alone = scope == "layer" or (scope == "auto" and any(l.selection or l.quantize for l in layers)) \
+                or not backends(method)   # exact: torch.topk itself, a layer at a time
+            unit = "bucket" if scope == "bucket" else None
+            picked = [] if alone else [pick(method, l.device, torch.float32, l.numel, unit=unit)[0] for l in layers]
+            first = picked[0] if picked else None
+            self._buckets[key] = first.name if first is not None and all(b is first for b in picked) \
+                and first.unit == "bucket" else None
+        return self._buckets[key]
 
     def compress_bucket(self, xs: list, layers: list, step: int, firsts: list | None = None) -> list:
-        if not self.selects_by_bucket(layers):
+        backend = self._bucket_backend(layers)
+        if backend is None:
             return super().compress_bucket(xs, layers, step, firsts)
-        sign = self.codec.sign(step)
-        got = select_bucket(xs, [l.k for l in layers], sign=sign, mean=self.codec.mean)
+        seg = Segments([l.numel for l in layers], [min(l.k, l.numel) for l in layers])
+        contract = replace(self._contract(layers[0]), backend=backend)
+        sel = select(seg, torch.cat(xs), contract, sign=self.codec.sign(step), mean=self.codec.mean)
+        values = None if self.codec.mean else sel.parts(sel.values)
         messages = []
-        for layer, idx, value, selected, bad in zip(layers, got.indices, got.values, got.selected, got.nonfinite):
-            msg = self._message(idx, value if self.codec.mean else self.codec.to_wire(value), layer, selected)
+        for i, (layer, idx, bad) in enumerate(zip(layers, sel.parts(), sel.nonfinite.tolist())):
+            value = sel.means[i:i + 1] if self.codec.mean else self.codec.to_wire(values[i])
+            msg = self._message(idx, value, layer, sel.selected[i])
             if bad:   # sent empty; every rank fails the step in finish()
                 msg.nonfinite = torch.ones((), dtype=torch.bool, device=idx.device)
             messages.append(msg)

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import torch
 
-from ..core.wire import wide_mean
+from ..core.select import Contract, select, single
 from .base import Layer, Message
 from .redsync import RedSyncCompressor
 
+# the exact top-k as torch.topk ranks it, NaN without a word: the exchange takes each layer's
+# finite evidence instead, so a NaN delta fails the step or is passed on
+TOPK = Contract("exact", finite=False)
+
 
 class SBCCompressor(RedSyncCompressor):
-    # torch.topk ranks NaN without a word (RedSync's select_topk refuses it): the exchange takes
-    # each layer's finite evidence instead, so a NaN delta fails the step or is passed on
     checks_finite = False
 
     def first_pass(self, layer: Layer, step: int):
@@ -29,16 +31,10 @@ class SBCCompressor(RedSyncCompressor):
         return False
 
     def compress(self, x: torch.Tensor, layer: Layer, step: int, first=None) -> Message:
-        k = layer.k
-        if self.config.message.binarize:
-            pos_vals, pos_idx = torch.topk(x, k, sorted=False)
-            neg_vals, neg_idx = torch.topk(-x, k, sorted=False)
-            mu_pos, mu_neg = wide_mean(pos_vals), wide_mean(neg_vals)
-            if bool(mu_pos >= mu_neg):
-                idx, value = pos_idx, mu_pos.reshape(1)
-            else:
-                idx, value = neg_idx, -mu_neg.reshape(1)
-        else:
-            idx = torch.topk(x.abs(), k, sorted=False).indices
-            value = x.index_select(0, idx)
+        """The k largest of the side with the larger mean, and that mean (``binarize``), or the k
+        largest |A| and their values: the exact strategy's sign rule (``core/select/``)."""
+        binarize = self.config.message.binarize
+        sel = select(single(layer.numel, layer.k), x, TOPK, sign="larger" if binarize else None, mean=binarize)
+        idx = sel.positions
+        value = sel.means if binarize else x.index_select(0, idx)
         return self._message(idx, value.float(), layer, idx.numel())

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import torch
 
+from ..core.select import Contract, select, single
 from .base import Compressor, Layer, Message, Wire
+
+# torch.topk itself, unchecked: RedSync's fast selections are the other strategies of core/select
+TOPK = Contract("exact", finite=False)
 
 
 class TopKCompressor(Compressor):
@@ -18,8 +22,7 @@ class TopKCompressor(Compressor):
         return Wire((layer.index_dtype, torch.float32), ("indices", "values"), (layer.k, layer.k))
 
     def compress(self, x, layer, step, first=None):
-        # the baseline is torch.topk itself; RedSync's fast selections live in core.selection
-        idx = torch.topk(x.abs(), layer.k, sorted=False).indices
+        idx = select(single(layer.numel, layer.k), x, TOPK).positions
         return Message([idx.to(layer.index_dtype), x.index_select(0, idx)], ("indices", "values"),
                        selected=idx.numel(), k=layer.k, positions=idx)
 

@@ -35,7 +35,7 @@ from pydantic import (
 from . import registry
 from .errors import closest, dotted, plain, relevant, unknown_key
 
-Selection = Literal["exact", "trimmed", "tbs", "sampled"]          # per layer (core/selection.py)
+Selection = Literal["exact", "trimmed", "tbs", "sampled"]          # per layer (core/select/searches.py)
 SelectionMethod = Literal["exact", "trimmed", "tbs", "sampled", "radix"]   # radix: by bucket only
 
 # flat keys of earlier versions -> where they live now
@@ -207,8 +207,8 @@ class PolicyConfig(_Group):
 
 
 class SelectionConfig(_Group):
-    """How RedSync finds about k of the residual's largest magnitudes (see core/selection.py), or
-    exactly k per layer on the device (radix, core/radix_select.py)."""
+    """How RedSync finds about k of the residual's largest magnitudes, or exactly k per layer on the
+    device (radix): the strategies of core/select/."""
     method: SelectionMethod = Field(
         "tbs", description="exact (torch.topk) | trimmed (exactly k) | tbs (threshold binary search, k to 2k) | "
                            "sampled (DGC's sampled threshold) | radix (exactly k per layer of a bucket by a radix "
@@ -252,9 +252,11 @@ class SelectionConfig(_Group):
         out = self.model_copy(update={"threshold_reuse": reuse})
         out._reuse_auto = True
         return out
-    radix_backend: Literal["auto", "triton", "torch"] = Field(
-        "auto", description="radix: auto (Triton kernels on CUDA tensors, torch ops elsewhere) | triton | torch "
-                            "(the reference in plain torch ops, any device)")
+
+    radix_backend: str = Field(
+        "auto", description="radix: a backend of the selection registry (core/select/registry.py), checked when "
+                            "the compressor is built: auto (Triton kernels on CUDA tensors, torch ops elsewhere) | "
+                            "triton | torch (the reference in plain torch ops, any device) | any registered one")
 
 
 class MessageConfig(_Group):

@@ -9,9 +9,9 @@
 Two hooks see them, so a CPU test under Triton's interpreter (``TRITON_INTERPRET=1``) counts
 what a step would launch on a GPU:
 
-* the ``run`` of every ``@triton.jit`` function of the given modules (default: the selection
-  kernels, ``core/triton_kernels.py`` and ``core/triton_select.py``), wrapped while counting,
-  compiled or interpreted alike;
+* the ``run`` of every ``@triton.jit`` function of the given modules (default: the kernels of
+  every registered selection backend, ``core/select/registry.py:kernel_modules``), wrapped while
+  counting, compiled or interpreted alike;
 * a ``TorchDispatchMode`` for aten ops, where views, metadata and allocations (no kernel on
   any device) are left out. Ops the Triton interpreter makes itself are left out too.
 """
@@ -66,8 +66,8 @@ class Launches:
 
     def __init__(self, modules=None):
         if modules is None:
-            from redsync_hvd.core import triton_kernels, triton_select
-            modules = (triton_kernels, triton_select)
+            from redsync_hvd.core.select import registry
+            modules = registry.kernel_modules()
         self.triton: list = []
         self.aten: list = []
         self._kernels = _kernels(modules)

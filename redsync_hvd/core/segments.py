@@ -30,7 +30,7 @@ import torch
 
 _MAX_LAYER = 2 ** 31 - 1      # positions and counts are int32 inside the kernels
 # the radix digits of a non-negative float32's 31 bits (8 + 12 + 11), shared by the torch
-# reference (radix_select.py) and the kernels (triton_select.py)
+# reference (select/radix_ref.py) and the kernels (select/triton_select.py)
 SHIFTS = (23, 11, 0)
 BINS = (256, 4096, 2048)
 NONFINITE_BIN = 0x7F800000 >> 23   # level-1 bin 255 (exponent all ones) holds NaN and Inf

@@ -34,7 +34,7 @@ import torch
 
 from ..comm.packing import pack, payload_bytes, unpack_fixed, unpack_gathered
 from ..compressors.base import Message
-from ..core.selection import NonFiniteError
+from ..core.select import NonFiniteError
 from ..core.wire import finite_evidence
 from .step import Arrived, StepState
 
@@ -166,11 +166,7 @@ class Bucket:
             return messages
         for layer, c, msg in zip(layers, cs, messages):
             memory.update(layer, c.x, msg, comp)                                                  # 3.
-        self._kept(layers, cs)
         return messages
-
-    def _kept(self, layers: tuple, cs: list) -> None:
-        """Where a bucket hands entries back to the residual after the collective (scatter.py)."""
 
     def _compress(self, layers: tuple, grads: list, cs: list, st: StepState) -> list:
         comp = self.compressor

@@ -22,10 +22,9 @@ from ..compressors.dense import FP16Compressor, NoneCompressor
 from ..core import layout
 from ..core.stats import CommStats
 from ..memory import NoMemory
-from ..memory.flat import FlatMemory, Memories
 from . import nonfinite, redecide
 from .buckets import Buffers, GatherBucket, ReduceBucket
-from .planned import PlannedBucket, flat_frame
+from .planned import PlannedBucket
 from .scatter import ScatterBucket, ScatterGroup
 from .step import StepResult, StepState
 
@@ -90,7 +89,6 @@ class GradientExchange:
         """What ``submit`` and ``finish`` read of the buckets."""
         self.bucket_of = {n: b for b in self.buckets for n in b.names}
         self.planned = [b for b in self.buckets if b.kind == "planned"]
-        self.memories = Memories(self.memory, [b.memory for b in self.planned if b.memory is not None])
         scatter = [b for b in self.buckets if b.kind == "scatter"]
         # finish() order: the reduce buckets, the scatter group, the gathered ones
         self.finishing = [b for b in self.buckets if b.kind == "reduce"] + \
@@ -132,13 +130,12 @@ class GradientExchange:
                                 momentum=not compressed and self.memory.corrects_momentum, **common)
         aggregation = self.policy.aggregation(group)
         if aggregation == "sparse_reduce_scatter":
-            return ScatterBucket(*args, together=comp.selects_by_bucket(list(group)),
-                                 residual=memory.keeps, **common)
+            return ScatterBucket(*args, together=comp.selects_by_bucket(list(group)), **common)
         terms = self.memory.flat_terms([l.name for l in group]) if comp.flat is not None else None
-        if terms is not None:
-            flat = FlatMemory([l.name for l in group], flat_frame(group), residual=True, **terms) \
-                if terms.pop("residual") else None
-            return PlannedBucket(*args[:3], flat, *args[4:], clip=self.clip, graphs=cuda_graph)
+        if terms is not None:   # its residuals (and velocities) a flat block of the memory's state
+            keeps = terms.pop("residual")
+            return PlannedBucket(*args[:3], memory if keeps else None, *args[4:], terms=terms, clip=self.clip,
+                                 graphs=cuda_graph)
         return GatherBucket(*args, together=comp.selects_by_bucket(list(group)), **common)
 
     def grad_buffers(self, dtype: torch.dtype, device) -> dict:
@@ -181,7 +178,7 @@ class GradientExchange:
         have at its own step (a gradient g of step s, sent at t: lr_t * g * lr_s / lr_t)."""
         lr = float(lr)
         if self.lr is not None and lr != self.lr and lr > 0:
-            self.memories.scale(self.lr / lr)
+            self.memory.scale(self.lr / lr)
         if lr > 0:
             self.lr = lr
 
@@ -321,7 +318,12 @@ class GradientExchange:
         """Every memory and the compressor's state keep this step (commit) or forget it. A step that
         passed NaN on keeps the memories with what is not finite zeroed, and the compressor's state
         (PowerSGD's warm Q) as it was."""
-        self.memories.settle(commit, passed)
+        if passed:
+            self.memory.keep_finite()
+        if commit:
+            self.memory.commit()
+        else:
+            self.memory.rollback()
         if commit and not passed:
             self.compressor.commit()
         else:
@@ -367,11 +369,11 @@ class GradientExchange:
     def residuals(self, kind: str = "residual") -> dict:
         """{name: this rank's current residual} of every compressed layer that keeps one (``kind``
         "velocity": DGC's velocities), wherever it lives (the memory, or a planned bucket)."""
-        return self.memories.residuals(kind)
+        return self.memory.residuals(kind)
 
     # -- checkpointing ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"step": self.step, "memory": self.memories.state_dict(), "compressor": self.compressor.state_dict(),
+        return {"step": self.step, "memory": self.memory.state_dict(), "compressor": self.compressor.state_dict(),
                 "stats": self.stats.state_dict(), "lr": self.lr, "policy": self.policy.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -379,7 +381,7 @@ class GradientExchange:
         self.state = StepState(step=self.step)
         self.lr = state.get("lr")
         if state.get("memory"):
-            self.memories.load_state_dict(state["memory"])
+            self.memory.load_state_dict(state["memory"])
         self.compressor.load_state_dict(state.get("compressor", {}))
         if "stats" in state:
             self.stats.load_state_dict(state["stats"])

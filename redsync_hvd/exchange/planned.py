@@ -4,16 +4,17 @@ RedSync with ``selection.method: radix`` (``compressors/exact_k.py``) sends exac
 layer, so every shape of a bucket's step is known once each layer's k is: offsets, message sizes,
 kernel grids. Such a bucket owns its gradient buffer (each layer's gradient is a view of it; the
 Horovod adapter makes these views the parameters' ``.grad``, so backward writes them in place),
-its residuals and DGC velocities (views of flat double buffers, :class:`FlatMemory`), and runs
-its step as device work only, with no host read and no per-layer call:
+its residuals and DGC velocities (a flat block of the memory's state, ``memory/state.py``: the
+layers' views of one double-buffered tensor per kind), and runs its step as device work only,
+with no host read and no per-layer call:
 
     0. gradients   into ``self.grad``, copied only where they did not land there
-    1. compensate  x = r + g (DGC: u = m u + g, x = r + u) and the first histogram   rs.compensate
-    2. compress    exactly k per layer: positions, values or one mean per layer;     rs.select
+    1. compensate  x = r + g (DGC: u = m u + g, x = r + u) and the first histogram   compensate
+    2. compress    exactly k per layer: positions, values or one mean per layer;     select
                    x -= what receivers decode and u zeroed there, in the same write (3. update)
     4. send        [positions | values or means | count of non-finite layers]: one allgather,
                    whose size every rank knows (no header)
-    finish         every rank's message decoded, in rank order, into ``self.grad``  rs.decode_add
+    finish         every rank's message decoded, in rank order, into ``self.grad``  decode_add
 
 On CUDA, steps 1-4 of a layout that has run eagerly twice are captured into a CUDA graph and
 replayed with one launch (``graph.py``). A change of any layer's k (the density warm-up's stages,
@@ -27,10 +28,9 @@ import torch
 
 from ..comm.packing import pack, unpack_fixed
 from ..compressors.base import Message
-from ..core import radix_select as rs
 from ..core.segments import VECTOR, Segments
+from ..core.select import HistogramRequest, compensate, decode_add, select
 from ..core.stats import CommStats
-from ..memory.flat import FlatMemory
 from .buckets import Bucket, account
 from .graph import CapturedSteps
 from .step import Arrived, StepState
@@ -47,19 +47,20 @@ class PlannedBucket(Bucket):
     """One flat bucket of exactly-k layers; see the module docstring.
 
     compressor: its ``flat`` (``FlatCodec``) gives the message codec (sign rule, sign_mean or
-        values, the values' wire dtype) and the kernels' backend ("auto", "triton", "torch");
-    memory: its :class:`FlatMemory` (laid out by ``flat_frame(layers)``), or None without error
-        feedback (x is the gradient itself);
+        values, the values' wire dtype) and the radix contract, whose backend runs the kernels;
+    memory: the exchange's memory, whose state keeps this bucket's block (laid out by
+        ``flat_frame(layers)``), or None without error feedback (x is the gradient itself);
+    terms: DGC's (``momentum``, ``nesterov``, ``masking``), or {} (``memory.flat_terms``);
     graphs: "auto" | "on" | "off" (``compression.cuda_graph``)."""
     kind = "planned"
 
-    def __init__(self, index: int, layers: tuple, compressor, memory: FlatMemory | None, comm, stats,
-                 policy, buffers, *, clip: float | None, graphs: str = "auto"):
-        self.codec, self.backend = compressor.flat.codec, compressor.flat.backend
+    def __init__(self, index: int, layers: tuple, compressor, memory, comm, stats, policy, buffers, *,
+                 terms: dict | None = None, clip: float | None, graphs: str = "auto"):
+        self.codec, self.contract = compressor.flat.codec, compressor.flat.contract
         self.frame = flat_frame(tuple(layers))
-        if memory is not None and memory.frame.sizes != self.frame.sizes:
-            raise ValueError(f"bucket {index}: its FlatMemory is laid out for {len(memory.frame.sizes)} other "
-                             "layers; build it with flat_frame(layers) of the same layers")
+        self.terms = dict(terms or {})
+        self.kinds = ("residual",) + (("velocity",) if self.terms.get("momentum") is not None else ())
+        self.key, self.block = ("planned", index), None   # the block of the memory's state: the first step takes it
         super().__init__(index, layers, compressor, memory, comm, stats, policy, buffers, evidence=False,
                          clip=clip, together=True)
         self.signs = (self.codec.sign(0), self.codec.sign(1))   # the kept sign alternates with the parity, or not
@@ -106,11 +107,12 @@ class PlannedBucket(Bucket):
     def _run(self, st: StepState) -> torch.Tensor:
         grad = self._load(st.grad_scale)                                                              # 0.
         seg, figures, layer_figures = self._layout(st.layout)
-        m = self.memory
-        if m is not None:   # buffers made on the first step, after a checkpoint's load, on another device
-            if not m.pairs or m.pairs["r"].cur.device != grad.device:
-                m.ready(grad.device)
-            m.written = True
+        if self.memory is not None:   # its block of the memory's state, looked up: a step calls nothing there
+            state, blk = self.memory.state, self.memory.state.blocks.get(self.key)
+            if blk is None or blk.device != grad.device:   # the first step, after a load, on another device
+                blk = state.block(self.key, dict.fromkeys(self.kinds, self.frame.n),
+                                  dict.fromkeys(self.kinds, torch.float32), grad.device, self.names, self.frame)
+            self.block, blk.written = blk, True   # it writes the spare halves: the memory's commit swaps them
         args = (seg, grad, st.step)
         if st.observe:   # the budget's statistics: an eager step that shows x
             payload, flags = self._device_step(*args, observe=True)
@@ -151,20 +153,20 @@ class PlannedBucket(Bucket):
 
     def _device_step(self, seg: Segments, grad: torch.Tensor, step: int, observe: bool = False) -> tuple:
         """Steps 1-4 as device work only (what a CUDA graph captures): (payload, per-layer flags)."""
-        sign, m = self.signs[step % 2], self.memory
+        sign, m, t = self.signs[step % 2], self.memory, self.terms
         if m is None:   # no error feedback: x is the gradient itself, and nothing is updated
             x, hist, velocity = grad.float(), None, None
         else:                                                                                         # 1.
-            r, u = m.pairs["r"], m.pairs.get("u")
-            extra = {} if u is None else {"velocity": u.cur, "velocity_out": u.spare, "momentum": m.momentum,
-                                          "nesterov": m.nesterov}
-            hist = rs.compensate(seg, r.cur, grad, r.spare, sign=sign, backend=self.backend, **extra)
-            x, velocity = r.spare, (u.spare if u is not None and m.masking else None)
+            r, u = self.block.pairs["residual"], self.block.pairs.get("velocity")
+            extra = {} if u is None else {"velocity": u.cur, "velocity_out": u.spare, "momentum": t["momentum"],
+                                          "nesterov": t["nesterov"]}
+            hist = compensate(r.cur, grad, r.spare, first=HistogramRequest(seg, sign, self.contract), **extra)
+            x, velocity = r.spare, (u.spare if u is not None and t["masking"] else None)
         if observe:
             self.policy.observe(list(self.layers), seg.views(x), step, [self.views[n] for n in self.names])
-        sel = rs.select(seg, x, sign=sign, mean=self.codec.mean, hist=hist, index_dtype=torch.int32,          # 2.-3.
-                        value_dtype=self.codec.value_dtype, update=m is not None, velocity=velocity,
-                        backend=self.backend)
+        sel = select(seg, x, self.contract, sign=sign, mean=self.codec.mean, first=hist,                     # 2.-3.
+                     index_dtype=torch.int32, value_dtype=self.codec.value_dtype, update=m is not None,
+                     velocity=velocity)
         flag = sel.nonfinite.sum(dtype=torch.int32).reshape(1)
         return pack([sel.positions, sel.means if self.codec.mean else sel.values, flag], grad.device)[1], \
             sel.nonfinite
@@ -172,7 +174,7 @@ class PlannedBucket(Bucket):
     def _key(self, seg: Segments, step: int) -> tuple:
         """What a captured step depends on besides its inputs' values: the layout, the kept sign and
         which buffers are current (they swap at every commit)."""
-        pairs = () if self.memory is None else tuple(p.cur.data_ptr() for p in self.memory.pairs.values())
+        pairs = () if self.memory is None else tuple(p.cur.data_ptr() for p in self.block.pairs.values())
         return seg.serial, self.signs[step % 2], pairs, self.grad.data_ptr()
 
     def _layout(self, key: tuple) -> tuple:
@@ -224,7 +226,7 @@ class PlannedBucket(Bucket):
                 pos = per_rank[0][0][None] if size == 1 else torch.stack([p[0] for p in per_rank])
                 second = per_rank[0][1][None] if size == 1 else torch.stack([p[1] for p in per_rank])
                 wire = {"means": second} if self.codec.mean else {"values": second}
-                rs.decode_add(seg, flat.zero_(), pos, alpha=alpha, backend=self.backend, **wire)
+                decode_add(seg, flat.zero_(), pos, alpha=alpha, contract=self.contract, **wire)
                 if not exact:
                     flat.div_(size)
                 got.averages.update(self.views if flat is self.grad else zip(self.names, self.frame.views(flat)))

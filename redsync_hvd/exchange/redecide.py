@@ -93,28 +93,23 @@ def go_dense(exchange, names: list, verdicts: list) -> None:
         layer = exchange.layers[name]
         if name in residuals:
             exchange.pending[name] = residuals[name].detach().clone().reshape(-1)
-        for kept in ("residual", "velocity"):
-            getattr(exchange.memory, kept, {}).pop(name, None)
         layer.compressed = False
     for d in exchange.policy.decisions:
         if d["name"] in names:
             d.update(compressed=False, density=1.0, why=why.get(d["name"], "review"))
-    rebuild(exchange)
+    rebuild(exchange, names)
 
 
-def rebuild(exchange) -> None:
+def rebuild(exchange, dropped: list) -> None:
     """The exchange's buckets again, from the layers' current decisions (between steps). Fresh
-    buffers (the old ones may still be some parameter's ``.grad``); the planned buckets' flat
-    residuals carried over; ``rebuilt`` counted, so adapters whose ``.grad`` were bucket views
-    take the new ones."""
-    memory = exchange.state_dict()["memory"]
+    buffers (the old ones may still be some parameter's ``.grad``); the memory forgets
+    ``dropped`` and its flat blocks go back to layers of their own (``drop``): the new planned
+    buckets take their layers' residuals on their first step, whatever their index now;
+    ``rebuilt`` counted, so adapters whose ``.grad`` were bucket views take the new ones."""
+    exchange.memory.drop(dropped)
     exchange.buffers = Buffers(exchange.buffers.keep)
     exchange.buckets = exchange._build([exchange.layers[n] for n in exchange.order], *exchange._shape)
     exchange._wire()
-    residual, velocity = dict(memory.get("residual", {})), dict(memory.get("velocity", {}))
-    for bucket in exchange.planned:
-        if bucket.memory is not None:
-            bucket.memory.load(residual, velocity)
     exchange._density_key = None
     exchange.rebuilt = getattr(exchange, "rebuilt", 0) + 1
 

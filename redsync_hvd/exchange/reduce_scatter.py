@@ -47,9 +47,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..core.segments import Segments
+from ..core.select import Contract, select
+
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 _ALIGN = 8
 _FP16_MAX = 65504.0
+TOPK = Contract("exact", finite=False)   # the owners' sums as torch.topk ranks them (NaN passes on)
 
 
 @dataclass(frozen=True)
@@ -288,16 +292,14 @@ class SparseReduceScatter:
         """Per layer, the ``keep`` largest |sum| (its own positions, fp32 sums), padded with
         (position 0, value 0) to exactly ``keep``: every owner's message has the same size."""
         bounds = torch.searchsorted(keys, torch.tensor(self.offsets, device=keys.device)).tolist()
+        sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+        seg = Segments(sizes, [min(c, n) for c, n in zip(keep, sizes)])
+        top = select(seg, sums, TOPK)
         pos, val = [], []
-        for l, c in enumerate(keep):
-            a, b = bounds[l], bounds[l + 1]
-            seg_keys, seg = keys[a:b], sums[a:b]
-            if b - a > c:
-                top = torch.topk(seg.abs(), c, sorted=False).indices
-                seg_keys, seg = seg_keys[top], seg[top]
-            short = c - seg.numel()
-            pos += [seg_keys - self.offsets[l], seg_keys.new_zeros(short)]
-            val += [seg, seg.new_zeros(short)]
+        for l, (c, idx, seg_keys, seg_sums) in enumerate(zip(keep, top.parts(), seg.views(keys), seg.views(sums))):
+            short = c - idx.numel()
+            pos += [seg_keys[idx] - self.offsets[l], seg_keys.new_zeros(short)]
+            val += [seg_sums[idx], seg_sums.new_zeros(short)]
         return torch.cat(pos), torch.cat(val)
 
     def finish(self, pending: _Pending, out: torch.Tensor | None = None) -> Result:

@@ -22,25 +22,20 @@ from .step import Arrived, StepState
 
 
 class ScatterBucket(Bucket):
-    """A gather bucket's layers, met by the sparse reduce-scatter. ``residual``: the memory keeps a
-    residual, to which the entries no owner kept come back."""
+    """A gather bucket's layers, met by the sparse reduce-scatter; the entries no owner kept come
+    back into the memory's residuals of this step (``give_back``)."""
     kind = "scatter"
 
-    def __init__(self, *args, residual: bool = True, **kw):
+    def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self.residual = residual
         self.rsc: SparseReduceScatter | None = None
 
     def clear(self) -> None:
         super().clear()
-        self._kept_x, self._pending, self._count_handle = {}, None, None
+        self._pending, self._count_handle = None, None
 
     def _account(self, layer, msg) -> None:
         account(self.stats, layer, msg, counted=False)   # its bytes: what the collectives moved, in finish
-
-    def _kept(self, layers: tuple, cs: list) -> None:
-        if self.residual:
-            self._kept_x.update((l.name, c.x) for l, c in zip(layers, cs))
 
     def _start(self, st: StepState, messages: list) -> None:
         if self.rsc is None:   # made with the first step's messages: their value dtype, and sign-mean or not
@@ -61,9 +56,7 @@ class ScatterBucket(Bucket):
         for layer, average, (positions, values) in zip(self.layers, result.averages, result.carry):
             target = into.get(layer.name)
             got.averages[layer.name] = target.copy_(average) if target is not None else average
-            x = self._kept_x.get(layer.name)
-            if x is not None and positions.numel():
-                x.index_add_(0, positions.to(x.device), values.to(x))
+            self.memory.give_back(layer.name, positions, values)
         return got
 
 

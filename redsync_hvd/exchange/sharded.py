@@ -6,10 +6,10 @@ N rows: row o holds, for every parameter j of the group, the o-th of its N equal
 of the shard its optimizer updates. Here the same buffer travels compressed (``ShardedGroup``):
 
     1. compensate  x = r + g (DGC: r + u, u = m u + g) of every other rank's row, fused with the
-                   row's first histogram                                 rs.compensate
+                   row's first histogram                                 compensate
     2. select      exactly k of every piece (o, j) of those rows (k = ceil(d * the piece's real
                    elements)); x -= what the owner decodes, the velocity zeroed there (DGC's
-                   masking)                                              rs.select(update=True)
+                   masking)                                              select(update=True)
     3. route       the selected entries to their owners by the sparse reduce-scatter's alltoall,
                    with FSDP's contiguous shards as the owners (reduce_scatter.py: ``Shards``);
                    each owner adds up what it received                   SparseReduceScatter
@@ -37,10 +37,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..compressors.codec import MessageCodec
-from ..core import radix_select as rs
+from ..core.compensate import corrected, torch_compensate, velocity
 from ..core.layout import k_of
 from ..core.segments import Segments
-from ..memory.flat import FlatPair
+from ..core.select import Contract, HistogramRequest, compensate, select
+from ..memory.state import Block, Carried, Pair
 from .reduce_scatter import Shards, SparseReduceScatter
 
 MAX_LAYOUTS = 16        # layouts (k per piece) kept with their tables: a warm-up changes k a few times
@@ -87,6 +88,7 @@ class ShardLayout:
 # each message.quantize a group sends, as the cost model names its format (policy/costmodel.py:
 # sharded_group_time prices a group's reduce-scatter by it)
 MESSAGE_FORMATS = {"none": "pairs", "fp16": "pairs_fp16", "sign_mean": "sign_mean"}
+KINDS = ("residual", "velocity", "dense_velocity")   # what a group carries (memory/state.py)
 
 @dataclass
 class GroupStep:
@@ -118,14 +120,17 @@ class ShardedGroup:
     ("none", "fp16" or "sign_mean"), sign_rule; comm: alltoall_async, reduce_scatter_async, wait."""
 
     def __init__(self, name: str, layers: list, shards: list, comm, settings: Settings,
-                 quantize: str = "none", sign_rule: str = "alternate", device="cpu"):
+                 quantize: str = "none", sign_rule: str = "alternate", device="cpu", carried: Carried | None = None):
         self.name, self.layers, self.comm, self.settings = name, list(layers), comm, settings
         self.layout = ShardLayout(shards, [l.numel for l in layers], comm.size, comm.rank)
         self.compressed = [j for j, l in enumerate(self.layers) if l.compressed]
         self.dense = [j for j, l in enumerate(self.layers) if not l.compressed]
         self.device = torch.device(device)
         self.codec = MessageCodec(quantize, "raw", sign_rule)
-        self.residual = self.velocity = self.dense_velocity = None   # FlatPair, built on first use
+        self.radix = Contract("radix", backend=settings.backend)
+        # what it carries is a block of ``carried``, the FSDP state's: one transaction for every group
+        self.carried, self.key = (carried if carried is not None else Carried(KINDS)), ("fsdp", name)
+        self._sizes, self._dtypes = self._kinds()
         self.rsc = None
         if self.compressed:
             N, lay = comm.size, self.layout
@@ -145,37 +150,46 @@ class ShardedGroup:
         return "sparse" if self.compressed else "dense"
 
     # -- state ------------------------------------------------------------------------------------
+    def _kinds(self) -> tuple:
+        """({kind: elements}, {kind: dtype}) of what this group carries: a compressed group's
+        residual (and DGC velocity) of its whole buffer, in the storage dtype; an all-dense group's
+        velocity of its row under momentum correction, in fp32."""
+        s, lay = self.settings, self.layout
+        if self.compressed:
+            sizes = {"residual": lay.numel, **({"velocity": lay.numel} if s.momentum else {})}
+        else:
+            sizes = {"dense_velocity": lay.row} if s.momentum else {}
+        return sizes, {k: torch.float32 if k == "dense_velocity" else STORAGE[s.storage] for k in sizes}
+
+    def _block(self) -> Block:
+        """This group's block of the carried state, made on first use, marked written by this step."""
+        blk = self.carried.block(self.key, self._sizes, self._dtypes, self.device)
+        blk.written = True
+        return blk
+
+    @property
+    def residual(self) -> Pair | None:
+        """The residual's double buffer, None before the group's first step or load."""
+        blk = self.carried.blocks.get(self.key)
+        return None if blk is None else blk.pairs.get("residual")
+
     def buffers(self) -> dict:
         """The carried buffers by kind (current halves)."""
-        out = {}
-        for key, pair in (("residual", self.residual), ("velocity", self.velocity),
-                          ("dense_velocity", self.dense_velocity)):
-            if pair is not None:
-                out[key] = pair.cur
-        return out
-
-    def _pair(self, key: str, numel: int, dtype) -> FlatPair:
-        pair = getattr(self, key)
-        if pair is None:
-            pair = FlatPair.zeros(numel, dtype, self.device)
-            setattr(self, key, pair)
-        return pair
-
-    def swap(self) -> None:
-        for pair in (self.residual, self.velocity, self.dense_velocity):
-            if pair is not None:
-                pair.swap()
+        blk = self.carried.blocks.get(self.key)
+        return {} if blk is None else {kind: p.cur for kind, p in blk.pairs.items()}
 
     def load(self, held: dict) -> None:
         """Take saved buffers (``buffers()`` of the same group on the same world size)."""
-        s, lay = self.settings, self.layout
+        lay = self.layout
         sizes = {"residual": lay.numel, "velocity": lay.numel, "dense_velocity": lay.row}
         for key, t in held.items():
             if key not in sizes or t.numel() != sizes[key]:
                 raise ValueError(f"FSDP group {self.name!r}: a saved {key} of {t.numel()} elements does not fit its "
                                  f"{sizes.get(key)} here: resume with the same model, FSDP wrapping and world size")
-            dtype = torch.float32 if key == "dense_velocity" else STORAGE[s.storage]
-            self._pair(key, t.numel(), dtype).cur.copy_(t.reshape(-1))
+        pairs = self.carried.block(self.key, self._sizes, self._dtypes, self.device).pairs if self._sizes else {}
+        for key, t in held.items():
+            if key in pairs:   # a kind this group keeps under this config
+                pairs[key].cur.copy_(t.reshape(-1))
 
     # -- the step ---------------------------------------------------------------------------------
     def reduce_scatter(self, out: torch.Tensor, grad: torch.Tensor, step: int, average: bool, factor: float,
@@ -220,9 +234,8 @@ class ShardedGroup:
         return result
 
     def _pairs(self) -> tuple:
-        s, n = self.settings, self.layout.numel
-        store = STORAGE[s.storage]
-        return self._pair("residual", n, store), (self._pair("velocity", n, store) if s.momentum else None)
+        pairs = self._block().pairs
+        return pairs["residual"], pairs.get("velocity")
 
     def _rows(self, grad, step: int, packed, scratch) -> list:
         """1.-2. Row by row (the own row never goes through the selection): x = r + g (DGC:
@@ -245,11 +258,10 @@ class ShardedGroup:
             seg = lay.segments(o, densities)
             extra = {} if u is None else {"velocity": u_in, "velocity_out": u_out, "momentum": s.momentum,
                                           "nesterov": s.nesterov}
-            hist = rs.compensate(seg, r_in, grad[sl], x, sign=sign, backend=s.backend, **extra)
-            out.append((o, seg, rs.select(seg, x, sign=sign, mean=self.codec.mean, hist=hist,
-                                          value_dtype=self.codec.value_dtype, update=True,
-                                          velocity=u_out if s.masking and u is not None else None,
-                                          backend=s.backend)))
+            hist = compensate(r_in, grad[sl], x, first=HistogramRequest(seg, sign, self.radix), **extra)
+            out.append((o, seg, select(seg, x, self.radix, sign=sign, mean=self.codec.mean, first=hist,
+                                       value_dtype=self.codec.value_dtype, update=True,
+                                       velocity=u_out if s.masking and u is not None else None)))
             if packed is not None:   # 5. the dense parameters' pieces of this row leave x
                 packed[o] = x.index_select(0, self._dense_out)
                 x.index_fill_(0, self._dense_out, 0.0)
@@ -264,13 +276,9 @@ class ShardedGroup:
         the velocity is not masked, as for a dense layer); its residual becomes 0."""
         s, own = self.settings, self.layout.own()
         r, u = self._pairs()
-        g = grad[own].float()
-        if u is None:
-            torch.add(r.cur[own], g, out=acc)
-        else:
-            v = g + u.cur[own].float() * s.momentum
-            u.spare[own] = v
-            torch.add(r.cur[own], g + v * s.momentum if s.nesterov else v, out=acc)
+        torch_compensate(r.cur[own], grad[own], acc, velocity_in=None if u is None else u.cur[own],
+                         velocity_out=None if u is None else u.spare[own], momentum=s.momentum,
+                         nesterov=s.nesterov, fma=False)
         r.spare[own] = 0.0
 
     def _send(self, sels: list) -> object:
@@ -320,7 +328,6 @@ class ShardedGroup:
             avg = out.float()
             if decay is not None:
                 avg += decay if average else decay * factor
-            u = self._pair("dense_velocity", lay.row, torch.float32)
-            torch.add(avg, u.cur, alpha=s.momentum, out=u.spare)
-            out.copy_(avg + s.momentum * u.spare if s.nesterov else u.spare)
+            u = self._block().pairs["dense_velocity"]
+            out.copy_(corrected(avg, velocity(avg, u.cur, s.momentum, out=u.spare), s.momentum, s.nesterov))
         return GroupStep(bad, share, share, share, {"values": share})

@@ -23,9 +23,8 @@ import time
 
 import torch
 
-from redsync_hvd.core import radix_select as rs
 from redsync_hvd.core.segments import Segments
-from redsync_hvd.core.selection import SelectionState, scan_request, select_topk
+from redsync_hvd.core.select import Contract, HistogramRequest, SelectionState, compensate, scan_request, select, single
 from redsync_hvd.experiments.stats import sync
 from redsync_hvd.memory import ResidualMemory
 
@@ -58,10 +57,11 @@ def aged_residual(n: int, device) -> torch.Tensor:
 
 class PerLayer:
     """TBS, trimmed or sampled on one layer, as the per-layer path runs them (``memory/residual.py``,
-    ``core/selection.py``: the native kernel on the CPU)."""
+    ``core/select/``: the native kernel on the CPU)."""
 
     def __init__(self, method: str, n: int, k: int, device, reuse: int = 1, fuse: bool = True):
-        self.method, self.n, self.k, self.reuse = method, n, k, reuse
+        self.method, self.n, self.k, self.seg = method, n, k, single(n, k)
+        self.contract = Contract(method, threshold_reuse=reuse, sample_fraction=SAMPLE_FRACTION)
         self.memory, self.state = ResidualMemory(fuse=fuse), SelectionState()
         self.memory.residual["g"] = aged_residual(n, device)
 
@@ -72,11 +72,8 @@ class PerLayer:
         return 12.0 + (8 * SAMPLE_FRACTION if self.method == "sampled" else 0.0)
 
     def __call__(self, g: torch.Tensor) -> int:
-        want = scan_request(self.state, self.k, self.method, threshold_reuse=self.reuse, numel=self.n,
-                            sample_fraction=SAMPLE_FRACTION)
-        c = self.memory.compensate("g", g, want)
-        idx = select_topk(c.x, self.k, self.method, state=self.state, scan=c.first, threshold_reuse=self.reuse,
-                          sample_fraction=SAMPLE_FRACTION)
+        c = self.memory.compensate("g", g, scan_request(self.state, self.k, self.contract, self.n))
+        idx = select(self.seg, c.x, self.contract, state=self.state, first=c.first).positions
         c.x.index_fill_(0, idx, 0.0)   # what a values message leaves in the residual where it sent
         self.memory.commit()
         return idx.numel()
@@ -84,18 +81,18 @@ class PerLayer:
 
 class ExactK:
     """Exactly k (``selection.method: radix``), as a planned bucket runs it (``exchange/planned.py``):
-    ``radix_select.compensate`` and ``select`` with the residual update, sign-mean messages."""
+    ``compensate`` and ``select`` with the residual update, sign-mean messages."""
     floor = 16.0
 
     def __init__(self, n: int, k: int, device, backend: str):
-        self.seg, self.backend = Segments([n], [k], align=16), backend
+        self.seg, self.contract = Segments([n], [k], align=16), Contract("radix", backend=backend)
         if self.seg.n != n:   # the gradient must be the bucket's buffer itself, as it is in the exchange
             raise ValueError(f"n={n}: use a multiple of 16 elements (the kernels' alignment)")
         self.r, self.spare = aged_residual(n, device), torch.zeros(n, device=device)
 
     def __call__(self, g: torch.Tensor) -> int:
-        hist = rs.compensate(self.seg, self.r, g, self.spare, sign="pos", backend=self.backend)
-        sel = rs.select(self.seg, self.spare, sign="pos", mean=True, hist=hist, update=True, backend=self.backend)
+        hist = compensate(self.r, g, self.spare, first=HistogramRequest(self.seg, "pos", self.contract))
+        sel = select(self.seg, self.spare, self.contract, sign="pos", mean=True, first=hist, update=True)
         self.r, self.spare = self.spare, self.r
         return sel.positions.numel()
 

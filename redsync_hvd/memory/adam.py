@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from ..core.passes import Compensated, ScanRequest
-from .residual import ResidualMemory, double_buffer
+from ..core.select import Compensated, ScanRequest, compensate
+from .residual import ResidualMemory
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -41,25 +41,40 @@ MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 class AdamUnitsMemory(ResidualMemory):
     """``betas``, ``eps``: {layer name: (b1, b2)}, {layer name: eps}, from the optimizer's param
     groups; ``l2``: {layer name: (weight decay, parameter)} for Adam's coupled weight decay."""
+    KINDS = ("residual",) + MOMENT_KEYS
+    COUNTERS = ("steps",)
 
     def __init__(self, betas: dict, eps: dict, l2: dict | None = None, freeze_after: int = 0):
         super().__init__(fuse=False)   # the native fused pass knows x = r + g and DGC's u only
         self.betas, self.eps, self.l2, self.freeze_after = betas, eps, l2 or {}, freeze_after
-        self.moments: dict[str, dict] = {k: {} for k in MOMENT_KEYS}
-        self._spare_moments: dict[str, dict] = {k: {} for k in MOMENT_KEYS}
-        self._pending_moments: dict[str, dict] = {k: {} for k in MOMENT_KEYS}
-        self.steps: dict[str, int] = {}
         self.sent: set = set()          # the layers whose averages are in update units, last step
 
+    @property
+    def moments(self) -> dict:
+        """{"exp_avg": {name: m}, "exp_avg_sq": {name: v}}: this worker's current moments."""
+        return {k: self.state.cur[k] for k in MOMENT_KEYS}
+
+    @property
+    def steps(self) -> dict:
+        """{name: this worker's Adam steps of the layer} (bias correction)."""
+        return self.state.counters["steps"]
+
     def compensate(self, name: str, grad: torch.Tensor, want: ScanRequest | None = None) -> Compensated:
+        """x = r + this worker's own Adam step: the step hook of the one compensation (core/select)."""
+        r, x = self.state.pair("residual", name, grad)
+        compensate(r, grad, x, step=lambda r, g, out: self._step(name, r, g, out))
+        return Compensated(x, None)
+
+    def _step(self, name: str, r: torch.Tensor, grad: torch.Tensor, x: torch.Tensor) -> None:
+        """Steps 1-3 of the module docstring, x = r + s in one addcdiv (torch's Adam rounds so)."""
         g = grad.float()
         if name in self.l2:
             wd, param = self.l2[name]
             g = g.add(param.detach().reshape(g.shape).float(), alpha=wd)
         b1, b2 = self.betas[name]
         t = self.steps.get(name, 0) + 1
-        m, m_new = self._moment("exp_avg", name, g)
-        v, v_new = self._moment("exp_avg_sq", name, g)
+        m, m_new = self.state.pair("exp_avg", name, g)
+        v, v_new = self.state.pair("exp_avg_sq", name, g)
         torch.lerp(m, g, 1 - b1, out=m_new)                               # 1.
         tv = min(t, self.freeze_after) if self.freeze_after else t         # v's own steps
         if tv < t:
@@ -67,50 +82,20 @@ class AdamUnitsMemory(ResidualMemory):
         else:
             torch.mul(v, b2, out=v_new).addcmul_(g, g, value=1 - b2)
         denom = (v_new.sqrt() / (1 - b2 ** tv) ** 0.5).add_(self.eps[name])  # 2. as torch's Adam
-        r, x = self._buffers(name, g)
         torch.addcdiv(r, m_new, denom, value=1 / (1 - b1 ** t), out=x)       # 3. x = r + s
-        self._pending[name] = x
-        return Compensated(x, None)
-
-    def _moment(self, key: str, name: str, like: torch.Tensor):
-        cur, new = double_buffer(self.moments[key], self._spare_moments[key], name, like)
-        self._pending_moments[key][name] = new
-        return cur, new
 
     def flat_terms(self, names: list) -> None:
         return None   # a planned bucket keeps residuals and DGC velocities flat, not moments
 
-    def _pending_buffers(self) -> list:
-        return [self._pending, *self._pending_moments.values()]
-
     def commit(self) -> None:
-        for key in MOMENT_KEYS:
-            for name, buf in self._pending_moments[key].items():
-                self._spare_moments[key][name], self.moments[key][name] = self.moments[key][name], buf
-            self._pending_moments[key].clear()
-        self.sent = set(self._pending)
-        for name in self.sent:
-            self.steps[name] = self.steps.get(name, 0) + 1
+        self.sent = self.state.written("residual")
+        self.state.count("steps", self.sent)
         super().commit()
 
     def rollback(self) -> None:
-        for pending in self._pending_moments.values():
-            pending.clear()
         self.sent = set()
         super().rollback()
 
-    def state_dict(self) -> dict:
-        out = super().state_dict()
-        for key in MOMENT_KEYS:
-            out[key] = {k: v.detach().clone() for k, v in self.moments[key].items()}
-        out["steps"] = dict(self.steps)
-        return out
-
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        for key in MOMENT_KEYS:
-            self.moments[key] = {k: v.detach().clone().float() for k, v in (state.get(key) or {}).items()}
-            self._spare_moments[key].clear()
-            self._pending_moments[key].clear()
-        self.steps = {k: int(v) for k, v in (state.get("steps") or {}).items()}
         self.sent = set()

@@ -25,35 +25,37 @@ from __future__ import annotations
 
 import torch
 
-from ..core.passes import Compensated, ScanRequest, compensate_scan
-from .residual import ResidualMemory, double_buffer
+from ..core.compensate import velocity as dgc_velocity
+from ..core.select import Compensated, ScanRequest, compensate
+from .residual import ResidualMemory
 
 
 class MomentumCorrectionMemory(ResidualMemory):
     corrects_momentum = True
+    KINDS = ("residual", "velocity")
+
     def __init__(self, momentum: dict | float, nesterov: bool = False, masking: bool = True, fuse: bool = True):
         super().__init__(fuse)
         self.momentum = momentum          # float, or {layer name: momentum} from the param groups
         self.nesterov = nesterov
         self.masking = masking
-        self.velocity: dict[str, torch.Tensor] = {}
-        self._spare_u: dict[str, torch.Tensor] = {}
-        self._pending_u: dict[str, torch.Tensor] = {}
+
+    @property
+    def velocity(self) -> dict:
+        """{name: current velocity} of the layers this memory compensates."""
+        return self.state.cur["velocity"]
 
     def _m(self, name: str) -> float:
         return self.momentum.get(name, 0.0) if isinstance(self.momentum, dict) else self.momentum
 
     def compensate(self, name: str, grad: torch.Tensor, want: ScanRequest | None = None) -> Compensated:
         m = self._m(name)
-        u, u_new = self._velocity_buffers(name, grad)
-        v, v_new = self._buffers(name, grad)
-        # one pass over g, u and v where the native kernel runs; torch ops make three
-        scan = compensate_scan(v, grad, v_new, want, u, u_new, m, self.nesterov, fuse=self.fuse)
-        if scan is None:
-            torch.add(grad, u, alpha=m, out=u_new)       # u = m*u + g
-            torch.add(v, grad + m * u_new if self.nesterov else u_new, out=v_new)
-        self._pending[name] = v_new                      # v + step, in v's spare buffer
-        return Compensated(v_new, scan if want is not None else None)
+        u, u_new = self.state.pair("velocity", name, grad)
+        v, v_new = self.state.pair("residual", name, grad)
+        # u = m*u + g; v + u: one pass over g, u and v where the native kernel runs, torch ops make three
+        first = compensate(v, grad, v_new, velocity=u, velocity_out=u_new, momentum=m, nesterov=self.nesterov,
+                           first=want, fuse=self.fuse)
+        return Compensated(v_new, first)                 # v + step, in v's spare buffer
 
     def flat_terms(self, names: list) -> dict | None:
         """A bucket kept flat keeps velocities too, with one momentum for all its layers (the
@@ -62,12 +64,6 @@ class MomentumCorrectionMemory(ResidualMemory):
         if len(momenta) != 1:
             return None
         return {"residual": True, "momentum": momenta.pop(), "nesterov": self.nesterov, "masking": self.masking}
-
-    def _velocity_buffers(self, name: str, like: torch.Tensor):
-        """(current velocity, the spare buffer that becomes the next one on commit)."""
-        u, u_new = double_buffer(self.velocity, self._spare_u, name, like)
-        self._pending_u[name] = u_new
-        return u, u_new
 
     def dense_momentum(self, names: list, averages: list) -> None:
         """Momentum for the layers sent dense, applied to their averaged gradients in place.
@@ -82,43 +78,14 @@ class MomentumCorrectionMemory(ResidualMemory):
                 groups.setdefault(m, []).append((name, avg))
         for m, items in groups.items():
             avgs = [a for _, a in items]
-            pairs = [self._velocity_buffers(name, a) for name, a in items]
-            news = [new for _, new in pairs]
-            torch._foreach_copy_(news, avgs)
-            torch._foreach_add_(news, [u for u, _ in pairs], alpha=m)    # u = m*u + avg
+            pairs = [self.state.pair("velocity", name, a) for name, a in items]
+            news = dgc_velocity(avgs, [u for u, _ in pairs], m, out=[new for _, new in pairs])   # u = m*u + avg
             if self.nesterov:
                 torch._foreach_add_(avgs, news, alpha=m)                # avg + m*u
             else:
                 torch._foreach_copy_(avgs, news)
 
-    def _carried(self) -> list:
-        return [self.residual, self.velocity]
-
-    def _pending_buffers(self) -> list:
-        return [self._pending, self._pending_u]
-
     def mask(self, name: str, indices: torch.Tensor) -> None:
         """Zero the (pending) velocity at the positions that were sent."""
         if self.masking and indices is not None and indices.numel():
-            self._pending_u[name].index_fill_(0, indices.to(torch.int64), 0.0)
-
-    def commit(self) -> None:
-        for name, buf in self._pending_u.items():
-            self._spare_u[name], self.velocity[name] = self.velocity[name], buf
-        self._pending_u.clear()
-        super().commit()
-
-    def rollback(self) -> None:
-        self._pending_u.clear()
-        super().rollback()
-
-    def state_dict(self) -> dict:
-        out = super().state_dict()
-        out["velocity"] = {k: v.detach().clone() for k, v in self.velocity.items()}
-        return out
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        self.velocity = {k: v.detach().clone().float() for k, v in state.get("velocity", {}).items()}
-        self._spare_u.clear()
-        self._pending_u.clear()
+            self.state.pending("velocity", name).index_fill_(0, indices.to(torch.int64), 0.0)

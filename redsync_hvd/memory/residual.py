@@ -7,35 +7,23 @@ buffer the new residual; ``rollback`` drops it. So a step that fails after compr
 (NaN on some rank, an exception in a collective) leaves the residuals exactly as they
 were: nothing is lost.
 
-Double buffering costs one extra layer-sized buffer but no allocation per step.
-
-A bucket kept flat on the device (exactly k per layer: ``exchange/planned.py``) keeps its
-residuals and velocities itself, as views of flat double buffers; ``flat_terms`` says what it
-needs to keep for its layers.
+What is carried lives in the memory's :class:`~.state.Carried` (``state``): the residuals of
+this memory's layers and, as flat blocks, those of the buckets kept flat on the device
+(exactly k per layer: ``exchange/planned.py``, which takes its block from ``state``;
+``flat_terms`` says what it keeps for its layers). One commit, rollback and ``state_dict``
+serve all of them.
 """
 from __future__ import annotations
 
 import torch
 
-from ..core.passes import Compensated, ScanRequest, compensate_scan
-
-
-def double_buffer(current: dict, spare: dict, name: str, like: torch.Tensor):
-    """(``current[name]``, zeros on first use; ``spare[name]``, a buffer of the same shape that
-    ``commit`` swaps in): the step writes into the spare, so a failed step loses nothing."""
-    cur = current.get(name)
-    if cur is None:
-        cur = current[name] = torch.zeros_like(like, dtype=torch.float32)
-    new = spare.get(name)
-    if new is None or new.shape != cur.shape or new.device != cur.device:
-        new = spare[name] = torch.empty_like(cur)
-    return cur, new
+from ..core.select import Compensated, ScanRequest, compensate
+from .state import Carried
 
 
 class NoMemory:
     """Methods without error feedback: x is the gradient itself and nothing is kept."""
     corrects_momentum = False
-    keeps = False
 
     def compensate(self, name: str, grad: torch.Tensor, want: ScanRequest | None = None) -> Compensated:
         return Compensated(grad)
@@ -49,6 +37,9 @@ class NoMemory:
     def update_aggregate(self, name: str, x: torch.Tensor, average: torch.Tensor) -> None:
         pass
 
+    def give_back(self, name: str, positions: torch.Tensor, values: torch.Tensor) -> None:
+        pass
+
     def keep_finite(self) -> None:
         pass
 
@@ -59,6 +50,12 @@ class NoMemory:
         pass
 
     def rollback(self) -> None:
+        pass
+
+    def residuals(self, kind: str = "residual") -> dict:
+        return {}
+
+    def drop(self, names: list) -> None:
         pass
 
     def state_dict(self) -> dict:
@@ -72,27 +69,27 @@ class ResidualMemory:
     """Error feedback. Dense layers never pass through a memory: they send everything, so a
     residual would stay zero."""
     corrects_momentum = False   # True: dense layers' averages get momentum (dense_momentum)
-    keeps = True
+    KINDS: tuple = ("residual",)     # what ``state`` carries per layer (its state_dict names them)
+    COUNTERS: tuple = ()
 
     def __init__(self, fuse: bool = True) -> None:
         self.fuse = fuse   # compensate and the selection's first pass in one native pass (CPU)
-        self.residual: dict[str, torch.Tensor] = {}
-        self._spare: dict[str, torch.Tensor] = {}
-        self._pending: dict[str, torch.Tensor] = {}
+        self.state = Carried(self.KINDS, self.COUNTERS)
+
+    @property
+    def residual(self) -> dict:
+        """{name: current residual} of the layers this memory compensates (not the flat blocks')."""
+        return self.state.cur["residual"]
 
     def compensate(self, name: str, grad: torch.Tensor, want: ScanRequest | None = None) -> Compensated:
         """x = residual + grad in a spare buffer; ``update`` then subtracts the sent part from it.
         ``want``: the selection's first pass, made in the same pass where the native kernel can."""
-        r, spare = self._buffers(name, grad)
-        scan = compensate_scan(r, grad, spare, want, fuse=self.fuse)
-        if scan is None:
-            torch.add(r, grad, out=spare)
-        self._pending[name] = spare
-        return Compensated(spare, scan if want is not None else None)
+        r, spare = self.state.pair("residual", name, grad)
+        return Compensated(spare, compensate(r, grad, spare, first=want, fuse=self.fuse))
 
     def flat_terms(self, names: list) -> dict | None:
-        """What a bucket kept flat keeps for ``names`` (``memory/flat.py``: ``FlatMemory``'s
-        arguments), or None where one flat compensation cannot serve them all."""
+        """What a bucket kept flat keeps for ``names`` (the kinds and DGC's terms of its block in
+        ``state``), or None where one flat compensation cannot serve them all."""
         return {"residual": True}
 
     def update(self, layer, x: torch.Tensor, message, compressor) -> None:
@@ -105,44 +102,44 @@ class ResidualMemory:
         """x -= the decoded average of every rank's message (PowerSGD's error feedback)."""
         x.sub_(average)
 
+    def give_back(self, name: str, positions: torch.Tensor, values: torch.Tensor) -> None:
+        """This step's residual of ``name`` += values at positions: what a rank sent and no owner
+        kept (the sparse reduce-scatter, ``exchange/scatter.py``), pending with the step."""
+        x = self.state.pending("residual", name)
+        if x is not None and positions.numel():
+            x.index_add_(0, positions.to(x.device), values.to(x))
+
     def mask(self, name: str, positions) -> None:
         """Hook for memories that react to which positions were sent (momentum masking)."""
 
     def keep_finite(self) -> None:
-        """Zero what is not finite in this step's pending buffers: a step that passed NaN/Inf on
-        (``check_finite: false``) must not leave it in state that outlives the step, or every later
-        step would send it again. One pass over them, on such steps only."""
-        for pending in self._pending_buffers():
-            for buf in pending.values():
-                torch.nan_to_num_(buf, nan=0.0, posinf=0.0, neginf=0.0)
-
-    def _pending_buffers(self) -> list:
-        return [self._pending]
+        """Zero what is not finite in this step's buffers (``Carried.keep_finite``)."""
+        self.state.keep_finite()
 
     def scale(self, factor: float) -> None:
         """Multiply what is carried (residuals; DGC's velocities too) by ``factor``, in place: the
         learning rate changed from a to b and ``factor`` = a / b keeps it worth the same update."""
-        for buffers in self._carried():
-            torch._foreach_mul_(list(buffers.values()), factor)
-
-    def _carried(self) -> list:
-        return [self.residual]
-
-    def _buffers(self, name: str, grad: torch.Tensor):
-        return double_buffer(self.residual, self._spare, name, grad)
+        self.state.scale(factor)
 
     def commit(self) -> None:
-        for name, buf in self._pending.items():
-            self._spare[name], self.residual[name] = self.residual[name], buf
-        self._pending.clear()
+        self.state.commit()
 
     def rollback(self) -> None:
-        self._pending.clear()
+        self.state.rollback()
+
+    def residuals(self, kind: str = "residual") -> dict:
+        """{name: current residual} (``kind`` "velocity": DGC's velocities), flat blocks' layers too."""
+        return self.state.current(kind)
+
+    def drop(self, names: list) -> None:
+        """Forget what is carried for ``names`` (they travel dense from now on), and the flat
+        blocks back to layers of their own: the exchange's buckets are built again
+        (``exchange/redecide.py:rebuild``) and the new planned ones take their layers' share."""
+        self.state.unblock()
+        self.state.forget(names)
 
     def state_dict(self) -> dict:
-        return {"residual": {k: v.detach().clone() for k, v in self.residual.items()}}
+        return self.state.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.residual = {k: v.detach().clone().float() for k, v in state["residual"].items()}
-        self._spare.clear()
-        self._pending.clear()
+        self.state.load_state_dict(state)

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from ..core.layout import k_of
+from ..core.select import ranked
 
 GRID_PER_OCTAVE = 4    # candidate densities per factor of two
 DP_UNITS = 4000        # the dynamic program's resolution of the budget
@@ -98,9 +99,9 @@ def layer_curve(x: torch.Tensor, ks: list, width: int, sign_mean: bool, length: 
     x = x.detach().reshape(-1).double()
     top = int(ks[-1])
     if sign_mean:
-        sums = [torch.topk(s, top).values.clamp(min=0).cumsum(0) for s in (x, -x)]
+        sums = [ranked(s, top)[0].clamp(min=0).cumsum(0) for s in (x, -x)]
     else:
-        sums = [torch.topk(x.abs(), top).values.square().cumsum(0)]
+        sums = [ranked(x.abs(), top)[0].square().cumsum(0)]
     at = torch.tensor(list(ks) + [ks[-1]] * (width - len(ks)), device=x.device) - 1
     row = torch.cat([x.square().sum().reshape(1)] + [s.index_select(0, at) for s in sums]).float()
     return torch.nn.functional.pad(row, (0, (length or row.numel()) - row.numel()))
@@ -118,11 +119,11 @@ def descent_curve(x: torch.Tensor, g: torch.Tensor, ks: list, width: int, sign_m
     if sign_mean:
         sums = []
         for s in (1.0, -1.0):
-            mags, idx = torch.topk(s * x, top)
+            mags, idx = ranked(s * x, top)
             mean = mags.clamp(min=0).cumsum(0) / torch.arange(1, top + 1, device=x.device, dtype=x.dtype)
             sums.append(mean * (s * g[idx]).cumsum(0))
     else:
-        idx = torch.topk(x.abs(), top).indices
+        idx = ranked(x.abs(), top)[1]
         sums = [(x[idx] * g[idx]).cumsum(0)]
     row = torch.cat([x.square().sum().reshape(1)] + [s.index_select(0, at) for s in sums]).float()
     return torch.nn.functional.pad(row, (0, (length or row.numel()) - row.numel()))

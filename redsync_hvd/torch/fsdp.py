@@ -63,7 +63,8 @@ from ..engine import (
 )
 from ..engine.decisions import pin
 from ..exchange import NonFiniteGradientError
-from ..exchange.sharded import MESSAGE_FORMATS, Settings, ShardedGroup
+from ..exchange.sharded import KINDS, MESSAGE_FORMATS, Settings, ShardedGroup
+from ..memory.state import Carried
 from ..policy import LayerPolicy
 from ..policy.costmodel import sharded_group_time
 from .params import take_momentum
@@ -98,8 +99,9 @@ class FSDPCompressionState:
     DDP hook's state offers (``communication_stats``, ``layer_decisions``, ``set_steps_per_epoch``,
     ``state_dict``/``load_state_dict``); it is also the runner's carrier of the stop flags."""
 
-    def __init__(self, config, comm, groups: list, policy: LayerPolicy, extras: list):
+    def __init__(self, config, comm, groups: list, policy: LayerPolicy, extras: list, carried: Carried):
         self.config, self.comm, self.groups, self.policy = config, comm, groups, policy
+        self.carried = carried          # every group's buffers: one commit when backward ends, or one rollback
         self.extras = extras            # per group: (() -> factor of a SUM, () -> wd * w of the own row, or None)
         self.stats = CommStats()
         self.steps = 0
@@ -160,6 +162,7 @@ class FSDPCompressionState:
         commit every group, or roll every group back and raise on every rank."""
         pending, self._pending, self._open = self._pending, [], False
         if self._failed is not None:
+            self.carried.rollback()
             return   # a call of this backward raised: nothing of this step is kept, no collective
         carry = [float(v) for v in self.carry()] if self.carry is not None else []
         sums = [0.0]
@@ -170,13 +173,14 @@ class FSDPCompressionState:
                                                                        torch.tensor(carry, dtype=torch.float32)]),
                                                             name="fsdp.step", average=False)).tolist()
         if sums[0] > 0:
+            self.carried.rollback()
             raise NonFiniteGradientError(
                 f"non-finite gradient (NaN/Inf) at step {self.steps} on {int(sums[0])} FSDP group(s) of some "
                 "rank: the residuals and velocities stay as they were. Lower the learning rate, clip "
                 "gradients or check the input data. This check is on by default where the method keeps a residual (a "
                 "NaN there would stay for good); compression.check_finite=false passes NaN/Inf on instead")
+        self.carried.commit()
         for group, result in pending:
-            group.swap()
             self.stats.add_bytes(result.kinds, group.kind)
             self.stats.add("bytes_received", result.received)
             self.stats.add("dense_bytes", result.dense)
@@ -289,11 +293,11 @@ def register(model, compression=None, optimizer=None, communicator=None) -> FSDP
         # (under SGD, DGC's correction already is update units)
         policy.notes.append(NO_MOMENTS_NOTE.format(why="engine: fsdp would keep them for every whole layer on "
                                                        "every worker, which is what sharding exists to avoid"))
-    groups, extras = [], []
+    groups, extras, carried = [], [], Carried(KINDS)
     for name, params, mine, pg in per_group:
-        groups.append(_group(config, name, params, mine, comm, spec))
+        groups.append(_group(config, name, params, mine, comm, spec, carried))
         extras.append((lambda pg=pg: _sum_factor(pg), _decay(params, mine, spec)))
-    state = FSDPCompressionState(config, comm, groups, policy, extras)
+    state = FSDPCompressionState(config, comm, groups, policy, extras, carried)
     for index, (_, module, _) in enumerate(modules):                                         # 5.
         module.set_reduce_scatter_unused_params(True, recurse=False)
         module.set_custom_reduce_scatter(CompressedReduceScatter(state, index))
@@ -390,7 +394,7 @@ def _price_groups(policy: LayerPolicy, per_group: list, size: int, network) -> N
                 d["why"] = why
 
 
-def _group(config, name: str, params: list, mine: list, comm, spec) -> ShardedGroup:
+def _group(config, name: str, params: list, mine: list, comm, spec, carried: Carried) -> ShardedGroup:
     """One group's reduce-scatter: its message format (one per group), momentum (one per group)."""
     quantize = {_quantize(config, l) for l in mine if l.compressed}
     if len(quantize) > 1:
@@ -409,7 +413,7 @@ def _group(config, name: str, params: list, mine: list, comm, spec) -> ShardedGr
                         check_finite=config.finite_check)
     sign_rule = getattr(getattr(config, "message", None), "sign_rule", "alternate")
     return ShardedGroup(name, mine, [math.prod(fp.padded_sharded_param_size) for fp in params], comm, settings,
-                        quantize.pop() if quantize else "none", sign_rule, params[0].sharded_param.device)
+                        quantize.pop() if quantize else "none", sign_rule, params[0].sharded_param.device, carried)
 
 
 def _sum_factor(pg) -> float:

@@ -4,7 +4,7 @@
     python redsync_hvd/core/_native/build.py --clean  # removes built modules
 
 scripts/install.sh runs this; a failure only costs speed, since
-redsync_hvd.core.selection falls back to pure torch ops. It uses setuptools'
+the selection falls back to pure torch ops (core/select/). It uses setuptools'
 build_ext through torch.utils.cpp_extension (ninja is used when present, not
 required) with -O3 -fopenmp (the OpenMP runtime resolves to the libgomp torch has
 already loaded), and AVX2 + baseline clones of the hot loops (picked at load time).
@@ -81,8 +81,9 @@ if __name__ == "__main__":
         print("removed native selection modules")
         sys.exit(0)
     path = build(verbose="-v" in sys.argv)
-    mod = _loader().load(force=True)  # import once: a broken build fails here, not in training
-    if mod is None:
-        print("built %s but it does not load" % path, file=sys.stderr)
+    try:
+        _loader().find()  # import once: a broken build fails here, not in training
+    except Exception as e:
+        print("built %s but it does not load: %s" % (path, e), file=sys.stderr)
         sys.exit(1)
     print("built native selection kernel: %s" % path)

@@ -374,7 +374,8 @@ std::tuple<at::Tensor, at::Tensor, int64_t, bool> select_above(
 
 
 // ---- compensate_scan -------------------------------------------------------------------
-// Error feedback's compensation fused with the first pass of the selection that follows:
+// Error feedback's compensation fused with the first pass of the selection that follows (the
+// native form of core/compensate.py:torch_compensate, its reference):
 //   plain:              out = r + g
 //   momentum correction: u_out = m*u + g;  out = r + (nesterov ? g + m*u_out : u_out)
 // and, on the way, max|out|, sum|out| and the indices/|out| above `thr` (as select_above).

@@ -144,7 +144,8 @@ def _row_key(bits, side, R: tl.constexpr):
 def _pass1(x_ptr, r_ptr, g_ptr, u_ptr, uo_ptr, hist_ptr, tile_seg, tile_lo, tile_hi, momentum,
            COMPENSATE: tl.constexpr, MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
            R: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    """1. x = r + g (DGC: u' = g + m*u; x = r + u', nesterov r + (g + m*u')), stored (0 in the
+    """1. x = r + g (DGC: u' = g + m*u; x = r + u', nesterov r + (g + m*u'): the Triton form of
+    ``core/compensate.py:torch_compensate`` with ``fma=False``), stored (0 in the
     padding), or x loaded; 2. bin = the exponent of |x| (+256 for negative x when R == 2);
     3. the tile's histogram; 4. one atomic add per non-empty bin."""
     NB: tl.constexpr = R * 256
@@ -389,8 +390,9 @@ def _count(x_ptr, prefix_ptr, need_ptr, side_ptr, arrivals, cnt_ptr, base_ptr, c
 @_device
 def _wire(x, bits, val_ptr, at, take, limit, BF16: tl.constexpr, CLAMP: tl.constexpr):
     """Store x's values at slots ``at`` in the wire's dtype; returns them as float32 (what
-    receivers decode). CLAMP: first clamped to +-limit, the wire type's finite range, as
-    ``core/wire.py:to_wire`` does, so a finite value stays finite (NaN compares false and stays)."""
+    receivers decode): the Triton form of ``core/wire.py:to_wire`` (its torch reference; the
+    tests compare them bit for bit). CLAMP: first clamped to +-limit, the wire type's finite
+    range, so a finite value stays finite (NaN compares false and stays)."""
     if CLAMP:
         x = tl.where(x > limit, limit, tl.where(x < -limit, -limit, x))
         bits = x.to(tl.int32, bitcast=True)

@@ -12,7 +12,7 @@ Both search a threshold t on |x| between mean(|x|) and max(|x|) through one ques
                         c < k: hi = r   else: lo = r
                     never accepted: the exact top-k
 
-``core/selection.py`` runs the same searches fast (several probes per pass, fused passes, a
+``searches.py`` runs the same searches fast (several probes per pass, fused passes, a
 native kernel, CUDA histograms); the tests check it against these functions.
 """
 from __future__ import annotations

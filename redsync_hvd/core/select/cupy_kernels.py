@@ -11,8 +11,9 @@ costs is the number of kernel launches and host syncs per selection. So:
 
 The kernels run on torch's current stream and read torch memory in place
 (``__cuda_array_interface__``), so no copy or stream sync is added. ``load()`` returns
-None when CuPy or a GPU is missing (``load_error`` says why); selection then uses plain
-torch ops, which give the same results.
+None when CuPy or a GPU is missing (``load.error`` says why); selection then uses plain
+torch ops, which give the same results (the torch reference of each pass is
+``passes.py:TorchPasses``; of the histograms, ``reference.py``).
 """
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ import struct
 from typing import Any, List, Optional
 
 import torch
+
+from .reference import BINS, above, histogram_threshold
+from .registry import Loader, Unavailable
 
 SLOTS = 15  # thresholds per count pass: 4 TBS levels (2**4 - 1 nodes)
 _THREADS = 256
@@ -114,29 +118,22 @@ extern "C" __global__ void hist_lo(const float* __restrict__ x, const long long 
 """ % {"slots": SLOTS, "params": ", ".join("const float t%d" % j for j in range(SLOTS)),
        "names": ", ".join("t%d" % j for j in range(SLOTS))}
 
-_kernels: Any = None
-_tried = False
-load_error: Optional[str] = None
-
-
-def load() -> Any:
-    """(cupy, abs_stats, count_above) or None; never raises."""
-    global _kernels, _tried, load_error
-    if _tried:
-        return _kernels
-    _tried = True
+def _compile() -> Any:
+    """(cupy, abs_stats, count_above, hist_hi, hist_lo)."""
     if not torch.cuda.is_available():
-        load_error = "CUDA is not available"
-        return None
-    try:
-        import cupy  # optional: pip install cupy-cuda12x (or the build matching your CUDA)
-        mod = cupy.RawModule(code=_SOURCE)
-        _kernels = (cupy, mod.get_function("abs_stats"), mod.get_function("count_above"),
-                    mod.get_function("hist_hi"), mod.get_function("hist_lo"))
-    except Exception as e:  # ImportError, or a CuPy that cannot compile for this GPU
-        load_error = "%s: %s" % (type(e).__name__, e)
-        _kernels = None
-    return _kernels
+        raise Unavailable("CUDA is not available")
+    import cupy  # optional: pip install cupy-cuda12x (or the build matching your CUDA)
+    mod = cupy.RawModule(code=_SOURCE)
+    return (cupy, mod.get_function("abs_stats"), mod.get_function("count_above"),
+            mod.get_function("hist_hi"), mod.get_function("hist_lo"))
+
+
+load = Loader(_compile)   # None where CuPy or a GPU is missing, or CuPy cannot compile for it
+
+
+def passes(flat: torch.Tensor, err: ValueError, scan=None) -> "CudaPasses":
+    """The backend's form in the registry: passes over ``flat`` (a scan is the CPU's only)."""
+    return CudaPasses(load(), flat.contiguous(), err)
 
 
 _streams: dict = {}
@@ -156,8 +153,8 @@ def _grid(n: int) -> int:
 
 
 class CudaPasses:
-    """Fused passes over a contiguous 1-D CUDA float32 tensor; same interface as the CPU
-    backends in selection.py (stats/count/select/sub)."""
+    """Fused passes over a contiguous 1-D CUDA float32 tensor; the interface of
+    ``passes.py:TorchPasses`` (stats/count/select/sub), and ``histogram_search``."""
 
     levels = 4  # 15 thresholds per count pass
 
@@ -203,20 +200,23 @@ class CudaPasses:
     def histogram_search(self, k: int):
         """(indices of |x| > t, t, their |x|) for the largest t, to 128 float ulps, with at
         least k elements above it; None when k reaches into the near-zero values (then the
-        caller takes the exact route). Two histogram passes and two host waits in all."""
+        caller takes the exact route). Two histogram passes (the kernels ``hist_hi`` and
+        ``hist_lo``; their torch reference: ``reference.py:torch_histograms``), the bins chosen on
+        the device by ``reference.py:histogram_threshold``, two host waits in all."""
         dev = self.x.device
-        h1 = torch.zeros(4096, dtype=torch.int64, device=dev)
         bad = torch.zeros(1, dtype=torch.int32, device=dev)
-        self._launch(self.k[3], h1, self._view_u32(bad))
-        c1 = h1.flip(0).cumsum(0).flip(0)               # c1[b]: elements in bins >= b
-        b1 = (c1 >= k).sum(0, keepdim=True) - 1         # the bin holding the k-th largest
-        above = torch.cat([c1, c1.new_zeros(1)])[b1 + 1]  # elements in higher bins
-        h2 = torch.zeros(4096, dtype=torch.int64, device=dev)
-        self._launch(self.k[4], h2, self._view(b1.clamp_(min=0)))
-        c2 = h2.flip(0).cumsum(0).flip(0) + above
-        b2 = (c2 >= k).sum(0, keepdim=True) - 1
-        edge, count, nonfinite = torch.cat([(b1 << 19) | (b2.clamp(min=0) << 7), c2[b2.clamp(min=0)],
-                                            bad.to(torch.int64)]).tolist()
+
+        def first():
+            h1 = torch.zeros(BINS, dtype=torch.int64, device=dev)
+            self._launch(self.k[3], h1, self._view_u32(bad))
+            return h1
+
+        def second(b1):
+            h2 = torch.zeros(BINS, dtype=torch.int64, device=dev)
+            self._launch(self.k[4], h2, self._view(b1.reshape(1)))
+            return h2
+        edge, count = histogram_threshold(first, second, k, count=True)
+        edge, count, nonfinite = torch.stack([edge, count, bad[0].to(torch.int64)]).tolist()
         if nonfinite:
             raise self.err
         if edge == 0 or count < k:
@@ -235,9 +235,7 @@ class CudaPasses:
             self.stats()  # raises on NaN/Inf
         if self._a is None:
             self._a = self.x.abs()
-        idx = torch.nonzero(self._a > thr).flatten()
-        c = idx.numel()
-        return (idx, c, self._a[idx] if values else None) if c <= cap else (None, c, None)
+        return above(self._a, thr, cap, values)
 
     def sub(self, vals: torch.Tensor) -> "CudaPasses":
         return CudaPasses(self.k, vals.contiguous(), self.err)

@@ -1,11 +1,8 @@
-"""Top-k selection by magnitude for residual gradient compression (RedSync, Fang et al., JPDC 2019).
-
-    idx = select_topk(v, k, "tbs", state=layer_state, threshold_reuse=5)
-
-Returns int64 indices into ``v.flatten()`` on v's device. Methods and contracts:
+"""RedSync's searches for about the k largest |x| of one segment (Fang et al., JPDC 2019), written
+once against the passes of a layer-at-a-time backend (``passes.py``), and DGC's sampled threshold.
 
 =========  ==========================================================  ============
-method     how                                                          returns
+strategy   how                                                          returns
 =========  ==========================================================  ============
 exact      torch.topk(|x|, k): the reference, slow on big layers        exactly k
 trimmed    counts at thr = mean + r*(max-mean), r = 1-eps, 1-2eps, ...; exactly k:
@@ -17,42 +14,19 @@ sampled    DGC: threshold from a strided sample (``sample_fraction``),  k .. 2k
            > 1.3k hits -> exact top-k over them, < k -> thr *= 0.8
 =========  ==========================================================  ============
 
-Options (keyword arguments; any method accepts any of them, irrelevant ones are ignored,
-so one config dict can serve every method):
-  trimmed_eps=0.2        trimmed: step of r. Heavy tails (max >> k-th value) make a fixed
-                         step jump from < k candidates to a large share of the layer, so
-                         past 2k candidates the step is bisected by counting (same result).
-  tbs_max_probes=20      tbs: probe budget. Each probe halves the r-interval; 20 probes
-                         resolve 1e-6 of (max-mean), so the fallback is for ties/odd data.
-  sample_fraction=0.01   sampled: fraction sampled (stride floor(1/fraction), >= ~1000 samples).
-  sample_max_retries=8   sampled: thr *= 0.8 retries before the exact fallback.
-  threshold_reuse=1      R: with a SelectionState, reuse its threshold (one counting pass)
-                         for up to R-1 steps after a search; re-search early as soon as the
-                         reused count leaves [k/2, 2k]. Counts in [k/2, k) lower the reused
-                         threshold by 0.8 (one more pass) to honour the method's contract.
-                         After an exact top-k the state keeps the ~1.5k-th largest |x|, so
-                         the next count lands mid-band. Ignored by ``exact``.
-  backend="auto"         "native" | "cuda" | "torch" | "auto": native when built and x is
-                         a CPU float32/float64 tensor, cuda (CuPy kernels) when CuPy is
-                         installed and x is a CUDA float32 tensor, torch otherwise.
-  name=None              tensor name used in the non-finite error message.
+The options are the :class:`~.contract.Contract`'s. With a :class:`SelectionState` and
+``threshold_reuse=R > 1`` most calls cost one counting pass: the stored threshold is reused
+for up to R-1 steps after a search; a count in [k/2, k) lowers it by 0.8 (one more pass) to
+honour the contract; after an exact top-k the state keeps the ~1.5k-th largest |x|, so the
+next count lands mid-band.
 
-Compute paths (``passes.py``: every search above is written once against them):
-  * native (CPU float32/float64, built ahead of time by
-    ``python redsync_hvd/core/_native/build.py``): fused OpenMP passes that never
-    materialise |x| or a mask: a stats pass (max, sum, finite check); a count pass giving
-    ``_NATIVE_LEVELS`` probes of the TBS tree at once (all 7 thresholds of the subtree,
-    held in registers); an index pass that also returns |x| of the hits. Once few enough
-    elements exceed the low end of the search interval they are gathered and the rest
-    of the search runs on them. Gaussian 16M: 3 passes in all, against a radix select.
-  * cuda (CUDA float32 with CuPy, ``cuda_select.py``): on a GPU the cost is host waits,
-    not passes. tbs and trimmed take their threshold from two 4096-bin histograms of
-    the bit patterns of |x| (the second refines the bin holding the k-th value, chosen
-    on the device): all probes at once, exact to 128 float ulps, two host waits, then
-    the same accept/fallback rules. Threshold reuse and sampled use fused count
-    passes of 15 thresholds each.
-  * torch (other dtypes, or no native/CuPy): |x| once, then count_nonzero/nonzero
-    per probe (2 per sync on CUDA).
+The backend (``registry.py:pick``): native (CPU float32/float64: fused OpenMP passes, a TBS
+subtree of probes per count pass; once few enough elements exceed the low end of the
+search interval they are gathered and the rest of the search runs on them), cuda (CuPy:
+tbs and trimmed take their threshold from two 4096-bin histograms, every probe at once, two
+host waits), topk (CUDA below 2**25 elements, where a search costs more in launches and
+host waits than torch.topk's radix select: the search is one exact top-k, threshold reuse
+still saves it), torch (any device and dtype).
 NaN/Inf raise NonFiniteError (a ValueError: "non-finite gradient values in ...") from a
 check fused into a pass already made (stats, the index pass, or the top-k values for ``exact``).
 """
@@ -64,38 +38,14 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from redsync_hvd.core.passes import (
-    NonFiniteError,
-    Scan,
-    ScanRequest,
-    _backend,
-    _cast,
-    _nonfinite,
-    native_available,
-    sample_plan,
-    sample_threshold,
-)
+from .contract import Contract, nonfinite
+from .passes import Scan, ScanRequest, cast, sample_plan, sample_threshold
+from .reference import kept_mean
+from .registry import pick
 
-__all__ = ["SelectionState", "select_topk", "scan_request", "METHODS", "native_available", "NonFiniteError"]
-
-METHODS = ("exact", "trimmed", "tbs", "sampled")
-_DEFAULTS: Dict[str, Any] = {
-    "trimmed_eps": 0.2,
-    "tbs_max_probes": 20,
-    "sample_fraction": 0.01,
-    "sample_max_retries": 8,
-    "threshold_reuse": 1,
-    "backend": "auto",
-    "name": None,
-}
-_BACKENDS = ("auto", "native", "cuda", "torch")
 _SHORTCUT_FRACTION = 16  # TBS: once <= n/16 elements exceed the low threshold, gather them
 _COUNT_CHUNK = 7         # trimmed: thresholds per count pass (one register group native)
 _TRIM_SLACK = 2          # trimmed: bisect further while more than 2k candidates remain
-# CUDA, backend "auto": below this many elements a search costs more in kernel launches
-# and host waits (~0.45 ms) than torch.topk's radix select (0.17 ms at 1M, 0.46 ms at 16M
-# on an H200), so searches use torch.topk; threshold reuse still saves them.
-_CUDA_TOPK_BELOW = 1 << 25
 
 
 @dataclass
@@ -138,10 +88,10 @@ def _topk_over(flat: torch.Tensor, cand: torch.Tensor, k: int, vals: Optional[to
     return cand[pos], thr
 
 
-def _exact(flat: torch.Tensor, k: int, err: ValueError, for_state: bool) -> Tuple[torch.Tensor, float]:
+def _exact(flat: torch.Tensor, k: int, err: Optional[ValueError], for_state: bool) -> Tuple[torch.Tensor, float]:
     pos, thr, seen = _top(flat.abs(), k, for_state)
     # torch.topk ranks NaN and Inf above every finite |x|: any present is among `seen`.
-    if not math.isfinite(float(seen.max())):
+    if err is not None and not math.isfinite(float(seen.max())):
         raise err
     return pos, thr
 
@@ -196,7 +146,7 @@ def _bisect(flat, k, be, thr, lo: float, hi: float, c_lo: Optional[int], probes:
 
 
 def _histogram(flat, k, be):
-    """CUDA: every probe of the search at once from two histogram passes (cuda_select)."""
+    """CUDA: every probe of the search at once from two histogram passes (cupy_kernels.py)."""
     search = getattr(be, "histogram_search", None)
     return search(k) if search is not None else None
 
@@ -207,8 +157,8 @@ def _tbs(flat, k, be, o) -> Tuple[torch.Tensor, float]:
         cand, t, vals = hist
         return (cand, t) if cand.numel() <= 2 * k else _topk_over(flat, cand, k, vals, be.for_state)
     mx, mean = be.stats()
-    thr = lambda r: _cast(mean + r * (mx - mean), flat.dtype)  # noqa: E731
-    res = _bisect(flat, k, be, thr, 0.0, 1.0, None, o["tbs_max_probes"], 2 * k)
+    thr = lambda r: cast(mean + r * (mx - mean), flat.dtype)  # noqa: E731
+    res = _bisect(flat, k, be, thr, 0.0, 1.0, None, o.tbs_max_probes, 2 * k)
     if res is None:
         return _exact(flat, k, be.err, be.for_state)
     cand, t, vals = res
@@ -220,8 +170,8 @@ def _trimmed(flat, k, be, o) -> Tuple[torch.Tensor, float]:
     if hist is not None:
         return _topk_over(flat, hist[0], k, hist[2], be.for_state)
     mx, mean = be.stats()
-    thr = lambda r: _cast(mean + r * (mx - mean), flat.dtype)  # noqa: E731
-    eps = o["trimmed_eps"]
+    thr = lambda r: cast(mean + r * (mx - mean), flat.dtype)  # noqa: E731
+    eps = o.trimmed_eps
     ratios = [1.0 - j * eps for j in range(1, int(math.ceil(1.0 / eps)) + 1) if 1.0 - j * eps > 1e-9]
     lo, hi, c_lo = 0.0, 1.0, None
     for i in range(0, len(ratios), _COUNT_CHUNK):
@@ -239,15 +189,15 @@ def _trimmed(flat, k, be, o) -> Tuple[torch.Tensor, float]:
     # Heavy tails: max >> the k-th value, so steps of eps in r jump from < k candidates to
     # a large share of the layer (or to "everything" at r = 0). Bisect (lo, hi) by counting
     # until <= 2k candidates remain: the top-k set, and so the result, is the same.
-    res = _bisect(flat, k, be, thr, lo, hi, c_lo, o["tbs_max_probes"], _TRIM_SLACK * k)
+    res = _bisect(flat, k, be, thr, lo, hi, c_lo, o.tbs_max_probes, _TRIM_SLACK * k)
     return _exact(flat, k, be.err, be.for_state) if res is None else _topk_over(flat, res[0], k, res[2], be.for_state)
 
 
 def _sampled(flat, k, be, o) -> Tuple[torch.Tensor, float]:
     n = flat.numel()
-    stride, ks = sample_plan(n, k, o["sample_fraction"])
+    stride, ks = sample_plan(n, k, o.sample_fraction)
     t = sample_threshold(flat[::stride], ks, flat.dtype)   # the one a fused scan took from r + g, bit for bit
-    for attempt in range(o["sample_max_retries"] + 1):
+    for attempt in range(o.sample_max_retries + 1):
         cand, c, vals = be.select(t, n, attempt == 0, True)
         if c > 1.3 * k:
             return _topk_over(flat, cand, k, vals, be.for_state)
@@ -255,7 +205,7 @@ def _sampled(flat, k, be, o) -> Tuple[torch.Tensor, float]:
             return cand, t
         if t <= 0.0:
             break
-        t = _cast(t * 0.8, flat.dtype)
+        t = cast(t * 0.8, flat.dtype)
     return _exact(flat, k, be.err, be.for_state)
 
 
@@ -268,21 +218,20 @@ def _reusing(state: Optional[SelectionState], reuse: int) -> bool:
         and state.steps_since_search + 1 < reuse
 
 
-def scan_request(state: Optional[SelectionState], k: int, method: str = "tbs", *, threshold_reuse: int = 1,
-                 numel: int = 0, sample_fraction: float = _DEFAULTS["sample_fraction"]) -> Optional[ScanRequest]:
-    """What the next ``select_topk(x, k, method, state=state, threshold_reuse=...)`` would
-    read first, for the pass that computes x to produce it (``passes.compensate_scan``):
-    the count and hits at the reused threshold, or just max/sum|x| before a search, or
-    (sampled, given x's ``numel``) the hits above the threshold of DGC's sample, which the
-    pass takes from r + g before it writes x. Pass the returned :class:`Scan` to
-    select_topk as ``scan``. None: nothing to fuse."""
-    if method == "exact" or k <= 0:
+def scan_request(state: Optional[SelectionState], k: int, contract: Contract, numel: int = 0) -> Optional[ScanRequest]:
+    """What the next search of x (``k``, ``contract``, ``state``) would read first, for the pass
+    that computes x to produce it (``native.py:compensate_scan``): the count and hits at the
+    reused threshold, or just max/sum|x| before a search, or (sampled, given x's ``numel``) the
+    hits above the threshold of DGC's sample, which the pass takes from r + g before it writes
+    x. Hand the :class:`Scan` it made to the search as ``scan``. None: nothing to fuse."""
+    method = contract.strategy
+    if method in ("exact", "radix") or k <= 0:
         return None
-    if _reusing(state, int(threshold_reuse)):
-        return ScanRequest(_cast(state.threshold, torch.float32), _reuse_cap(k))
+    if _reusing(state, int(contract.threshold_reuse)):
+        return ScanRequest(cast(state.threshold, torch.float32), _reuse_cap(k))
     if method == "sampled":
-        return ScanRequest(cap=numel, sample=sample_plan(numel, k, sample_fraction)) if k < numel else None
-    return ScanRequest() if method in ("tbs", "trimmed") else None
+        return ScanRequest(cap=numel, sample=sample_plan(numel, k, contract.sample_fraction)) if k < numel else None
+    return ScanRequest()
 
 
 def _reuse(flat, k, be, state: SelectionState, method: str):
@@ -292,7 +241,7 @@ def _reuse(flat, k, be, state: SelectionState, method: str):
     ~1.5k-th largest |x|, and tbs/sampled return the ~1.5k elements above it, trimmed the
     exact top-k. With error feedback the residual grows between searches, so counts
     mostly drift upwards."""
-    t = _cast(state.threshold, flat.dtype)
+    t = cast(state.threshold, flat.dtype)
     cap = _reuse_cap(k)
     idx, c, vals = be.select(t, cap, True, True)
     state.last_count = c
@@ -309,7 +258,7 @@ def _reuse(flat, k, be, state: SelectionState, method: str):
     while c < k:  # inside the band but below the contract: loosen, keep reusing
         if tries == 3 or t <= 0.0:
             return None
-        t, tries = _cast(t * 0.8, flat.dtype), tries + 1
+        t, tries = cast(t * 0.8, flat.dtype), tries + 1
         idx, c, vals = be.select(t, cap, False, True)
         if idx is None:
             return None
@@ -322,42 +271,17 @@ def _reuse(flat, k, be, state: SelectionState, method: str):
 _SEARCH = {"trimmed": _trimmed, "tbs": _tbs, "sampled": _sampled}
 
 
-def _options(method: str, options: Dict[str, Any]) -> Dict[str, Any]:
-    if method not in METHODS:
-        raise ValueError("unknown selection method %r; valid methods: %s" % (method, ", ".join(METHODS)))
-    bad = sorted(set(options) - set(_DEFAULTS))
-    if bad:
-        raise ValueError("unknown selection option(s) %s; valid options: %s"
-                         % (", ".join(bad), ", ".join(sorted(_DEFAULTS))))
-    o = dict(_DEFAULTS, **options)
-    if not 0.0 < float(o["trimmed_eps"]) <= 1.0:
-        raise ValueError("trimmed_eps must be in (0, 1], got %r" % o["trimmed_eps"])
-    if int(o["tbs_max_probes"]) < 1:
-        raise ValueError("tbs_max_probes must be >= 1, got %r" % o["tbs_max_probes"])
-    if not 0.0 < float(o["sample_fraction"]) <= 1.0:
-        raise ValueError("sample_fraction must be in (0, 1], got %r" % o["sample_fraction"])
-    if int(o["sample_max_retries"]) < 0:
-        raise ValueError("sample_max_retries must be >= 0, got %r" % o["sample_max_retries"])
-    if int(o["threshold_reuse"]) < 1:
-        raise ValueError("threshold_reuse must be an int >= 1, got %r" % o["threshold_reuse"])
-    if o["backend"] not in _BACKENDS:
-        raise ValueError("unknown backend %r; valid backends: %s" % (o["backend"], ", ".join(_BACKENDS)))
-    return o
-
-
-def select_topk(x: torch.Tensor, k: int, method: str = "tbs", *,
-                state: Optional[SelectionState] = None, scan: Optional[Scan] = None,
-                **options: Any) -> torch.Tensor:
-    """Indices (int64, x's device) of about the k largest |x| in ``x.flatten()``.
+def search(x: torch.Tensor, k: int, contract: Contract, *, state: Optional[SelectionState] = None,
+           scan: Optional[Scan] = None, name: Optional[str] = None) -> torch.Tensor:
+    """Indices (int64, x's device) of about the k largest |x| in ``x.flatten()``, by the contract's
+    strategy over the backend the registry picks (one segment of ``select``).
 
     exact/trimmed return exactly min(k, numel) indices; tbs/sampled between k and 2k.
     k >= numel returns every index; k == 0 or an empty x returns an empty tensor.
-    Raises ValueError for k < 0, unknown methods/options, and NaN/Inf in x.
-    With ``state`` and ``threshold_reuse=R > 1`` most calls cost one counting pass.
-    ``scan``: that pass (or a search's statistics pass), already made over x by whoever
-    computed it (see ``scan_request``); the result is the same, x is read once less.
+    Raises ValueError for k < 0 and NaN/Inf in x (the exact strategy: where ``contract.finite``).
+    ``scan``: the first pass, already made over x by whoever computed it (``scan_request``);
+    the result is the same, x is read once less.
     """
-    o = _options(method, options)
     k = int(k)
     if k < 0:
         raise ValueError("k must be >= 0, got %d" % k)
@@ -365,19 +289,19 @@ def select_topk(x: torch.Tensor, k: int, method: str = "tbs", *,
     n = flat.numel()
     if k == 0 or n == 0:
         return torch.empty(0, dtype=torch.int64, device=x.device)
-    err = _nonfinite(o["name"], x)
+    err = nonfinite(name, x) if contract.finite or contract.strategy != "exact" else None
     if k >= n:
-        if not bool(torch.isfinite(flat).all()):
+        if err is not None and not bool(torch.isfinite(flat).all()):
             raise err
         return torch.arange(n, dtype=torch.int64, device=x.device)
-    if method == "exact":
+    if contract.strategy == "exact":
         return _exact(flat, k, err, for_state=False)[0]
-    be = _backend(flat, o["backend"], err, scan)
+    backend, passes = pick(contract.strategy, flat.device, flat.dtype, n, contract.backend, unit="layer")
+    be = passes(flat, err, scan)
     be.for_state = state is not None  # only then pay for the reuse threshold
     flat = be.x
-    reuse = int(o["threshold_reuse"])
-    if _reusing(state, reuse):
-        got = _reuse(flat, k, be, state, method)
+    if _reusing(state, int(contract.threshold_reuse)):
+        got = _reuse(flat, k, be, state, contract.strategy)
         if got is not None:
             idx, searched = got
             if searched:
@@ -386,11 +310,31 @@ def select_topk(x: torch.Tensor, k: int, method: str = "tbs", *,
             else:
                 state.steps_since_search += 1
             return idx
-    if flat.is_cuda and o["backend"] == "auto" and n < _CUDA_TOPK_BELOW:
-        idx, thr = _exact(flat, k, err, be.for_state)   # measured fastest there (docs/benchmarks.md)
+    if backend.exact_search:
+        idx, thr = _exact(flat, k, err, be.for_state)
     else:
-        idx, thr = _SEARCH[method](flat, k, be, o)
+        idx, thr = _SEARCH[contract.strategy](flat, k, be, contract)
     if state is not None:
         state.threshold, state.steps_since_search = thr, 0
         state.last_count, state.searches = idx.numel(), state.searches + 1
     return idx
+
+
+def ranked(x: torch.Tensor, k: int):
+    """(values, positions) of the k largest of ``x``, largest first: the exact strategy's order, for
+    statistics over the top of a layer (the byte budget's curves, ``policy/allocate.py``)."""
+    return torch.topk(x, k)
+
+
+def exact_signed(x: torch.Tensor, k: int, sign: str, mean: bool) -> tuple:
+    """The exact strategy's sign rule (SBC, Sattler et al., 2019): the k largest of the kept
+    side (torch.topk of x or -x), "larger" keeping the side whose mean over its k is larger
+    (ties: positive). Returns (positions, the signed mean (1,) float32 with ``mean``, else None)."""
+    flat = x.detach().reshape(-1)
+    pos_vals, pos_idx = torch.topk(flat, k, sorted=False) if sign != "neg" else (None, None)
+    neg_vals, neg_idx = torch.topk(-flat, k, sorted=False) if sign != "pos" else (None, None)
+    mu_pos = kept_mean(pos_vals) if pos_vals is not None else None
+    mu_neg = kept_mean(neg_vals) if neg_vals is not None else None
+    if sign == "pos" or (sign == "larger" and bool(mu_pos >= mu_neg)):
+        return pos_idx, (mu_pos if mean else None)
+    return neg_idx, (-mu_neg if mean else None)

@@ -1,6 +1,7 @@
-"""Triton kernels for ``radix_select``: compensate + select + update in five launches per bucket.
+"""The ``triton`` backend of the radix select (``radix.py``): compensate + select + update in five
+launches per bucket.
 
-The steps and their results match the torch reference in ``radix_select.py`` (the tests
+The steps and their results match the torch reference in ``radix_ref.py`` (the tests
 compare them bit for bit under ``TRITON_INTERPRET=1``); the kernels are in
 ``triton_kernels.py``. Per bucket, whatever its number of layers:
 
@@ -31,9 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from redsync_hvd.core.segments import BINS, NONFINITE_BIN, VECTOR, Segments, to_device
-from redsync_hvd.core.triton_kernels import _count, _filter, _pass1, _refine, _write
-from redsync_hvd.core.wire import wire_limit
+from ..segments import BINS, NONFINITE_BIN, VECTOR, Segments, to_device
+from ..wire import wire_limit
+from .triton_kernels import _count, _filter, _pass1, _refine, _write
 
 _WARPS = 8
 _SMALL = 1024           # block of the decode's and the candidate stages' loops
@@ -105,10 +106,17 @@ def pass1(seg: Segments, x: torch.Tensor, R: int, *, residual=None, grad=None, v
     return ws.hist1
 
 
+def compensate(seg: Segments, out: torch.Tensor, R: int, residual, grad, velocity=None, velocity_out=None,
+               momentum: float = 0.0, nesterov: bool = False) -> torch.Tensor:
+    """The radix backend's first step (``radix.py:compensate``): ``pass1`` computing out."""
+    return pass1(seg, out, R, residual=residual, grad=grad, velocity=velocity, velocity_out=velocity_out,
+                 momentum=momentum, nesterov=nesterov)
+
+
 def select(seg: Segments, x: torch.Tensor, R: int, active, k_row: torch.Tensor, hist: torch.Tensor | None,
            index_dtype: torch.dtype, value_dtype: torch.dtype, mean: bool, update: bool,
            velocity: torch.Tensor | None):
-    """The launches of one bucket's selection; returns what ``radix_select.select`` unpacks.
+    """The launches of one bucket's selection; returns what ``radix.py:select`` unpacks.
     1. histogram 1: the given one, or ``pass1``; 2. the outputs; 3. filter, refine, count, write."""
     K, dev = seg.k_total, x.device
     ws = workspace(seg, R, dev)
