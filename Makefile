@@ -25,7 +25,7 @@ demo: install
 	bash scripts/demo.sh $(NP)
 
 test: install
-	$(PY) -m pytest tests -q -ra --durations=25
+	$(PY) -m pytest tests -q -ra --durations=60
 
 test-fast: install
 	$(PY) -m pytest tests -q -ra -m "not slow"

@@ -9,11 +9,12 @@ at the config's own epochs. What is kept per run: a SHA-256 of every rank's fina
 summary.json. A change that moves no number (a refactoring of the exchange) passes ``--check``;
 one that moves a number names the run and the figure.
 
-Eight runs (redsync, redsync-0.001, tf-redsync and topk) end on other weights where torch's CPU
-kernels take another vector width (``torch.backends.cpu.get_cpu_capability()``): digits.json was
-recorded where it was not AVX2, and the recording commit itself gives other weights under AVX2.
-A machine of another capability keeps the runs that differ in ``digits-<capability>.json``
-(``--record-capability`` writes them), and ``--check`` compares with digits.json overlaid by it.
+The weights depend on torch's CPU kernels (``torch.backends.cpu.get_cpu_capability()``):
+digits.json was recorded on another machine (not AVX2, or another build), and its recording commit (604aa64) gives other
+weights in all 36 runs under AVX2 (and other wire bytes in the six RedSync runs and sbc-s1, whose
+selections see those weights). A machine of another capability keeps its values in
+``digits-<capability>.json``, recorded from that commit (``--record-capability`` writes the runs
+that differ), and ``--check`` compares with digits.json overlaid by it.
 """
 from __future__ import annotations
 
