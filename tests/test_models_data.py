@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gzip
+import os
 import pickle
 import struct
 from collections import Counter
@@ -146,6 +147,38 @@ def test_digits_bundle_and_shards():
     assert torch.equal(again.train.tensors[0], bundles[1].train.tensors[0])
     other = build_datasets("digits", rank=1, size=size, seed=4)
     assert not torch.equal(other.train.tensors[0], bundles[1].train.tensors[0])
+
+
+def test_digits_split_is_sklearns_from_the_cache_and_a_bad_cache_file_is_rebuilt(tmp_path, monkeypatch):
+    """The first launch computes scikit-learn's stratified split and keeps it; a later one reads it
+    without importing scikit-learn (about 3 s a process) and gets the same arrays; an unreadable
+    file is computed again and replaced."""
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    from redsync_hvd.data import digits
+    from redsync_hvd.data.base import CACHE_ENV
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    direct = digits._sklearn_split(5, 0.25)
+    y = load_digits().target.astype(np.int64)
+    assert np.array_equal(direct[3], train_test_split(y, test_size=0.25, random_state=5, stratify=y)[1])
+    first = digits.split(5, 0.25)
+    [saved] = list(tmp_path.glob("digits-*seed5-test0.25.npz"))
+    probe = ("import sys; from redsync_hvd.data import digits; p = digits.split(5, 0.25); "
+             "print(int('sklearn' in sys.modules), float(p[0].sum()), int(p[3].sum()))")
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, CACHE_ENV: str(tmp_path)},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["0", str(float(first[0].sum())), str(int(first[3].sum()))], out
+    saved.write_bytes(b"not a zip file")
+    again = digits.split(5, 0.25)
+    assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(direct, again))
+    assert all(np.array_equal(a, b) for a, b in zip(first, direct))
+    assert np.load(saved)["y_test"].shape == direct[3].shape          # replaced by a readable file
+    assert not [p for p in tmp_path.iterdir() if p != saved]            # no temporary file left
 
 
 def test_digits_mlp_fits_training_shard():

@@ -55,14 +55,14 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from .base import DataBundle
+from .base import CACHE_ENV as CACHE_ENV  # noqa: F401  (the tests and the install script's docs name it here)
+from .base import DataBundle, cache_dir
 from .pydoc import vocabulary
 from .rdb import RDB, RDX, read_lazyload
 from .text import EOS, UNK, lm_bundle
 
 SPLITS = ("train", "valid", "test")
 NOVELS = ("sensesensibility", "prideprejudice", "mansfieldpark", "emma", "northangerabbey", "persuasion")
-CACHE_ENV = "REDSYNC_DATA_CACHE"
 SYSTEM_PACKAGE = "/usr/lib/R/site-library/janeaustenr"
 # the tables above, as data: tests/test_real_data.py checks the loader against them on the real files
 REFERENCE = {"package": "r-cran-janeaustenr 1.0.0",
@@ -75,12 +75,6 @@ REFERENCE = {"package": "r-cran-janeaustenr 1.0.0",
              "min_count": 2, "vocab_size": 8745, "unk_percent": {"train": 0.71, "valid": 1.52, "test": 1.54}}
 _HEADING = re.compile(r"^\s*chapter\s+([0-9]+|[ivxlc]+)\b", re.IGNORECASE)
 _WORD = re.compile(r"[a-z]+(?:'[a-z]+)*|\d+(?:[.,]\d+)*")
-
-
-def cache_dir() -> str:
-    """Where scripts/install.sh unpacks the data sets it downloads: ``$REDSYNC_DATA_CACHE``, by
-    default ``~/.cache/redsync_hvd/data``."""
-    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "redsync_hvd", "data")
 
 
 def _fix(cache: str) -> str:

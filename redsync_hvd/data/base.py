@@ -17,6 +17,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+CACHE_ENV = "REDSYNC_DATA_CACHE"
+
+
+def cache_dir() -> str:
+    """Where scripts/install.sh unpacks the data sets it downloads, and where loaders keep what
+    they derive once: ``$REDSYNC_DATA_CACHE``, by default ``~/.cache/redsync_hvd/data``."""
+    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "redsync_hvd", "data")
+
 
 @dataclass
 class DataBundle:
