@@ -8,6 +8,8 @@ rest of a CI run.
 """
 from __future__ import annotations
 
+import functools
+import json
 import os
 import signal
 import subprocess
@@ -160,6 +162,27 @@ def run_script(name: str, *script_args, np: int = 2, timeout: float = 180, **kw)
     """Run tests/mp/<name> under horovodrun."""
     return horovodrun(["python", str(REPO / "tests" / "mp" / name), *map(str, script_args)], np=np,
                       timeout=timeout, **kw)
+
+
+@functools.cache
+def _cases_job(name: str, cases: str, np: int, timeout: float) -> tuple:
+    try:
+        done = run_script("cases.py", name, cases, np=np, timeout=timeout, check=False)
+    except AssertionError as hang:        # the timeout: kept, so the other cases fail at once
+        return None, str(hang)
+    return done.returncode, done.stdout
+
+
+def case_output(name: str, cases: list, i: int, np: int = 2, timeout: float = 300) -> str:
+    """The lines case ``i`` printed when tests/mp/<name>'s ``main`` ran every case of ``cases``
+    in one horovodrun job (tests/mp/cases.py), without their tags. The job runs once per
+    (name, cases, np): each launch costs two processes' start (torch, Horovod, MPI: about 10 s
+    on the 2-core VM), which a parametrized test pays once, not once per case. Fails with the
+    whole output where the job hung or exited with an error."""
+    code, out = _cases_job(name, json.dumps(cases), np, timeout)
+    assert code == 0, f"the job of {name}'s {len(cases)} cases failed (exit code {code}):\n{out[-6000:]}"
+    tag = f"case {i}: "
+    return "\n".join(line.split(tag, 1)[1] for line in out.splitlines() if tag in line)
 
 
 def train_args(out_dir, config: str, *overrides: str, module: str = "redsync_hvd.train") -> list:

@@ -1,50 +1,50 @@
-"""Real horovodrun jobs: correctness of the exchange across processes."""
+"""Real horovodrun jobs: correctness of the exchange across processes. A parametrized test's cases
+run in one job (launch.case_output): each test still checks its own case's lines."""
 import json
 
 import pytest
-from launch import run_script
+from launch import case_output, run_script
+
+DENSE_EQUALS_SINGLE = [
+    {"method": "none"},
+    {"method": "topk", "density": 1.0},  # density 1 with residual: exactly dense
+    {"method": "topk", "density": 1.0, "residual": False},
+    # RedSync at density 1, no quantisation, no momentum correction: exactly dense
+    {
+        "method": "redsync",
+        "density": 1.0,
+        "message": {"quantize": "none"},
+        "dgc": {"momentum_correction": False},
+        "policy": {"min_compress_numel": 0},
+        "selection": {"method": "tbs"},
+    },
+    # momentum correction without masking at density 1 is plain momentum SGD (momentum is linear)
+    {
+        "method": "redsync",
+        "density": 1.0,
+        "message": {"quantize": "none"},
+        "dgc": {"momentum_correction": True, "momentum_masking": False},
+        "policy": {"min_compress_numel": 0},
+        "selection": {"method": "trimmed"},
+    },
+    # the same with every layer's average applied straight to the weights (sparse_update)
+    {
+        "method": "redsync",
+        "density": 1.0,
+        "message": {"quantize": "none"},
+        "dgc": {"momentum_correction": True, "momentum_masking": False},
+        "policy": {"min_compress_numel": 0},
+        "selection": {"method": "trimmed"},
+        "sparse_update": True,
+    },
+    # IWP at density 1: the leader's indices cover everything, allreduce of all values = dense
+    {"method": "iwp", "density": 1.0, "policy": {"min_compress_numel": 0}},
+]
 
 
-@pytest.mark.parametrize(
-    "compression",
-    [
-        {"method": "none"},
-        {"method": "topk", "density": 1.0},  # density 1 with residual: exactly dense
-        {"method": "topk", "density": 1.0, "residual": False},
-        # RedSync at density 1, no quantisation, no momentum correction: exactly dense
-        {
-            "method": "redsync",
-            "density": 1.0,
-            "message": {"quantize": "none"},
-            "dgc": {"momentum_correction": False},
-            "policy": {"min_compress_numel": 0},
-            "selection": {"method": "tbs"},
-        },
-        # momentum correction without masking at density 1 is plain momentum SGD (momentum is linear)
-        {
-            "method": "redsync",
-            "density": 1.0,
-            "message": {"quantize": "none"},
-            "dgc": {"momentum_correction": True, "momentum_masking": False},
-            "policy": {"min_compress_numel": 0},
-            "selection": {"method": "trimmed"},
-        },
-        # the same with every layer's average applied straight to the weights (sparse_update)
-        {
-            "method": "redsync",
-            "density": 1.0,
-            "message": {"quantize": "none"},
-            "dgc": {"momentum_correction": True, "momentum_masking": False},
-            "policy": {"min_compress_numel": 0},
-            "selection": {"method": "trimmed"},
-            "sparse_update": True,
-        },
-        # IWP at density 1: the leader's indices cover everything, allreduce of all values = dense
-        {"method": "iwp", "density": 1.0, "policy": {"min_compress_numel": 0}},
-    ],
-)
-def test_dense_equals_single_process(compression):
-    out = run_script("dense_equals_single.py", json.dumps(compression), np=2).stdout
+@pytest.mark.parametrize("case", range(len(DENSE_EQUALS_SINGLE)))
+def test_dense_equals_single_process(case):
+    out = case_output("dense_equals_single.py", DENSE_EQUALS_SINGLE, case)
     assert out.count("OK") == 2, out
 
 
@@ -75,36 +75,36 @@ def test_mpi4py_shares_horovods_world():
     assert out.count("OK mpi4py") == 2, out
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        {
-            "density": 0.01,
-            "selection": {"method": "tbs"},
-            "message": {"quantize": "sign_mean", "sign_rule": "alternate"},
-        },
-        {"density": 0.01, "selection": {"method": "tbs", "scope": "bucket"}, "message": {"quantize": "sign_mean"}},
-        # exactly k per layer on the device, fixed-size messages: no header allgather
-        {"density": 0.01, "selection": "radix", "message": {"quantize": "sign_mean"}},
-        {
-            "density": 0.02,
-            "selection": {"method": "tbs", "scope": "bucket"},
-            "message": {"quantize": "fp16", "index_coding": "golomb"},
-        },
-        {
-            "density": 0.02,
-            "selection": {"method": "trimmed"},
-            "message": {"quantize": "fp16", "index_coding": "golomb"},
-        },
-        {
-            "density": 0.005,
-            "selection": {"method": "sampled", "threshold_reuse": 3},
-            "message": {"quantize": "sign_mean", "sign_rule": "larger", "index_coding": "golomb"},
-        },
-    ],
-)
-def test_redsync_exchange_matches_every_ranks_message(options):
-    out = run_script("redsync_exchange.py", json.dumps(options), np=2).stdout
+EXCHANGES = [
+    {
+        "density": 0.01,
+        "selection": {"method": "tbs"},
+        "message": {"quantize": "sign_mean", "sign_rule": "alternate"},
+    },
+    {"density": 0.01, "selection": {"method": "tbs", "scope": "bucket"}, "message": {"quantize": "sign_mean"}},
+    # exactly k per layer on the device, fixed-size messages: no header allgather
+    {"density": 0.01, "selection": "radix", "message": {"quantize": "sign_mean"}},
+    {
+        "density": 0.02,
+        "selection": {"method": "tbs", "scope": "bucket"},
+        "message": {"quantize": "fp16", "index_coding": "golomb"},
+    },
+    {
+        "density": 0.02,
+        "selection": {"method": "trimmed"},
+        "message": {"quantize": "fp16", "index_coding": "golomb"},
+    },
+    {
+        "density": 0.005,
+        "selection": {"method": "sampled", "threshold_reuse": 3},
+        "message": {"quantize": "sign_mean", "sign_rule": "larger", "index_coding": "golomb"},
+    },
+]
+
+
+@pytest.mark.parametrize("case", range(len(EXCHANGES)))
+def test_redsync_exchange_matches_every_ranks_message(case):
+    out = case_output("redsync_exchange.py", EXCHANGES, case)
     assert out.count("OK redsync exchange") == 2, out
 
 
@@ -113,21 +113,21 @@ def test_redsync_exchange_4_workers():
     assert out.count("OK redsync exchange") == 4, out
 
 
-@pytest.mark.parametrize(
-    "compression",
-    [
-        {"method": "none"},
-        {
-            "method": "redsync",
-            "density": 1.0,
-            "message": {"quantize": "none"},
-            "dgc": {"momentum_correction": False},
-            "policy": {"min_compress_numel": 0},
-        },
-    ],
-)
-def test_gradient_accumulation(compression):
-    out = run_script("accumulate.py", json.dumps(compression), np=2).stdout
+ACCUMULATIONS = [
+    {"method": "none"},
+    {
+        "method": "redsync",
+        "density": 1.0,
+        "message": {"quantize": "none"},
+        "dgc": {"momentum_correction": False},
+        "policy": {"min_compress_numel": 0},
+    },
+]
+
+
+@pytest.mark.parametrize("case", range(len(ACCUMULATIONS)))
+def test_gradient_accumulation(case):
+    out = case_output("accumulate.py", ACCUMULATIONS, case)
     assert out.count("OK accumulate") == 2, out
 
 
@@ -137,12 +137,15 @@ def test_iwp_shared_indices_and_rotating_leader(np):
     assert out.count("OK iwp") == np, out
 
 
-@pytest.mark.parametrize("options", [
+SBC_ROUNDS = [
     {"local_steps": 1, "density": 1.0, "message": {"binarize": False}, "check_dense": True},
     {"local_steps": 1, "density": 1.0, "message": {"binarize": False, "index_coding": "raw"}, "check_dense": True},
     {"local_steps": 4, "density": 0.05, "message": {"binarize": True}},
     {"local_steps": 3, "density": 0.01, "message": {"binarize": True, "index_coding": "raw"}},
-])
-def test_sbc_rounds_keep_models_identical(options):
-    out = run_script("sbc_rounds.py", json.dumps(options), np=2).stdout
+]
+
+
+@pytest.mark.parametrize("case", range(len(SBC_ROUNDS)))
+def test_sbc_rounds_keep_models_identical(case):
+    out = case_output("sbc_rounds.py", SBC_ROUNDS, case)
     assert out.count("OK sbc") == 2, out
