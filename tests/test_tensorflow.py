@@ -10,7 +10,7 @@ import json
 import subprocess
 
 import pytest
-from launch import BIN, run_script, summary
+from launch import BIN, case_output, run_script, summary
 from launch import train as launch_train
 
 
@@ -73,68 +73,69 @@ def test_keras_twin_computes_the_torch_model(name):
 
 
 # -- real horovodrun jobs ---------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "compression,mode",
+# A parametrized test's cases run in one job (launch.case_output): each test checks its own lines.
+DENSE_EQUALS_SINGLE = [   # [compression, mode]
+    [{"method": "none"}, "eager"],
+    [{"method": "none"}, "function"],
+    [{"method": "none"}, "keras"],
+    [{"method": "none"}, "fit"],
+    [{"method": "topk", "density": 1.0}, "eager"],
     [
-        ({"method": "none"}, "eager"),
-        ({"method": "none"}, "function"),
-        ({"method": "none"}, "keras"),
-        ({"method": "none"}, "fit"),
-        ({"method": "topk", "density": 1.0}, "eager"),
-        (
-            {
-                "method": "redsync",
-                "density": 1.0,
-                "message": {"quantize": "none"},
-                "dgc": {"momentum_correction": False},
-                "policy": {"min_compress_numel": 0},
-                "selection": {"method": "tbs"},
-            },
-            "function",
-        ),
+        {
+            "method": "redsync",
+            "density": 1.0,
+            "message": {"quantize": "none"},
+            "dgc": {"momentum_correction": False},
+            "policy": {"min_compress_numel": 0},
+            "selection": {"method": "tbs"},
+        },
+        "function",
     ],
-)
-def test_tf_dense_equals_single_process(compression, mode):
-    out = run_script("tf_dense_equals_single.py", json.dumps(compression), mode, np=2, timeout=TF_TIMEOUT).stdout
+]
+
+
+@pytest.mark.parametrize("case", range(len(DENSE_EQUALS_SINGLE)))
+def test_tf_dense_equals_single_process(case):
+    out = case_output("tf_dense_equals_single.py", DENSE_EQUALS_SINGLE, case, timeout=2 * TF_TIMEOUT)
     assert out.count("OK tf") == 2, out
 
 
-@pytest.mark.parametrize(
-    "compression",
-    [
-        {"method": "topk", "density": 0.01},
-        {
-            "method": "redsync",
-            "density": 0.01,
-            "selection": {"method": "tbs", "threshold_reuse": 3},
-            "message": {"quantize": "sign_mean"},
-            "policy": {"min_compress_numel": 1000},
-        },  # DGC momentum correction on (the default)
-        {
-            "method": "redsync",
-            "density": 0.02,
-            "selection": {"method": "trimmed"},
-            "message": {"quantize": "fp16", "index_coding": "golomb"},
-            "dgc": {"momentum_correction": False},
-            "policy": {"min_compress_numel": 0},
-        },
-        {
-            "method": "redsync",
-            "density": 0.01,
-            "selection": {"method": "sampled"},
-            "dgc": {"momentum_correction": False},
-        },
-        {"method": "randomk", "density": 0.05},
-        {
-            "method": "iwp",
-            "density": 0.05,
-            "policy": {"min_compress_numel": 0},
-        },  # the leader weighs by |w|: TF passes w too
-        {"method": "fp16"},
-    ],
-)
-def test_same_config_selects_the_same_indices_in_torch_and_tf(compression):
-    out = run_script("tf_cross_framework.py", json.dumps(compression), np=2, timeout=TF_TIMEOUT).stdout
+CROSS_FRAMEWORK = [
+    {"method": "topk", "density": 0.01},
+    {
+        "method": "redsync",
+        "density": 0.01,
+        "selection": {"method": "tbs", "threshold_reuse": 3},
+        "message": {"quantize": "sign_mean"},
+        "policy": {"min_compress_numel": 1000},
+    },  # DGC momentum correction on (the default)
+    {
+        "method": "redsync",
+        "density": 0.02,
+        "selection": {"method": "trimmed"},
+        "message": {"quantize": "fp16", "index_coding": "golomb"},
+        "dgc": {"momentum_correction": False},
+        "policy": {"min_compress_numel": 0},
+    },
+    {
+        "method": "redsync",
+        "density": 0.01,
+        "selection": {"method": "sampled"},
+        "dgc": {"momentum_correction": False},
+    },
+    {"method": "randomk", "density": 0.05},
+    {
+        "method": "iwp",
+        "density": 0.05,
+        "policy": {"min_compress_numel": 0},
+    },  # the leader weighs by |w|: TF passes w too
+    {"method": "fp16"},
+]
+
+
+@pytest.mark.parametrize("case", range(len(CROSS_FRAMEWORK)))
+def test_same_config_selects_the_same_indices_in_torch_and_tf(case):
+    out = case_output("tf_cross_framework.py", CROSS_FRAMEWORK, case, timeout=2 * TF_TIMEOUT)
     assert out.count("OK cross-framework") == 2, out
 
 

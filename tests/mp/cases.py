@@ -2,7 +2,8 @@
 
     python tests/mp/cases.py <script.py> '<JSON list of cases>'
 
-calls the script's ``main(case)`` for each case in turn. Every line a case prints goes out as it
+calls the script's ``main(case)`` for each case in turn (``main(*case)`` where a case is a list:
+several arguments). Every line a case prints goes out as it
 is written, with ``case <i>: `` before it, and a case that raises prints its traceback there and
 the next case runs: each test reads its own case's lines. A case that leaves a collective
 unmatched hangs the job, and the launcher's timeout then fails every case of it, the output so
@@ -41,7 +42,7 @@ def main(script: str, cases: list) -> None:
         tagged = Tagged(sys.stdout, f"case {i}: ")
         with contextlib.redirect_stdout(tagged):
             try:
-                module.main(case)
+                module.main(*case) if isinstance(case, list) else module.main(case)
             except Exception:
                 traceback.print_exc(file=sys.stdout)
             tagged.flush()
