@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
-from launch import run_script, summary, train
+from launch import case_output, summary, train
 
 from redsync_hvd import checkpoint
 from redsync_hvd.comm import LocalCommunicator
@@ -319,11 +319,15 @@ def test_budgets_outside_what_the_layers_can_send_are_named():
 
 
 # -- real 2-worker jobs --------------------------------------------------------------------------
-@pytest.mark.parametrize("method", ["dp", "threshold", "descent"])
+BUDGET_METHODS = ["dp", "threshold", "descent"]
+
+
+@pytest.mark.parametrize("method", BUDGET_METHODS)
 def test_every_rank_uses_the_same_densities(method):
     """horovodrun -np 2, each rank's gradients of its own scale: the chosen k are the same on
-    both ranks at every step, differ from the uniform start, and every step holds the budget."""
-    out = run_script("budget_ranks.py", method, np=2, timeout=180).stdout
+    both ranks at every step, differ from the uniform start, and every step holds the budget.
+    The three methods run in one job (launch.case_output)."""
+    out = case_output("budget_ranks.py", BUDGET_METHODS, BUDGET_METHODS.index(method), timeout=300)
     assert out.count(f"OK budget ranks {method}") == 2, out[-3000:]
 
 
