@@ -75,8 +75,7 @@ if [ "$WITH_TF" = 1 ] && ! "$PY" -c "import tensorflow" 2>/dev/null; then
   say "installing $TF_SPEC"
   "${PIP[@]}" "$TF_SPEC"
 fi
-# Horovod's own runtime deps plus its build deps (we build without isolation so
-# it sees the torch in this venv).
+# Horovod's runtime and build deps (built without isolation, so it sees this venv's torch)
 "${PIP[@]}" "cloudpickle" "psutil" "pyyaml" "packaging" "cffi>=1.4.0" "wheel" "setuptools"
 
 # ---- Horovod: patched sdist, wheel cached per torch/TF/CUDA/MPI -----------------
@@ -84,8 +83,6 @@ TORCH_VER=$("$PY" -c "import torch; print(torch.__version__)")
 CUDA_VER=$("$PY" -c "import torch; print(torch.version.cuda or 'cpu')")
 TF_VER=$("$PY" -c "import tensorflow as tf; print(tf.__version__)" 2>/dev/null || echo none)
 MPI_TAG=$(mpirun --version 2>/dev/null | head -1 | tr -cd 'A-Za-z0-9.' )
-# "-p2": the sdist patches below (C++17; the torch extension asked first), so a wheel built
-# with fewer patches is not reused
 KEY="torch${TORCH_VER}-cuda${CUDA_VER}-tf${TF_VER}-${MPI_TAG}-py$("$PY" -c 'import sys;print("%d%d"%sys.version_info[:2])')-p2"
 KEY=$(echo "$KEY" | tr '+/' '__')
 WHEEL_DIR="$CACHE/horovod-$HOROVOD_VERSION-$KEY"
@@ -95,11 +92,9 @@ have_horovod() {
 import horovod, horovod.torch  # noqa: F401  (raises if the extension is missing)
 from horovod.common.util import EXTENSIONS, mpi_built, gloo_built
 import os, sys
-if EXTENSIONS[0] != "torch":
-    sys.exit(1)  # a wheel without the launch patch below
 if os.environ["REDSYNC_NEED_TF"] == "1":
     import horovod.tensorflow  # noqa: F401  (a torch-only Horovod must make way for the TF build)
-sys.exit(0 if horovod.__version__ == "0.28.1" and mpi_built() and gloo_built() else 1)
+sys.exit(0 if horovod.__version__ == "0.28.1" and EXTENSIONS[0] == "torch" and mpi_built() and gloo_built() else 1)
 PY
 }
 
@@ -111,17 +106,13 @@ if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
     || die "could not download the horovod==$HOROVOD_VERSION sdist from PyPI"
   tar -xzf "$BUILD"/horovod-$HOROVOD_VERSION.tar.gz -C "$BUILD"
   SRC="$BUILD/horovod-$HOROVOD_VERSION"
-  # torch >= 2.1 headers need C++17; the 0.28.1 release still pins C++14.
+  # Two patches ("-p2" in the key): torch >= 2.1 headers need C++17, 0.28.1 pins C++14; horovodrun asks an
+  # extension "built with MPI?" before each launch, TF's first: torch's (same answer) costs 2 s less a launch.
   sed -i 's/CMAKE_CXX_STANDARD 14/CMAKE_CXX_STANDARD 17/; s/-std=c++14/-std=c++17/g' \
     "$SRC/CMakeLists.txt" "$SRC/horovod/torch/CMakeLists.txt"
-  grep -q 'CMAKE_CXX_STANDARD 17' "$SRC/CMakeLists.txt" || die "C++17 patch did not apply to Horovod's CMakeLists.txt"
-  # horovodrun asks an extension whether Horovod was built with MPI before every launch, in a
-  # forked process, TensorFlow's first: importing TensorFlow costs that launch about 2 s more
-  # than importing torch (2-core VM). Both extensions come from this one build and give the same
-  # answer, so torch's is asked first.
-  sed -i "s/^EXTENSIONS = \['tensorflow', 'torch', 'mxnet'\]/EXTENSIONS = ['torch', 'tensorflow', 'mxnet']/" \
-    "$SRC/horovod/common/util.py"
-  grep -q "^EXTENSIONS = \['torch'" "$SRC/horovod/common/util.py" || die "the launch patch did not apply to Horovod's common/util.py"
+  sed -i "s/^EXTENSIONS = \['tensorflow', 'torch'/EXTENSIONS = ['torch', 'tensorflow'/" "$SRC/horovod/common/util.py"
+  grep -q 'CMAKE_CXX_STANDARD 17' "$SRC/CMakeLists.txt" && grep -q "^EXTENSIONS = \['torch'" "$SRC/horovod/common/util.py" \
+    || die "a patch did not apply to Horovod's sdist (CMakeLists.txt: C++17; horovod/common/util.py: torch first)"
   export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MXNET=1
   if [ "$TF_VER" != none ]; then
     export HOROVOD_WITH_TENSORFLOW=1
@@ -157,17 +148,15 @@ EXTRAS="dev"
 # Triton for the selection kernels, unless torch already brought one (CUDA wheels pin theirs)
 "$PY" -c "import triton" 2>/dev/null || EXTRAS="$EXTRAS,kernels"
 "${PIP[@]}" -e "$ROOT[$EXTRAS]"
-# every Python of the venv imports redsync_hvd._startup as it starts: TensorFlow's C++ start-up lines
-# hidden unless TF_CPP_MIN_LOG_LEVEL is set, and horovodrun's process waiting for its job's ranks
+# every Python of the venv imports redsync_hvd._startup as it starts (TF's C++ start-up lines hidden unless
+# TF_CPP_MIN_LOG_LEVEL is set; horovodrun waits for its ranks); a checkout without it is skipped silently
 SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-# (a checkout without redsync_hvd/_startup.py, or none at all, is skipped without a word)
 echo 'import importlib.util as u; u.find_spec("redsync_hvd") and u.find_spec("redsync_hvd._startup") and __import__("redsync_hvd._startup")' \
   > "$SITE/redsync_hvd.pth"
 
 # Optional native selection kernel (fused count); built here so the hot path never compiles.
-if [ -f "$ROOT/redsync_hvd/core/_native/build.py" ]; then
-  "$PY" "$ROOT/redsync_hvd/core/_native/build.py" || say "warning: native selection kernel failed to build; the pure-torch path will be used"
-fi
+[ -f "$ROOT/redsync_hvd/core/_native/build.py" ] && { "$PY" "$ROOT/redsync_hvd/core/_native/build.py" \
+  || say "warning: native selection kernel failed to build; the pure-torch path will be used"; }
 
 # ---- the data sets that come from Debian packages (Fashion-MNIST, Jane Austen's novels) ------
 bash "$ROOT/scripts/install_data.sh"
