@@ -34,6 +34,7 @@ from ..config import RunConfig
 from ..models import build_model
 from ..schedule import lr_factor
 from . import ddp as rddp
+from . import fsdp as rfsdp
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -197,13 +198,6 @@ class DDPAdapter(_Unsharded):
         return out.cpu()
 
 
-def _fsdp():
-    """torch/fsdp.py, imported on first use: torch.distributed.fsdp costs a process about 1.5 s of
-    imports that the other engines never need."""
-    from . import fsdp
-    return fsdp
-
-
 class FSDPAdapter(DDPAdapter):
     """Start-up of a PyTorch process under torchrun (``engine: fsdp``): FSDP2's sharded training."""
     framework, engine = "torch", "fsdp"
@@ -214,17 +208,17 @@ class FSDPAdapter(DDPAdapter):
         on the sharded parameters; 4. the compressed reduce-scatter on every group."""
         for t in [*model.parameters(), *model.buffers()]:                                      # 1.
             dist.broadcast(t.data, src=0)
-        _fsdp().shard(model, self.device)                                                        # 2.
+        rfsdp.shard(model, self.device)                                                        # 2.
         opt = build_optimizer(cfg, model, dist.get_world_size())                               # 3.
-        state = _fsdp().register(model, compression=cfg.compression.model_dump(), optimizer=opt)  # 4.
+        state = rfsdp.register(model, compression=cfg.compression.model_dump(), optimizer=opt)  # 4.
         return model, opt, state
 
     def save_states(self, model, opt) -> tuple:
         """This rank's shards (plain tensors: a checkpoint loads with weights_only)."""
-        return _fsdp().local_state(model.state_dict()), _fsdp().local_state(opt.state_dict())
+        return rfsdp.local_state(model.state_dict()), rfsdp.local_state(opt.state_dict())
 
     def load_states(self, model, opt, model_state: dict, opt_state: dict) -> None:
-        _fsdp().load_local_state(model, opt, model_state, opt_state)
+        rfsdp.load_local_state(model, opt, model_state, opt_state)
 
     def eval_batches(self, loader) -> int:
         """Every rank runs as many forwards as the rank with the most test batches: each FSDP
