@@ -298,15 +298,21 @@ def _results(stdout):
 
 
 _QUAD = {}
+_ALL = "dpsgd,dcd8,dcd4,ecd8,ecd4,naive4"
 
 
-def quadratic(np_):
-    if np_ not in _QUAD:
-        out = run_script("decentral_quadratic.py", "dpsgd,dcd8,dcd4,ecd8,ecd4,naive4", 160, np=np_, timeout=180,
-                         env=YIELD).stdout
+def quadratic(np_, names=_ALL, transport="horovod"):
+    key = (np_, names, transport)
+    if key not in _QUAD:
+        if transport == "gloo":
+            out = horovodrun(["--gloo", "python", "tests/mp/decentral_quadratic.py", names, "160"], np=np_,
+                             timeout=180, env=YIELD).stdout
+        else:
+            out = run_script("decentral_quadratic.py", names, 160, transport, np=np_, timeout=180,
+                             env=YIELD).stdout
         assert out.count("OK quadratic") == np_, out[-3000:]
-        _QUAD[np_] = _results(out)
-    return _QUAD[np_]
+        _QUAD[key] = _results(out)
+    return _QUAD[key]
 
 
 @pytest.mark.parametrize("np_", [4, 2])
@@ -342,6 +348,18 @@ def test_wire_bytes_per_worker_do_not_depend_on_n():
     assert four["dpsgd"]["message_bytes"] == 8 * (1 + 2 * 2) + 4000
 
 
-def test_gloo_launch_is_a_clear_error_not_a_hang():
+@pytest.mark.parametrize("transport", ["mpi4py", "gloo"])
+def test_every_transport_delivers_the_same_bytes(transport):
+    """Horovod over MPI (the default), mpi4py without Horovod and Horovod over Gloo carry the
+    same messages, so a 2-worker run ends with the same errors, bit for bit, and the same bytes."""
+    names = "dcd8,ecd4"
+    ref, other = quadratic(2, names), quadratic(2, names, transport)
+    for name in names.split(","):
+        assert other[name]["transport"] == ("horovod" if transport == "gloo" else transport)
+        for key in ("err_avg", "err_fp", "err_workers", "hist", "message_bytes", "bytes_per_step"):
+            assert other[name][key] == ref[name][key], (name, key, other[name][key], ref[name][key])
+
+
+def test_mpi4py_transport_under_gloo_is_a_clear_error_not_a_hang():
     out = horovodrun(["--gloo", "python", "tests/mp/decentral_gloo.py"], np=2, timeout=90).stdout
     assert out.count("OK clear error") == 2 and "not --gloo" in out, out[-3000:]

@@ -751,7 +751,7 @@ class SBCConfig(ResidualConfig):
 
 class DecentralizedConfig(MethodConfig):
     """Decentralized training (Tang et al., NeurIPS 2018), no allreduce: each worker mixes models with
-    its neighbours (ring by default) through mpi4py. dcd: compressed differences (minmax); ecd:
+    its neighbours (ring by default), sending messages to them only. dcd: compressed differences (minmax); ecd:
     compressed extrapolations (grid); dpsgd: uncompressed D-PSGD; naive: compressed models (fails)."""
     bits: Literal[8, 4, 2] = Field(8, description="8 | 4 | 2 bits per element (minmax, grid)")
     quantizer: Literal["minmax", "grid", "topk", "none"] = Field(
@@ -772,7 +772,7 @@ class DecentralizedConfig(MethodConfig):
         return check_density(v)
 
     def limits(self) -> str:
-        return ("is decentralized (each worker averages models with its ring neighbours over mpi4py; there is "
+        return ("is decentralized (each worker averages models with its ring neighbours; there is "
                 "no averaged gradient)")
 
 

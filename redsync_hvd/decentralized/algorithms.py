@@ -224,19 +224,35 @@ def build_algorithm(method: str, exchange=None, topology="ring", quantizer: str 
                     comm=None) -> DecentralizedAlgorithm:
     """One call from the config knobs: ``compression: {method: dcd|ecd|dpsgd|naive, bits, quantizer:
     minmax|grid|topk|none, step (grid spacing), density (topk), unbiased (topk), topology, seed}``.
-    ``exchange`` defaults to an MPI :class:`NeighborExchange` on ``comm`` (COMM_WORLD)."""
+    ``exchange`` defaults to a :class:`HorovodExchange` when Horovod is initialised and
+    ``comm`` is not given, else to an mpi4py :class:`NeighborExchange` on ``comm`` (COMM_WORLD)."""
     if method not in ALGORITHMS:
         raise ValueError(f"decentralized method {method!r} is unknown; choose one of {list(METHODS)}")
     if exchange is None:
-        from mpi4py import MPI
-
-        from .exchange import NeighborExchange, check_world
-        from .topology import from_config
-        comm = MPI.COMM_WORLD if comm is None else comm
-        check_world(comm)   # before anything that could wait on a rank that is not there
-        exchange = NeighborExchange(from_config(topology, comm.Get_size()), comm)
+        exchange = default_exchange(topology, comm)
     q = None if method == "dpsgd" else build_quantizer(quantizer, bits, step, density, unbiased)
     return ALGORITHMS[method](exchange, q, seed)
+
+
+def default_exchange(topology, comm=None):
+    """Horovod's transport when Horovod runs (one MPI caller per process), else mpi4py's."""
+    from .exchange import HorovodExchange, NeighborExchange, check_world
+    from .topology import from_config
+    hvd = _horovod_if_initialized() if comm is None else None
+    if hvd is not None:
+        return HorovodExchange(from_config(topology, hvd.size()), hvd)
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD if comm is None else comm
+    check_world(comm)   # before anything that could wait on a rank that is not there
+    return NeighborExchange(from_config(topology, comm.Get_size()), comm)
+
+
+def _horovod_if_initialized():
+    try:
+        import horovod.torch as hvd
+        return hvd if hvd.is_initialized() else None
+    except ImportError:
+        return None
 
 
 @torch.no_grad()

@@ -1,13 +1,27 @@
-"""Point-to-point exchange with the neighbours of a mixing topology, over mpi4py.
+"""Point-to-point exchange with the neighbours of a mixing topology.
 
 No allreduce in training: each step a worker sends ONE message (its list of wire
 tensors) to each distinct neighbour and receives one from each. A message is a
 single uint8 buffer: an int64 header ``[n, dtype_0, numel_0, ..., dtype_n-1,
 numel_n-1]`` followed by the tensors' raw bytes, so sizes may differ from rank to
-rank and step to step; the receiver learns the size with a matched probe
-(``Mprobe``), so no separate size round is needed and nobody waits for a size.
-All sends are posted (``Isend``) before any receive, so the exchange cannot
-deadlock whatever the graph.
+rank and step to step.
+
+Two transports move the buffers:
+
+* :class:`HorovodExchange` (the default under ``hvd.init()``): one Horovod alltoall per
+  step whose slices are the message for each neighbour and empty for everyone else, so
+  only neighbours receive bytes. Horovod's background thread is then the process's only
+  MPI caller. That thread talks to its peers every cycle (its response-cache
+  allreduce), so a second thread calling MPI at the same time is always concurrent with
+  it, and Open MPI 4.1's shared-memory path can crash under that (a segfault inside
+  ``MPI_Allreduce`` on one rank in one run of many). It works the same under ``--gloo``.
+  The price: the alltoall is a collective, so each step waits for every rank, not only
+  the neighbours.
+* :class:`NeighborExchange`: mpi4py ``Isend``/``Mprobe``, waiting only for the
+  neighbours, for MPI jobs that do not run Horovod (``build_algorithm(comm=...)``). The
+  receiver learns the size with a matched probe, so no separate size round is needed.
+  All sends are posted (``Isend``) before any receive, so the exchange cannot deadlock
+  whatever the graph.
 
 N=2 ring: a worker's left and right neighbours are the same rank. It is
 exchanged with once (one message each way per step) and the topology's single
@@ -19,10 +33,9 @@ in training (header included) = message bytes x number of distinct neighbours;
 ``payload_bytes_sent`` the wire tensors only. The initial full-model exchange
 (``kind="setup"``) and evaluation allreduces (``eval_bytes``) are counted apart.
 
-mpi4py must see the same world as Horovod: launch with ``horovodrun`` (MPI
-controller, the default when Horovod is built with MPI) or ``mpirun``. Under
-Gloo (``horovodrun --gloo``) each process is an MPI world of one, so the check
-in :class:`NeighborExchange` raises instead of every rank waiting forever.
+mpi4py must see the same world as Horovod when both run: under Gloo
+(``horovodrun --gloo``) each process is an MPI world of one, so the check in
+:class:`NeighborExchange` raises instead of every rank waiting forever.
 
 :class:`ThreadedGroup` runs N workers as threads of one process through the same
 interface (simulations, unit tests); the algorithms accept either.
@@ -184,6 +197,42 @@ class NeighborExchange(ExchangeBase):
         if self.comm is not None:
             self.comm.Free()
             self.comm = None
+
+
+class HorovodExchange(ExchangeBase):
+    """The Horovod implementation: every byte goes through Horovod's own background thread.
+
+    ``hvd`` is the initialised ``horovod.torch`` module. Each message is one alltoall
+    slice; since the topology is symmetric, the ranks this worker receives from are its
+    neighbours, and a neighbour that sent nothing means the ranks disagree on the graph."""
+
+    NAME = "redsync.decentralized"
+
+    def __init__(self, topology: Topology, hvd):
+        if topology.size != hvd.size():
+            raise ValueError(f"topology has {topology.size} workers but Horovod has {hvd.size()}")
+        super().__init__(topology, hvd.rank())
+        self.hvd = hvd
+
+    def _send_recv(self, buf):
+        splits = torch.zeros(self.size, dtype=torch.int32)
+        splits[self.neighbors] = buf.size            # ascending neighbours: the slices' order
+        send = torch.from_numpy(np.tile(buf, len(self.neighbors)))
+        out, got = self.hvd.alltoall(send, splits=splits, name=f"{self.NAME}.message")
+        ends = np.cumsum(got.numpy())
+        if any(got[j] == 0 for j in self.neighbors):
+            raise RuntimeError(f"rank {self.rank}: a neighbour sent nothing (received sizes {got.tolist()}); "
+                               "every rank must build the same topology")
+        return {j: out[ends[j] - got[j]:ends[j]].numpy().copy() for j in self.neighbors}
+
+    def _allreduce(self, arr):
+        return self.hvd.allreduce(torch.from_numpy(arr), op=self.hvd.Sum, name=f"{self.NAME}.eval").numpy()
+
+    def barrier(self) -> None:
+        self.hvd.barrier()
+
+    def free(self) -> None:
+        """Nothing to release: Horovod owns the communicator."""
 
 
 class ThreadedGroup:

@@ -1,8 +1,9 @@
 """A quadratic toy problem on a ring: f_i(x) = 0.5 ||x - b_i||^2, optimum = mean of b_i.
 
-Runs every named config (argv[1], comma-separated; argv[2] steps) in one launch and
-prints, from rank 0, one line ``RESULT {json}`` per config with relative errors
-(divided by ||bbar||), all measured with evaluation allreduces:
+Runs every named config (argv[1], comma-separated; argv[2] steps) in one launch, over
+argv[3]'s transport (``horovod``, the default, or ``mpi4py``: then Horovod is never
+initialised, so mpi4py is the only MPI caller), and prints, from rank 0, one line
+``RESULT {json}`` per config with relative errors (divided by ||bbar||), all measured with evaluation allreduces:
 
 - ``err_avg``: ||mean_i x_i - bbar|| (the average model vs the optimum);
 - ``err_fp``: mean_i ||x_i - x*_i|| where x* is the fixed point of uncompressed
@@ -16,14 +17,11 @@ prints, from rank 0, one line ``RESULT {json}`` per config with relative errors
 import json
 import sys
 
-import horovod.torch as hvd
 import torch
 
-hvd.init()
-torch.set_num_threads(1)   # tiny tensors; 2 shared cores
-from mpi4py import MPI  # noqa: E402
+from redsync_hvd.decentralized import build_algorithm, ring
 
-from redsync_hvd.decentralized import build_algorithm, ring  # noqa: E402
+torch.set_num_threads(1)   # tiny tensors; 2 shared cores
 
 CONFIGS = {
     "dpsgd": ("dpsgd", {}),
@@ -46,12 +44,11 @@ def problem(n):
     return B, B.mean(0), xstar
 
 
-def run(name, steps, comm):
-    rank, n = comm.Get_rank(), comm.Get_size()
+def run(name, steps, rank, n, comm=None):
     method, kw = CONFIGS[name]
     B, bbar, xstar = problem(n)
     b = B[rank].float()
-    algo = build_algorithm(method, seed=1, **kw)
+    algo = build_algorithm(method, seed=1, comm=comm, **kw)
     x = torch.zeros(D)
     params = list(torch.split(x, SPLIT))          # two contiguous views: a two-tensor model
     scale = float(bbar.norm())
@@ -82,12 +79,20 @@ def run(name, steps, comm):
 def main():
     names = sys.argv[1].split(",") if len(sys.argv) > 1 else list(CONFIGS)
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 400
-    comm = MPI.COMM_WORLD
+    transport = sys.argv[3] if len(sys.argv) > 3 else "horovod"
+    if transport == "mpi4py":
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+        rank, n = comm.Get_rank(), comm.Get_size()
+    else:
+        import horovod.torch as hvd
+        hvd.init()
+        comm, rank, n = None, hvd.rank(), hvd.size()
     for name in names:
-        out = run(name, steps, comm)
-        if comm.Get_rank() == 0:
+        out = dict(run(name, steps, rank, n, comm), transport=transport)
+        if rank == 0:
             print("RESULT " + json.dumps(out), flush=True)
-    print(f"rank {comm.Get_rank()}: OK quadratic", flush=True)
+    print(f"rank {rank}: OK quadratic", flush=True)
 
 
 if __name__ == "__main__":

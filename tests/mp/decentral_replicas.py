@@ -5,11 +5,9 @@ matters), takes random gradients, and after each step allgathers every rank's
 model (DCD) or its own estimate y_i (ECD) through mpi4py, then compares its
 replicas with torch.equal. Prints "OK replicas <method> <quantizer>" per config.
 
-Horovod is not initialised here: the algorithms need only mpi4py, and this is the
-suite's longest MPI exchange (4 ranks, 8 configurations), where the rare hang of
-Horovod's background thread and mpi4py in one world showed up (docs/decentralized.md).
-Horovod and mpi4py together are covered by decentral_quadratic.py, decentral_gloo.py
-and mpi_world.py.
+Horovod is not initialised here: this is mpi4py's transport (``NeighborExchange``),
+for MPI jobs without Horovod. Horovod's transport, the default, is covered by
+decentral_quadratic.py, which checks that both deliver the same bytes.
 """
 import torch
 

@@ -1,8 +1,8 @@
 """Start one MPI rank per emulated host: ``mpirun`` with an rsh agent that enters namespaces.
 
-The decentralized methods (DCD/ECD) exchange with their ring neighbours through mpi4py, so
-their workers need one MPI world across the hosts; Horovod then runs on MPI too (its
-controller is MPI when the job is started by ``mpirun``). ``mpirun`` itself runs in the
+The decentralized methods (DCD/ECD) are launched with one MPI world across the hosts, so
+that mpi4py's transport works too; Horovod then runs on MPI (its controller is MPI when
+the job is started by ``mpirun``) and carries their messages by default. ``mpirun`` itself runs in the
 switch namespace, and starts its daemon on each host through ``plm_rsh_agent``: a small
 script that, instead of ssh, runs the daemon's command line under
 ``ip netns exec <that host's namespace>``. Options that keep every byte on the shaped links:
