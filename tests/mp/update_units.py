@@ -136,5 +136,7 @@ name = "0.weight"   # the exchange names layers as the module does, under DDP to
 assert memory["steps"] == {name: 6} and memory["exp_avg"][name].abs().sum() > 0, memory["steps"]
 print("OK a resume keeps the moments bit for bit", flush=True)
 if ENGINE == "ddp":
-    dist.barrier()
-    dist.destroy_process_group()
+    # launchers.close_process_group: torch's Gloo teardown at exit aborted this job once
+    # ("terminate called without an active exception") after both ranks had printed OK
+    from redsync_hvd.launchers import close_process_group
+    close_process_group()
