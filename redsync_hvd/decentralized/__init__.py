@@ -3,8 +3,8 @@
 No global reduction: each worker mixes its model with its neighbours' through a
 mixing matrix W (``topology``), exchanging compressed messages with its
 neighbours only (``exchange``: through Horovod, or mpi4py without it), with the
-quantisers in ``quantizers``; the update rules are in ``algorithms``. Framework-neutral: flat fp32 torch tensors in,
-in-place updates out. Importing this package does not initialise MPI.
+quantisers in ``quantizers``; the update rules are in ``algorithms``.
+Framework-neutral: flat fp32 torch tensors in, in-place updates out. Importing this package does not initialise MPI.
 
     import horovod.torch as hvd; hvd.init()
     from redsync_hvd.decentralized import build_algorithm

@@ -236,23 +236,15 @@ def build_algorithm(method: str, exchange=None, topology="ring", quantizer: str 
 
 def default_exchange(topology, comm=None):
     """Horovod's transport when Horovod runs (one MPI caller per process), else mpi4py's."""
-    from .exchange import HorovodExchange, NeighborExchange, check_world
+    from .exchange import HorovodExchange, NeighborExchange, check_world, horovod_if_initialized
     from .topology import from_config
-    hvd = _horovod_if_initialized() if comm is None else None
+    hvd = horovod_if_initialized() if comm is None else None
     if hvd is not None:
         return HorovodExchange(from_config(topology, hvd.size()), hvd)
     from mpi4py import MPI
     comm = MPI.COMM_WORLD if comm is None else comm
     check_world(comm)   # before anything that could wait on a rank that is not there
     return NeighborExchange(from_config(topology, comm.Get_size()), comm)
-
-
-def _horovod_if_initialized():
-    try:
-        import horovod.torch as hvd
-        return hvd if hvd.is_initialized() else None
-    except ImportError:
-        return None
 
 
 @torch.no_grad()

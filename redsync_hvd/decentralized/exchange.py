@@ -137,16 +137,20 @@ class ExchangeBase:
         raise NotImplementedError
 
 
+def horovod_if_initialized():
+    """``horovod.torch`` when this process has run ``hvd.init()``, else None."""
+    try:
+        import horovod.torch as hvd
+        return hvd if hvd.is_initialized() else None
+    except (ImportError, ValueError, RuntimeError):
+        return None
+
+
 def check_world(comm) -> None:
     """Raise a clear error when mpi4py's world is not Horovod's (e.g. Gloo launch)."""
     size, rank = comm.Get_size(), comm.Get_rank()
-    expected = None
-    try:
-        import horovod.torch as hvd
-        if hvd.is_initialized():
-            expected = (hvd.size(), hvd.rank())
-    except (ImportError, ValueError, RuntimeError):
-        pass
+    hvd = horovod_if_initialized()
+    expected = None if hvd is None else (hvd.size(), hvd.rank())
     if expected is None and os.environ.get("HOROVOD_SIZE"):
         expected = (int(os.environ["HOROVOD_SIZE"]), int(os.environ.get("HOROVOD_RANK", rank)))
     if expected is not None and expected != (size, rank):
