@@ -61,6 +61,9 @@ def test_sbc_conservation(n, rounds, density, binarize, coding, seed):
 class OneRank:
     rank, size = 0, 1
 
+    def is_root(self, root):
+        return root == self.rank
+
     def broadcast_async(self, tensor, root, name):
         return tensor
 
@@ -78,3 +81,19 @@ def test_iwp_importance_is_residual_over_weight():
     assert sorted(msg.positions.tolist()) == [1, 3]
     assert msg.nbytes() == {"indices": 8, "values": 8}     # this rank led: it broadcast the indices
     assert comp.leaders == [(0, 0)]
+
+
+def test_iwp_in_a_one_process_world_selects_as_whichever_rank_leads():
+    """LocalCommunicator(8) stands for 8 copies of this process (whatif's and the cost model's
+    probes): whoever the step's leader is, this process selects as it and broadcasts its positions,
+    so every step sends the leader's top-k, never an unfilled index buffer."""
+    from redsync_hvd.comm import LocalCommunicator
+    comp, _ = build_compressor({"method": "iwp", "density": 0.25, "selection": "exact"}, LocalCommunicator(8))
+    lay = layer(8, 0.25)
+    lay.param = torch.tensor([100.0, 1.0, 1.0, 0.01, 1.0, 50.0, 1.0, 1.0])
+    x = torch.tensor([10.0, 0.5, 0.1, 0.2, 0.3, 9.0, 0.4, 0.1])
+    for step in range(12):
+        msg = comp.compress(x, lay, step)
+        assert sorted(msg.positions.tolist()) == [1, 3], step
+        assert msg.nbytes() == {"indices": 8, "values": 8}
+    assert {leader for _, leader in comp.leaders} - {0}, comp.leaders   # ranks other than 0 led

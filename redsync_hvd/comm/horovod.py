@@ -48,6 +48,10 @@ class HorovodCommunicator:
         """``sizes`` (every rank's first dimension) is not needed: Horovod exchanges them itself."""
         return self.hvd.allgather_async(tensor, name=name, **self._set)
 
+    def is_root(self, root: int) -> bool:
+        """Whether a broadcast from ``root`` (a rank within the set) sends this process's tensor."""
+        return root == self.rank
+
     def broadcast_async(self, tensor: torch.Tensor, root: int, name: str):
         # Horovod names the root by its global rank, also within a process set
         root_rank = root if self.process_set is None else self.process_set.ranks[root]

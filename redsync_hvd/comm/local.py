@@ -34,6 +34,11 @@ class LocalCommunicator:
     def allgather_async(self, tensor: torch.Tensor, name: str, sizes: list | None = None):
         return torch.cat([tensor] * self._size)
 
+    def is_root(self, root: int) -> bool:
+        """True for every ``root``: each of the N ranks is this process, so what a root would send
+        is what this process computes as that root (IWP's leader selects here, whoever it is)."""
+        return True
+
     def broadcast_async(self, tensor: torch.Tensor, root: int, name: str):
         return tensor.clone()
 

@@ -153,6 +153,10 @@ class TorchDistCommunicator:
             return _Pending(work, result, None if out is not None else (lambda got: got.to(tensor.device)))
         return _Pending(work, result, lambda got: out.copy_(got))
 
+    def is_root(self, root: int) -> bool:
+        """Whether a broadcast from ``root`` (a rank within the group) sends this process's tensor."""
+        return root == self._rank
+
     def broadcast_async(self, tensor: torch.Tensor, root: int, name: str):
         """``root``'s tensor on every rank, in a new tensor. ``root`` is a rank of the group."""
         if not 0 <= root < self._size:

@@ -40,7 +40,8 @@ class IWPCompressor(Compressor):
         k, leader = layer.k, self.leader(step)
         if not self.leaders or self.leaders[-1] != (step, leader):
             self.leaders.append((step, leader))
-        if self.comm.rank == leader:
+        leads = self.comm.is_root(leader)
+        if leads:
             weight = layer.param.detach().reshape(-1).abs().to(x) if layer.param is not None else 0.0
             importance = x.abs() / (weight + self.config.eps)
             contract, seg = Contract(layer.selection or self.config.selection), single(layer.numel, k)
@@ -58,7 +59,7 @@ class IWPCompressor(Compressor):
         idx = self.comm.wait(self.comm.broadcast_async(idx, root=leader, name=f"rsync.iwp.{layer.name}"))
         idx = idx.to(torch.int64)
         return Message([x.index_select(0, idx)], ("values",), selected=k, k=k, positions=idx, ctx=idx,
-                       extra_bytes={"indices": 4 * k} if self.comm.rank == leader else {})
+                       extra_bytes={"indices": 4 * k} if leads else {})
 
     def decompress_add(self, out, tensors, layer, alpha=1.0, ctx=None):
         out.index_add_(0, ctx, tensors[0].to(out), alpha=alpha)
