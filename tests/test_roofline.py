@@ -32,3 +32,32 @@ def test_the_fused_sampled_step_sends_what_the_unfused_one_sends():
         g = torch.randn(n, generator=gen)
         assert fused(g) == plain(g)
         assert torch.equal(fused.memory.residual["g"], plain.memory.residual["g"])
+
+
+def test_the_steady_residual_is_where_the_exchanges_own_loop_settles():
+    """From a zero residual, TBS with threshold reuse at density 0.01 settles within a few T**2
+    steps to the threshold and spread that ``steady_residual`` starts at. From that start it
+    searches only on schedule (every REUSE-th step) from the first step on, where a Gaussian
+    residual of that threshold's scale goes stale: its tail is sent in the first steps, so the
+    reused thresholds catch too few and it searches nearly every step."""
+    n, density, steps, first = 1 << 15, 0.01, 150, 20
+    k = math.ceil(density * n)
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(n, generator=gen) for _ in range(steps)]
+
+    def run(start, count):
+        step = roofline.PerLayer("tbs", n, k, "cpu", reuse=roofline.REUSE)
+        step.memory.residual["g"] = start
+        for g in grads[:count]:
+            step(g)
+        return step
+
+    settled = run(torch.zeros(n), steps)
+    steady = roofline.steady_residual(n, roofline.SENT_PER_K * k / n, "cpu")
+    started = run(steady.clone(), 1)
+    assert started.state.threshold == pytest.approx(settled.state.threshold, rel=0.15)
+    assert steady.std().item() == pytest.approx(settled.memory.residual["g"].std().item(), rel=0.15)
+    on_schedule = run(steady.clone(), first).state.searches
+    assert on_schedule <= first // roofline.REUSE + 2, on_schedule
+    gaussian = torch.randn(n, generator=torch.Generator().manual_seed(4)) * started.state.threshold
+    assert run(gaussian, first).state.searches > 2 * on_schedule

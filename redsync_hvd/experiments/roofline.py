@@ -30,11 +30,8 @@ from redsync_hvd.memory import ResidualMemory
 
 SAMPLE_FRACTION = 0.01   # DGC's (selection.sample_fraction's default)
 REUSE = 5                # TBS's threshold_reuse in the RedSync configs
-# The residual starts as it is after this many steps of unit Gaussian gradients at density 0.001
-# (std sqrt(steps): almost nothing has been sent yet), so consecutive steps see the slowly
-# drifting magnitudes of a long run, not the first steps' jumps (x's scale grows by 41% from
-# step 1 to 2, by 0.05% from step 1000 to 1001).
-RESIDUAL_AGE = 1000
+# TBS and sampled send about 1.5k a step (k to 2k): the rate that sets a long run's residual
+SENT_PER_K = 1.5
 
 
 def triad_bytes_per_s(n: int, device, repeats: int = 7) -> float:
@@ -51,8 +48,20 @@ def triad_bytes_per_s(n: int, device, repeats: int = 7) -> float:
     return 12 * n / best
 
 
-def aged_residual(n: int, device) -> torch.Tensor:
-    return torch.randn(n, generator=torch.Generator().manual_seed(1)).mul_(RESIDUAL_AGE ** 0.5).to(device)
+def steady_residual(n: int, sent: float, device) -> torch.Tensor:
+    """The residual of a long run, in units of the gradient's std: each coordinate is a random
+    walk of unit Gaussian steps, reset to 0 when its |x| passes the threshold T and it is sent.
+    Such a walk's stationary |x| has the density 2 (T - y) / T**2 on [0, T] (the walk's Green's
+    function), and a coordinate leaves after about T**2 steps, so T = 1 / sqrt(sent) for the
+    share ``sent`` of the elements sent a step. From a zero residual the exchange's own loop
+    reaches this law within a few T**2 steps and keeps it (tests/test_roofline.py); a Gaussian
+    residual, which no long run has, loses its tail to the first steps' sends instead, so every
+    reused threshold goes stale and each step searches anew."""
+    T = sent ** -0.5
+    gen = torch.Generator().manual_seed(1)
+    magnitude = torch.rand(n, generator=gen).sqrt_().neg_().add_(1.0).mul_(T)   # F(y) = 1 - (1 - y/T)**2
+    sign = torch.randint(0, 2, (n,), generator=gen).mul_(2).sub_(1)
+    return magnitude.mul_(sign).to(device)
 
 
 class PerLayer:
@@ -63,7 +72,8 @@ class PerLayer:
         self.method, self.n, self.k, self.seg = method, n, k, single(n, k)
         self.contract = Contract(method, threshold_reuse=reuse, sample_fraction=SAMPLE_FRACTION)
         self.memory, self.state = ResidualMemory(fuse=fuse), SelectionState()
-        self.memory.residual["g"] = aged_residual(n, device)
+        sent = k if method == "trimmed" else SENT_PER_K * k   # trimmed: exactly k
+        self.memory.residual["g"] = steady_residual(n, sent / n, device)
 
     @property
     def floor(self) -> float:
@@ -88,7 +98,7 @@ class ExactK:
         self.seg, self.contract = Segments([n], [k], align=16), Contract("radix", backend=backend)
         if self.seg.n != n:   # the gradient must be the bucket's buffer itself, as it is in the exchange
             raise ValueError(f"n={n}: use a multiple of 16 elements (the kernels' alignment)")
-        self.r, self.spare = aged_residual(n, device), torch.zeros(n, device=device)
+        self.r, self.spare = steady_residual(n, k / n, device), torch.zeros(n, device=device)
 
     def __call__(self, g: torch.Tensor) -> int:
         hist = compensate(self.r, g, self.spare, first=HistogramRequest(self.seg, "pos", self.contract))
@@ -109,11 +119,20 @@ def modes(n: int, k: int, device, backend: str) -> dict:
             "sampled (DGC), unfused": lambda: PerLayer("sampled", n, k, device, fuse=False)}
 
 
-def measure(step, grads: list, steps: int, warmup: int, device) -> dict:
-    """Best, median and mean seconds of ``steps`` steps after ``warmup``, the gradients taken in turn."""
+def gradient(n: int, step: int, device) -> torch.Tensor:
+    """Step ``step``'s gradient: unit Gaussian, independent of every other step's, the same for
+    every mode. Drawn anew each step: a few gradients taken in turn would add up to a drift that
+    ages the residual within the run (its sum over a cycle comes back every cycle)."""
+    gen = torch.Generator(device).manual_seed(step)
+    return torch.randn(n, generator=gen, device=device)
+
+
+def measure(step, n: int, steps: int, warmup: int, device) -> dict:
+    """Best, median and mean seconds of ``steps`` steps after ``warmup``, each on its own gradient
+    (drawn before the step's clock starts)."""
     times, sent = [], 0
     for i in range(warmup + steps):
-        g = grads[i % len(grads)]
+        g = gradient(n, i, device)
         sync(device)
         t0 = time.perf_counter()
         sent = step(g)
@@ -139,8 +158,6 @@ def run_size(n: int, density: float, device, backend: str, steps: int, warmup: i
     """Every mode's row at n elements: the triad first, then the modes on the same gradients.
     ``exact_steps``: exact-k's steps where they differ (the CPU runs its torch reference)."""
     k = max(1, math.ceil(density * n))
-    gen = torch.Generator().manual_seed(0)
-    grads = [torch.randn(n, generator=gen).to(device) for _ in range(3)]
     got, triads = [], []
     for name, make in modes(n, k, device, backend).items():
         if only and not any(o in name for o in only):
@@ -148,7 +165,7 @@ def run_size(n: int, density: float, device, backend: str, steps: int, warmup: i
         triads.append(triad_bytes_per_s(n, device))   # before every mode: the load of a shared machine moves
         step = make()
         timed = (exact_steps, 0) if exact_steps and isinstance(step, ExactK) else (steps, warmup)
-        got.append((name, step.floor, measure(step, grads, *timed, device)))
+        got.append((name, step.floor, measure(step, n, *timed, device)))
         del step
     # the median of the triads (each a best of several): one taken in a lull of a shared machine's load
     # neither sets the limit alone, nor one taken under a burst of it
