@@ -96,6 +96,23 @@ def test_without_masking_the_velocity_keeps_pushing_what_was_sent():
                       [4.5, -1, 1, 1.5, 0, 0, -0.5, 0.25])
 
 
+def test_stale_masking_zeroes_only_the_velocity_of_what_waited_long():
+    """``momentum_masking: stale`` masks u where |v| (1 - m) > |u| at the position sent: under m = 0.5,
+    where the value sent is more than twice the velocity (it waited more than about 2 steps)."""
+    ex, memory = exchange({"density": 0.25, "message": {"quantize": "none"}}, masking="stale")
+    got = run(ex, memory)
+    # step 1: v = u = g; top 2: 0, 1, each |v| = |u|: kept
+    assert got[0] == ([8, -6, 0, 0, 0, 0, 0, 0], [0, 0, 2, 1, 0, 0, -1.5, 0.5], [8, -6, 2, 1, 0, 0, -1.5, 0.5])
+    # step 2: u = [4.5, -1, 1, 1.5, 0, 0, -.5, .25]; v = [4.5, -1, 3, 2.5, 0, 0, -2, .75]; top 2: 0, 2.
+    # At 0 |v| = |u| (sent the step before): kept; at 2 |v| = 3 > 2 |u| = 2 (it waited): masked
+    assert got[1] == ([4.5, 0, 3, 0, 0, 0, 0, 0], [0, -1, 0, 2.5, 0, 0, -2, 0.75],
+                      [4.5, -1, 0, 1.5, 0, 0, -0.5, 0.25])
+    # step 3: u = [2.25, -.5, 0, 1.75, 0, 0, -4.25, .125]; v = [2.25, -1.5, 0, 4.25, 0, 0, -6.25, .875];
+    # top 2: 6 (6.25 < 2 * 4.25: kept), 3 (4.25 > 2 * 1.75: masked)
+    assert got[2] == ([0, 0, 0, 4.25, 0, 0, -6.25, 0], [2.25, -1.5, 0, 0, 0, 0, 0, 0.875],
+                      [2.25, -0.5, 0, 0, 0, 0, -4.25, 0.125])
+
+
 def dgc_reference(grads, k, m, nesterov, steps):
     """Algorithm 4 of Lin et al. written out for one worker (values sent, top-k exact)."""
     u = torch.zeros_like(grads[0], dtype=torch.float64)
@@ -137,11 +154,12 @@ def test_exchange_equals_dgc_algorithm_on_random_gradients(nesterov):
     assert torch.allclose(memory.velocity["w"].double(), u, atol=1e-5)
 
 
-@pytest.mark.parametrize("masking", [True, False])
+@pytest.mark.parametrize("masking", [True, False, "stale"])
 def test_at_density_one_masking_leaves_plain_sgd(masking):
     """Every position is sent every step, so factor masking zeroes the whole velocity every step:
     DGC's equations then apply the gradient itself (plain SGD, no momentum), a factor 1 - m of
-    momentum SGD's steady step. Without masking they are momentum SGD on the averaged gradient.
+    momentum SGD's steady step. Without masking they are momentum SGD on the averaged gradient,
+    and so with stale masking: no value waited, v = u at every position sent.
     A position sent every T steps keeps 1 - m (1 - m**T) / (T (1 - m)) of momentum SGD's step
     under a constant gradient (docs/redsync.md)."""
     comm = LocalCommunicator(2)
@@ -155,4 +173,4 @@ def test_at_density_one_masking_leaves_plain_sgd(masking):
         g = torch.tensor(g)
         ex.submit("w", g.clone())
         u = 0.5 * u + g
-        assert torch.equal(ex.finish().averages["w"], g if masking else u)
+        assert torch.equal(ex.finish().averages["w"], g if masking is True else u)

@@ -290,7 +290,10 @@ class DGCConfig(_Group):
     momentum_correction: bool = Field(
         False, description="accumulate velocity, not gradient, in the residual; takes momentum and weight "
                            "decay out of the wrapped optimizer (which then runs plain SGD)")
-    momentum_masking: bool = Field(True, description="zero the velocity where values were sent")
+    momentum_masking: Union[Literal["stale"], bool] = Field(
+        True, description="zero the velocity where values were sent: true at every position sent; stale only "
+                          "where the value sent had waited longer than 1/(1-momentum) steps (|v| > |u|/(1-m)), "
+                          "so coordinates sent every few steps keep their momentum; false nowhere")
     clip_norm: Optional[float] = Field(None, gt=0, description="local per-layer gradient clipping at "
                                                                "clip_norm * N**-0.5 before accumulation")
 

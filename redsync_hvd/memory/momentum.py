@@ -8,6 +8,13 @@ a velocity u and accumulates it into the residual v:
     send part of v;  v[sent] -= what was sent
     u[sent] = 0                 (momentum factor masking: stale velocity stops pushing)
 
+Masking has a price: a coordinate sent every tau steps keeps only
+1 - m(1 - m^tau)/((1 - m) tau) of dense momentum's step (1 - m, plain SGD, at
+tau = 1). ``masking="stale"`` masks only where the value sent had waited
+longer than 1/(1 - m) steps, read as |v| > |u|/(1 - m) at the position (under
+a steady gradient v holds about tau times u): what waited long stops pushing,
+what is sent every few steps keeps its momentum.
+
 The wrapped optimizer then takes a plain SGD step on the average of what was
 sent: its own momentum must be 0 (the DistributedOptimizer takes it out).
 
@@ -61,7 +68,7 @@ class MomentumCorrectionMemory(ResidualMemory):
         """A bucket kept flat keeps velocities too, with one momentum for all its layers (the
         kernel takes one); None where their momenta differ."""
         momenta = {self._m(n) for n in names}
-        if len(momenta) != 1:
+        if len(momenta) != 1 or self.masking == "stale":   # the flat kernels mask every position sent
             return None
         return {"residual": True, "momentum": momenta.pop(), "nesterov": self.nesterov, "masking": self.masking}
 
@@ -84,6 +91,21 @@ class MomentumCorrectionMemory(ResidualMemory):
                 torch._foreach_add_(avgs, news, alpha=m)                # avg + m*u
             else:
                 torch._foreach_copy_(avgs, news)
+
+    def update(self, layer, x: torch.Tensor, message, compressor) -> None:
+        """x -= what receivers decode (``ResidualMemory.update``), then the masking: at every position
+        sent, or under ``masking="stale"`` at those whose value waited longer than 1/(1-m) steps."""
+        positions = message.positions
+        if self.masking != "stale" or positions is None or not positions.numel():
+            compressor.decompress_add(x, message.tensors, layer, alpha=-1.0, ctx=message.ctx)
+            return self.mask(layer.name, positions)
+        positions = positions.to(torch.int64)
+        u = self.state.pending("velocity", layer.name)
+        sent_u = u.index_select(0, positions)
+        # kept where it did not wait long; a multiply, not a boolean index: no read of the count to the host
+        fresh = x.index_select(0, positions).abs() * (1.0 - self._m(layer.name)) <= sent_u.abs()
+        compressor.decompress_add(x, message.tensors, layer, alpha=-1.0, ctx=message.ctx)
+        u.index_copy_(0, positions, sent_u * fresh)
 
     def mask(self, name: str, indices: torch.Tensor) -> None:
         """Zero the (pending) velocity at the positions that were sent."""

@@ -406,8 +406,11 @@ def _group(config, name: str, params: list, mine: list, comm, spec, carried: Car
         raise ValueError(f"FSDP group {name!r} has parameters with momenta {sorted(momentum)}; momentum correction "
                          "applies one momentum per group: put them in one optimizer param group, or fully_shard "
                          "them apart")
-    settings = Settings(momentum=momentum.pop(), nesterov=bool(spec and spec.nesterov),
-                        masking=bool(getattr(getattr(config, "dgc", None), "momentum_masking", True)),
+    masking = getattr(getattr(config, "dgc", None), "momentum_masking", True)
+    if masking == "stale":
+        raise ValueError(f"FSDP group {name!r}: dgc.momentum_masking: stale is not implemented for FSDP2's sharded "
+                         "residuals (its kernel masks every position sent); set momentum_masking to true or false")
+    settings = Settings(momentum=momentum.pop(), nesterov=bool(spec and spec.nesterov), masking=bool(masking),
                         storage=getattr(config, "residual_dtype", "fp32"),
                         backend=getattr(getattr(config, "selection", None), "radix_backend", "auto"),
                         check_finite=config.finite_check)
