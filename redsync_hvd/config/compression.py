@@ -255,8 +255,10 @@ class SelectionConfig(_Group):
 
     radix_backend: str = Field(
         "auto", description="radix: a backend of the selection registry (core/select/registry.py), checked when "
-                            "the compressor is built: auto (Triton kernels on CUDA tensors, torch ops elsewhere) | "
-                            "triton | torch (the reference in plain torch ops, any device) | any registered one")
+                            "the compressor is built: auto (Triton kernels on CUDA tensors, native passes on CPU "
+                            "float32, torch ops elsewhere) | triton | native (CPU: the reference over a threshold "
+                            "set the native passes find) | torch (the reference in plain torch ops, any device) | "
+                            "any registered one")
 
 
 class MessageConfig(_Group):

@@ -156,7 +156,7 @@ def row(name: str, n: int, floor: float, got: dict, triad: float) -> dict:
 def run_size(n: int, density: float, device, backend: str, steps: int, warmup: int, only=None,
              exact_steps: int | None = None) -> list:
     """Every mode's row at n elements: the triad first, then the modes on the same gradients.
-    ``exact_steps``: exact-k's steps where they differ (the CPU runs its torch reference)."""
+    ``exact_steps``: exact-k's steps where they differ (the torch reference on a CPU: seconds a step)."""
     k = max(1, math.ceil(density * n))
     got, triads = [], []
     for name, make in modes(n, k, device, backend).items():

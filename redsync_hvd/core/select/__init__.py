@@ -165,3 +165,5 @@ register(Backend("triton", ("radix",), module("redsync_hvd.core.select.triton_se
                  devices=("cuda", "cpu"), rank=1, unit="bucket", auto=lambda t: t.device == "cuda",
                  refuse=_interpreter,
                  kernels=("redsync_hvd.core.select.triton_kernels", "redsync_hvd.core.select.triton_select")))
+
+from . import native_radix  # noqa: E402,F401  (registers the CPU backend of radix: a file of its own)

@@ -169,6 +169,16 @@ def _trimmed(flat, k, be, o) -> Tuple[torch.Tensor, float]:
     hist = _histogram(flat, k, be)
     if hist is not None:
         return _topk_over(flat, hist[0], k, hist[2], be.for_state)
+    above = threshold_set(flat, k, be, o)
+    if above is None:
+        return _exact(flat, k, be.err, be.for_state)
+    return _topk_over(flat, above[0], k, above[1], be.for_state)
+
+
+def threshold_set(flat, k, be, o) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """Trimmed's candidates: (ascending positions of |x| > t, their |x|) for a t with at least k
+    of them, at most 2k where the counts can narrow it; None where no such t was found. Every
+    element at or above the k-th largest |x| is among them: the set a top-k is exact over."""
     mx, mean = be.stats()
     thr = lambda r: cast(mean + r * (mx - mean), flat.dtype)  # noqa: E731
     eps = o.trimmed_eps
@@ -185,12 +195,12 @@ def _trimmed(flat, k, be, o) -> Tuple[torch.Tensor, float]:
             break
     if c_lo is not None and c_lo <= _TRIM_SLACK * k:
         cand, _, vals = be.select(thr(lo), c_lo, False, True)
-        return _topk_over(flat, cand, k, vals, be.for_state)
+        return cand, vals
     # Heavy tails: max >> the k-th value, so steps of eps in r jump from < k candidates to
     # a large share of the layer (or to "everything" at r = 0). Bisect (lo, hi) by counting
     # until <= 2k candidates remain: the top-k set, and so the result, is the same.
     res = _bisect(flat, k, be, thr, lo, hi, c_lo, o.tbs_max_probes, _TRIM_SLACK * k)
-    return _exact(flat, k, be.err, be.for_state) if res is None else _topk_over(flat, res[0], k, res[2], be.for_state)
+    return None if res is None else (res[0], res[2])
 
 
 def _sampled(flat, k, be, o) -> Tuple[torch.Tensor, float]:

@@ -1,0 +1,113 @@
+"""The CPU backend of the radix select (core/select/native_radix.py) against the torch reference.
+
+It must give what the reference gives, to the bit: positions, values as they travel, means, the
+k-th key, the side and the non-finite flags, and x and the velocity after the update. Its layers
+of 2**16 elements and more take the candidates path (a threshold set from the native passes);
+smaller ones, and those it cannot narrow (NaN/Inf, too few of a sign), go to the reference whole.
+"""
+import pytest
+import torch
+
+from redsync_hvd.core.segments import Segments
+from redsync_hvd.core.select import Contract, compensate, native_radix, select
+from redsync_hvd.core.select.radix import HistogramRequest
+from redsync_hvd.core.select.registry import pick
+
+pytestmark = pytest.mark.skipif(not native_radix.native.available(), reason="the native CPU kernels are not built")
+
+NATIVE, TORCH = Contract.of("radix", backend="native"), Contract.of("radix", backend="torch")
+BIG = 1 << 16
+
+
+def bucket(seg, seed, kind):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(seg.n, generator=gen) * torch.rand(seg.n, generator=gen) ** 3
+    if kind == "heavy":
+        x = x ** 3
+    elif kind == "ties":
+        x = torch.round(x * 8) / 8                         # few distinct keys: many ties at the k-th
+    elif kind == "one_sided":
+        x = x.abs()                                        # no negative element: "neg" cannot narrow
+        x[:5] = -1e-3
+    return x
+
+
+def both(seg, x, velocity, **ask):
+    """(Selection, x after, velocity after) from the native backend and from the reference."""
+    out = []
+    for contract in (NATIVE, TORCH):
+        xx, vv = x.clone(), None if velocity is None else velocity.clone()
+        sel = select(seg, xx, contract, velocity=vv, **ask)
+        out.append((sel, xx, vv))
+    return out
+
+
+def bits(t):
+    """t as its bits (NaN equal to the same NaN), for a comparison to the bit."""
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]) if t.is_floating_point() else t
+
+
+def assert_same(a, b):
+    (sa, xa, va), (sb, xb, vb) = a, b
+    for field in ("positions", "values", "means", "kth", "side", "nonfinite"):
+        fa, fb = getattr(sa, field), getattr(sb, field)
+        assert (fa is None) == (fb is None), field
+        if fa is not None:
+            assert fa.dtype == fb.dtype and torch.equal(bits(fa), bits(fb)), field
+    assert torch.equal(bits(xa), bits(xb))
+    assert va is None or torch.equal(va, vb)
+
+
+LAYOUT = Segments([BIG + 37, 300, 0, 3 * BIG, 2 * BIG, 5000], [65, 3, 0, 200, 0, 50], align=16)
+
+
+@pytest.mark.parametrize("kind", ["gauss", "heavy", "ties"])
+@pytest.mark.parametrize("sign,mean", [(None, False), ("pos", False), ("neg", True), ("larger", False),
+                                       ("larger", True)])
+def test_native_equals_the_reference(kind, sign, mean):
+    x = bucket(LAYOUT, 3, kind)
+    velocity = torch.randn(LAYOUT.n, generator=torch.Generator().manual_seed(4))
+    assert_same(*both(LAYOUT, x, velocity, sign=sign, mean=mean, update=True, value_dtype=torch.float16))
+    assert_same(*both(LAYOUT, x, None, sign=sign, mean=mean, index_dtype=torch.int64))
+
+
+def test_layers_it_cannot_narrow_go_whole():
+    """NaN in one big layer and Inf in another (flagged, nothing raised), and a layer with fewer
+    negatives than k under "neg": the same as the reference."""
+    seg = Segments([2 * BIG, 2 * BIG, 2 * BIG], [100, 100, 100])
+    x = bucket(seg, 5, "one_sided")
+    x[10] = float("nan")
+    x[2 * BIG + 7] = float("inf")
+    for sign in (None, "neg", "larger"):
+        a, b = both(seg, x, None, sign=sign, mean=sign is not None, update=True)
+        assert_same(a, b)
+        assert a[0].nonfinite.tolist() == [True, True, False]
+
+
+def test_the_candidates_hold_every_element_at_or_above_the_kth():
+    v = bucket(Segments([4 * BIG], [0]), 6, "ties")
+    k = 500
+    cand = native_radix._candidates(native_radix.native.load(), v, k, 1, (0,))
+    kth = v.abs().topk(k).values.min()
+    assert cand is not None and cand.numel() >= k and bool((cand[1:] > cand[:-1]).all())
+    assert set(torch.nonzero(v.abs() >= kth).flatten().tolist()) <= set(cand.tolist())
+
+
+@pytest.mark.parametrize("momentum,nesterov", [(0.0, False), (0.9, False), (0.9, True)])
+def test_compensate_is_the_references_without_a_histogram(momentum, nesterov):
+    gen = torch.Generator().manual_seed(7)
+    r, g, u = (torch.randn(LAYOUT.n, generator=gen) for _ in range(3))
+    outs = []
+    for contract in (NATIVE, TORCH):
+        out, u_out = torch.empty(LAYOUT.n), torch.empty(LAYOUT.n)
+        first = compensate(r, g, out, velocity=u if momentum else None, velocity_out=u_out if momentum else None,
+                           momentum=momentum, nesterov=nesterov, first=HistogramRequest(LAYOUT, None, contract))
+        outs.append((first, out, u_out))
+    assert outs[0][0] is None and torch.is_tensor(outs[1][0])
+    assert torch.equal(outs[0][1], outs[1][1])
+    assert not momentum or torch.equal(outs[0][2], outs[1][2])
+
+
+def test_auto_picks_it_on_a_cpu_float32_bucket():
+    assert pick("radix", "cpu", torch.float32, 1 << 24)[0].name == "native"
+    assert pick("radix", "cpu", torch.float32, 1 << 24, "torch")[0].name == "torch"
