@@ -19,6 +19,8 @@ a few passes over x. Registered as the ``native`` backend of ``radix`` (CPU floa
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from ..compensate import torch_compensate
@@ -35,6 +37,18 @@ _TRIMMED = Contract.of("trimmed")
 
 class _NonFinite(ValueError):
     pass
+
+
+_LOCAL = threading.local()
+
+
+def _scratch(n: int) -> torch.Tensor:
+    """A buffer of n floats kept per thread: a fresh one of a large layer's size each step would be
+    page-faulted in anew (glibc maps allocations over 32 MB afresh)."""
+    buf = getattr(_LOCAL, "buf", None)
+    if buf is None or buf.numel() < n:
+        buf = _LOCAL.buf = torch.empty(n)
+    return buf[:n]
 
 
 def _candidates(mod, v: torch.Tensor, k: int, R: int, active: tuple) -> torch.Tensor | None:
@@ -54,7 +68,8 @@ def _candidates(mod, v: torch.Tensor, k: int, R: int, active: tuple) -> torch.Te
             return None if got is None else got[0]
         sets = []
         for s in active:     # a side's keys: what the error feedback left there can be far from half
-            keys = v.neg().clamp_(min=0.0) if s else v.clamp(min=0.0)
+            keys = _scratch(n)   # the passes rank |x|: x clamped to the side is the side's key
+            torch.clamp(v, max=0.0, out=keys) if s else torch.clamp(v, min=0.0, out=keys)
             got = threshold_set(keys, k, native.NativePasses(mod, keys, _NonFinite()), _TRIMMED)
             if got is None:
                 return None
