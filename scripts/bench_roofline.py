@@ -42,10 +42,8 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--exact-steps", type=int, default=0,
-                   help="exact-k's steps (no warm-up) where they differ; default: 2 under --backend torch on "
-                        "the CPU (its reference ops take seconds a step)")
-    p.add_argument("--backend", default="auto",
-                   help="exact-k's kernels: auto (Triton on CUDA, native on the CPU), triton, native, torch")
+                   help="exact-k's steps (no warm-up) where they differ; default: 2 under --backend torch on a CPU")
+    p.add_argument("--backend", default="auto", help="exact-k: auto (CUDA: Triton, else native), triton, native, torch")
     p.add_argument("--out", default="", help="write the results: *.json, or markdown otherwise")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -55,12 +53,11 @@ def main():
     info = machine.describe(args.device, ("triton",), density=args.density, steps=args.steps, warmup=args.warmup,
                             threads=torch.get_num_threads())
     info["device"] = info.get("gpu") or "%s (%s cores)" % (info["cpu"], info["cores"])
-    only = [m for m in args.modes.split(",") if m]
-    rows = []
+    only, rows = [m for m in args.modes.split(",") if m], []
+    exact_steps = args.exact_steps or (2 if (args.device, args.backend) == ("cpu", "torch") else None)
     for size in args.sizes.split(","):
         got = roofline.run_size(SIZES[size], args.density, args.device, args.backend, args.steps, args.warmup, only,
-                                exact_steps=args.exact_steps or (2 if args.device == "cpu" and args.backend == "torch"
-                                                                 else None))
+                                exact_steps=exact_steps)
         for r in got:
             print("  %-24s %s  best %8.2f ms  median %8.2f ms  %6.2f GB/s  (%3.0f%% of triad %.2f GB/s)" % (
                 r["mode"], size, r["best_ms"], r["ms"], r["GB_s"], 100 * r["share"], r["triad_GB_s"]), flush=True)
