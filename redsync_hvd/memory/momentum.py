@@ -97,8 +97,7 @@ class MomentumCorrectionMemory(ResidualMemory):
         sent, or under ``masking="stale"`` at those whose value waited longer than 1/(1-m) steps."""
         positions = message.positions
         if self.masking != "stale" or positions is None or not positions.numel():
-            compressor.decompress_add(x, message.tensors, layer, alpha=-1.0, ctx=message.ctx)
-            return self.mask(layer.name, positions)
+            return super().update(layer, x, message, compressor)
         positions = positions.to(torch.int64)
         u = self.state.pending("velocity", layer.name)
         sent_u = u.index_select(0, positions)

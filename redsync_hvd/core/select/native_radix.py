@@ -23,11 +23,10 @@ import threading
 
 import torch
 
-from ..compensate import torch_compensate
 from ..segments import Segments
 from . import native
 from .contract import Contract
-from .radix_ref import TorchRadix, _padding, _ref_select
+from .radix_ref import TorchRadix, _ref_select, compensate_only
 from .registry import Backend, Gate, register
 from .searches import threshold_set
 
@@ -85,14 +84,9 @@ class NativeRadix:
     @staticmethod
     def compensate(seg: Segments, out, R: int, residual, grad, velocity=None, velocity_out=None,
                    momentum: float = 0.0, nesterov: bool = False):
-        """out = residual + grad (DGC's momentum too), in the reference's order of operations; no
-        histogram: ``select`` finds its candidates from passes of its own."""
-        torch_compensate(residual, grad, out, velocity_in=velocity, velocity_out=velocity_out, momentum=momentum,
-                         nesterov=nesterov, fma=False)
-        if seg.padded:
-            for t in (out, velocity_out):
-                if t is not None:
-                    t.index_fill_(0, _padding(seg, out.device), 0.0)
+        """out = residual + grad (DGC's momentum too), as the reference computes it; no histogram:
+        ``select`` finds its candidates from passes of its own."""
+        compensate_only(seg, out, residual, grad, velocity, velocity_out, momentum, nesterov)
         return None
 
     @staticmethod

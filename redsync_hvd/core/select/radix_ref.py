@@ -25,13 +25,7 @@ class TorchRadix:
                    momentum: float = 0.0, nesterov: bool = False) -> torch.Tensor:
         """out = residual + grad (DGC: velocity_out = grad + momentum * velocity, out = residual +
         velocity_out, or residual + grad + momentum * velocity_out); the first histogram of out."""
-        # the kernels' order of operations, unfused (torch.add's alpha may use an FMA)
-        torch_compensate(residual, grad, out, velocity_in=velocity, velocity_out=velocity_out, momentum=momentum,
-                         nesterov=nesterov, fma=False)
-        if seg.padded:   # the kernels write zeros between layers
-            for t in (out, velocity_out):
-                if t is not None:
-                    t.index_fill_(0, _padding(seg, out.device), 0.0)
+        compensate_only(seg, out, residual, grad, velocity, velocity_out, momentum, nesterov)
         key, neg = _keys(_real(seg, out))
         return _histogram(0, key, neg, seg.compact().seg_of(out.device), R, None, len(seg))
 
@@ -50,6 +44,18 @@ class TorchRadix:
             out.index_add_(0, p, v * alpha)
             if zero is not None:
                 zero.index_fill_(0, p, 0.0)
+
+
+def compensate_only(seg: Segments, out, residual, grad, velocity, velocity_out, momentum: float,
+                    nesterov: bool) -> None:
+    """``TorchRadix.compensate`` without its histogram: out (and velocity_out), zeros in the padding."""
+    # the kernels' order of operations, unfused (torch.add's alpha may use an FMA)
+    torch_compensate(residual, grad, out, velocity_in=velocity, velocity_out=velocity_out, momentum=momentum,
+                     nesterov=nesterov, fma=False)
+    if seg.padded:   # the kernels write zeros between layers
+        for t in (out, velocity_out):
+            if t is not None:
+                t.index_fill_(0, _padding(seg, out.device), 0.0)
 
 
 def _real(seg: Segments, flat: torch.Tensor) -> torch.Tensor:
