@@ -397,7 +397,7 @@ def _exchange_steps(backend, quantize, steps=3):
             finally:
                 if CUDA:
                     torch.cuda.set_sync_debug_mode(0)
-        syncs = sum("synchronizing" in str(w.message) for w in caught)
+        syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)]
     return outs, ex.residuals(), reads.events, syncs
 
 
@@ -417,8 +417,8 @@ def test_exchange_with_the_kernels_equals_the_reference(quantize):
         assert same(ref_r[n], got_r[n]) if quantize == "none" else torch.allclose(ref_r[n], got_r[n], rtol=1e-5,
                                                                                   atol=1e-7), n
     assert reads == [("tolist", "redsync_hvd.exchange.exchange:_read")], reads
-    if CUDA:
-        assert syncs == 1, syncs
+    if CUDA:    # where each sync was asked for: the finite check's read alone
+        assert len(syncs) == 1, syncs
 
 
 def test_every_kernel_compiles_for_sm90_without_spills():

@@ -108,7 +108,7 @@ class Segments:
 
     def tables(self, device) -> Tables:
         """The layout's device tensors, built on the first call per device, then cached."""
-        key = str(torch.device(device))
+        key = device_key(device)
         if key not in self._tables:
             self._tables[key] = self._build(torch.device(device))
         return self._tables[key]
@@ -117,7 +117,7 @@ class Segments:
         """Something derived from the layout, built by ``build()`` on the first call per
         (name, device) and cached: per-mode k tables, the reference's per-element layer, the
         kernels' workspace."""
-        key = (name, str(torch.device(device)))
+        key = (name, device_key(device))
         if key not in self._derived:
             self._derived[key] = build()
         return self._derived[key]
@@ -170,6 +170,16 @@ class Segments:
             tile_lo=dev(tile_lo, torch.int64), tile_hi=dev(tile_hi, torch.int64),
             seg_tile=dev(seg_tile, torch.int32),
             slot_seg=to_device(torch.repeat_interleave(layers, ks, output_size=self.k_total), device))
+
+
+def device_key(device) -> str:
+    """One name per device: "cuda" means the current CUDA device, so "cuda" and a tensor's
+    "cuda:0" find the same cached tables and workspace (two copies would cost memory and a
+    rebuild, with its host copies, inside a step)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

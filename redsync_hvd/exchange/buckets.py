@@ -34,6 +34,7 @@ import torch
 
 from ..comm.packing import pack, payload_bytes, unpack_fixed, unpack_gathered
 from ..compressors.base import Message
+from ..core.segments import to_device
 from ..core.select import NonFiniteError
 from ..core.wire import finite_evidence
 from .step import Arrived, StepState
@@ -273,8 +274,9 @@ class ReduceBucket(Bucket):
         self._evidence.append(torch.linalg.vector_norm(first[:n], float("inf")))
         first[n:n + 1] = nonfinite_count(self._evidence)                                            # 2.
         if self.carrier:
-            carry = st.carry or []
-            first[n + 1:].copy_(torch.tensor(carry + [0.0] * (self.slots - 1 - len(carry)), dtype=first.dtype))
+            carry = st.carry or []   # from pinned memory: a pageable copy would wait for the stream
+            first[n + 1:].copy_(to_device(torch.tensor(carry + [0.0] * (self.slots - 1 - len(carry)),
+                                                       dtype=first.dtype), first.device))
         self.stats.add_bytes({"scalars": 4})   # the count; carried values are the caller's traffic
         self._started = [self.comm.allreduce_async_(flat, name=f"{self.name}.{i}", average=False)
                          for i, (flat, _) in enumerate(flats)]                                      # 3.
