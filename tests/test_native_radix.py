@@ -95,6 +95,7 @@ def test_the_candidates_hold_every_element_at_or_above_the_kth():
 
 @pytest.mark.parametrize("momentum,nesterov", [(0.0, False), (0.9, False), (0.9, True)])
 def test_compensate_is_the_references_without_a_histogram(momentum, nesterov):
+    """x and the velocity to the bit, and each large layer's sign statistics for the candidates."""
     gen = torch.Generator().manual_seed(7)
     r, g, u = (torch.randn(LAYOUT.n, generator=gen) for _ in range(3))
     outs = []
@@ -103,11 +104,69 @@ def test_compensate_is_the_references_without_a_histogram(momentum, nesterov):
         first = compensate(r, g, out, velocity=u if momentum else None, velocity_out=u_out if momentum else None,
                            momentum=momentum, nesterov=nesterov, first=HistogramRequest(LAYOUT, None, contract))
         outs.append((first, out, u_out))
-    assert outs[0][0] is None and torch.is_tensor(outs[1][0])
+    assert torch.is_tensor(outs[1][0])
     assert torch.equal(outs[0][1], outs[1][1])
     assert not momentum or torch.equal(outs[0][2], outs[1][2])
+    # the native kernel's statistics of each large layer are the stats passes' over the x it wrote
+    m = native_radix.native.load()
+    for view, stats in zip(LAYOUT.views(outs[0][1]), outs[0][0]):
+        if view.numel() < BIG:
+            assert stats is None
+        else:
+            assert stats == (True, *m.stats(view.contiguous(), 1), *m.stats(view.contiguous(), -1))
 
 
 def test_auto_picks_it_on_a_cpu_float32_bucket():
     assert pick("radix", "cpu", torch.float32, 1 << 24)[0].name == "native"
     assert pick("radix", "cpu", torch.float32, 1 << 24, "torch")[0].name == "torch"
+
+
+@pytest.mark.parametrize("side", [1, -1])
+def test_the_passes_rank_one_sides_keys_and_check_all_of_x(side):
+    """side 1 / -1: the stats, count and select passes rank max(x, 0) / max(-x, 0) as the same
+    passes rank a copy of x clamped to that side (tails of every length, +-0 and the other sign
+    give 0); the finite check still sees a NaN or Inf on the other side."""
+    m = native_radix.native.load()
+    gen = torch.Generator().manual_seed(7)
+    for n in (300001, 4099, 31):
+        x = torch.randn(n, generator=gen)
+        x[::97], x[1::89] = 0.0, -0.0
+        keys = (x * side).clamp(min=0.0)
+        assert m.stats(x, side) == m.stats(keys)
+        thr = torch.tensor([0.0, 0.4, 1.5, 9.0])
+        assert m.count_multi(x, thr, side).tolist() == m.count_multi(keys, thr).tolist()
+        for cap in (10**9, 5):
+            got, ref = m.select_above(x, 0.7, cap, True, True, side), m.select_above(keys, 0.7, cap, True, True)
+            assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(got, ref))
+    # NaN of either sign bit, and an Inf on the side the keys set to 0
+    for bad_bits in (0x7FC00000, -0x400000, 0x7F800000 if side < 0 else -0x800000):
+        y = torch.randn(70000, generator=gen).abs() * side
+        y.view(torch.int32)[4321] = bad_bits
+        assert not m.select_above(y, 0.5, 10**9, True, False, side)[3]
+        assert m.stats(y, side)[1] == float("inf")
+    with pytest.raises(RuntimeError, match="side"):
+        m.stats(torch.randn(10, dtype=torch.float64), 1)
+    with pytest.raises(RuntimeError, match="side"):
+        m.count_multi(torch.randn(10), torch.tensor([0.5]), 2)
+
+
+@pytest.mark.parametrize("sign,mean", [(None, False), ("pos", True), ("neg", False), ("larger", True)])
+def test_compensate_then_select_from_its_statistics(sign, mean):
+    """The exchange's order: compensate (the native kernel's sign statistics per layer), then select
+    from them, with DGC's momentum, a NaN in one large layer and fewer negatives than k in another:
+    what compensate and select give with the reference on both, to the bit."""
+    seg = Segments([3 * BIG, 300, 2 * BIG, 2 * BIG + 5], [150, 3, 100, 80], align=16)
+    gen = torch.Generator().manual_seed(11)
+    r, g, u = (torch.randn(seg.n, generator=gen) for _ in range(3))
+    r[seg.offsets[2] + 17] = float("nan")
+    r[seg.offsets[3]:seg.offsets[3] + seg.sizes[3]] = torch.rand(seg.sizes[3], generator=gen) * 9 + 3   # g can't flip
+    got = []
+    for contract in (NATIVE, TORCH):
+        out, u_out = torch.empty(seg.n), torch.empty(seg.n)
+        first = compensate(r, g, out, velocity=u, velocity_out=u_out, momentum=0.9,
+                           first=HistogramRequest(seg, sign, contract))
+        sel = select(seg, out, contract, sign=sign, mean=mean, first=first, update=True, velocity=u_out)
+        got.append((sel, out, u_out))
+    assert isinstance(got[0][0], type(got[1][0]))
+    assert_same(*got)
+    assert got[0][0].nonfinite.tolist() == [False, False, True, False]

@@ -21,6 +21,7 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAME = "_redsync_select"
+KERNELS = 3   # select_kernels.cpp's version: raised where a function's arguments change
 
 
 def torch_tag(version: str) -> str:
@@ -52,4 +53,6 @@ def find() -> Any:
     spec = importlib.util.spec_from_file_location(NAME, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    if getattr(mod, "KERNELS", 1) != KERNELS:   # its functions would take other arguments
+        raise NotLoaded("built from an older select_kernels.cpp (rebuild: python redsync_hvd/core/_native/build.py)")
     return mod

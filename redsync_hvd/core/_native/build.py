@@ -50,7 +50,7 @@ def build(verbose: bool = False) -> str:
     ext = CppExtension(
         name,
         [os.path.join(HERE, "select_kernels.cpp")],
-        extra_compile_args=["-O3", "-fopenmp", "-std=c++17"],
+        extra_compile_args=["-O3", "-fopenmp", "-std=c++17", "-Wno-psabi"],
         extra_link_args=["-fopenmp"],
     )
     try:

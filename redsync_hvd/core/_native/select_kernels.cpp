@@ -9,6 +9,9 @@
 //                  optionally their |x| and the finite check
 //   compensate_scan : x = r + g (or DGC's momentum step) written   (1 pass over r, g [, u])
 //                  once, with stats and select_above over x on the way
+// Each ranks a key of x: |x| (side 0), or for float32 one sign's magnitude, max(x, 0) (side 1)
+// or max(-x, 0) (side -1), so a sign rule's selection needs no copy of x clamped to its side.
+// The finite check always covers all of x.
 // Threads come from at::parallel_for (OpenMP in torch builds: compile with -fopenmp,
 // else it runs serially), so torch.set_num_threads applies. Hot loops use GCC vector
 // extensions or `omp simd` and are compiled for AVX2 and the baseline ISA via
@@ -82,17 +85,43 @@ static inline __attribute__((always_inline)) int32_t abs_accumulate(float o, flo
   return a;
 }
 
+// A side's key from x's bits, as signed integers (IEEE order for keys >= 0): side 0 clears the
+// sign bit (|x|); side 1 keeps x's bits where x > 0 (max(bits, 0)); side -1 flips the sign bit
+// first, so -x's magnitude comes out where x < 0. Both sides give 0 for +-0 and the other sign.
+template <int SIDE, typename V>
+static inline __attribute__((always_inline)) V side_key(V bits) {
+  using I = std::remove_reference_t<decltype(bits[0])>;
+  if constexpr (SIDE == 0) {
+    return bits & (V{} + std::numeric_limits<I>::max());
+  } else {
+    const V k = SIDE > 0 ? bits : (bits ^ (V{} + std::numeric_limits<I>::min()));
+    return k > V{} ? k : V{};
+  }
+}
+template <int SIDE, typename I>
+static inline __attribute__((always_inline)) I side_key_s(I bits) {
+  if constexpr (SIDE == 0) {
+    return bits & std::numeric_limits<I>::max();
+  } else {
+    const I k = SIDE > 0 ? bits : static_cast<I>(bits ^ std::numeric_limits<I>::min());
+    return k > 0 ? k : 0;
+  }
+}
+
 // float32: explicit 8-lane accumulators, summed in the same order as compensate_impl's,
 // so a statistics pass fused into the compensation gives the same mean to the last bit
 // (and the same TBS thresholds, so the same selection) as this separate pass.
-RS_CLONES static void stats_f(const float* p, int64_t b, int64_t e, double* m, double* s) {
+// A side's statistics (SIDE != 0) keep a separate integer max of |x| for the finite check.
+template <int SIDE>
+static inline __attribute__((always_inline)) void stats_side(const float* p, int64_t b, int64_t e, double* m,
+                                                             double* s) {
   constexpr int W = 8;
   typedef float vF __attribute__((vector_size(32)));
   typedef int32_t vI __attribute__((vector_size(32)));
   typedef float vFu __attribute__((vector_size(32), aligned(4), may_alias));
   const vI absmask = vI{} + 0x7fffffff;
-  vI vmax = vI{};
-  int32_t smax = 0;
+  vI vmax = vI{}, vabs = vI{};
+  int32_t smax = 0, sabs = 0;
   double sum = 0;
   for (int64_t b0 = b; b0 < e; b0 += 4096) {
     const int64_t e0 = std::min(e, b0 + 4096);
@@ -100,19 +129,46 @@ RS_CLONES static void stats_f(const float* p, int64_t b, int64_t e, double* m, d
     float sacc = 0;
     int64_t i = b0;
     for (; i + W <= e0; i += W) {
-      const vI a = reinterpret_cast<vI>(*reinterpret_cast<const vFu*>(p + i)) & absmask;
+      const vI bits = reinterpret_cast<vI>(*reinterpret_cast<const vFu*>(p + i));
+      const vI a = side_key<SIDE>(bits);
       acc += reinterpret_cast<vF>(a);
       vmax = a > vmax ? a : vmax;
+      if constexpr (SIDE != 0) {
+        const vI ab = bits & absmask;
+        vabs = ab > vabs ? ab : vabs;
+      }
     }
-    for (; i < e0; ++i) abs_accumulate(p[i], &sacc, &smax);
+    for (; i < e0; ++i) {
+      if constexpr (SIDE == 0) {
+        abs_accumulate(p[i], &sacc, &smax);
+      } else {
+        int32_t bits;
+        std::memcpy(&bits, p + i, 4);
+        const int32_t a = side_key_s<SIDE>(bits);
+        float fa;
+        std::memcpy(&fa, &a, 4);
+        sacc += fa;
+        smax = a > smax ? a : smax;
+        sabs = (bits & 0x7fffffff) > sabs ? (bits & 0x7fffffff) : sabs;
+      }
+    }
     for (int l = 0; l < W; ++l) sacc += acc[l];
     sum += static_cast<double>(sacc);
   }
-  for (int l = 0; l < W; ++l) smax = vmax[l] > smax ? vmax[l] : smax;
+  for (int l = 0; l < W; ++l) {
+    smax = vmax[l] > smax ? vmax[l] : smax;
+    sabs = vabs[l] > sabs ? vabs[l] : sabs;
+  }
   float mf;
   std::memcpy(&mf, &smax, 4);
   *m = smax >= 0x7f800000 ? std::numeric_limits<double>::infinity() : static_cast<double>(mf);
-  *s = sum;
+  // a non-finite element of the other side: an infinite sum, which the caller re-checks
+  *s = SIDE != 0 && sabs >= 0x7f800000 ? std::numeric_limits<double>::infinity() : sum;
+}
+RS_CLONES static void stats_f(const float* p, int64_t b, int64_t e, double* m, double* s, int side) {
+  if (side == 0) stats_side<0>(p, b, e, m, s);
+  else if (side > 0) stats_side<1>(p, b, e, m, s);
+  else stats_side<-1>(p, b, e, m, s);
 }
 RS_CLONES static void stats_d(const double* p, int64_t b, int64_t e, double* m, double* s) { stats_impl(p, b, e, m, s); }
 
@@ -120,7 +176,7 @@ RS_CLONES static void stats_d(const double* p, int64_t b, int64_t e, double* m, 
 // One load + abs per vector, then G compares against G broadcast thresholds held in
 // registers (G <= 7: 7 thresholds + 7 accumulators + data fit the 16 ymm registers).
 // A compare-per-pass loop instead re-loads x per threshold and is ~2x slower.
-template <typename T, int G>
+template <typename T, int G, int SIDE>
 static inline __attribute__((always_inline)) void count_group(
     const T* p, int64_t b, int64_t e, const T* thr, int64_t* cnt) {
   using I = std::conditional_t<sizeof(T) == 4, int32_t, int64_t>;
@@ -128,7 +184,6 @@ static inline __attribute__((always_inline)) void count_group(
   typedef T vT __attribute__((vector_size(32)));
   typedef I vI __attribute__((vector_size(32)));
   typedef I vIu __attribute__((vector_size(32), aligned(sizeof(T)), may_alias));
-  const vI absmask = vI{} + std::numeric_limits<I>::max();  // clears the sign bit
   vT tv[G];
   vI acc[G];
   for (int j = 0; j < G; ++j) {
@@ -137,18 +192,25 @@ static inline __attribute__((always_inline)) void count_group(
   }
   int64_t i = b;
   for (; i + W <= e; i += W) {
-    const vT v = (vT)(*reinterpret_cast<const vIu*>(p + i) & absmask);
+    const vT v = (vT)side_key<SIDE>(vI(*reinterpret_cast<const vIu*>(p + i)));
     for (int j = 0; j < G; ++j) acc[j] -= (vI)(v > tv[j]);  // true lanes are -1
   }
   for (int j = 0; j < G; ++j) {
     int64_t c = 0;
     for (int l = 0; l < W; ++l) c += acc[j][l];  // a block (kBlock) cannot overflow a lane
-    for (int64_t r = i; r < e; ++r) c += std::abs(p[r]) > thr[j] ? 1 : 0;
+    for (int64_t r = i; r < e; ++r) {
+      I bits;
+      std::memcpy(&bits, p + r, sizeof(T));
+      const I kb = side_key_s<SIDE>(bits);
+      T key;
+      std::memcpy(&key, &kb, sizeof(T));
+      c += key > thr[j] ? 1 : 0;
+    }
     cnt[j] += c;
   }
 }
 
-template <typename T>
+template <typename T, int SIDE>
 static inline __attribute__((always_inline)) void count_impl(
     const T* p, int64_t b, int64_t e, const T* thr, int64_t nt, int64_t* cnt) {
   for (int64_t b0 = b; b0 < e; b0 += kBlock) {  // groups after the first re-read from L1
@@ -158,22 +220,27 @@ static inline __attribute__((always_inline)) void count_impl(
       T t[7];  // pad with +inf: counts nothing (x is finite by the time we count)
       int64_t c[7] = {0, 0, 0, 0, 0, 0, 0};
       for (int l = 0; l < 7; ++l) t[l] = l < g ? thr[j + l] : std::numeric_limits<T>::infinity();
-      if (g == 1) count_group<T, 1>(p, b0, e0, t, c);
-      else if (g <= 3) count_group<T, 3>(p, b0, e0, t, c);
-      else count_group<T, 7>(p, b0, e0, t, c);
+      if (g == 1) count_group<T, 1, SIDE>(p, b0, e0, t, c);
+      else if (g <= 3) count_group<T, 3, SIDE>(p, b0, e0, t, c);
+      else count_group<T, 7, SIDE>(p, b0, e0, t, c);
       for (int l = 0; l < g; ++l) cnt[j + l] += c[l];
     }
   }
 }
-RS_CLONES static void count_f(const float* p, int64_t b, int64_t e, const float* t, int64_t nt, int64_t* c) { count_impl(p, b, e, t, nt, c); }
-RS_CLONES static void count_d(const double* p, int64_t b, int64_t e, const double* t, int64_t nt, int64_t* c) { count_impl(p, b, e, t, nt, c); }
+RS_CLONES static void count_f(const float* p, int64_t b, int64_t e, const float* t, int64_t nt, int64_t* c,
+                              int side) {
+  if (side == 0) count_impl<float, 0>(p, b, e, t, nt, c);
+  else if (side > 0) count_impl<float, 1>(p, b, e, t, nt, c);
+  else count_impl<float, -1>(p, b, e, t, nt, c);
+}
+RS_CLONES static void count_d(const double* p, int64_t b, int64_t e, const double* t, int64_t nt, int64_t* c) { count_impl<double, 0>(p, b, e, t, nt, c); }
 
 // ---- select_above --------------------------------------------------------------------
 // Works on the bit patterns: for t >= 0, |x| > t  <=>  (bits(x) & 0x7f..f) > bits(t) as
 // signed integers (IEEE order), and max of those masked bits >= bits(inf) <=> a NaN/Inf
 // is present. So the finite check is one integer max per vector, not an FP reduction.
 // One branch per 4 vectors: only groups holding a hit (rare) are compacted.
-template <typename T>
+template <typename T, int SIDE>
 static inline __attribute__((always_inline)) void select_impl(
     const T* p, int64_t b, int64_t e, T t, int64_t cap, bool check,
     std::vector<int64_t>* out, std::vector<T>* vals, int64_t* count, bool* finite) {
@@ -196,8 +263,8 @@ static inline __attribute__((always_inline)) void select_impl(
   auto scalar = [&](int64_t j) {  // branchy: tails, and groups near the cap
     I u;
     std::memcpy(&u, p + j, sizeof(T));
-    u &= mask;
-    smax = u > smax ? u : smax;
+    smax = (u & mask) > smax ? (u & mask) : smax;
+    u = side_key_s<SIDE>(u);
     if (u > tb) {
       if (w < cap) {
         if (w == static_cast<int64_t>(out->size())) {
@@ -213,10 +280,13 @@ static inline __attribute__((always_inline)) void select_impl(
   };
   for (; i + 4 * W <= e; i += 4 * W) {
     const vIu* q = reinterpret_cast<const vIu*>(p + i);
-    const vI u0 = q[0] & vm, u1 = q[1] & vm, u2 = q[2] & vm, u3 = q[3] & vm;
+    const vI u0 = side_key<SIDE>(vI(q[0])), u1 = side_key<SIDE>(vI(q[1])), u2 = side_key<SIDE>(vI(q[2])),
+             u3 = side_key<SIDE>(vI(q[3]));
     const vL h = (vL)((u0 > vt) | (u1 > vt) | (u2 > vt) | (u3 > vt));
-    if (check) {
-      const vI m01 = u0 > u1 ? u0 : u1, m23 = u2 > u3 ? u2 : u3, m = m01 > m23 ? m01 : m23;
+    if (check) {   // over |x|: a side's keys hide the other side's NaN/Inf
+      const vI a0 = SIDE == 0 ? u0 : q[0] & vm, a1 = SIDE == 0 ? u1 : q[1] & vm;
+      const vI a2 = SIDE == 0 ? u2 : q[2] & vm, a3 = SIDE == 0 ? u3 : q[3] & vm;
+      const vI m01 = a0 > a1 ? a0 : a1, m23 = a2 > a3 ? a2 : a3, m = m01 > m23 ? m01 : m23;
       vmax = m > vmax ? m : vmax;
     }
     if (!(h[0] | h[1] | h[2] | h[3])) continue;
@@ -236,7 +306,7 @@ static inline __attribute__((always_inline)) void select_impl(
     for (int64_t j = i; j < i + 4 * W; ++j) {
       I u;
       std::memcpy(&u, p + j, sizeof(T));
-      u &= mask;
+      u = side_key_s<SIDE>(u);
       o[w] = j;
       if (vo) std::memcpy(vo + w, &u, sizeof(T));  // |x| while in cache: no gather later
       w += u > tb ? 1 : 0;
@@ -251,12 +321,18 @@ static inline __attribute__((always_inline)) void select_impl(
   *finite = smax < inf_bits;
 }
 RS_CLONES static void select_f(const float* p, int64_t b, int64_t e, float t, int64_t cap, bool ck,
-                               std::vector<int64_t>* o, std::vector<float>* v, int64_t* c, bool* fin) {
-  select_impl(p, b, e, t, cap, ck, o, v, c, fin);
+                               std::vector<int64_t>* o, std::vector<float>* v, int64_t* c, bool* fin, int side) {
+  if (side == 0) select_impl<float, 0>(p, b, e, t, cap, ck, o, v, c, fin);
+  else if (side > 0) select_impl<float, 1>(p, b, e, t, cap, ck, o, v, c, fin);
+  else select_impl<float, -1>(p, b, e, t, cap, ck, o, v, c, fin);
 }
 RS_CLONES static void select_d(const double* p, int64_t b, int64_t e, double t, int64_t cap, bool ck,
                                std::vector<int64_t>* o, std::vector<double>* v, int64_t* c, bool* fin) {
-  select_impl(p, b, e, t, cap, ck, o, v, c, fin);
+  select_impl<double, 0>(p, b, e, t, cap, ck, o, v, c, fin);
+}
+void check_side(const at::Tensor& x, int64_t side) {
+  TORCH_CHECK(side >= -1 && side <= 1, "redsync native selection: side must be -1, 0 or 1, got ", side);
+  TORCH_CHECK(side == 0 || x.scalar_type() == at::kFloat, "redsync native selection: a side's keys need float32");
 }
 
 void check_input(const at::Tensor& x) {
@@ -279,8 +355,9 @@ void run_chunks(int64_t nc, const F& f) {
 }  // namespace
 
 // Returns (max|x|, sum|x|); sum is non-finite iff x (probably) holds NaN/Inf.
-std::tuple<double, double> stats(const at::Tensor& x) {
+std::tuple<double, double> stats(const at::Tensor& x, int64_t side) {
   check_input(x);
+  check_side(x, side);
   const int64_t n = x.numel(), nc = n_chunks(n);
   std::vector<double> mx(nc, 0.0), sm(nc, 0.0);
   const bool f32 = x.scalar_type() == at::kFloat;
@@ -288,7 +365,7 @@ std::tuple<double, double> stats(const at::Tensor& x) {
   run_chunks(nc, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t b = c * kGrain, e = std::min(n, b + kGrain);
-      if (f32) stats_f(static_cast<const float*>(base), b, e, &mx[c], &sm[c]);
+      if (f32) stats_f(static_cast<const float*>(base), b, e, &mx[c], &sm[c], static_cast<int>(side));
       else stats_d(static_cast<const double*>(base), b, e, &mx[c], &sm[c]);
     }
   });
@@ -298,8 +375,9 @@ std::tuple<double, double> stats(const at::Tensor& x) {
 }
 
 // counts[j] = #{i : |x_i| > thr_j}; thr must have x's dtype.
-at::Tensor count_multi(const at::Tensor& x, const at::Tensor& thr) {
+at::Tensor count_multi(const at::Tensor& x, const at::Tensor& thr, int64_t side) {
   check_input(x);
+  check_side(x, side);
   TORCH_CHECK(thr.scalar_type() == x.scalar_type() && thr.is_contiguous() && thr.device().is_cpu(),
               "count_multi: thresholds must be a contiguous CPU tensor of x's dtype");
   const int64_t n = x.numel(), nt = thr.numel(), nc = n_chunks(n);
@@ -308,7 +386,7 @@ at::Tensor count_multi(const at::Tensor& x, const at::Tensor& thr) {
   run_chunks(nc, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t b = c * kGrain, e = std::min(n, b + kGrain);
-      if (f32) count_f(x.data_ptr<float>(), b, e, thr.data_ptr<float>(), nt, &part[c * nt]);
+      if (f32) count_f(x.data_ptr<float>(), b, e, thr.data_ptr<float>(), nt, &part[c * nt], static_cast<int>(side));
       else count_d(x.data_ptr<double>(), b, e, thr.data_ptr<double>(), nt, &part[c * nt]);
     }
   });
@@ -324,7 +402,7 @@ at::Tensor count_multi(const at::Tensor& x, const at::Tensor& thr) {
 // (the caller re-plans instead of paying for a huge write); the count stays exact.
 template <typename T>
 static std::tuple<at::Tensor, at::Tensor, int64_t, bool> select_typed(
-    const at::Tensor& x, T thr, int64_t cap, bool check_finite, bool with_values) {
+    const at::Tensor& x, T thr, int64_t cap, bool check_finite, bool with_values, int side) {
   const int64_t n = x.numel(), nc = n_chunks(n);
   const T* p = x.data_ptr<T>();
   std::vector<std::vector<int64_t>> bufs(nc);
@@ -336,7 +414,7 @@ static std::tuple<at::Tensor, at::Tensor, int64_t, bool> select_typed(
       const int64_t b = c * kGrain, e = std::min(n, b + kGrain);
       bool f = true;
       if constexpr (std::is_same_v<T, float>)
-        select_f(p, b, e, thr, cap, check_finite, &bufs[c], with_values ? &vbufs[c] : nullptr, &cnt[c], &f);
+        select_f(p, b, e, thr, cap, check_finite, &bufs[c], with_values ? &vbufs[c] : nullptr, &cnt[c], &f, side);
       else
         select_d(p, b, e, thr, cap, check_finite, &bufs[c], with_values ? &vbufs[c] : nullptr, &cnt[c], &f);
       fin[c] = f;
@@ -365,11 +443,12 @@ static std::tuple<at::Tensor, at::Tensor, int64_t, bool> select_typed(
 }
 
 std::tuple<at::Tensor, at::Tensor, int64_t, bool> select_above(
-    const at::Tensor& x, double thr, int64_t cap, bool check_finite, bool with_values) {
+    const at::Tensor& x, double thr, int64_t cap, bool check_finite, bool with_values, int64_t side) {
   check_input(x);
+  check_side(x, side);
   if (x.scalar_type() == at::kFloat)
-    return select_typed<float>(x, static_cast<float>(thr), cap, check_finite, with_values);
-  return select_typed<double>(x, thr, cap, check_finite, with_values);
+    return select_typed<float>(x, static_cast<float>(thr), cap, check_finite, with_values, static_cast<int>(side));
+  return select_typed<double>(x, thr, cap, check_finite, with_values, 0);
 }
 
 
@@ -408,11 +487,13 @@ static inline __attribute__((always_inline)) void store8(float* p, const V& v, b
   *reinterpret_cast<vFu*>(p) = v;
 }
 
-template <int MODE>  // 0: r + g; 1: momentum correction; 2: with nesterov
+// With SIDES: no scan; each sign's statistics instead of |x|'s (max and sum of max(x, 0) and of
+// max(-x, 0), in stats_side's order), for a sign rule's two selections (side_max, side_sum: [2]).
+template <int MODE, bool SIDES = false>
 static inline __attribute__((always_inline)) void compensate_impl(
     const float* r, const float* g, const float* u, float* uo, float m, float* out, int64_t b, int64_t e,
     float t, bool scan, int64_t cap, std::vector<int64_t>* idx, std::vector<float>* vals, int64_t* count,
-    int32_t* max_bits, double* sum_out) {
+    int32_t* max_bits, double* sum_out, int32_t* side_max = nullptr, double* side_sum = nullptr) {
   constexpr int W = 8;
   typedef float vF __attribute__((vector_size(32)));
   typedef int32_t vI __attribute__((vector_size(32)));
@@ -424,9 +505,9 @@ static inline __attribute__((always_inline)) void compensate_impl(
   if (scan) std::memcpy(&tb, &t, 4);
   const vI vt = vI{} + tb;
   const vF vm = vF{} + m;
-  vI vmax = vI{};
-  int32_t smax = 0;
-  double sum = 0;
+  vI vmax = vI{}, vmp = vI{}, vmn = vI{};
+  int32_t smax = 0, smp = 0, smn = 0;
+  double sum = 0, sum_p = 0, sum_n = 0;
   int64_t c = 0, w = static_cast<int64_t>(idx->size());
   // blocks start at multiples of 8 elements from b, so one check covers every store
   const bool stream = (reinterpret_cast<uintptr_t>(out + b) % 16 == 0) &&
@@ -451,8 +532,8 @@ static inline __attribute__((always_inline)) void compensate_impl(
   };
   for (int64_t b0 = b; b0 < e; b0 += 4096) {
     const int64_t e0 = std::min(e, b0 + 4096);
-    vF acc = vF{};
-    float sacc = 0;
+    vF acc = vF{}, accp = vF{}, accn = vF{};
+    float sacc = 0, saccp = 0, saccn = 0;
     int64_t i = b0;
     for (; i + W <= e0; i += W) {
       const vF rv = *reinterpret_cast<const vFu*>(r + i), gv = *reinterpret_cast<const vFu*>(g + i);
@@ -465,6 +546,16 @@ static inline __attribute__((always_inline)) void compensate_impl(
         o = MODE == 1 ? rv + un : rv + (gv + vm * un);
       }
       store8(out + i, o, stream);
+      if constexpr (SIDES) {
+        const vI bits = reinterpret_cast<vI>(o), kp = side_key<1>(bits), kn = side_key<-1>(bits);
+        const vI a = bits & absmask;
+        accp += reinterpret_cast<vF>(kp);
+        accn += reinterpret_cast<vF>(kn);
+        vmp = kp > vmp ? kp : vmp;
+        vmn = kn > vmn ? kn : vmn;
+        vmax = a > vmax ? a : vmax;
+        continue;
+      }
       const vI a = reinterpret_cast<vI>(o) & absmask;
       acc += reinterpret_cast<vF>(a);
       vmax = a > vmax ? a : vmax;
@@ -476,13 +567,43 @@ static inline __attribute__((always_inline)) void compensate_impl(
     for (; i < e0; ++i) {  // tail
       const float o = step(i);
       out[i] = o;
+      if constexpr (SIDES) {
+        int32_t bits;
+        std::memcpy(&bits, &o, 4);
+        const int32_t kp = side_key_s<1>(bits), kn = side_key_s<-1>(bits), a = bits & 0x7fffffff;
+        float fp, fn;
+        std::memcpy(&fp, &kp, 4);
+        std::memcpy(&fn, &kn, 4);
+        saccp += fp;
+        saccn += fn;
+        smp = kp > smp ? kp : smp;
+        smn = kn > smn ? kn : smn;
+        smax = a > smax ? a : smax;
+        continue;
+      }
       const int32_t a = abs_accumulate(o, &sacc, &smax);
       if (a > tb) hit(i, a);
     }
-    for (int l = 0; l < W; ++l) sacc += acc[l];
+    for (int l = 0; l < W; ++l) {
+      sacc += acc[l];
+      saccp += accp[l];
+      saccn += accn[l];
+    }
     sum += static_cast<double>(sacc);
+    sum_p += static_cast<double>(saccp);
+    sum_n += static_cast<double>(saccn);
   }
-  for (int l = 0; l < W; ++l) smax = vmax[l] > smax ? vmax[l] : smax;
+  for (int l = 0; l < W; ++l) {
+    smax = vmax[l] > smax ? vmax[l] : smax;
+    smp = vmp[l] > smp ? vmp[l] : smp;
+    smn = vmn[l] > smn ? vmn[l] : smn;
+  }
+  if constexpr (SIDES) {
+    side_max[0] = std::max(side_max[0], smp);
+    side_max[1] = std::max(side_max[1], smn);
+    side_sum[0] += sum_p;
+    side_sum[1] += sum_n;
+  }
 #ifdef RS_STREAM
   if (stream) _mm_sfence();   // streamed stores are visible before the caller reads them
 #endif
@@ -501,21 +622,80 @@ RS_CLONES static void compensate_f(int mode, const float* r, const float* g, con
   else compensate_impl<2>(r, g, u, uo, m, out, b, e, t, scan, cap, idx, vals, count, max_bits, sum);
 }
 
-std::tuple<at::Tensor, at::Tensor, int64_t, bool, double, double> compensate_scan(
-    const at::Tensor& r, const at::Tensor& g, at::Tensor& out, const at::Tensor& u, at::Tensor& u_out,
-    double momentum, bool nesterov, double thr, int64_t cap) {
+RS_CLONES static void compensate_sides_f(int mode, const float* r, const float* g, const float* u, float* uo,
+                                         float m, float* out, int64_t b, int64_t e, int32_t* max_bits,
+                                         int32_t* side_max, double* side_sum) {
+  std::vector<int64_t> idx;
+  std::vector<float> vals;
+  int64_t count = 0;
+  double sum = 0;
+  if (mode == 0)
+    compensate_impl<0, true>(r, g, u, uo, m, out, b, e, 0, false, 0, &idx, &vals, &count, max_bits, &sum, side_max,
+                             side_sum);
+  else if (mode == 1)
+    compensate_impl<1, true>(r, g, u, uo, m, out, b, e, 0, false, 0, &idx, &vals, &count, max_bits, &sum, side_max,
+                             side_sum);
+  else
+    compensate_impl<2, true>(r, g, u, uo, m, out, b, e, 0, false, 0, &idx, &vals, &count, max_bits, &sum, side_max,
+                             side_sum);
+}
+
+static void check_compensate(const at::Tensor& r, const at::Tensor& g, const at::Tensor& out, const at::Tensor& u,
+                             const at::Tensor& u_out, bool mc) {
   const int64_t n = r.numel();
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&r, &g, &out}) {
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == at::kFloat && t->numel() == n,
                 "compensate_scan: r, g and out must be contiguous CPU float32 tensors of one size");
   }
-  const bool mc = u.defined() && u.numel() > 0;
   if (mc) {
     for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&u, &u_out}) {
       TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == at::kFloat && t->numel() == n,
                   "compensate_scan: u and u_out must be contiguous CPU float32 tensors of r's size");
     }
   }
+}
+
+// compensate_scan's step with each sign's statistics: (finite, max and sum of max(out, 0), max and
+// sum of max(-out, 0)), in stats(x, 1) and stats(x, -1)'s order.
+std::tuple<bool, double, double, double, double> compensate_sides(
+    const at::Tensor& r, const at::Tensor& g, at::Tensor& out, const at::Tensor& u, at::Tensor& u_out,
+    double momentum, bool nesterov) {
+  const bool mc = u.defined() && u.numel() > 0;
+  check_compensate(r, g, out, u, u_out, mc);
+  const int64_t n = r.numel(), nc = n_chunks(n);
+  const int mode = !mc ? 0 : nesterov ? 2 : 1;
+  std::vector<int32_t> mx(nc, 0), smx(2 * nc, 0);
+  std::vector<double> ssm(2 * nc, 0.0);
+  const float* up = mc ? u.data_ptr<float>() : nullptr;
+  float* uop = mc ? u_out.data_ptr<float>() : nullptr;
+  run_chunks(nc, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t b = c * kGrain, e = std::min(n, b + kGrain);
+      compensate_sides_f(mode, r.data_ptr<float>(), g.data_ptr<float>(), up, uop, static_cast<float>(momentum),
+                         out.data_ptr<float>(), b, e, &mx[c], &smx[2 * c], &ssm[2 * c]);
+    }
+  });
+  int32_t m_bits = 0, mp = 0, mn = 0;
+  double sp = 0, sn = 0;
+  for (int64_t c = 0; c < nc; ++c) {
+    m_bits = std::max(m_bits, mx[c]);
+    mp = std::max(mp, smx[2 * c]);
+    mn = std::max(mn, smx[2 * c + 1]);
+    sp += ssm[2 * c];
+    sn += ssm[2 * c + 1];
+  }
+  float fp, fn;
+  std::memcpy(&fp, &mp, 4);
+  std::memcpy(&fn, &mn, 4);
+  return {m_bits < 0x7f800000, fp, sp, fn, sn};
+}
+
+std::tuple<at::Tensor, at::Tensor, int64_t, bool, double, double> compensate_scan(
+    const at::Tensor& r, const at::Tensor& g, at::Tensor& out, const at::Tensor& u, at::Tensor& u_out,
+    double momentum, bool nesterov, double thr, int64_t cap) {
+  const int64_t n = r.numel();
+  const bool mc = u.defined() && u.numel() > 0;
+  check_compensate(r, g, out, u, u_out, mc);
   const float* rp = r.data_ptr<float>();
   const float* gp = g.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -565,12 +745,20 @@ namespace py = pybind11;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "redsync_hvd fused selection passes (CPU)";
-  m.def("stats", &stats, "(max|x|, sum|x|) in one pass", py::arg("x"));
-  m.def("count_multi", &count_multi, "#{|x| > t_j} for every threshold, one pass", py::arg("x"), py::arg("thr"));
+  m.attr("KERNELS") = 3;   // the loader refuses a module built from an older version of this file
+  m.def("stats", &stats, "(max key, sum of keys) in one pass; the sum is inf where x is not finite", py::arg("x"),
+        py::arg("side") = 0);
+  m.def("count_multi", &count_multi, "#{key > t_j} for every threshold, one pass", py::arg("x"), py::arg("thr"),
+        py::arg("side") = 0);
   m.def("compensate_scan", &compensate_scan,
         "out = r + g (or DGC's momentum-corrected step), fused with stats and select_above over out",
         py::arg("r"), py::arg("g"), py::arg("out"), py::arg("u"), py::arg("u_out"), py::arg("momentum"),
         py::arg("nesterov"), py::arg("thr"), py::arg("cap"));
-  m.def("select_above", &select_above, "(indices of |x| > thr ascending, their |x|, count, finite flag)",
-        py::arg("x"), py::arg("thr"), py::arg("cap"), py::arg("check_finite"), py::arg("with_values") = false);
+  m.def("compensate_sides", &compensate_sides,
+        "compensate_scan's step with each sign's statistics: (finite, max, sum of max(out, 0), max, sum of max(-out, 0))",
+        py::arg("r"), py::arg("g"), py::arg("out"), py::arg("u"), py::arg("u_out"), py::arg("momentum"),
+        py::arg("nesterov"));
+  m.def("select_above", &select_above, "(indices of key > thr ascending, their keys, count, finite flag)",
+        py::arg("x"), py::arg("thr"), py::arg("cap"), py::arg("check_finite"), py::arg("with_values") = false,
+        py::arg("side") = 0);
 }

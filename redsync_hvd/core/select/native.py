@@ -44,13 +44,15 @@ def passes(flat: torch.Tensor, err: ValueError, scan: Optional[Scan] = None) -> 
 
 
 class NativePasses:
-    """Fused passes from the C++ module; x is a contiguous 1-D CPU float32/float64."""
+    """Fused passes from the C++ module; x is a contiguous 1-D CPU float32/float64. They rank
+    |x|, or with ``side`` 1 / -1 (float32) one sign's magnitude, max(x, 0) / max(-x, 0): a sign
+    rule's candidates without a copy of x clamped to its side. The finite check covers all of x."""
 
     levels = LEVELS
 
-    def __init__(self, mod: Any, flat: torch.Tensor, err: ValueError, scan: Optional[Scan] = None):
-        self.m, self.x, self.err = mod, flat, err
-        self.scan = scan   # consumed by the first stats() and the first select() it matches
+    def __init__(self, mod: Any, flat: torch.Tensor, err: ValueError, scan: Optional[Scan] = None, side: int = 0):
+        self.m, self.x, self.err, self.side = mod, flat, err, side
+        self.scan = scan if side == 0 else None   # consumed by the first stats() and select() it matches
 
     def stats(self) -> Tuple[float, float]:
         if self.scan is not None and not math.isnan(self.scan.max):
@@ -59,18 +61,19 @@ class NativePasses:
             if not finite:
                 raise self.err
             return mx, s / self.x.numel()
-        mx, s = self.m.stats(self.x)
+        mx, s = self.m.stats(self.x, self.side)
         if not math.isfinite(s):  # float partial sums may overflow: confirm before raising
             if not bool(torch.isfinite(self.x).all()):
                 raise self.err
-            s = float(self.x.double().abs().sum())
+            x = self.x.double()
+            s = float((x.abs() if self.side == 0 else (x * self.side).clamp(min=0.0)).sum())
         return mx, s / self.x.numel()
 
     def count(self, thr: List[float]) -> List[int]:
-        return self.m.count_multi(self.x, torch.tensor(thr, dtype=self.x.dtype)).tolist()
+        return self.m.count_multi(self.x, torch.tensor(thr, dtype=self.x.dtype), self.side).tolist()
 
     def select(self, thr: float, cap: int, check: bool, values: bool = False):
-        """(indices of |x| > thr or None past cap, count, their |x| if values)."""
+        """(indices of key > thr or None past cap, count, their keys if values)."""
         scan = self.scan
         if scan is not None and scan.threshold == thr and scan.cap == cap:
             scan.threshold = math.nan   # used
@@ -78,14 +81,14 @@ class NativePasses:
                 raise self.err
             return (scan.indices, scan.count, scan.values if values else None) if scan.count <= cap \
                 else (None, scan.count, None)
-        idx, vals, c, finite = self.m.select_above(self.x, thr, cap, check, values)
+        idx, vals, c, finite = self.m.select_above(self.x, thr, cap, check, values, self.side)
         if check and not finite:
             raise self.err
         return (idx, c, vals if values else None) if c <= cap else (None, c, None)
 
     def sub(self, vals: torch.Tensor) -> "NativePasses":
         self.scan = None
-        return NativePasses(self.m, vals.contiguous(), self.err)
+        return NativePasses(self.m, vals.contiguous(), self.err)   # vals are keys already: |.| ranks them
 
 
 

@@ -6,10 +6,12 @@ set {|x| > t} that holds at least k elements of the row's side, so the reference
 (``radix_ref.py``) run on that set alone, in position order, gives the same T, positions,
 values, means and side as on the whole layer. Per layer of a bucket:
 
+    0. ``compensate``: x = r + g (DGC's momentum too) by the native kernel, layer by layer, which
+       returns each sign's max and sum of x on the way: the candidates' first statistics pass;
     1. candidates: trimmed's threshold set (``searches.threshold_set``: a stats pass, a count
        pass of 7 thresholds, an index pass, over the native CPU passes) of |x|, or with a sign
-       rule of each side's keys (x clamped to the side), else the whole layer (small layers,
-       NaN/Inf, fewer than k of a sign);
+       rule of each side's keys (the passes' ``side``: max(x, 0) or max(-x, 0), read from x
+       itself), else the whole layer (small layers, NaN/Inf, fewer than k of a sign);
     2. the torch reference's levels, compaction and means over the candidates of every layer
        at once, their positions mapped back to the layer's;
     3. with ``update``, x -= what receivers decode (the reference's ``decode_add``).
@@ -19,17 +21,20 @@ a few passes over x. Registered as the ``native`` backend of ``radix`` (CPU floa
 """
 from __future__ import annotations
 
-import threading
+import math
 
 import torch
 
+from ..compensate import torch_compensate
 from ..segments import Segments
 from . import native
 from .contract import Contract
-from .radix_ref import TorchRadix, _ref_select, compensate_only
+from .passes import Scan
+from .radix_ref import TorchRadix, _ref_select, compensate_only, zero_padding
 from .registry import Backend, Gate, register
 from .searches import threshold_set
 
+_EMPTY = torch.empty(0)
 _WHOLE_BELOW = 1 << 16      # a layer this small goes to the reference whole: a pass over it is cheap
 _TRIMMED = Contract.of("trimmed")
 
@@ -38,38 +43,38 @@ class _NonFinite(ValueError):
     pass
 
 
-_LOCAL = threading.local()
+def _stats_scan(finite: bool, mx: float, total: float) -> Scan:
+    """What ``NativePasses.stats`` takes from a pass that already made it (no threshold)."""
+    return Scan(math.nan, 0, None, None, 0, finite, mx, total)
 
 
-def _scratch(n: int) -> torch.Tensor:
-    """A buffer of n floats kept per thread: a fresh one of a large layer's size each step would be
-    page-faulted in anew (glibc maps allocations over 32 MB afresh)."""
-    buf = getattr(_LOCAL, "buf", None)
-    if buf is None or buf.numel() < n:
-        buf = _LOCAL.buf = torch.empty(n)
-    return buf[:n]
+def _sides(stats, R: int) -> tuple:
+    """A layer's statistics from ``compensate`` ((finite, max, sum) of max(x, 0) and of max(-x, 0))
+    as one stats scan per side selected from: |x|'s where R == 1, else (positive, negative)."""
+    if stats is None:
+        return (None, None)
+    finite, mp, sp, mn, sn = stats
+    if R == 1:
+        return (_stats_scan(finite, max(mp, mn), sp + sn),)
+    return (_stats_scan(finite, mp, sp), _stats_scan(finite, mn, sn))
 
 
-def _candidates(mod, v: torch.Tensor, k: int, R: int, active: tuple) -> torch.Tensor | None:
+def _candidates(mod, v: torch.Tensor, k: int, R: int, active: tuple, first=None) -> torch.Tensor | None:
     """Ascending positions of a threshold set holding at least k of each side selected from (of
     |x| where R == 1; per side, of that side's keys, the other side's being 0), or None: the
-    layer goes to the reference whole."""
+    layer goes to the reference whole. first: the layer's statistics from ``compensate``."""
     n = v.numel()
     if n < _WHOLE_BELOW or 8 * k > n:
         return None
     try:
-        if k == 0 or R == 2:   # the finite check a whole layer makes (R == 1: threshold_set's stats make it)
+        if k == 0:   # the finite check a whole layer makes (else the first stats pass makes it)
             native.NativePasses(mod, v, _NonFinite()).stats()
-        if k == 0:
             return torch.empty(0, dtype=torch.int64)
-        if R == 1:
-            got = threshold_set(v, k, native.NativePasses(mod, v, _NonFinite()), _TRIMMED)
-            return None if got is None else got[0]
-        sets = []
-        for s in active:     # a side's keys: what the error feedback left there can be far from half
-            keys = _scratch(n)   # the passes rank |x|: x clamped to the side is the side's key
-            torch.clamp(v, max=0.0, out=keys) if s else torch.clamp(v, min=0.0, out=keys)
-            got = threshold_set(keys, k, native.NativePasses(mod, keys, _NonFinite()), _TRIMMED)
+        sets, scans = [], _sides(first, R)
+        for s in active:     # a side's own set: what the error feedback left there can be far from half
+            side = 0 if R == 1 else (1, -1)[s]
+            be = native.NativePasses(mod, v, _NonFinite(), scans[s], side=side)
+            got = threshold_set(v, k, be, _TRIMMED)
             if got is None:
                 return None
             sets.append(got[0])
@@ -84,16 +89,33 @@ class NativeRadix:
     @staticmethod
     def compensate(seg: Segments, out, R: int, residual, grad, velocity=None, velocity_out=None,
                    momentum: float = 0.0, nesterov: bool = False):
-        """out = residual + grad (DGC's momentum too), as the reference computes it; no histogram:
-        ``select`` finds its candidates from passes of its own."""
-        compensate_only(seg, out, residual, grad, velocity, velocity_out, momentum, nesterov)
-        return None
+        """out = residual + grad (DGC's momentum too), as the reference computes it. Returns, per
+        layer, the statistics its candidates' search starts from (None: a small layer, made by the
+        reference's torch ops), or None where the native kernel cannot take these tensors."""
+        mod = native.load()
+        if grad.dtype != torch.float32 or mod is None:
+            compensate_only(seg, out, residual, grad, velocity, velocity_out, momentum, nesterov)
+            return None
+        mom = velocity is not None
+        views = zip(*(seg.views(t) for t in (residual, grad, out) + ((velocity, velocity_out) if mom else ())))
+        stats = []
+        for r, g, o, *u in views:
+            if o.numel() < _WHOLE_BELOW:   # torch ops cost less than a call here
+                torch_compensate(r, g, o, velocity_in=u[0] if mom else None, velocity_out=u[1] if mom else None,
+                                 momentum=momentum, nesterov=nesterov, fma=False)
+                stats.append(None)
+                continue
+            stats.append(mod.compensate_sides(r, g, o, *(u if mom else (_EMPTY, _EMPTY)), float(momentum),
+                                              bool(nesterov)))
+        zero_padding(seg, out, velocity_out)
+        return stats
 
     @staticmethod
     def select(seg, x, R, active, k_row, hist, index_dtype, value_dtype, mean, update, velocity):
         mod = native.load()
         views = seg.views(x)
-        cands = [_candidates(mod, v, k, R, active) for v, k in zip(views, seg.ks)]                # 1.
+        firsts = hist if isinstance(hist, list) else [None] * len(views)
+        cands = [_candidates(mod, v, k, R, active, f) for v, k, f in zip(views, seg.ks, firsts)]   # 1.
         cands = [torch.arange(v.numel()) if c is None else c for v, c in zip(views, cands)]
         sub = Segments([c.numel() for c in cands], seg.ks)
         xs = torch.cat([v.index_select(0, c) for v, c in zip(views, cands)])

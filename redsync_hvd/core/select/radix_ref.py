@@ -52,10 +52,15 @@ def compensate_only(seg: Segments, out, residual, grad, velocity, velocity_out, 
     # the kernels' order of operations, unfused (torch.add's alpha may use an FMA)
     torch_compensate(residual, grad, out, velocity_in=velocity, velocity_out=velocity_out, momentum=momentum,
                      nesterov=nesterov, fma=False)
-    if seg.padded:   # the kernels write zeros between layers
-        for t in (out, velocity_out):
+    zero_padding(seg, out, velocity_out)
+
+
+def zero_padding(seg: Segments, *flats) -> None:
+    """Zeros between the layers of each flat buffer given (None skipped), as the kernels write."""
+    if seg.padded:
+        for t in flats:
             if t is not None:
-                t.index_fill_(0, _padding(seg, out.device), 0.0)
+                t.index_fill_(0, _padding(seg, t.device), 0.0)
 
 
 def _real(seg: Segments, flat: torch.Tensor) -> torch.Tensor:
