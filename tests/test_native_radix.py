@@ -151,10 +151,18 @@ def test_the_passes_rank_one_sides_keys_and_check_all_of_x(side):
 
 
 @pytest.mark.parametrize("sign,mean", [(None, False), ("pos", True), ("neg", False), ("larger", True)])
-def test_compensate_then_select_from_its_statistics(sign, mean):
+def test_compensate_then_select_from_its_statistics(sign, mean, monkeypatch):
     """The exchange's order: compensate (the native kernel's sign statistics per layer), then select
     from them, with DGC's momentum, a NaN in one large layer and fewer negatives than k in another:
-    what compensate and select give with the reference on both, to the bit."""
+    what compensate and select give with the reference on both, to the bit, and no statistics
+    pass of its own but for the layer whose NaN sends it to the reference."""
+    real, passes = native_radix.native.load(), []
+
+    class Counting:
+        def __getattr__(self, name):
+            passes.append(name)
+            return getattr(real, name)
+    monkeypatch.setattr(native_radix.native, "load", lambda: Counting())
     seg = Segments([3 * BIG, 300, 2 * BIG, 2 * BIG + 5], [150, 3, 100, 80], align=16)
     gen = torch.Generator().manual_seed(11)
     r, g, u = (torch.randn(seg.n, generator=gen) for _ in range(3))
@@ -170,3 +178,4 @@ def test_compensate_then_select_from_its_statistics(sign, mean):
     assert isinstance(got[0][0], type(got[1][0]))
     assert_same(*got)
     assert got[0][0].nonfinite.tolist() == [False, False, True, False]
+    assert passes.count("compensate_sides") == 3 and "stats" not in passes, " ".join(passes)

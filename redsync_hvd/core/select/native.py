@@ -52,7 +52,7 @@ class NativePasses:
 
     def __init__(self, mod: Any, flat: torch.Tensor, err: ValueError, scan: Optional[Scan] = None, side: int = 0):
         self.m, self.x, self.err, self.side = mod, flat, err, side
-        self.scan = scan if side == 0 else None   # consumed by the first stats() and select() it matches
+        self.scan = scan   # of the same keys; consumed by the first stats() and the first select() it matches
 
     def stats(self) -> Tuple[float, float]:
         if self.scan is not None and not math.isnan(self.scan.max):

@@ -44,8 +44,9 @@ class _NonFinite(ValueError):
 
 
 def _stats_scan(finite: bool, mx: float, total: float) -> Scan:
-    """What ``NativePasses.stats`` takes from a pass that already made it (no threshold)."""
-    return Scan(math.nan, 0, None, None, 0, finite, mx, total)
+    """What ``NativePasses.stats`` takes from a pass that already made it (no threshold; a NaN max,
+    which marks a scan used, is stored as inf: the finite flag says it already)."""
+    return Scan(math.nan, 0, None, None, 0, finite, mx if finite else math.inf, total)
 
 
 def _sides(stats, R: int) -> tuple:
