@@ -92,9 +92,10 @@ class NativeRadix:
                    momentum: float = 0.0, nesterov: bool = False):
         """out = residual + grad (DGC's momentum too), as the reference computes it. Returns, per
         layer, the statistics its candidates' search starts from (None: a small layer, made by the
-        reference's torch ops), or None where the native kernel cannot take these tensors."""
+        reference's torch ops), or None where the native kernel cannot take these tensors or no
+        layer is large enough to search (one torch op over the bucket then, not one per layer)."""
         mod = native.load()
-        if grad.dtype != torch.float32 or mod is None:
+        if grad.dtype != torch.float32 or mod is None or max(seg.sizes, default=0) < _WHOLE_BELOW:
             compensate_only(seg, out, residual, grad, velocity, velocity_out, momentum, nesterov)
             return None
         mom = velocity is not None
