@@ -295,7 +295,7 @@ def test_every_default_in_the_configuration_reference_is_the_models():
     text = (REPO / "docs/configuration.md").read_text()
     assert "PydanticUndefined" not in text
     assert "| `compression.dgc.momentum_correction` | bool | `False`; redsync: `True` |" in text
-    assert "| `compression.policy.min_compress_numel` | int | `0`; iwp, redsync: `4096` |" in text
+    assert "| `compression.policy.min_compress_numel` | int | `0`; dct, iwp, redsync: `4096` |" in text
 
 
 # -- RedSync configs say why they leave the method's defaults --------------------------------

@@ -384,7 +384,7 @@ def test_the_cost_model_prices_what_every_method_puts_on_the_wire():
     out = run_script("wire_bytes.py", np=2, timeout=400).stdout
     rows = {r["method"]: r for r in (json.loads(m) for m in re.findall(r'\{"method".*?\}', out))}
     assert set(rows) >= {"none", "fp16", "topk", "randomk", "redsync", "redsync-tbs", "iwp", "sbc", "powersgd",
-                         "signsgd", "qsgd", "threshold"}, out[-3000:]
+                         "signsgd", "qsgd", "threshold", "dct"}, out[-3000:]
     for label, r in rows.items():
         assert abs(r["predicted"] - r["measured"]) <= 0.05 * r["measured"], r
         if label not in ("redsync-tbs", "sbc", "threshold"):

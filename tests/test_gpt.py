@@ -185,7 +185,7 @@ def test_redsync_momentum_correction_needs_a_momentum_else_plain_error_feedback(
 
 
 # -- the YAML runner, two workers ------------------------------------------------------------------------------
-METHODS = ("redsync", "topk", "powersgd", "redsync-gradient")
+METHODS = ("redsync", "topk", "powersgd", "redsync-gradient", "dct")
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +214,7 @@ def test_gpt_adamw_trains_under_every_method_and_engine(gpt_runs, engine, method
     assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0), "ranks ended apart"
     log = (folder / "layers.log").read_text()
     decisions = json.loads((folder / "decisions.json").read_text())
-    if method in ("redsync", "topk"):   # auto: each worker's own AdamW moments, the residual holds AdamW steps
+    if method in ("redsync", "topk", "dct"):   # auto: each worker's own AdamW moments, the residual holds AdamW steps
         assert log.startswith("[note] compression.feedback_units: update: each worker keeps its own Adam")
         assert len(decisions["notes"]) == 1, decisions["notes"]
     elif method == "redsync-gradient":   # momentum correction is on by default; AdamW has no momentum for it

@@ -7,7 +7,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from redsync_hvd.core.select import METHODS, Contract, SelectionState, native, native_available, select_topk
+from redsync_hvd.core.select import (
+    METHODS,
+    Contract,
+    NonFiniteError,
+    SelectionState,
+    native,
+    native_available,
+    select,
+    select_topk,
+)
 from redsync_hvd.core.select import paper as reference
 
 BACKENDS = ["torch"] + (["native"] if native_available() else [])
@@ -585,3 +594,19 @@ def test_dgc_sampled_selection_takes_its_hits_from_the_compensating_pass():
     assert torch.equal(out, r + grad)
     assert torch.equal(select_topk(out, k, "sampled", scan=scan), select_topk(out.clone(), k, "sampled"))
     assert math.isnan(scan.threshold)   # consumed: the selection made no pass of its own
+
+
+def test_exact_over_equal_segments_is_one_batched_topk_with_every_segments_answer():
+    """Many segments of one size and k (DCT blocks, compressors/dct.py) take one batched top-k: the
+    same positions, segment-local, as selecting one segment at a time; NaN still refused."""
+    from redsync_hvd.core.segments import Segments
+    count, size, k = 37, 256, 5
+    x = torch.randn(count * size, generator=torch.Generator().manual_seed(4))
+    sel = select(Segments([size] * count, [k] * count), x, Contract("exact"))
+    assert sel.counts == (k,) * count
+    for i, got in enumerate(sel.positions.reshape(count, k)):
+        want = torch.topk(x[i * size:(i + 1) * size].abs(), k).indices
+        assert set(got.tolist()) == set(want.tolist()), i
+    x[3 * size + 7] = float("nan")
+    with pytest.raises(NonFiniteError):
+        select(Segments([size] * count, [k] * count), x, Contract("exact"), name="w")

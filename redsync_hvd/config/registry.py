@@ -28,6 +28,7 @@ METHODS: dict[str, tuple[str, str | None]] = {
     "signsgd": ("config.baselines:SignSGDConfig", "compressors.signsgd:SignSGDCompressor"),
     "qsgd": ("config.baselines:QSGDConfig", "compressors.qsgd:QSGDCompressor"),
     "threshold": ("compressors.threshold:ThresholdConfig", "compressors.threshold:ThresholdCompressor"),
+    "dct": ("compressors.dct:DCTConfig", "compressors.dct:DCTCompressor"),
     "dcd": ("config.compression:DecentralizedConfig", None),
     "ecd": ("config.compression:DecentralizedConfig", None),
     "dpsgd": ("config.compression:DecentralizedConfig", None),

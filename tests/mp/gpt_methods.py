@@ -21,7 +21,8 @@ METHODS = {"redsync": ["compression.method=redsync", "compression.density=0.01"]
            "topk": ["compression.method=topk", "compression.density=0.01"],
            "powersgd": ["compression.method=powersgd", "compression.rank=1", "compression.start_iter=2"],
            "redsync-gradient": ["compression.method=redsync", "compression.density=0.01",
-                                "compression.feedback_units=gradient"]}
+                                "compression.feedback_units=gradient"],
+           "dct": ["compression.method=dct", "compression.density=0.01"]}
 
 
 def joined(adapter):

@@ -24,6 +24,7 @@ SPECS = {   # each method at the settings of its configs/digits file where it ha
     "sbc": {"density": 0.01, "local_steps": 1, "policy": {"min_compress_numel": 1024}},
     "powersgd": {"rank": 2}, "signsgd": {}, "qsgd": {"bits": 4},
     "threshold": {"threshold": 0.02},
+    "dct": {"density": 0.01, "policy": {"min_compress_numel": 1024}},
 }
 
 

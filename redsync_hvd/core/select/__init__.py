@@ -23,7 +23,7 @@ import torch
 from ..compensate import torch_compensate
 from ..segments import Segments
 from . import cupy_kernels, histogram, native, radix
-from .contract import SEARCHES, Contract, NonFiniteError, Request, Selection, check_sign
+from .contract import SEARCHES, Contract, NonFiniteError, Request, Selection, check_sign, nonfinite
 from .passes import Compensated, Scan, ScanRequest, TorchPasses
 from .radix import HistogramRequest
 from .radix_ref import TorchRadix
@@ -118,6 +118,8 @@ def _by_segment(seg: Segments, x: torch.Tensor, contract: Contract, ask: Request
                          "a sign or a mean only with the exact strategy (apply the sign rule to its positions: "
                          "reference.py:keep_side)")
     one = len(seg) == 1
+    if _uniform_exact(seg, contract, ask):
+        return _exact_rows(seg, x, contract, ask)
     states = [ask.state] if one else (ask.state or [None] * len(seg))
     firsts = [ask.first] if one else (ask.first or [None] * len(seg))
     parts, means = [], []
@@ -130,6 +132,21 @@ def _by_segment(seg: Segments, x: torch.Tensor, contract: Contract, ask: Request
         parts.append(idx if ask.index_dtype in (None, idx.dtype) else idx.to(ask.index_dtype))
     positions = parts[0] if one else torch.cat(parts)                                          # 2.
     return Selection(positions, tuple(p.numel() for p in parts), means=torch.cat(means) if ask.mean else None)
+
+
+def _uniform_exact(seg: Segments, contract: Contract, ask: Request) -> bool:
+    """Many segments of one size and one k, back to back, exact and unsigned (DCT blocks): one
+    batched torch.topk over the rows instead of a call per segment."""
+    return (contract.strategy == "exact" and ask.sign is None and ask.state is None and ask.first is None
+            and len(seg) > 1 and not seg.padded and len(set(seg.sizes)) == 1 and len(set(seg.ks)) == 1)
+
+
+def _exact_rows(seg: Segments, x: torch.Tensor, contract: Contract, ask: Request) -> Selection:
+    rows = x.detach().reshape(len(seg), seg.sizes[0])
+    if contract.finite and not bool(torch.isfinite(rows).all()):
+        raise nonfinite(ask.name, x)
+    pos = rows.abs().topk(seg.ks[0], dim=1, sorted=False).indices.reshape(-1)
+    return Selection(pos if ask.index_dtype in (None, pos.dtype) else pos.to(ask.index_dtype), seg.ks)
 
 
 def select_topk(x: torch.Tensor, k: int, method: str = "tbs", *, state: Optional[SelectionState] = None,
