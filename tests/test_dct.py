@@ -106,9 +106,59 @@ def test_the_wire_is_the_message():
     ({"dgc": {"momentum_correction": True}}, "set dgc.momentum_masking: false"),
     ({"chunk": 1}, "chunk"),
     ({"values": "bf16"}, "values"),
+    ({"decay": 0.999, "feedback_units": "gradient"}, "set feedback_units: auto or update"),
+    ({"sign_step": True, "residual": False}, "set feedback_units: auto or update"),
+    ({"decay": 0}, "decay"),
 ])
 def test_settings_it_cannot_run_name_the_fix(bad, says):
     with pytest.raises(CompressionError, match=says):
         parse_compression({"method": "dct", **bad})
     ok = parse_compression({"method": "dct", "dgc": {"momentum_correction": True, "momentum_masking": False}})
     assert ok.corrects_momentum and not ok.may_update_in_step
+
+
+def test_demos_decay_fades_the_residual_and_its_sign_step_moves_every_weight_by_lr():
+    """``decay``: x = decay * r + s, the worker's own Adam step s (memory/adam.py, checked by hand
+    with Adam's formula); ``sign_step``: the adapter moves each sent weight by lr * sign(average) plus
+    AdamW's decay (torch/update_units.py). Both need update units: under SGD the build says so."""
+    from redsync_hvd.comm import LocalCommunicator
+    from redsync_hvd.engine import build_exchange
+    from redsync_hvd.memory import AdamUnitsMemory
+    from redsync_hvd.torch.params import layers_of, take_momentum
+    from redsync_hvd.torch.update_units import UpdateUnitsStep, take_moments
+
+    b1, b2, eps, decay = 0.9, 0.99, 1e-8, 0.5
+    mem = AdamUnitsMemory({"w": (b1, b2)}, {"w": eps}, decay=decay)
+    gen = torch.Generator().manual_seed(5)
+    m, v, r = torch.zeros(6), torch.zeros(6), torch.zeros(6)
+    for t in range(1, 5):
+        g = torch.randn(6, generator=gen)
+        x = mem.compensate("w", g).x
+        mem.commit()   # nothing sent: the residual is x
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        r = decay * r + (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps)
+        assert torch.allclose(x, r, rtol=1e-5, atol=1e-6), t
+
+    model = torch.nn.Sequential(torch.nn.Linear(128, 64))
+    named = list(model.named_parameters())
+    names = {p: n for n, p in named}
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    spec = {"method": "dct", "density": 0.01, "decay": 0.999, "sign_step": True}
+    built = build_exchange(spec, layers_of(named), LocalCommunicator(1),
+                           take_momentum=lambda: take_momentum(opt.param_groups, names),
+                           take_moments=lambda: take_moments(opt, names))
+    memory = built.exchange.memory
+    assert (memory.decay, memory.sign_step) == (0.999, True)
+    w = model[0].weight
+    before, average = w.detach().clone(), torch.randn(w.shape, generator=gen) * 1e-3
+    w.grad, memory.sent = average.clone(), {"0.weight"}
+    stepper = UpdateUnitsStep(opt, {w: "0.weight"}, memory)
+    stepper.apply()
+    assert w.grad is None   # hidden from the optimizer, which must not step it again
+    assert torch.allclose(w.detach(), before * (1 - 0.01 * 0.1) - 0.01 * average.sign())
+    stepper.restore()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="train with torch.optim.Adam or AdamW"):
+        build_exchange({**spec, "dgc": {"momentum_correction": False}}, layers_of(named), LocalCommunicator(1),
+                       take_momentum=lambda: take_momentum(sgd.param_groups, names),
+                       take_moments=lambda: take_moments(sgd, names))

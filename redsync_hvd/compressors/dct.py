@@ -23,9 +23,11 @@ k_b largest keep the most of it that k_b numbers can. What it costs: 2 (b_r + b_
 per element to encode, as many per message decoded (N + 1 a step): on a CPU this is the step's
 largest cost for chunk 64; a GPU does it as batched matrix products.
 
-This file does not take DeMo's other two parts, a momentum whose unsent part decays and the sign
-of the average as the step: the memory (plain residual, DGC's velocity, or the worker's own Adam
-step) and the wrapped optimizer keep their roles, so a run changes only what travels.
+By default only what travels changes: the memory (plain residual, DGC's velocity, or the worker's
+own Adam step) and the wrapped optimizer keep their roles. DeMo's other two parts are keys, for
+error feedback in update units (torch Adam and AdamW): ``decay``, a residual whose unsent part
+fades, and ``sign_step``, every weight moved by lr times the sign of the decoded average
+(memory/adam.py, torch/update_units.py).
 """
 from __future__ import annotations
 
@@ -61,6 +63,15 @@ class DCTConfig(AllgatherConfig):
     values: Literal["fp32", "fp16"] = Field(
         "fp16", description="how coefficients travel: fp16 (2 bytes, with the int16 position 4 bytes a "
                             "coefficient) | fp32 (6 bytes a coefficient)")
+    decay: float = Field(
+        1.0, gt=0, le=1, description="DeMo's decaying momentum: each worker's residual is multiplied by decay before "
+                                     "its own Adam step joins it, so what waited longer than about 1/(1-decay) steps "
+                                     "fades instead of arriving late (DeMo: 0.999). 1: error feedback keeps it whole. "
+                                     "Needs error feedback in update units (torch Adam or AdamW)")
+    sign_step: bool = Field(
+        False, description="DeMo's step: every weight of a compressed layer moves by lr * the sign of the decoded "
+                           "average (plus AdamW's decoupled decay), so a block moves at Adam's pace however few "
+                           "coefficients were sent; false: by lr * the average. Needs update units, as decay")
     policy: PolicyConfig = Field(default_factory=lambda: PolicyConfig(min_compress_numel=4096),
                                  description="which layers compress (min_compress_numel 4096 unless given)")
 
@@ -74,9 +85,24 @@ class DCTConfig(AllgatherConfig):
                              "DCT coefficients, not positions: set dgc.momentum_masking: false")
         return self
 
+    @model_validator(mode="after")
+    def _demo_needs_update_units(self):
+        if (self.decay != 1.0 or self.sign_step) and not self.in_update_units:
+            raise ValueError("decay and sign_step act on each worker's own Adam steps: set feedback_units: auto "
+                             "or update (and residual: true), or remove decay and sign_step")
+        return self
+
     @property
     def may_update_in_step(self) -> bool:
         return False
+
+    @property
+    def residual_decay(self) -> float:
+        return self.decay
+
+    @property
+    def steps_by_sign(self) -> bool:
+        return self.sign_step
 
 
 @lru_cache(maxsize=32)

@@ -360,6 +360,16 @@ class MethodConfig(BaseModel):
         return False
 
     @property
+    def residual_decay(self) -> float:
+        """The residual is multiplied by this before a step joins it (DeMo's decay; 1: kept whole)."""
+        return 1.0
+
+    @property
+    def steps_by_sign(self) -> bool:
+        """Update units: weights move by lr * sign of the average sent (DeMo's step)."""
+        return False
+
+    @property
     def warmup_schedule(self) -> Optional["WarmupConfig"]:
         """The density warm-up, where the method has one."""
         return None

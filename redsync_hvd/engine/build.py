@@ -184,7 +184,12 @@ def build_memory(config: CompressionConfig, momentum: Optional[MomentumSpec], fu
     if not config.uses_memory:
         return None
     if moments is not None:
-        return AdamUnitsMemory(moments.betas, moments.eps, moments.l2, freeze_after=config.frozen_variance_after)
+        return AdamUnitsMemory(moments.betas, moments.eps, moments.l2, freeze_after=config.frozen_variance_after,
+                               decay=config.residual_decay, sign_step=config.steps_by_sign)
+    if config.residual_decay != 1.0 or config.steps_by_sign:
+        raise ValueError(f"compression.method={config.method!r}: decay and sign_step act on each worker's own Adam "
+                         "steps (error feedback in update units), which this run does not keep: train with "
+                         "torch.optim.Adam or AdamW under engine: horovod or ddp, or remove decay and sign_step")
     if config.corrects_momentum:
         return MomentumCorrectionMemory(momentum.momentum, nesterov=momentum.nesterov,
                                         masking=config.dgc.momentum_masking, fuse=fuse)

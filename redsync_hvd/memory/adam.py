@@ -24,6 +24,11 @@ With ``freeze_after`` = W > 0, v stops at step W (1-bit Adam's frozen variance, 
 2021) and its bias correction with it: from then on step 2 is linear in m, a fixed scale per
 coordinate.
 
+DeMo's two knobs (Peng, Quesnelle and Kingma 2024; ``method: dct``'s ``decay`` and
+``sign_step``): with ``decay`` < 1 step 3 is x = decay * r + s, so what waited longer than
+about 1 / (1 - decay) steps fades instead of arriving late; with ``sign_step`` step 4 moves
+every weight of a sent layer by lr * sign of the average (the adapter reads ``sign_step``).
+
 Moments and residuals are per-worker state: double-buffered (a failed step leaves them as
 they were), zeroed where a NaN passed on, saved with the residuals (``exp_avg``,
 ``exp_avg_sq``, ``steps``) and carried through a resize by ``resize.py``'s rules.
@@ -44,9 +49,11 @@ class AdamUnitsMemory(ResidualMemory):
     KINDS = ("residual",) + MOMENT_KEYS
     COUNTERS = ("steps",)
 
-    def __init__(self, betas: dict, eps: dict, l2: dict | None = None, freeze_after: int = 0):
+    def __init__(self, betas: dict, eps: dict, l2: dict | None = None, freeze_after: int = 0,
+                 decay: float = 1.0, sign_step: bool = False):
         super().__init__(fuse=False)   # the native fused pass knows x = r + g and DGC's u only
         self.betas, self.eps, self.l2, self.freeze_after = betas, eps, l2 or {}, freeze_after
+        self.decay, self.sign_step = decay, sign_step
         self.sent: set = set()          # the layers whose averages are in update units, last step
 
     @property
@@ -82,7 +89,8 @@ class AdamUnitsMemory(ResidualMemory):
         else:
             torch.mul(v, b2, out=v_new).addcmul_(g, g, value=1 - b2)
         denom = (v_new.sqrt() / (1 - b2 ** tv) ** 0.5).add_(self.eps[name])  # 2. as torch's Adam
-        torch.addcdiv(r, m_new, denom, value=1 / (1 - b1 ** t), out=x)       # 3. x = r + s
+        kept = r if self.decay == 1.0 else r * self.decay                  # DeMo's decay
+        torch.addcdiv(kept, m_new, denom, value=1 / (1 - b1 ** t), out=x)    # 3. x = r + s
 
     def flat_terms(self, names: list) -> None:
         return None   # a planned bucket keeps residuals and DGC velocities flat, not moments

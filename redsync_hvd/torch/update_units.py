@@ -7,7 +7,8 @@ directions, not a gradient. The wrapped optimizer must not run Adam on it again:
     1. ``take_moments``: at build, read (b1, b2), eps and Adam's coupled weight decay per layer
        from the param groups (nothing is taken out: dense layers keep the optimizer's own Adam);
     2. ``UpdateUnitsStep.apply``: before the optimizer's step, every layer the memory sent in update
-       units this step moves by w = w*(1 - lr*wd) - lr*average (AdamW's decoupled decay; Adam's
+       units this step moves by w = w*(1 - lr*wd) - lr*average, or lr*sign(average) with the memory's
+       ``sign_step`` (DeMo's step, ``method: dct``) (AdamW's decoupled decay; Adam's
        coupled one joined the gradient in the memory), and its ``.grad`` is hidden so the
        optimizer skips it;
     3. ``UpdateUnitsStep.restore``: after the step, the hidden ``.grad`` come back (they are views of
@@ -66,7 +67,8 @@ class UpdateUnitsStep:
                         continue
                     if decay:
                         p.mul_(1 - lr * decay)
-                    p.add_(p.grad.to(p.dtype), alpha=-lr)
+                    step = p.grad.sign() if self.memory.sign_step else p.grad   # sign_step: DeMo's
+                    p.add_(step.to(p.dtype), alpha=-lr)
                     self.hidden.append((p, p.grad))
                     p.grad = None
         self.memory.sent = set()   # applied once: a second step() without an exchange moves nothing
