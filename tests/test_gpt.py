@@ -185,7 +185,7 @@ def test_redsync_momentum_correction_needs_a_momentum_else_plain_error_feedback(
 
 
 # -- the YAML runner, two workers ------------------------------------------------------------------------------
-METHODS = ("redsync", "topk", "powersgd", "redsync-gradient", "dct")
+METHODS = ("redsync", "topk", "powersgd", "redsync-gradient", "dct", "demo")
 
 
 @pytest.fixture(scope="module")
@@ -214,13 +214,20 @@ def test_gpt_adamw_trains_under_every_method_and_engine(gpt_runs, engine, method
     assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0), "ranks ended apart"
     log = (folder / "layers.log").read_text()
     decisions = json.loads((folder / "decisions.json").read_text())
-    if method in ("redsync", "topk", "dct"):   # auto: each worker's own AdamW moments, the residual holds AdamW steps
+    if method in ("redsync", "topk", "dct", "demo"):   # auto: own AdamW moments, the residual holds AdamW steps
         assert log.startswith("[note] compression.feedback_units: update: each worker keeps its own Adam")
         assert len(decisions["notes"]) == 1, decisions["notes"]
     elif method == "redsync-gradient":   # momentum correction is on by default; AdamW has no momentum for it
         assert log.startswith("[note] compression.dgc.momentum_correction") and decisions["notes"]
     else:
         assert "[note]" not in log and "notes" not in decisions
+
+
+@pytest.mark.parametrize("engine", ["horovod", "ddp"])
+def test_demos_decay_and_sign_step_change_the_run_and_the_wire_does_not(gpt_runs, engine):
+    """method: dct with DeMo's keys moves the weights otherwise (decay, lr * sign) on the same bytes."""
+    dct, demo = summary(gpt_runs / f"{engine}-dct"), summary(gpt_runs / f"{engine}-demo")
+    assert dct["wire_bytes"] == demo["wire_bytes"] and dct["final_loss"] != demo["final_loss"]
 
 
 def test_fsdp_shards_the_gpt_and_keeps_adamw_with_plain_residuals(gpt_runs):

@@ -22,7 +22,9 @@ METHODS = {"redsync": ["compression.method=redsync", "compression.density=0.01"]
            "powersgd": ["compression.method=powersgd", "compression.rank=1", "compression.start_iter=2"],
            "redsync-gradient": ["compression.method=redsync", "compression.density=0.01",
                                 "compression.feedback_units=gradient"],
-           "dct": ["compression.method=dct", "compression.density=0.01"]}
+           "dct": ["compression.method=dct", "compression.density=0.01"],
+           "demo": ["compression.method=dct", "compression.density=0.01", "compression.decay=0.999",
+                    "compression.sign_step=true"]}
 
 
 def joined(adapter):
