@@ -607,6 +607,10 @@ def test_exact_over_equal_segments_is_one_batched_topk_with_every_segments_answe
     for i, got in enumerate(sel.positions.reshape(count, k)):
         want = torch.topk(x[i * size:(i + 1) * size].abs(), k).indices
         assert set(got.tolist()) == set(want.tolist()), i
+    ties = torch.randint(-3, 4, (count * size,), generator=torch.Generator().manual_seed(5)).float()
+    rows = select(Segments([size] * count, [k] * count), ties, Contract("exact", finite=False)).positions
+    one_by_one = [torch.topk(v.abs(), k, sorted=False).indices for v in ties.reshape(count, size)]
+    assert torch.equal(rows, torch.cat(one_by_one))   # the same order, ties broken alike
     x[3 * size + 7] = float("nan")
     with pytest.raises(NonFiniteError):
         select(Segments([size] * count, [k] * count), x, Contract("exact"), name="w")

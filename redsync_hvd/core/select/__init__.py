@@ -136,9 +136,11 @@ def _by_segment(seg: Segments, x: torch.Tensor, contract: Contract, ask: Request
 
 def _uniform_exact(seg: Segments, contract: Contract, ask: Request) -> bool:
     """Many segments of one size and one k, back to back, exact and unsigned (DCT blocks): one
-    batched torch.topk over the rows instead of a call per segment."""
+    batched torch.topk over the rows instead of a call per segment. On the CPU its rows are the
+    per-segment calls' answers in their order, ties included (tests/test_selection.py)."""
     return (contract.strategy == "exact" and ask.sign is None and ask.state is None and ask.first is None
-            and len(seg) > 1 and not seg.padded and len(set(seg.sizes)) == 1 and len(set(seg.ks)) == 1)
+            and len(seg) > 1 and not seg.padded and len(set(seg.sizes)) == 1 and len(set(seg.ks)) == 1
+            and 0 < seg.ks[0] < seg.sizes[0])   # search() answers k = 0 and k >= n without torch.topk
 
 
 def _exact_rows(seg: Segments, x: torch.Tensor, contract: Contract, ask: Request) -> Selection:
