@@ -114,6 +114,12 @@ def _dct_matrix(n: int, device: str) -> torch.Tensor:
     return d.to(torch.float32).to(device)
 
 
+@lru_cache(maxsize=256)
+def _layout(count: int, size: int, k: int) -> Segments:
+    """k of every one of ``count`` blocks of ``size`` coefficients, made once per layer shape and k."""
+    return Segments([size] * count, [k] * count)
+
+
 class Blocks:
     """A layer's block grid: rows x cols as a matrix, blocks of br x bc, gr x gc of them."""
 
@@ -155,8 +161,8 @@ class DCTCompressor(Compressor):
     def compress(self, x: torch.Tensor, layer: Layer, step: int, first=None) -> Message:
         blocks = self._blocks(layer)
         coef = blocks.encode(x)
-        seg = Segments([blocks.size] * blocks.count, [blocks.k] * blocks.count)
-        pos = select(seg, coef.reshape(-1), EXACT).positions.reshape(blocks.count, blocks.k)
+        layout = _layout(blocks.count, blocks.size, blocks.k)
+        pos = select(layout, coef.reshape(-1), EXACT).positions.reshape(blocks.count, blocks.k)
         values = coef.gather(1, pos).to(VALUE_DTYPES[self.config.values])
         return Message([pos.to(torch.int16).reshape(-1), values.reshape(-1)], ("indices", "values"),
                        selected=pos.numel(), k=pos.numel())
