@@ -124,9 +124,9 @@ def _bisect(flat, k, be, thr, lo: float, hi: float, c_lo: Optional[int], probes:
             c, probes = counts[mid], probes - 1
             if k <= c <= upper:
                 t = thr(grid[mid])
-                if sub is not None:
-                    keep = sub.x > t
-                    return cand[keep], t, sub.x[keep]
+                if sub is not None:   # one index pass of the backend's, not a mask and two gathers
+                    got, _, vals = sub.select(t, upper, False, True)
+                    return cand.index_select(0, got), t, vals
                 idx, got, vals = be.select(t, upper, False, True)
                 if idx is not None and got >= k:
                     return idx, t, vals
