@@ -38,11 +38,14 @@ def test_sbc_message_size_follows_golomb_formula():
 
 @settings(max_examples=30, deadline=None)
 @given(n=st.integers(2, 300), rounds=st.integers(1, 5), density=st.floats(0.01, 1.0),
-       binarize=st.booleans(), coding=st.sampled_from(["golomb", "raw"]), seed=st.integers(0, 999))
-def test_sbc_conservation(n, rounds, density, binarize, coding, seed):
-    comp, _ = build_compressor(
-        {"method": "sbc", "density": density, "message": {"binarize": binarize, "index_coding": coding}}
-    )
+       binarize=st.booleans(), coding=st.sampled_from(["golomb", "raw"]), seed=st.integers(0, 999),
+       fp16=st.booleans())
+def test_sbc_conservation(n, rounds, density, binarize, coding, seed, fp16):
+    """What was sent plus the residual is what went in, whatever the message: one mean, fp32
+    values, or fp16 values (the residual keeps what their rounding left out)."""
+    values = "fp16" if fp16 and not binarize else "fp32"
+    comp, _ = build_compressor({"method": "sbc", "density": density,
+                                "message": {"binarize": binarize, "index_coding": coding, "values": values}})
     mem, gen = ResidualMemory(), torch.Generator().manual_seed(seed)
     sent, total = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
     for r in range(rounds):
@@ -50,12 +53,18 @@ def test_sbc_conservation(n, rounds, density, binarize, coding, seed):
         total += delta.double()
         x = mem.compensate("w", delta).x
         msg = comp.compress(x, layer(n, density), r)
+        assert msg.tensors[-1].dtype == (torch.float16 if values == "fp16" else torch.float32)
         out = torch.zeros(n)
         comp.decompress_add(out, msg.tensors, layer(n, density))
         mem.update(layer(n, density), x, msg, comp)
         sent += out.double()
         mem.commit()
     assert torch.allclose(sent + mem.residual["w"].double(), total, atol=1e-4)
+
+
+def test_sbc_fp16_values_need_values():
+    with pytest.raises(ValueError, match="binarize: false"):
+        build_compressor({"method": "sbc", "message": {"values": "fp16"}})
 
 
 class OneRank:

@@ -281,10 +281,20 @@ class SBCMessageConfig(_Group):
                                              "with the larger mean magnitude; false: send k values")
     index_coding: Literal["raw", "golomb"] = Field("golomb", description="golomb (Golomb-Rice coded gaps) | "
                                                                          "raw (int32)")
+    values: Literal["fp32", "fp16"] = Field(
+        "fp32", description="binarize: false: the k values as fp32, or as fp16 (half their bytes; the residual "
+                            "keeps what rounding left out)")
 
     @property
     def quantize(self) -> str:
-        return "sign_mean" if self.binarize else "none"
+        return "sign_mean" if self.binarize else {"fp32": "none", "fp16": "fp16"}[self.values]
+
+    @model_validator(mode="after")
+    def _values_need_values(self):
+        if self.binarize and self.values != "fp32":
+            raise ValueError(f"message.values={self.values!r} sets how the k values travel, but binarize: true "
+                             "sends one mean: set binarize: false, or leave values out")
+        return self
 
 
 class DGCConfig(_Group):
