@@ -368,3 +368,27 @@ def test_an_auto_setting_is_the_experiment_it_was_before_it_was_auto():
     assert chosen.experiment()["compression"]["selection"]["threshold_reuse"] == 5
     assert chosen.experiment()["compression"]["sparse_update"] == "auto"
     assert redsync.experiment_fingerprint() != chosen.experiment_fingerprint()
+
+
+def test_local_steps_keep_momentum_local_and_name_what_cannot_apply():
+    """RedSync's and top-k's local_steps: the delayed step of SBC, on PyTorch under Horovod only;
+    DGC's correction (RedSync's default) goes off with it unless named, and what acts on every
+    step's gradient is refused with the fix."""
+    from redsync_hvd.config import parse_compression
+    from redsync_hvd.engine.build import refuse
+
+    on = parse_compression({"method": "redsync", "local_steps": 8, "density": 0.1})
+    assert on.delayed and not on.corrects_momentum and not on.in_update_units and on.engines == ("horovod",)
+    off = parse_compression({"method": "redsync"})
+    assert not off.delayed and off.corrects_momentum and off.in_update_units and "ddp" in off.engines
+    for bad, named in [({"dgc": {"momentum_correction": True}}, "dgc.momentum_correction"),
+                       ({"feedback_units": "update"}, "feedback_units: update"),
+                       ({"sparse_update": True}, "sparse_update: true"),
+                       ({"aggregation": "sparse_reduce_scatter"}, "aggregation")]:
+        with pytest.raises(ValueError, match="local_steps: 1") as info:
+            parse_compression({"method": "redsync", "local_steps": 4, **bad})
+        assert named in str(info.value)
+    for framework, engine in [("torch", "ddp"), ("torch", "fsdp"), ("tensorflow", "horovod")]:
+        with pytest.raises(ValueError, match="local steps"):
+            refuse(on, framework, engine)
+    refuse(on, "torch", "horovod")

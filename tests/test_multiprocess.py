@@ -142,6 +142,12 @@ SBC_ROUNDS = [
     {"local_steps": 1, "density": 1.0, "message": {"binarize": False, "index_coding": "raw"}, "check_dense": True},
     {"local_steps": 4, "density": 0.05, "message": {"binarize": True}},
     {"local_steps": 3, "density": 0.01, "message": {"binarize": True, "index_coding": "raw"}},
+    {"local_steps": 4, "density": 1.0, "message": {"binarize": False}, "check_local": True},
+    # RedSync's and top-k's local_steps: the same delayed step through their own selection and message
+    {"method": "redsync", "local_steps": 3, "density": 1.0, "message": {"quantize": "none"},
+     "policy": {"min_compress_numel": 0}, "check_local": True},
+    {"method": "redsync", "local_steps": 4, "density": 0.05, "message": {"index_coding": "golomb"}},
+    {"method": "topk", "local_steps": 2, "density": 0.1},
 ]
 
 

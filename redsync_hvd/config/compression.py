@@ -563,6 +563,16 @@ _AGGREGATION = ("how a bucket's (position, value) messages meet. allgather: ever
                 "the choice is in the run folder's layers.log")
 
 
+_LOCAL_STEPS = ("optimizer steps each worker takes on its own between exchanges (DiLoCo's inner steps, "
+                "Douillard et al. 2023). Above 1, every local_steps steps each worker sends its model delta plus "
+                "its residual through the same selection and message, and every worker restarts from the "
+                "common weights plus the average sent (SparseLoCo, Sarfi et al. 2025: top-k of the "
+                "pseudo-gradient with error feedback); momentum and Adam's moments stay in each worker's "
+                "optimizer. local_steps times fewer collectives, and the delta of many steps is sent at once, so "
+                "a higher density per exchange pays (docs/redsync.md, 'Local steps'). Workers drift apart "
+                "between exchanges. PyTorch under engine: horovod; 1: every step (the default)")
+
+
 class AllgatherConfig(ResidualConfig):
     """Sparse methods whose messages (own positions, own values) travel by allgather, or by a sparse
     reduce-scatter (``aggregation``); under FSDP (``engine: fsdp``) through FSDP's reduce-scatter."""
@@ -579,7 +589,52 @@ class AllgatherConfig(ResidualConfig):
                              "stops moving (1-bit Adam's frozen variance, Tang et al. 2021), so its Adam direction "
                              "is its momentum over a fixed per-coordinate scale and a residual that waited keeps "
                              "its size. Frozen early, v misses how gradients shrink late in the run; 0: never")
-    engines: ClassVar[tuple] = ("horovod", "ddp", "fsdp")
+    local_steps: int = Field(1, ge=1, description=_LOCAL_STEPS)
+
+    @property
+    def delayed(self) -> bool:
+        return self.local_steps > 1
+
+    @property
+    def engines(self) -> tuple:
+        return ("horovod",) if self.delayed else ("horovod", "ddp", "fsdp")
+
+    @property
+    def frameworks(self) -> tuple:
+        return ("torch",) if self.delayed else ("torch", "tensorflow")
+
+    def limits(self) -> str:
+        return ("exchanges model deltas after local steps (local_steps), which needs the optimizer to own the update"
+                if self.delayed else super().limits())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _local_steps_keep_momentum_local(cls, data):
+        """Under local steps the optimizer's own momentum runs on every worker between rounds: DGC's
+        momentum correction (RedSync's default) is off unless the config names it."""
+        if isinstance(data, dict) and int(data.get("local_steps", 1) or 1) > 1:
+            dgc = data.get("dgc") if isinstance(data.get("dgc"), dict) else {}
+            if "momentum_correction" not in dgc:
+                data = {**data, "dgc": {**dgc, "momentum_correction": False}}
+        return data
+
+    @model_validator(mode="after")
+    def _local_steps_send_deltas(self):
+        if not self.delayed:
+            return self
+        clash = {"dgc.momentum_correction: true": self.dgc.momentum_correction,
+                 "dgc.clip_norm": self.dgc.clip_norm is not None,
+                 "feedback_units: update": self.feedback_units == "update",
+                 "sparse_update: true": self.sparse_update is True,
+                 f"aggregation: {self.aggregation}": self.aggregation != "allgather",
+                 "residual_lr: own": self.residual_lr == "own"}
+        named = [k for k, bad in clash.items() if bad]
+        if named:
+            raise ValueError(f"local_steps: {self.local_steps} sends each worker's model delta after its own "
+                             f"optimizer steps, where {', '.join(named)} cannot apply (momentum, clipping and "
+                             "Adam stay in the local optimizer; the average is applied to the weights by "
+                             "allgather): remove them, or set local_steps: 1")
+        return self
 
     @model_validator(mode="after")
     def _frozen_needs_update_units(self):
@@ -601,7 +656,8 @@ class AllgatherConfig(ResidualConfig):
 
     @property
     def in_update_units(self) -> bool:
-        return self.feedback_units in ("auto", "update") and self.residual
+        """Local steps send the optimizer's own steps already: no second conversion."""
+        return self.feedback_units in ("auto", "update") and self.residual and not self.delayed
 
     def sharded_problems(self) -> dict:
         problems = {

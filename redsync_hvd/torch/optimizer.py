@@ -122,7 +122,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._prescale, self._postscale = options.prescale, options.postscale(comm.size)
         self._delayed = bool(getattr(spec, "delayed", False))
         if self._delayed and (self._prescale or self._postscale):
-            raise ValueError("SBC (local_steps) averages model deltas after local steps, not gradients: "
+            raise ValueError("local steps (sbc, or local_steps > 1) average model deltas, not gradients: "
                              "op=hvd.Sum and gradient_predivide_factor do not apply; leave them at their defaults")
 
     def _grad_views(self, named) -> dict:

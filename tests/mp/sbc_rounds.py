@@ -1,5 +1,7 @@
-"""SBC under horovodrun: after every communication round all ranks hold identical models,
-no collective runs between rounds, and local_steps=1/density=1/no binarisation equals dense SGD."""
+"""Local steps under horovodrun (SBC, and ``local_steps`` of RedSync and top-k): after every
+communication round all ranks hold identical models, no collective runs between rounds,
+local_steps=1/density=1/no binarisation equals dense SGD, and at density 1 with fp32 values a
+round lands on the average of the workers' own local SGD runs (``check_local``)."""
 import copy
 import json
 import sys
@@ -12,6 +14,8 @@ import redsync_hvd.torch as rhvd
 def main(options):
     options = dict(options)
     check_dense = options.pop("check_dense", False)
+    check_local = options.pop("check_local", False)
+    method = options.pop("method", "sbc")
     rhvd.init()
     rank, size = rhvd.rank(), rhvd.size()
     torch.manual_seed(3)
@@ -19,13 +23,20 @@ def main(options):
     ref = copy.deepcopy(model)
     opt = rhvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                     named_parameters=model.named_parameters(),
-                                    compression={"method": "sbc", **options})
+                                    compression={"method": method, **options})
     rhvd.broadcast_parameters(model.state_dict(), root_rank=0)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     X, Y = torch.randn(12, size, 8, 20), torch.randint(0, 5, (12, size, 8))
     lossf = torch.nn.CrossEntropyLoss()
     n = options["local_steps"]
+    local = [copy.deepcopy(ref) for _ in range(size)]   # each worker's own SGD since the last round
     for step in range(12):
+        for r, m in enumerate(local):
+            m.zero_grad()
+            lossf(m(X[step, r]), Y[step, r]).backward()
+            with torch.no_grad():
+                for q in m.parameters():
+                    q -= 0.1 * q.grad
         opt.zero_grad()
         lossf(model(X[step, rank]), Y[step, rank]).backward()
         wire_before = opt.communication_stats()["wire_bytes"]
@@ -37,6 +48,12 @@ def main(options):
         everyone = rhvd.allgather_object([p.detach().clone() for p in model.parameters()])
         assert all(torch.equal(a, b) for other in everyone for a, b in zip(other, everyone[0])), \
             f"models differ after round at step {step}"
+        if check_local:
+            with torch.no_grad():
+                average = [torch.stack(qs).mean(0) for qs in zip(*(m.parameters() for m in local))]
+            for p, a in zip(model.parameters(), average):
+                assert torch.allclose(p, a, atol=1e-5), (p - a).abs().max()
+        local = [copy.deepcopy(model) for _ in range(size)]
         if check_dense:
             ref_opt.zero_grad()
             (sum(lossf(ref(X[step, r]), Y[step, r]) for r in range(size)) / size).backward()
@@ -45,7 +62,7 @@ def main(options):
                 assert torch.allclose(p, q, atol=1e-5), (p - q).abs().max()
     s = opt.communication_stats()
     assert s["steps"] == 12 and s["dense_bytes"] == 12 * 4 * sum(p.numel() for p in model.parameters()), s
-    print(f"rank {rank}: OK sbc {options} ratio={s['compression_ratio']:.1f}")
+    print(f"rank {rank}: OK sbc {method} {options} ratio={s['compression_ratio']:.1f}")
 
 
 if __name__ == "__main__":
