@@ -12,9 +12,12 @@ values, means and side as on the whole layer. Per layer of a bucket:
        pass of 7 thresholds, an index pass, over the native CPU passes) of |x|, or with a sign
        rule of each side's keys (the passes' ``side``: max(x, 0) or max(-x, 0), read from x
        itself), else the whole layer (small layers, NaN/Inf, fewer than k of a sign);
-    2. the torch reference's levels, compaction and means over the candidates of every layer
-       at once, their positions mapped back to the layer's;
-    3. with ``update``, x -= what receivers decode (the reference's ``decode_add``).
+    2. a layer with candidates and k > 0: the k-th key, the count and sum above it, and the
+       positions taken, by the native kernels over its candidates (``_native/exact_kernels.cpp``:
+       the reference's T, need, float64 sum in position order and ties by position);
+    3. the others (their whole layer) through the torch reference's levels, compaction and
+       means, all at once;
+    4. with ``update``, x -= what receivers decode (the reference's ``decode_add``).
 
 The torch reference's full passes over a 16M-element bucket take seconds on a CPU; these take
 a few passes over x. Registered as the ``native`` backend of ``radix`` (CPU float32).
@@ -27,6 +30,7 @@ import torch
 
 from ..compensate import torch_compensate
 from ..segments import Segments
+from ..wire import to_wire
 from . import native
 from .contract import Contract
 from .passes import Scan
@@ -118,16 +122,51 @@ class NativeRadix:
         views = seg.views(x)
         firsts = hist if isinstance(hist, list) else [None] * len(views)
         cands = [_candidates(mod, v, k, R, active, f) for v, k, f in zip(views, seg.ks, firsts)]   # 1.
-        cands = [torch.arange(v.numel()) if c is None else c for v, c in zip(views, cands)]
-        sub = Segments([c.numel() for c in cands], seg.ks)
-        xs = torch.cat([v.index_select(0, c) for v, c in zip(views, cands)])
-        pos, vals, means, bad, kth, side = _ref_select(sub, xs, R, active, k_row, None, torch.int64,   # 2.
-                                                       value_dtype, mean, False, None)
-        pos = torch.cat([c.index_select(0, p) for c, p in zip(cands, pos.split(seg.ks))]).to(index_dtype)
-        if update and seg.k_total:                                                                 # 3.
+        fast = [i for i, (c, k) in enumerate(zip(cands, seg.ks)) if c is not None and k > 0]
+        rest = [i for i in range(len(views)) if i not in set(fast)]
+        signed = mean or len(active) == 2   # the reference makes a mean for these only
+        rows = dict(zip(fast, (_exact_over(mod, views[i], cands[i], seg.ks[i], R, active, signed) for i in fast)))  # 2.
+        if rest:                                                                                    # 3.
+            rows.update(_reference(seg, views, cands, rest, R, active, k_row, value_dtype, mean))
+        pos, vals, means, bad, kth, side = (_cat([rows[i][f] for i in range(len(views))]) for f in range(6))
+        pos, vals = pos.to(index_dtype), to_wire(vals, value_dtype)
+        if update and seg.k_total:                                                                 # 4.
             TorchRadix.decode_add(seg, x, pos[None], None if mean else vals[None],
                                   means.float()[None] if mean else None, -1.0, velocity)
         return pos, vals, means, bad, kth, side
+
+
+def _cat(parts: list):
+    return None if any(p is None for p in parts) else torch.cat(parts)
+
+
+def _exact_over(mod, v: torch.Tensor, cand: torch.Tensor, k: int, R: int, active: tuple, signed: bool) -> tuple:
+    """One layer's (positions, float32 values, signed mean, non-finite, k-th key, side), each a
+    tensor, from its candidates by the native kernels, as the reference gives them
+    (``_native/exact_kernels.cpp``); the mean is None where the reference makes none."""
+    xs = v.index_select(0, cand)
+    sides = [-1] if R == 1 else list(active)
+    stats = {s: mod.kth_side(xs, k, s) for s in sides}           # s: (T, need, mean magnitude)
+    s = (1 if stats[1][2] > stats[0][2] else 0) if len(active) == 2 else sides[0]
+    t, need, mag = stats[s]
+    took = mod.take_side(xs, k, s, t, need)
+    m = torch.tensor([-mag if s == 1 else mag], dtype=torch.float64).float() if signed else None
+    return (cand.index_select(0, took), xs.index_select(0, took), m, torch.zeros(1, dtype=torch.bool),
+            torch.tensor([t], dtype=torch.int32), torch.tensor([max(s, 0)], dtype=torch.int8))
+
+
+def _reference(seg, views, cands, rows: list, R, active, k_row, value_dtype, mean) -> dict:
+    """{layer: its row of the torch reference}, run over these layers' candidates (the whole layer
+    where None) at once. No host read: the exchange's radix path makes none."""
+    cs = [torch.arange(views[i].numel()) if cands[i] is None else cands[i] for i in rows]
+    sub = Segments([c.numel() for c in cs], [seg.ks[i] for i in rows])
+    xs = torch.cat([views[i].index_select(0, c) for i, c in zip(rows, cs)])
+    k_sub = k_row.view(len(seg), R)[torch.tensor(rows)].reshape(-1) if len(rows) < len(seg) else k_row
+    pos, vals, means, bad, kth, side = _ref_select(sub, xs, R, active, k_sub, None, torch.int64, torch.float32,
+                                                   mean, False, None)
+    per = [[c.index_select(0, p) for c, p in zip(cs, pos.split(sub.ks))], vals.split(sub.ks),
+           [None] * len(rows) if means is None else means.split(1), bad.split(1), kth.split(1), side.split(1)]
+    return {i: tuple(f[j] for f in per) for j, i in enumerate(rows)}
 
 
 register(Backend("native", ("radix",), Gate(native.load, NativeRadix), devices=("cpu",), dtypes=(torch.float32,),
