@@ -122,13 +122,20 @@ class NativeRadix:
         views = seg.views(x)
         firsts = hist if isinstance(hist, list) else [None] * len(views)
         cands = [_candidates(mod, v, k, R, active, f) for v, k, f in zip(views, seg.ks, firsts)]   # 1.
-        fast = [i for i, (c, k) in enumerate(zip(cands, seg.ks)) if c is not None and k > 0]
-        rest = [i for i in range(len(views)) if i not in set(fast)]
-        signed = mean or len(active) == 2   # the reference makes a mean for these only
-        rows = dict(zip(fast, (_exact_over(mod, views[i], cands[i], seg.ks[i], R, active, signed) for i in fast)))  # 2.
-        if rest:                                                                                    # 3.
-            rows.update(_reference(seg, views, cands, rest, R, active, k_row, value_dtype, mean))
-        pos, vals, means, bad, kth, side = (_cat([rows[i][f] for i in range(len(views))]) for f in range(6))
+        fast = {i for i, (c, k) in enumerate(zip(cands, seg.ks)) if c is not None and k > 0}
+        rest = [i for i in range(len(views)) if i not in fast]
+        if not fast:   # every layer through the reference at once: its result as it comes            3.
+            pos, vals, means, bad, kth, side = _reference(seg, views, cands, rest, R, active, k_row, mean)
+        else:
+            signed = mean or len(active) == 2   # the reference makes a mean for these only
+            rows = {i: _exact_over(mod, views[i], cands[i], seg.ks[i], R, active, signed) for i in fast}   # 2.
+            if rest:                                                                                # 3.
+                got = _reference(seg, views, cands, rest, R, active, k_row, mean)
+                ks = [seg.ks[i] for i in rest]
+                per = [got[0].split(ks), got[1].split(ks)] + \
+                    [[None] * len(rest) if t is None else t.split(1) for t in got[2:]]
+                rows.update({i: tuple(f[j] for f in per) for j, i in enumerate(rest)})
+            pos, vals, means, bad, kth, side = (_cat([rows[i][f] for i in range(len(views))]) for f in range(6))
         pos, vals = pos.to(index_dtype), to_wire(vals, value_dtype)
         if update and seg.k_total:                                                                 # 4.
             TorchRadix.decode_add(seg, x, pos[None], None if mean else vals[None],
@@ -155,18 +162,18 @@ def _exact_over(mod, v: torch.Tensor, cand: torch.Tensor, k: int, R: int, active
             torch.tensor([t], dtype=torch.int32), torch.tensor([max(s, 0)], dtype=torch.int8))
 
 
-def _reference(seg, views, cands, rows: list, R, active, k_row, value_dtype, mean) -> dict:
-    """{layer: its row of the torch reference}, run over these layers' candidates (the whole layer
-    where None) at once. No host read: the exchange's radix path makes none."""
+def _reference(seg, views, cands, rows: list, R, active, k_row, mean) -> tuple:
+    """The torch reference over these layers' candidates (the whole layer where None) at once:
+    (positions in their layers, float32 values, means, non-finite, k-th key, side). No host read:
+    the exchange's radix path makes none."""
     cs = [torch.arange(views[i].numel()) if cands[i] is None else cands[i] for i in rows]
     sub = Segments([c.numel() for c in cs], [seg.ks[i] for i in rows])
     xs = torch.cat([views[i].index_select(0, c) for i, c in zip(rows, cs)])
     k_sub = k_row.view(len(seg), R)[torch.tensor(rows)].reshape(-1) if len(rows) < len(seg) else k_row
     pos, vals, means, bad, kth, side = _ref_select(sub, xs, R, active, k_sub, None, torch.int64, torch.float32,
                                                    mean, False, None)
-    per = [[c.index_select(0, p) for c, p in zip(cs, pos.split(sub.ks))], vals.split(sub.ks),
-           [None] * len(rows) if means is None else means.split(1), bad.split(1), kth.split(1), side.split(1)]
-    return {i: tuple(f[j] for f in per) for j, i in enumerate(rows)}
+    pos = torch.cat([c.index_select(0, p) for c, p in zip(cs, pos.split(sub.ks))])
+    return pos, vals, means, bad, kth, side
 
 
 register(Backend("native", ("radix",), Gate(native.load, NativeRadix), devices=("cpu",), dtypes=(torch.float32,),
