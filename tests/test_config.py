@@ -392,3 +392,33 @@ def test_local_steps_keep_momentum_local_and_name_what_cannot_apply():
         with pytest.raises(ValueError, match="local steps"):
             refuse(on, framework, engine)
     refuse(on, "torch", "horovod")
+
+
+def test_local_steps_auto_settles_where_the_exchange_is_built():
+    """``local_steps: auto``: 8 steps under PyTorch's Horovod optimizer with an exchange of 8 x
+    density and DGC's correction off; every step, with the config as written, on the other
+    engines or with a per-step knob set; a word that is not auto is refused with the fix."""
+    from redsync_hvd.config import exchange_every, parse_compression
+    from redsync_hvd.config.compression import AUTO_LOCAL_STEPS
+    from redsync_hvd.engine.build import refuse
+
+    auto = parse_compression({"method": "redsync", "local_steps": "auto", "density": 0.002})
+    assert not auto.delayed and "ddp" in auto.engines   # unsettled: what every engine can run
+    here = auto.settle("torch", "horovod")
+    assert (here.local_steps, here.density, here.corrects_momentum) == (AUTO_LOCAL_STEPS, 0.016, False)
+    refuse(here, "torch", "horovod")
+    for framework, engine in [("torch", "ddp"), ("torch", "fsdp"), ("tensorflow", "horovod")]:
+        there = auto.settle(framework, engine)
+        assert (there.local_steps, there.density, there.corrects_momentum) == (1, 0.002, True)
+        refuse(there, framework, engine)
+    clipped = parse_compression({"method": "redsync", "local_steps": "auto", "dgc": {"clip_norm": 1.0}})
+    assert clipped.settle("torch", "horovod").local_steps == 1 and clipped.per_step_knobs() == ["dgc.clip_norm"]
+    assert parse_compression({"method": "topk", "local_steps": "auto", "density": 0.5}).settle(
+        "torch", "horovod").density == 1.0   # an exchange sends at most the whole delta
+    assert [exchange_every(c) for c in ({"method": "redsync", "local_steps": "auto"}, {"method": "sbc"},
+                                        {"method": "redsync"}, None)] == [AUTO_LOCAL_STEPS, 10, 1, 1]
+    assert exchange_every({"method": "redsync", "local_steps": "auto"}, "torch", "ddp") == 1
+    assert parse_compression({"method": "redsync", "local_steps": 4}).settle("torch", "ddp").local_steps == 4
+    for bad in ("sometimes", 0):
+        with pytest.raises(ValueError, match="local_steps"):
+            parse_compression({"method": "redsync", "local_steps": bad})

@@ -148,6 +148,8 @@ SBC_ROUNDS = [
      "policy": {"min_compress_numel": 0}, "check_local": True},
     {"method": "redsync", "local_steps": 4, "density": 0.05, "message": {"index_coding": "golomb"}},
     {"method": "topk", "local_steps": 2, "density": 0.1},
+    # auto: 8 steps, and density is what a step sends on average: 8 x 0.125 = the whole delta
+    {"method": "topk", "local_steps": "auto", "density": 0.125, "expect_steps": 8, "check_local": True},
 ]
 
 

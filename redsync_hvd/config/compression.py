@@ -570,7 +570,12 @@ _LOCAL_STEPS = ("optimizer steps each worker takes on its own between exchanges 
                 "pseudo-gradient with error feedback); momentum and Adam's moments stay in each worker's "
                 "optimizer. local_steps times fewer collectives, and the delta of many steps is sent at once, so "
                 "a higher density per exchange pays (docs/redsync.md, 'Local steps'). Workers drift apart "
-                "between exchanges. PyTorch under engine: horovod; 1: every step (the default)")
+                "between exchanges. PyTorch under engine: horovod; 1: every step (the default) | auto: 8 where the "
+                "delayed step runs (PyTorch under engine: horovod, allgather, none of the per-step knobs below set), "
+                "with density read as the share a step sends on average (an exchange sends 8 x density); every step "
+                "elsewhere. The choice is in layers.log")
+
+AUTO_LOCAL_STEPS = 8   # docs/benchmarks.md, "Local steps": 8 steps held every cell the per-step default misses
 
 
 class AllgatherConfig(ResidualConfig):
@@ -589,11 +594,26 @@ class AllgatherConfig(ResidualConfig):
                              "stops moving (1-bit Adam's frozen variance, Tang et al. 2021), so its Adam direction "
                              "is its momentum over a fixed per-coordinate scale and a residual that waited keeps "
                              "its size. Frozen early, v misses how gradients shrink late in the run; 0: never")
-    local_steps: int = Field(1, ge=1, description=_LOCAL_STEPS)
+    local_steps: Union[Literal["auto"], int] = Field(1, description=_LOCAL_STEPS)
+
+    @field_validator("local_steps", mode="before")
+    @classmethod
+    def _steps_or_auto(cls, v):
+        if isinstance(v, str) and v != "auto" and not v.strip().isdigit():
+            raise ValueError(f"local_steps: {v!r}: give a count of steps (1: every step) or auto")
+        return v
+
+    @field_validator("local_steps")
+    @classmethod
+    def _positive_steps(cls, v):
+        if v != "auto" and v < 1:
+            raise ValueError(f"local_steps: {v}: give 1 (every step), a larger count of local steps, or auto")
+        return v
 
     @property
     def delayed(self) -> bool:
-        return self.local_steps > 1
+        """Local steps run; ``auto`` not yet settled for an engine counts as every step."""
+        return self.local_steps != "auto" and self.local_steps > 1
 
     @property
     def engines(self) -> tuple:
@@ -612,7 +632,8 @@ class AllgatherConfig(ResidualConfig):
     def _local_steps_keep_momentum_local(cls, data):
         """Under local steps the optimizer's own momentum runs on every worker between rounds: DGC's
         momentum correction (RedSync's default) is off unless the config names it."""
-        if isinstance(data, dict) and int(data.get("local_steps", 1) or 1) > 1:
+        steps = data.get("local_steps", 1) if isinstance(data, dict) else 1
+        if isinstance(steps, int) and steps > 1:
             dgc = data.get("dgc") if isinstance(data.get("dgc"), dict) else {}
             if "momentum_correction" not in dgc:
                 data = {**data, "dgc": {**dgc, "momentum_correction": False}}
@@ -622,19 +643,37 @@ class AllgatherConfig(ResidualConfig):
     def _local_steps_send_deltas(self):
         if not self.delayed:
             return self
-        clash = {"dgc.momentum_correction: true": self.dgc.momentum_correction,
-                 "dgc.clip_norm": self.dgc.clip_norm is not None,
-                 "feedback_units: update": self.feedback_units == "update",
-                 "sparse_update: true": self.sparse_update is True,
-                 f"aggregation: {self.aggregation}": self.aggregation != "allgather",
-                 "residual_lr: own": self.residual_lr == "own"}
-        named = [k for k, bad in clash.items() if bad]
+        named = ["dgc.momentum_correction: true"] * self.dgc.momentum_correction + self.per_step_knobs()
         if named:
             raise ValueError(f"local_steps: {self.local_steps} sends each worker's model delta after its own "
                              f"optimizer steps, where {', '.join(named)} cannot apply (momentum, clipping and "
                              "Adam stay in the local optimizer; the average is applied to the weights by "
                              "allgather): remove them, or set local_steps: 1")
         return self
+
+    def per_step_knobs(self) -> list:
+        """The knobs set here that only an exchange every step runs (local steps refuse them)."""
+        clash = {"dgc.clip_norm": self.dgc.clip_norm is not None,
+                 "feedback_units: update": self.feedback_units == "update",
+                 "sparse_update: true": self.sparse_update is True,
+                 f"aggregation: {self.aggregation}": self.aggregation != "allgather",
+                 "residual_lr: own": self.residual_lr == "own"}
+        return [k for k, bad in clash.items() if bad]
+
+    def settle(self, framework: str, engine: str) -> "AllgatherConfig":
+        """``local_steps: auto`` made concrete where the exchange is built (a set count is kept):
+        1. Local steps run only in PyTorch's DistributedOptimizer under horovodrun, by allgather,
+           with none of ``per_step_knobs``; anywhere else auto is every step, as before.
+        2. There it is ``AUTO_LOCAL_STEPS`` steps, and ``density`` keeps its meaning of what a step
+           sends on average: an exchange sends ``AUTO_LOCAL_STEPS x density`` of each delta.
+        3. DGC's momentum correction goes off: the optimizer's momentum runs on every worker."""
+        if self.local_steps != "auto":
+            return self
+        if (framework, engine) != ("torch", "horovod") or self.per_step_knobs():        # 1.
+            return self.model_copy(update={"local_steps": 1})
+        steps = AUTO_LOCAL_STEPS
+        return self.model_copy(update={"local_steps": steps, "density": min(1.0, self.density * steps),   # 2.
+                                       "dgc": self.dgc.model_copy(update={"momentum_correction": False})})  # 3.
 
     @model_validator(mode="after")
     def _frozen_needs_update_units(self):
@@ -895,6 +934,15 @@ def parse_compression(value: Any) -> MethodConfig:
     except ValidationError as exc:
         problems = [_problem(err, cls, method) for err, _ in relevant(exc.errors())]
         raise CompressionError("; ".join(text for text, _ in problems), [path for _, path in problems]) from None
+
+
+def exchange_every(value: Any, framework: str = "torch", engine: str = "horovod") -> int:
+    """Steps between exchanges of the method ``value`` (dict or config) as it runs under this
+    framework and engine: ``local_steps`` once ``auto`` is settled, 1 for an exchange every step."""
+    config = parse_compression(value if value is not None else {"method": "none"})
+    if hasattr(config, "settle"):
+        config = config.settle(framework, engine)
+    return int(getattr(config, "local_steps", 1)) if config.delayed else 1
 
 
 def _nested_example(path: str, value: Any) -> str:

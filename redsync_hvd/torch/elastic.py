@@ -109,7 +109,7 @@ class ElasticState(TorchState):
         if config is None or config.strategy != "exchange" or config.delayed:
             raise resize.ResizeError("local steps (sbc, or local_steps > 1) and decentralized methods keep a model "
                                      "per worker, which Horovod Elastic's model broadcast would overwrite; use them "
-                                     "without --min-np")
+                                     "without --min-np, or set compression.local_steps: 1")
         if config.policy.mode == "cost_model" and config.policy.decisions is None:
             raise resize.ResizeError("policy: cost_model probes the network with collectives when the optimizer "
                                      "is built, which a worker joining an elastic job cannot run with the others "

@@ -39,6 +39,11 @@ from .update_units import UpdateUnitsStep, take_moments
 SPARSE_AUTO_NOTE = ("compression.sparse_update: true (auto under policy.mode: cost_model): the optimizer is plain "
                     "SGD, so step() applies each compressed layer's average straight to its weights; their .grad "
                     "is None after step() (synchronize() first gives dense averages)")
+LOCAL_AUTO_NOTE = ("compression.local_steps: {steps} (auto): each worker takes {steps} steps of its own optimizer, "
+                   "then sends the top {density:g} of its model delta plus residual (density x {steps}); DGC's "
+                   "momentum correction is off, the optimizer's momentum stays on each worker (docs/redsync.md, "
+                   "'Local steps')")
+LOCAL_AUTO_OFF_NOTE = ("compression.local_steps: 1 (auto): {knobs} need an exchange every step")
 STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
                    "optimizer.synchronize(): step() uses the gradients synchronize() wrote (horovod.torch would "
                    "exchange them again); wrap step() in `with optimizer.skip_synchronize():`")
@@ -55,6 +60,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._names = {p: n for n, p in named}
         self._parameter_names = self._names   # horovod.torch's name for it
         spec = parse(compression)
+        auto = getattr(spec, "local_steps", None) == "auto" and not isinstance(compression, Compressor)
+        if auto:   # local_steps: auto is settled here, the one place local steps run
+            spec = compression = spec.settle("torch", "horovod")
         self._horovod_options(options, comm, spec)
         sparse = {n for n, p in named if makes_sparse_grads(self, p)}
         rows = {n: p for n, p in named if n in sparse and not (options.sparse_as_dense or self._delayed)}
@@ -67,6 +75,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                take_momentum=lambda: take_momentum(self.param_groups, self._names),
                                take_moments=lambda: take_moments(self, self._names))
         self._exchange, self.compression_config = built.exchange, built.config
+        if auto:
+            self._exchange.policy.notes.append(LOCAL_AUTO_NOTE.format(steps=spec.local_steps, density=spec.density)
+                                               if spec.delayed else LOCAL_AUTO_OFF_NOTE.format(
+                                                   knobs=", ".join(spec.per_step_knobs())))
         # feedback_units: update: compressed layers arrive as Adam steps, applied here (update_units.py)
         self._units = UpdateUnitsStep(self, self._names, built.exchange.memory) if built.moments else None
         if built.config.follows_own_lr:

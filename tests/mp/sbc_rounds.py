@@ -1,4 +1,4 @@
-"""Local steps under horovodrun (SBC, and ``local_steps`` of RedSync and top-k): after every
+"""Local steps under horovodrun (SBC, and ``local_steps`` of RedSync and top-k, set or auto): after every
 communication round all ranks hold identical models, no collective runs between rounds,
 local_steps=1/density=1/no binarisation equals dense SGD, and at density 1 with fp32 values a
 round lands on the average of the workers' own local SGD runs (``check_local``)."""
@@ -16,6 +16,7 @@ def main(options):
     check_dense = options.pop("check_dense", False)
     check_local = options.pop("check_local", False)
     method = options.pop("method", "sbc")
+    expect_steps = options.pop("expect_steps", None)   # local_steps: auto settles to this
     rhvd.init()
     rank, size = rhvd.rank(), rhvd.size()
     torch.manual_seed(3)
@@ -28,7 +29,11 @@ def main(options):
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     X, Y = torch.randn(12, size, 8, 20), torch.randint(0, 5, (12, size, 8))
     lossf = torch.nn.CrossEntropyLoss()
-    n = options["local_steps"]
+    n = expect_steps or options["local_steps"]
+    assert opt.compression_config.local_steps == n, opt.compression_config.local_steps
+    if options["local_steps"] == "auto":
+        assert any(f"local_steps: {n} (auto)" in note for note in opt._exchange.policy.notes), \
+            opt._exchange.policy.notes
     local = [copy.deepcopy(ref) for _ in range(size)]   # each worker's own SGD since the last round
     for step in range(12):
         for r, m in enumerate(local):

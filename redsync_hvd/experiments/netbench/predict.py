@@ -34,7 +34,7 @@ import math
 import os
 
 from redsync_hvd.compressors import Layer, build_compressor
-from redsync_hvd.config import parse_compression
+from redsync_hvd.config import exchange_every, parse_compression
 from redsync_hvd.policy import costmodel as cm
 
 HOROVOD_DEFAULT_FUSION = 128 * 1024 * 1024
@@ -111,7 +111,7 @@ def predict(run: dict, N: int, net: cm.Network, compute_s: float, fusion: int | 
                               "allgather")
         comm = cm.step_time(plan, N, net, 0.0, compute=ZERO, fusion_bytes=fusion, buckets=buckets_from_run(run),
                             finite_check=check, aggregation=aggregation)
-    local = int((run.get("compression") or {}).get("local_steps", 1) or 1)
+    local = exchange_every(run.get("compression"))
     comm_per_step = comm / local   # SBC: one exchange every local_steps steps
     total = compute_s + overhead + comm_per_step
     return {"predicted_step_time_s": total, "predicted_comm_s": comm_per_step,

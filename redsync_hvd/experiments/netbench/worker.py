@@ -138,9 +138,11 @@ def _summarise(label, compression, parts, rank, size):
     phases = {ph: [x for p in parts for x in p[ph]] for ph in PHASES}
     wire = [w for p in parts for w in p["wire"]]
     compute = [s - sum(phases[ph][j] for ph in PHASES) for j, s in enumerate(steps)]
+    from redsync_hvd.config import exchange_every  # pydantic: read once the timings are in
+
     # communication delay (SBC: local steps, then one exchange): only the mean over whole
     # periods is the cost per step; everything else: the median, robust to a noisy host
-    delayed = int((compression or {}).get("local_steps", 1) or 1) > 1
+    delayed = exchange_every(compression) > 1
     agg = statistics.fmean if delayed else _median
     last = parts[-1]
     return {
