@@ -422,3 +422,7 @@ def test_local_steps_auto_settles_where_the_exchange_is_built():
     for bad in ("sometimes", 0):
         with pytest.raises(ValueError, match="local_steps"):
             parse_compression({"method": "redsync", "local_steps": bad})
+    with pytest.raises(ValueError, match="set local_steps"):
+        parse_compression({"method": "redsync", "local_decay": 0.9})
+    assert parse_compression({"method": "redsync", "local_steps": "auto", "local_decay": 0.9}).settle(
+        "torch", "horovod").local_decay == 0.9

@@ -575,6 +575,11 @@ _LOCAL_STEPS = ("optimizer steps each worker takes on its own between exchanges 
                 "with density read as the share a step sends on average (an exchange sends 8 x density); every step "
                 "elsewhere. The choice is in layers.log")
 
+_LOCAL_DECAY = ("with local steps: each worker's residual is multiplied by this before its next delta joins it "
+                "(SparseLoCo's error-feedback decay, Sarfi et al. 2025), so what waited longer than about "
+                "1 / (1 - local_decay) exchanges fades instead of arriving late, and the residual acts as a "
+                "decaying outer momentum. 1: kept whole (the default). With an exchange every step it does not apply")
+
 AUTO_LOCAL_STEPS = 8   # docs/benchmarks.md, "Local steps": 8 steps held every cell the per-step default misses
 
 
@@ -595,6 +600,7 @@ class AllgatherConfig(ResidualConfig):
                              "is its momentum over a fixed per-coordinate scale and a residual that waited keeps "
                              "its size. Frozen early, v misses how gradients shrink late in the run; 0: never")
     local_steps: Union[Literal["auto"], int] = Field(1, description=_LOCAL_STEPS)
+    local_decay: float = Field(1.0, gt=0, le=1, description=_LOCAL_DECAY)
 
     @field_validator("local_steps", mode="before")
     @classmethod
@@ -641,6 +647,10 @@ class AllgatherConfig(ResidualConfig):
 
     @model_validator(mode="after")
     def _local_steps_send_deltas(self):
+        if self.local_decay != 1.0 and self.local_steps == 1:
+            raise ValueError(f"local_decay: {self.local_decay} fades the residual between exchanges of local steps; "
+                             "with local_steps: 1 there are none: set local_steps (a count, or auto), or remove "
+                             "local_decay")
         if not self.delayed:
             return self
         named = ["dgc.momentum_correction: true"] * self.dgc.momentum_correction + self.per_step_knobs()

@@ -343,6 +343,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             ex.stats.add("dense_bytes", 4 * sum(p.numel() for p in self._params.values()))
             ex.stats.end_step()
             return loss
+        decay = getattr(self.compression_config, "local_decay", 1.0)
+        if decay != 1.0:   # SparseLoCo: e = decay * e + delta, before the delta joins
+            ex.memory.scale(decay)
         for name in ex.order:
             ex.submit(name, self._params[name].detach() - self._snapshot[name])
         averaged = ex.finish().averages

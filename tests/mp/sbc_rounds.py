@@ -17,6 +17,7 @@ def main(options):
     check_local = options.pop("check_local", False)
     method = options.pop("method", "sbc")
     expect_steps = options.pop("expect_steps", None)   # local_steps: auto settles to this
+    check_decay = options.get("local_decay")   # SparseLoCo's decay: what each rank sent, from its residuals
     rhvd.init()
     rank, size = rhvd.rank(), rhvd.size()
     torch.manual_seed(3)
@@ -35,6 +36,9 @@ def main(options):
         assert any(f"local_steps: {n} (auto)" in note for note in opt._exchange.policy.notes), \
             opt._exchange.policy.notes
     local = [copy.deepcopy(ref) for _ in range(size)]   # each worker's own SGD since the last round
+    names = [n for n, _ in model.named_parameters()]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}   # the common weights of the last round
+    kept = {n: torch.zeros_like(p) for n, p in before.items()}             # this rank's residuals then
     for step in range(12):
         for r, m in enumerate(local):
             m.zero_grad()
@@ -58,6 +62,8 @@ def main(options):
                 average = [torch.stack(qs).mean(0) for qs in zip(*(m.parameters() for m in local))]
             for p, a in zip(model.parameters(), average):
                 assert torch.allclose(p, a, atol=1e-5), (p - a).abs().max()
+        if check_decay:
+            check_sent(opt, model, local[rank], names, before, kept, check_decay)
         local = [copy.deepcopy(model) for _ in range(size)]
         if check_dense:
             ref_opt.zero_grad()
@@ -68,6 +74,21 @@ def main(options):
     s = opt.communication_stats()
     assert s["steps"] == 12 and s["dense_bytes"] == 12 * 4 * sum(p.numel() for p in model.parameters()), s
     print(f"rank {rank}: OK sbc {method} {options} ratio={s['compression_ratio']:.1f}")
+
+
+def check_sent(opt, model, mine, names, before, kept, decay):
+    """SparseLoCo's x = decay * r + delta: what each rank sent is x - r_now; their mean must be
+    the step the common weights took. Fails if the decay is not applied (r_then is not zero)."""
+    now = {n: r.view(before[n].shape) for n, r in opt._exchange.memory.residuals().items()}
+    own = dict(zip(names, mine.parameters()))
+    with torch.no_grad():
+        sent = [decay * kept[n] + (own[n] - before[n]) - now[n] for n in names]
+    everyone = rhvd.allgather_object(sent)
+    for n, p, *theirs in zip(names, model.parameters(), *everyone):
+        step = p.detach() - before[n]
+        mean = torch.stack(theirs).mean(0)
+        assert torch.allclose(step, mean, atol=1e-5), (n, (step - mean).abs().max())
+        before[n], kept[n] = p.detach().clone(), now[n].clone()
 
 
 if __name__ == "__main__":
