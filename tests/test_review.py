@@ -208,6 +208,11 @@ def test_whatif_prices_dense_and_fp16_as_the_allreduce_of_their_bytes_with_no_me
     slow, fast = (price({"method": "topk"}, layers, 8, net, ComputeModel(select_c0=c0, select_c1=0.0), 0.0, 0.0)
                   for c0 in (1e-2, 1e-4))
     assert slow["compressed"] == 8 and slow["exchange_s"] > fast["exchange_s"] + 1e-2 - 1e-4
+    rates = ComputeModel(select_c0=1e-3, select_c1=0.0)
+    auto = price({"method": "redsync", "local_steps": "auto", "density": 0.002}, layers, 8, net, rates, 0.0, 0.0)
+    eight = price({"method": "redsync", "local_steps": 8, "density": 0.016}, layers, 8, net, rates, 0.0, 0.0)
+    every = price({"method": "redsync", "density": 0.016}, layers, 8, net, rates, 0.0, 0.0)
+    assert auto == eight and auto["step_s"] == every["step_s"] / 8   # priced as horovodrun settles it
 
 
 def test_whatif_picks_what_the_recorded_sweeps_measured_fastest():

@@ -670,16 +670,17 @@ class AllgatherConfig(ResidualConfig):
                  "residual_lr: own": self.residual_lr == "own"}
         return [k for k, bad in clash.items() if bad]
 
-    def settle(self, framework: str, engine: str) -> "AllgatherConfig":
+    def settle(self, framework: str, engine: str, elastic: bool = False) -> "AllgatherConfig":
         """``local_steps: auto`` made concrete where the exchange is built (a set count is kept):
         1. Local steps run only in PyTorch's DistributedOptimizer under horovodrun, by allgather,
-           with none of ``per_step_knobs``; anywhere else auto is every step, as before.
+           with none of ``per_step_knobs``, outside Horovod Elastic (whose reset broadcasts one
+           model); anywhere else auto is every step, as before.
         2. There it is ``AUTO_LOCAL_STEPS`` steps, and ``density`` keeps its meaning of what a step
            sends on average: an exchange sends ``AUTO_LOCAL_STEPS x density`` of each delta.
         3. DGC's momentum correction goes off: the optimizer's momentum runs on every worker."""
         if self.local_steps != "auto":
             return self
-        if (framework, engine) != ("torch", "horovod") or self.per_step_knobs():        # 1.
+        if (framework, engine) != ("torch", "horovod") or elastic or self.per_step_knobs():   # 1.
             return self.model_copy(update={"local_steps": 1})
         steps = AUTO_LOCAL_STEPS
         return self.model_copy(update={"local_steps": steps, "density": min(1.0, self.density * steps),   # 2.

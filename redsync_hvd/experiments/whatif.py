@@ -107,6 +107,9 @@ def price(spec: dict, layers: list, N: int, net: Network, rates, compute_s: floa
     fixed cost, which none has too and is priced without, is left out; none sends the gradient
     itself and has no rate). ``rates`` prices the selecting methods' buckets."""
     config = parse_compression(spec)
+    if getattr(config, "local_steps", None) == "auto":   # as DistributedOptimizer settles it under horovodrun
+        config = config.settle("torch", "horovod")
+        spec = {**spec, "local_steps": config.local_steps, "density": config.density}
     steady = {k: v for k, v in spec.items() if k not in ("warmup", "start_iter", "dgc")}   # no optimizer here
     policy_spec = spec.get("policy")
     if isinstance(policy_spec, dict):
@@ -132,7 +135,7 @@ def price(spec: dict, layers: list, N: int, net: Network, rates, compute_s: floa
         else:
             wires = [policy._wire(l, l.base_density) for l in bucket.layers]
             comm_s += bucket_prediction(numels, wires, comp.collective, N, net, rates, overlap)[1]
-    every = int(getattr(config, "local_steps", 1) or 1) if config.delayed else 1   # SBC: an exchange every few
+    every = config.local_steps if config.delayed else 1   # local steps: an exchange every few
     step = compute_s + (dense_s * (1.0 - overlap) + comm_s) / every
     compressed = 0 if comp.dense_wire else sum(l.compressed for l in mine)   # none, fp16: no layer selects
     return {"method": config.method, "compressed": compressed, "layers": len(mine),

@@ -15,6 +15,7 @@ onto the exchange. Sparse gradients travel beside it (``sparse.py``).
 """
 from __future__ import annotations
 
+import os
 import warnings
 from contextlib import contextmanager
 
@@ -43,7 +44,7 @@ LOCAL_AUTO_NOTE = ("compression.local_steps: {steps} (auto): each worker takes {
                    "then sends the top {density:g} of its model delta plus residual (density x {steps}); DGC's "
                    "momentum correction is off, the optimizer's momentum stays on each worker (docs/redsync.md, "
                    "'Local steps')")
-LOCAL_AUTO_OFF_NOTE = ("compression.local_steps: 1 (auto): {knobs} need an exchange every step")
+LOCAL_AUTO_OFF_NOTE = "compression.local_steps: 1 (auto): {knobs} need an exchange every step"
 STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
                    "optimizer.synchronize(): step() uses the gradients synchronize() wrote (horovod.torch would "
                    "exchange them again); wrap step() in `with optimizer.skip_synchronize():`")
@@ -62,7 +63,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         spec = parse(compression)
         auto = getattr(spec, "local_steps", None) == "auto" and not isinstance(compression, Compressor)
         if auto:   # local_steps: auto is settled here, the one place local steps run
-            spec = compression = spec.settle("torch", "horovod")
+            spec = compression = spec.settle("torch", "horovod", elastic=os.environ.get("HOROVOD_ELASTIC") == "1")
         self._horovod_options(options, comm, spec)
         sparse = {n for n, p in named if makes_sparse_grads(self, p)}
         rows = {n: p for n, p in named if n in sparse and not (options.sparse_as_dense or self._delayed)}
@@ -76,9 +77,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                take_moments=lambda: take_moments(self, self._names))
         self._exchange, self.compression_config = built.exchange, built.config
         if auto:
+            why = ", ".join(spec.per_step_knobs()) or "Horovod Elastic's reset broadcasts one model, which"
             self._exchange.policy.notes.append(LOCAL_AUTO_NOTE.format(steps=spec.local_steps, density=spec.density)
-                                               if spec.delayed else LOCAL_AUTO_OFF_NOTE.format(
-                                                   knobs=", ".join(spec.per_step_knobs())))
+                                               if spec.delayed else LOCAL_AUTO_OFF_NOTE.format(knobs=why))
         # feedback_units: update: compressed layers arrive as Adam steps, applied here (update_units.py)
         self._units = UpdateUnitsStep(self, self._names, built.exchange.memory) if built.moments else None
         if built.config.follows_own_lr:
