@@ -571,16 +571,17 @@ _LOCAL_STEPS = ("optimizer steps each worker takes on its own between exchanges 
                 "optimizer. local_steps times fewer collectives, and the delta of many steps is sent at once, so "
                 "a higher density per exchange pays (docs/redsync.md, 'Local steps'). Workers drift apart "
                 "between exchanges. PyTorch under engine: horovod; 1: every step (the default) | auto: 8 where the "
-                "delayed step runs (PyTorch under engine: horovod, allgather, none of the per-step knobs below set), "
-                "with density read as the share a step sends on average (an exchange sends 8 x density); every step "
-                "elsewhere. The choice is in layers.log")
+                "delayed step runs (PyTorch under engine: horovod, allgather, none of the per-step knobs below "
+                "set, not under Horovod Elastic), each exchange sending 0.1 of the delta, or 8 x density where "
+                "density is set (what a step sends on average); every step elsewhere. The choice is in layers.log")
 
 _LOCAL_DECAY = ("with local steps: each worker's residual is multiplied by this before its next delta joins it "
                 "(SparseLoCo's error-feedback decay, Sarfi et al. 2025), so what waited longer than about "
                 "1 / (1 - local_decay) exchanges fades instead of arriving late, and the residual acts as a "
                 "decaying outer momentum. 1: kept whole (the default). With an exchange every step it does not apply")
 
-AUTO_LOCAL_STEPS = 8   # docs/benchmarks.md, "Local steps": 8 steps held every cell the per-step default misses
+# docs/benchmarks.md, "Local steps": 8 steps, 0.1 of each delta, held the cells the per-step default misses
+AUTO_LOCAL_STEPS, AUTO_EXCHANGE_DENSITY = 8, 0.1
 
 
 class AllgatherConfig(ResidualConfig):
@@ -675,15 +676,17 @@ class AllgatherConfig(ResidualConfig):
         1. Local steps run only in PyTorch's DistributedOptimizer under horovodrun, by allgather,
            with none of ``per_step_knobs``, outside Horovod Elastic (whose reset broadcasts one
            model); anywhere else auto is every step, as before.
-        2. There it is ``AUTO_LOCAL_STEPS`` steps, and ``density`` keeps its meaning of what a step
-           sends on average: an exchange sends ``AUTO_LOCAL_STEPS x density`` of each delta.
+        2. There it is ``AUTO_LOCAL_STEPS`` steps. An exchange sends ``AUTO_EXCHANGE_DENSITY`` of
+           each delta, or, where the config sets ``density``, ``AUTO_LOCAL_STEPS x density``: a
+           density given keeps its meaning of what a step sends on average.
         3. DGC's momentum correction goes off: the optimizer's momentum runs on every worker."""
         if self.local_steps != "auto":
             return self
         if (framework, engine) != ("torch", "horovod") or elastic or self.per_step_knobs():   # 1.
             return self.model_copy(update={"local_steps": 1})
         steps = AUTO_LOCAL_STEPS
-        return self.model_copy(update={"local_steps": steps, "density": min(1.0, self.density * steps),   # 2.
+        density = min(1.0, self.density * steps) if "density" in self.model_fields_set else AUTO_EXCHANGE_DENSITY
+        return self.model_copy(update={"local_steps": steps, "density": density,                        # 2.
                                        "dgc": self.dgc.model_copy(update={"momentum_correction": False})})  # 3.
 
     @model_validator(mode="after")
