@@ -253,6 +253,8 @@ class Run:
     def _one_step(self, indices) -> None:
         if self.carrier is not None:
             self.carrier.last = None
+        if self.step + 1 == self.total and hasattr(self.trainer, "sync_next_step"):
+            self.trainer.sync_next_step()   # local steps: every worker ends on the same weights
         loss, correct, n = self.trainer.step(indices, self.step)                   # 3.
         self.step += 1
         self._note_decisions()

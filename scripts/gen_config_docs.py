@@ -116,7 +116,7 @@ def render() -> str:
 
 def _group(field):
     ann = field.annotation
-    return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    return getattr(ann, "listed_as", ann) if isinstance(ann, type) and issubclass(ann, BaseModel) else None
 
 
 def _compression() -> list[str]:

@@ -412,6 +412,10 @@ def test_local_steps_auto_settles_where_the_exchange_is_built():
         there = auto.settle(framework, engine)
         assert (there.local_steps, there.density, there.corrects_momentum) == (1, 0.002, True)
         refuse(there, framework, engine)
+    named = parse_compression({"method": "redsync", "local_steps": "auto", "dgc": {"momentum_correction": True}})
+    assert named.settle("torch", "horovod").local_steps == 1 and named.corrects_momentum   # asked for by name
+    masked = parse_compression({"method": "redsync", "local_steps": "auto", "dgc": {"momentum_masking": False}})
+    assert masked.corrects_momentum and masked.settle("torch", "horovod").local_steps == AUTO_LOCAL_STEPS
     clipped = parse_compression({"method": "redsync", "local_steps": "auto", "dgc": {"clip_norm": 1.0}})
     assert clipped.settle("torch", "horovod").local_steps == 1 and clipped.per_step_knobs() == ["dgc.clip_norm"]
     unset = parse_compression({"method": "redsync", "local_steps": "auto"}).settle("torch", "horovod")

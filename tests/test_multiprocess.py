@@ -150,6 +150,9 @@ SBC_ROUNDS = [
     {"method": "topk", "local_steps": 2, "density": 0.1},
     # auto: 8 steps, and density is what a step sends on average: 8 x 0.125 = the whole delta
     {"method": "topk", "local_steps": "auto", "density": 0.125, "expect_steps": 8, "check_local": True},
+    # a run that ends between rounds: sync_next_step() makes its last step a round (12 = 5 + 5 + 2)
+    {"method": "redsync", "local_steps": 5, "density": 1.0, "message": {"quantize": "none"},
+     "policy": {"min_compress_numel": 0}, "check_local": True, "sync_last": True},
     # SparseLoCo's decay: each rank's residual fades by local_decay before its next delta joins
     {"method": "topk", "local_steps": 3, "density": 0.2, "local_decay": 0.5, "policy": {"min_compress_numel": 0}},
 ]

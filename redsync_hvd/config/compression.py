@@ -310,6 +310,15 @@ class DGCConfig(_Group):
                                                                "clip_norm * N**-0.5 before accumulation")
 
 
+class RedSyncDGCConfig(DGCConfig):
+    """RedSync's DGC group: the momentum correction is on unless the config turns it off (a
+    ``dgc`` section that names only the masking keeps it on)."""
+    listed_as: ClassVar[type] = DGCConfig   # docs/configuration.md: one dgc table, redsync's default in its cells
+    momentum_correction: bool = Field(
+        True, description="accumulate velocity, not gradient, in the residual; takes momentum and weight "
+                          "decay out of the wrapped optimizer (which then runs plain SGD)")
+
+
 class WarmupConfig(_Group):
     """DGC's density warm-up: exponential decay from start_density to density in equal stages."""
     epochs: float = Field(0.0, ge=0, description="warm-up length in epochs")
@@ -654,7 +663,9 @@ class AllgatherConfig(ResidualConfig):
                              "local_decay")
         if not self.delayed:
             return self
-        named = ["dgc.momentum_correction: true"] * self.dgc.momentum_correction + self.per_step_knobs()
+        named = self.per_step_knobs()
+        if self.dgc.momentum_correction and "dgc.momentum_correction: true" not in named:
+            named.insert(0, "dgc.momentum_correction: true")
         if named:
             raise ValueError(f"local_steps: {self.local_steps} sends each worker's model delta after its own "
                              f"optimizer steps, where {', '.join(named)} cannot apply (momentum, clipping and "
@@ -664,7 +675,9 @@ class AllgatherConfig(ResidualConfig):
 
     def per_step_knobs(self) -> list:
         """The knobs set here that only an exchange every step runs (local steps refuse them)."""
-        clash = {"dgc.clip_norm": self.dgc.clip_norm is not None,
+        named = "momentum_correction" in self.dgc.model_fields_set
+        clash = {"dgc.momentum_correction: true": named and self.dgc.momentum_correction,
+                 "dgc.clip_norm": self.dgc.clip_norm is not None,
                  "feedback_units: update": self.feedback_units == "update",
                  "sparse_update: true": self.sparse_update is True,
                  f"aggregation: {self.aggregation}": self.aggregation != "allgather",
@@ -762,7 +775,7 @@ class RedSyncConfig(AllgatherConfig):
     density: float = Field(0.001, description="fraction of each compressed layer sent per step, in (0, 1]")
     selection: SelectionConfig = Field(default_factory=SelectionConfig, description="how k elements are found")
     message: MessageConfig = Field(default_factory=MessageConfig, description="what travels")
-    dgc: DGCConfig = Field(default_factory=lambda: DGCConfig(momentum_correction=True), description="DGC's corrections")
+    dgc: RedSyncDGCConfig = Field(default_factory=RedSyncDGCConfig, description="DGC's corrections")
     policy: PolicyConfig = Field(default_factory=lambda: PolicyConfig(min_compress_numel=4096),
                                  description="which layers compress (min_compress_numel 4096 unless given)")
 
@@ -770,13 +783,6 @@ class RedSyncConfig(AllgatherConfig):
     @classmethod
     def _selection_shorthand(cls, v):
         return {"method": v} if isinstance(v, str) else v
-
-    @field_validator("dgc", mode="before")
-    @classmethod
-    def _dgc_keeps_the_correction(cls, v):
-        """A ``dgc`` section that leaves momentum_correction out keeps RedSync's default (on):
-        ``dgc: {momentum_masking: false}`` must not turn the correction off with it."""
-        return {**v, "momentum_correction": True} if isinstance(v, dict) and "momentum_correction" not in v else v
 
     @field_validator("policy", mode="before")
     @classmethod

@@ -102,7 +102,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._skip_sync = False
         # communication delay (SBC): local steps, then the model delta goes through the exchange
         self._local_steps = config.local_steps if config.delayed else None
-        self._snapshot, self._local = None, 0
+        self._snapshot, self._local, self._sync_next = None, 0, False
         self._hooks = [] if self._local_steps else \
             [p.register_post_accumulate_grad_hook(self._make_hook(n)) for n, p in named]
         # sparse gradients must stay sparse for their optimizer: no dense buffer for them to land in
@@ -339,7 +339,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         loss = super(self.__class__, self).step(closure)
         self._local += 1
         ex = self._exchange
-        if self._local % self._local_steps:
+        if self._local % self._local_steps and not self._sync_next:
             # dense SGD would have sent this step's gradients: count them for an honest ratio
             ex.stats.add("dense_bytes", 4 * sum(p.numel() for p in self._params.values()))
             ex.stats.end_step()
@@ -355,7 +355,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 p = self._params[name]
                 p.copy_(self._snapshot[name] + flat.view(p.shape).to(p.dtype))
                 self._snapshot[name].copy_(p)
+        self._local, self._sync_next = 0, False   # the next round counts its local steps from here
         return loss
+
+    def sync_next_step(self) -> None:
+        """Local steps (``local_steps`` above 1, SBC): the next ``step()`` ends with an exchange
+        whatever the count of local steps, so every worker holds the same weights after it. The
+        runner calls it before a run's last step (a run of 1,500 steps at 8 local steps would
+        otherwise end 4 steps after its last exchange, each worker on its own weights). Call it
+        on every rank before the same step. Every step already exchanges: nothing to do."""
+        self._sync_next = bool(self._local_steps)
 
     def step(self, closure=None):
         if self._local_steps:

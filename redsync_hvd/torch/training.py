@@ -270,6 +270,12 @@ class TorchTrainer:
     def lr(self, step: int) -> float:
         return self.sched.get_last_lr()[0]
 
+    def sync_next_step(self) -> None:
+        """Before a run's last step: local steps end it with an exchange (``sync_next_step``)."""
+        sync = getattr(self.opt, "sync_next_step", None)
+        if sync is not None:
+            sync()
+
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Each rank scores its slice of the test set; sums are allreduced (counted apart from

@@ -17,6 +17,7 @@ def main(options):
     check_local = options.pop("check_local", False)
     method = options.pop("method", "sbc")
     expect_steps = options.pop("expect_steps", None)   # local_steps: auto settles to this
+    sync_last = options.pop("sync_last", False)   # sync_next_step() before the last step: a round there too
     check_decay = options.get("local_decay")   # SparseLoCo's decay: what each rank sent, from its residuals
     rhvd.init()
     rank, size = rhvd.rank(), rhvd.size()
@@ -48,10 +49,13 @@ def main(options):
                     q -= 0.1 * q.grad
         opt.zero_grad()
         lossf(model(X[step, rank]), Y[step, rank]).backward()
+        last = sync_last and step == 11
+        if last:
+            opt.sync_next_step()
         wire_before = opt.communication_stats()["wire_bytes"]
         opt.step()
         wire_after = opt.communication_stats()["wire_bytes"]
-        if (step + 1) % n:
+        if (step + 1) % n and not last:
             assert wire_after == wire_before, "a collective ran between communication rounds"
             continue
         everyone = rhvd.allgather_object([p.detach().clone() for p in model.parameters()])
