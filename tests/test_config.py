@@ -413,7 +413,10 @@ def test_local_steps_auto_settles_where_the_exchange_is_built():
         assert (there.local_steps, there.density, there.corrects_momentum) == (1, 0.002, True)
         refuse(there, framework, engine)
     named = parse_compression({"method": "redsync", "local_steps": "auto", "dgc": {"momentum_correction": True}})
-    assert named.settle("torch", "horovod").local_steps == 1 and named.corrects_momentum   # asked for by name
+    again = parse_compression(named.model_dump(mode="json"))   # how a run config reaches the optimizer
+    for config in (named, again):
+        here = config.settle("torch", "horovod")
+        assert here.local_steps == AUTO_LOCAL_STEPS and not here.corrects_momentum and config.corrects_momentum
     masked = parse_compression({"method": "redsync", "local_steps": "auto", "dgc": {"momentum_masking": False}})
     assert masked.corrects_momentum and masked.settle("torch", "horovod").local_steps == AUTO_LOCAL_STEPS
     clipped = parse_compression({"method": "redsync", "local_steps": "auto", "dgc": {"clip_norm": 1.0}})

@@ -128,3 +128,20 @@ def test_missing_dataset_path_is_a_clear_error(tmp_path):
                 check=False, timeout=120)
     assert res.returncode != 0
     assert "nowhere" in res.stdout and "cifar" in res.stdout.lower(), res.stdout[-2000:]
+
+
+def test_local_steps_auto_through_the_runner_ends_on_one_model(tmp_path):
+    """``python -m redsync_hvd.train`` under horovodrun -np 2 with ``local_steps: auto``: the config
+    reaches the optimizer dumped and parsed again, and auto still settles to 8 local steps
+    (layers.log); 22 steps are 2 rounds and 6 local steps, and the runner's sync before the last
+    step leaves both ranks on the same weights."""
+    import torch
+
+    train(tmp_path, "configs/digits/dense.yaml", "compression={method: redsync, local_steps: auto}",
+          "training.epochs=1", "output.name=auto")
+    folder = tmp_path / "auto"
+    assert summary(folder)["steps"] == 22
+    assert "compression.local_steps: 8 (auto)" in (folder / "layers.log").read_text()
+    weights = [torch.load(folder / f"checkpoint-rank{r}.pt", map_location="cpu", weights_only=False)["model"]
+               for r in range(2)]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])

@@ -663,9 +663,7 @@ class AllgatherConfig(ResidualConfig):
                              "local_decay")
         if not self.delayed:
             return self
-        named = self.per_step_knobs()
-        if self.dgc.momentum_correction and "dgc.momentum_correction: true" not in named:
-            named.insert(0, "dgc.momentum_correction: true")
+        named = ["dgc.momentum_correction: true"] * self.dgc.momentum_correction + self.per_step_knobs()
         if named:
             raise ValueError(f"local_steps: {self.local_steps} sends each worker's model delta after its own "
                              f"optimizer steps, where {', '.join(named)} cannot apply (momentum, clipping and "
@@ -675,9 +673,7 @@ class AllgatherConfig(ResidualConfig):
 
     def per_step_knobs(self) -> list:
         """The knobs set here that only an exchange every step runs (local steps refuse them)."""
-        named = "momentum_correction" in self.dgc.model_fields_set
-        clash = {"dgc.momentum_correction: true": named and self.dgc.momentum_correction,
-                 "dgc.clip_norm": self.dgc.clip_norm is not None,
+        clash = {"dgc.clip_norm": self.dgc.clip_norm is not None,
                  "feedback_units: update": self.feedback_units == "update",
                  "sparse_update: true": self.sparse_update is True,
                  f"aggregation: {self.aggregation}": self.aggregation != "allgather",
@@ -692,7 +688,9 @@ class AllgatherConfig(ResidualConfig):
         2. There it is ``AUTO_LOCAL_STEPS`` steps. An exchange sends ``AUTO_EXCHANGE_DENSITY`` of
            each delta, or, where the config sets ``density``, ``AUTO_LOCAL_STEPS x density``: a
            density given keeps its meaning of what a step sends on average.
-        3. DGC's momentum correction goes off: the optimizer's momentum runs on every worker."""
+        3. DGC's momentum correction goes off, named or not: the optimizer's momentum runs on every
+           worker (a run config reaches the optimizer dumped and parsed again, so whether the
+           correction was named cannot be told here; set local_steps: 1 to keep it)."""
         if self.local_steps != "auto":
             return self
         if (framework, engine) != ("torch", "horovod") or elastic or self.per_step_knobs():   # 1.
