@@ -408,6 +408,7 @@ def test_local_steps_auto_settles_where_the_exchange_is_built():
     here = auto.settle("torch", "horovod")
     assert (here.local_steps, here.density, here.corrects_momentum) == (AUTO_LOCAL_STEPS, 0.016, False)
     refuse(here, "torch", "horovod")
+    assert auto.settle("torch", "horovod", elastic=True).local_steps == 1   # Elastic's reset broadcasts one model
     for framework, engine in [("torch", "ddp"), ("torch", "fsdp"), ("tensorflow", "horovod")]:
         there = auto.settle(framework, engine)
         assert (there.local_steps, there.density, there.corrects_momentum) == (1, 0.002, True)
