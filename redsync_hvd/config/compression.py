@@ -581,16 +581,16 @@ _LOCAL_STEPS = ("optimizer steps each worker takes on its own between exchanges 
                 "a higher density per exchange pays (docs/redsync.md, 'Local steps'). Workers drift apart "
                 "between exchanges. PyTorch under engine: horovod; 1: every step (the default) | auto: 8 where the "
                 "delayed step runs (PyTorch under engine: horovod, allgather, none of the per-step knobs below "
-                "set, not under Horovod Elastic), each exchange sending 0.1 of the delta, or 8 x density where "
-                "density is set (what a step sends on average); every step elsewhere. The choice is in layers.log")
+                "set, not under Horovod Elastic), each exchange sending 8 x density of the delta (density stays "
+                "what a step sends on average; 0.0125 held the cells); every step elsewhere. The choice is in "
+                "layers.log")
 
 _LOCAL_DECAY = ("with local steps: each worker's residual is multiplied by this before its next delta joins it "
                 "(SparseLoCo's error-feedback decay, Sarfi et al. 2025), so what waited longer than about "
                 "1 / (1 - local_decay) exchanges fades instead of arriving late, and the residual acts as a "
                 "decaying outer momentum. 1: kept whole (the default). With an exchange every step it does not apply")
 
-# docs/benchmarks.md, "Local steps": 8 steps, 0.1 of each delta, held the cells the per-step default misses
-AUTO_LOCAL_STEPS, AUTO_EXCHANGE_DENSITY = 8, 0.1
+AUTO_LOCAL_STEPS = 8   # docs/benchmarks.md, "Local steps": 8 steps held the cells the per-step default misses
 
 
 class AllgatherConfig(ResidualConfig):
@@ -685,9 +685,10 @@ class AllgatherConfig(ResidualConfig):
         1. Local steps run only in PyTorch's DistributedOptimizer under horovodrun, by allgather,
            with none of ``per_step_knobs``, outside Horovod Elastic (whose reset broadcasts one
            model); anywhere else auto is every step, as before.
-        2. There it is ``AUTO_LOCAL_STEPS`` steps. An exchange sends ``AUTO_EXCHANGE_DENSITY`` of
-           each delta, or, where the config sets ``density``, ``AUTO_LOCAL_STEPS x density``: a
-           density given keeps its meaning of what a step sends on average.
+        2. There it is ``AUTO_LOCAL_STEPS`` steps, and an exchange sends ``AUTO_LOCAL_STEPS x density``
+           of each delta: ``density`` keeps its meaning of what a step sends on average (a run config
+           reaches the optimizer dumped and parsed again, so a density given cannot be told from
+           the default here; 0.0125 is the 0.1 an exchange that held the cells).
         3. DGC's momentum correction goes off, named or not: the optimizer's momentum runs on every
            worker (a run config reaches the optimizer dumped and parsed again, so whether the
            correction was named cannot be told here; set local_steps: 1 to keep it)."""
@@ -696,7 +697,7 @@ class AllgatherConfig(ResidualConfig):
         if (framework, engine) != ("torch", "horovod") or elastic or self.per_step_knobs():   # 1.
             return self.model_copy(update={"local_steps": 1})
         steps = AUTO_LOCAL_STEPS
-        density = min(1.0, self.density * steps) if "density" in self.model_fields_set else AUTO_EXCHANGE_DENSITY
+        density = min(1.0, self.density * steps)
         return self.model_copy(update={"local_steps": steps, "density": density,                        # 2.
                                        "dgc": self.dgc.model_copy(update={"momentum_correction": False})})  # 3.
 
