@@ -21,8 +21,8 @@ REPO = Path(__file__).resolve().parent.parent
 PKG = REPO / "redsync_hvd"
 DOC = REPO / "docs/architecture.md"
 LEAVES = ("core/", "comm/")
-SPEC = {"method": "redsync", "density": 0.01, "selection": "radix", "dgc": {"momentum_correction": True},
-        "policy": {"min_compress_numel": 1000}}
+SPEC = {"method": "redsync", "local_steps": 1, "density": 0.01, "selection": "radix",   # the per-step path
+        "dgc": {"momentum_correction": True}, "policy": {"min_compress_numel": 1000}}
 
 
 class PathTrace:

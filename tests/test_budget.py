@@ -334,7 +334,8 @@ def test_every_rank_uses_the_same_densities(method):
 CONFIG = "configs/digits/redsync.yaml"
 RUN = ("training.steps=60", "training.checkpoint_every=30", "training.eval_every=60",
        "compression.selection.method=radix", "compression.density=0.001", "compression.policy.mode=budget",
-       "compression.policy.budget.every=20", "compression.warmup.epochs=0")
+       "compression.policy.budget.every=20", "compression.warmup.epochs=0",
+       "compression.local_steps=1")   # the budget chooses per step; auto would exchange every 8
 
 
 def test_runner_logs_pins_and_resumes_the_choices(tmp_path):

@@ -395,18 +395,26 @@ def test_local_steps_keep_momentum_local_and_name_what_cannot_apply():
 
 
 def test_local_steps_auto_settles_where_the_exchange_is_built():
-    """``local_steps: auto``: 8 steps under PyTorch's Horovod optimizer with an exchange of 8 x
-    density (the default's too, after a dump and a second parse), and DGC's correction off;
+    """``local_steps: auto`` (RedSync's default): 8 steps under PyTorch's Horovod optimizer with an
+    exchange of 8 x density but at least 0.1 (the default's too, after a dump and a second parse),
+    Golomb-coded positions, and DGC's correction off;
     every step, with the config as written, on the other engines or with a per-step knob set; a
     word that is not auto is refused with the fix."""
     from redsync_hvd.config import exchange_every, parse_compression
-    from redsync_hvd.config.compression import AUTO_LOCAL_STEPS
+    from redsync_hvd.config.compression import AUTO_EXCHANGE_DENSITY, AUTO_LOCAL_STEPS
     from redsync_hvd.engine.build import refuse
 
     auto = parse_compression({"method": "redsync", "local_steps": "auto", "density": 0.002})
     assert not auto.delayed and "ddp" in auto.engines   # unsettled: what every engine can run
     here = auto.settle("torch", "horovod")
-    assert (here.local_steps, here.density, here.corrects_momentum) == (AUTO_LOCAL_STEPS, 0.016, False)
+    assert (here.local_steps, here.density, here.corrects_momentum) == (AUTO_LOCAL_STEPS, 0.1, False)
+    assert (auto.message.index_coding, here.message.index_coding) == ("raw", "golomb")
+    radix = parse_compression({"method": "redsync", "selection": "radix"}).settle("torch", "horovod")
+    assert (radix.local_steps, radix.message.index_coding) == (AUTO_LOCAL_STEPS, "raw")   # radix stays on device
+    budget = parse_compression({"method": "redsync", "selection": "radix", "policy": {"mode": "budget"}})
+    assert budget.settle("torch", "horovod").local_steps == 1 and budget.per_step_knobs() == ["policy.mode: budget"]
+    more = parse_compression({"method": "redsync", "local_steps": "auto", "density": 0.05})
+    assert more.settle("torch", "horovod").density == 0.4   # a density that asks for more than 0.1 an exchange
     refuse(here, "torch", "horovod")
     assert auto.settle("torch", "horovod", elastic=True).local_steps == 1   # Elastic's reset broadcasts one model
     for framework, engine in [("torch", "ddp"), ("torch", "fsdp"), ("tensorflow", "horovod")]:
@@ -422,20 +430,21 @@ def test_local_steps_auto_settles_where_the_exchange_is_built():
     assert masked.corrects_momentum and masked.settle("torch", "horovod").local_steps == AUTO_LOCAL_STEPS
     clipped = parse_compression({"method": "redsync", "local_steps": "auto", "dgc": {"clip_norm": 1.0}})
     assert clipped.settle("torch", "horovod").local_steps == 1 and clipped.per_step_knobs() == ["dgc.clip_norm"]
-    unset = parse_compression({"method": "redsync", "local_steps": "auto"})
+    unset = parse_compression({"method": "redsync"})   # auto is RedSync's default
+    assert unset.local_steps == "auto" and parse_compression({"method": "topk"}).local_steps == 1
     for config in (unset, parse_compression(unset.model_dump(mode="json"))):   # as the runner hands it over
-        assert config.settle("torch", "horovod").density == AUTO_LOCAL_STEPS * 0.001
+        assert config.settle("torch", "horovod").density == AUTO_EXCHANGE_DENSITY
     assert parse_compression({"method": "redsync", "local_steps": "auto"}).settle("torch", "ddp").density == 0.001
     assert parse_compression({"method": "topk", "local_steps": "auto", "density": 0.5}).settle(
         "torch", "horovod").density == 1.0   # an exchange sends at most the whole delta
     assert [exchange_every(c) for c in ({"method": "redsync", "local_steps": "auto"}, {"method": "sbc"},
-                                        {"method": "redsync"}, None)] == [AUTO_LOCAL_STEPS, 10, 1, 1]
+                                        {"method": "redsync", "local_steps": 1}, None)] == [AUTO_LOCAL_STEPS, 10, 1, 1]
     assert exchange_every({"method": "redsync", "local_steps": "auto"}, "torch", "ddp") == 1
     assert parse_compression({"method": "redsync", "local_steps": 4}).settle("torch", "ddp").local_steps == 4
     for bad in ("sometimes", 0):
         with pytest.raises(ValueError, match="local_steps"):
             parse_compression({"method": "redsync", "local_steps": bad})
     with pytest.raises(ValueError, match="set local_steps"):
-        parse_compression({"method": "redsync", "local_decay": 0.9})
+        parse_compression({"method": "redsync", "local_steps": 1, "local_decay": 0.9})
     assert parse_compression({"method": "redsync", "local_steps": "auto", "local_decay": 0.9}).settle(
         "torch", "horovod").local_decay == 0.9

@@ -249,9 +249,11 @@ def ddp_run(tmp_path_factory):
 
 
 def test_runner_under_torchrun_trains_as_the_horovod_engine_bit_for_bit(ddp_run):
-    """The same config under horovodrun (engine: horovod, bf16 as well) ends with the same weights,
+    """The same config under horovodrun (engine: horovod, bf16 as well; every step, as local_steps: auto
+    settles under the DDP hook) ends with the same weights,
     residuals, velocities and figures: the engines differ only in who carries the bytes."""
-    train(ddp_run, "configs/digits/redsync.yaml", *RUN, "output.name=horovod", timeout=240)
+    train(ddp_run, "configs/digits/redsync.yaml", *RUN, "output.name=horovod",
+          "compression.local_steps=1", timeout=240)   # auto: 8 local steps here, every step under the DDP hook
     a, b = summary(ddp_run / "ddp"), summary(ddp_run / "horovod")
     assert a["final_accuracy"] > 0.3 and a["steps"] == 40 and a["workers"] == 2, a
     for key in ("final_accuracy", "final_loss", "wire_bytes", "dense_bytes"):

@@ -9,9 +9,10 @@ DENSE_EQUALS_SINGLE = [
     {"method": "none"},
     {"method": "topk", "density": 1.0},  # density 1 with residual: exactly dense
     {"method": "topk", "density": 1.0, "residual": False},
-    # RedSync at density 1, no quantisation, no momentum correction: exactly dense
+    # RedSync at density 1, no quantisation, no momentum correction, every step: exactly dense
     {
         "method": "redsync",
+        "local_steps": 1,
         "density": 1.0,
         "message": {"quantize": "none"},
         "dgc": {"momentum_correction": False},
@@ -21,6 +22,7 @@ DENSE_EQUALS_SINGLE = [
     # momentum correction without masking at density 1 is plain momentum SGD (momentum is linear)
     {
         "method": "redsync",
+        "local_steps": 1,
         "density": 1.0,
         "message": {"quantize": "none"},
         "dgc": {"momentum_correction": True, "momentum_masking": False},
@@ -117,6 +119,7 @@ ACCUMULATIONS = [
     {"method": "none"},
     {
         "method": "redsync",
+        "local_steps": 1,   # an exchange every step, after the accumulated passes
         "density": 1.0,
         "message": {"quantize": "none"},
         "dgc": {"momentum_correction": False},
@@ -162,3 +165,15 @@ SBC_ROUNDS = [
 def test_sbc_rounds_keep_models_identical(case):
     out = case_output("sbc_rounds.py", SBC_ROUNDS, case)
     assert out.count("OK sbc") == 2, out
+
+
+LOCAL_NONFINITE = [
+    {"method": "redsync", "local_steps": 4, "density": 0.05, "policy": {"min_compress_numel": 0}, "bad_rank": 1},
+    {"method": "redsync", "local_steps": "auto", "density": 0.5, "policy": {"min_compress_numel": 0}, "bad_rank": 0},
+]
+
+
+@pytest.mark.parametrize("case", range(len(LOCAL_NONFINITE)))
+def test_a_nan_under_local_steps_fails_the_round_on_every_rank_and_rolls_back(case):
+    out = case_output("local_nonfinite.py", LOCAL_NONFINITE, case)
+    assert out.count("OK local nonfinite") == 2, out

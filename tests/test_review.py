@@ -209,9 +209,10 @@ def test_whatif_prices_dense_and_fp16_as_the_allreduce_of_their_bytes_with_no_me
                   for c0 in (1e-2, 1e-4))
     assert slow["compressed"] == 8 and slow["exchange_s"] > fast["exchange_s"] + 1e-2 - 1e-4
     rates = ComputeModel(select_c0=1e-3, select_c1=0.0)
-    auto = price({"method": "redsync", "local_steps": "auto", "density": 0.002}, layers, 8, net, rates, 0.0, 0.0)
-    eight = price({"method": "redsync", "local_steps": 8, "density": 0.016}, layers, 8, net, rates, 0.0, 0.0)
-    every = price({"method": "redsync", "density": 0.016}, layers, 8, net, rates, 0.0, 0.0)
+    auto = price({"method": "redsync", "density": 0.002}, layers, 8, net, rates, 0.0, 0.0)   # auto, the default
+    golomb = {"method": "redsync", "density": 0.1, "message": {"index_coding": "golomb"}}
+    eight = price({**golomb, "local_steps": 8}, layers, 8, net, rates, 0.0, 0.0)
+    every = price({**golomb, "local_steps": 1}, layers, 8, net, rates, 0.0, 0.0)
     assert auto == eight and auto["step_s"] == every["step_s"] / 8   # priced as horovodrun settles it
 
 
@@ -250,7 +251,7 @@ def test_horovod_run_logs_a_line_per_bucket_and_its_ranks_agree(tmp_path):
           "compression.policy.latency_s=1e-4", "compression.policy.bandwidth_gbit=0.05",
           "compression.policy.compute_s=[1e-4, 1e-9]", "compression.policy.review_every=4",
           "compression.policy.overlap=0.9", "compression.warmup.epochs=0", "training.steps=12",
-          "output.name=cm", timeout=300)
+          "compression.local_steps=1", "output.name=cm", timeout=300)   # the review's windows count steps
     log = (tmp_path / "cm" / "layers.log").read_text().splitlines()
     records = [checkpoint.load(tmp_path / "cm", rank)["decisions"] for rank in range(2)]
     review = records[0]["review"]

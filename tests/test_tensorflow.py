@@ -96,6 +96,7 @@ CROSS_FRAMEWORK = [
     {"method": "topk", "density": 0.01},
     {
         "method": "redsync",
+        "local_steps": 1,   # TF exchanges every step; auto would take 8 local steps in torch
         "density": 0.01,
         "selection": {"method": "tbs", "threshold_reuse": 3},
         "message": {"quantize": "sign_mean"},
@@ -103,6 +104,7 @@ CROSS_FRAMEWORK = [
     },  # DGC momentum correction on (the default)
     {
         "method": "redsync",
+        "local_steps": 1,
         "density": 0.02,
         "selection": {"method": "trimmed"},
         "message": {"quantize": "fp16", "index_coding": "golomb"},
@@ -111,6 +113,7 @@ CROSS_FRAMEWORK = [
     },
     {
         "method": "redsync",
+        "local_steps": 1,
         "density": 0.01,
         "selection": {"method": "sampled"},
         "dgc": {"momentum_correction": False},
@@ -201,7 +204,8 @@ def test_tf_redsync_accuracy_close_to_tf_dense(tf_digits_runs):
 
 def test_tf_run_folder_has_the_torch_keys(tf_digits_runs, tmp_path):
     """summary.json and metrics.jsonl of a TF run carry the same keys as a torch run's."""
-    train(tmp_path, "configs/digits/redsync.yaml", "training.steps=20", "output.name=torch")
+    train(tmp_path, "configs/digits/redsync.yaml", "training.steps=20", "compression.local_steps=1",
+          "output.name=torch")   # every step, as TF runs it (auto is 8 local steps under torch)
     train(tmp_path, "configs/digits/tf-redsync.yaml", "training.steps=20", "output.name=tf")
     t, f = summary(tmp_path / "torch"), summary(tmp_path / "tf")
     assert set(t) == set(f), set(t) ^ set(f)

@@ -579,11 +579,11 @@ _LOCAL_STEPS = ("optimizer steps each worker takes on its own between exchanges 
                 "pseudo-gradient with error feedback); momentum and Adam's moments stay in each worker's "
                 "optimizer. local_steps times fewer collectives, and the delta of many steps is sent at once, so "
                 "a higher density per exchange pays (docs/redsync.md, 'Local steps'). Workers drift apart "
-                "between exchanges. PyTorch under engine: horovod; 1: every step (the default) | auto: 8 where the "
-                "delayed step runs (PyTorch under engine: horovod, allgather, none of the per-step knobs below "
-                "set, not under Horovod Elastic), each exchange sending 8 x density of the delta (density stays "
-                "what a step sends on average; 0.0125 held the cells); every step elsewhere. The choice is in "
-                "layers.log")
+                "between exchanges. PyTorch under engine: horovod; 1: every step (topk's default) | auto (redsync's "
+                "default): 8 where the delayed step runs (PyTorch under engine: horovod, allgather, none of the "
+                "per-step knobs below set, not under Horovod Elastic), each exchange sending 8 x density of the "
+                "delta but at least 0.1 of it (below 0.1 the text cells lost perplexity), with Golomb-coded "
+                "positions (raw under radix); every step elsewhere, at density. The choice is in layers.log")
 
 _LOCAL_DECAY = ("with local steps: each worker's residual is multiplied by this before its next delta joins it "
                 "(SparseLoCo's error-feedback decay, Sarfi et al. 2025), so what waited longer than about "
@@ -591,6 +591,7 @@ _LOCAL_DECAY = ("with local steps: each worker's residual is multiplied by this 
                 "decaying outer momentum. 1: kept whole (the default). With an exchange every step it does not apply")
 
 AUTO_LOCAL_STEPS = 8   # docs/benchmarks.md, "Local steps": 8 steps held the cells the per-step default misses
+AUTO_EXCHANGE_DENSITY = 0.1   # the least an exchange of auto's local steps sends of each delta (ibid.)
 
 
 class AllgatherConfig(ResidualConfig):
@@ -677,29 +678,37 @@ class AllgatherConfig(ResidualConfig):
                  "feedback_units: update": self.feedback_units == "update",
                  "sparse_update: true": self.sparse_update is True,
                  f"aggregation: {self.aggregation}": self.aggregation != "allgather",
-                 "residual_lr: own": self.residual_lr == "own"}
+                 "residual_lr: own": self.residual_lr == "own",
+                 "policy.mode: budget": self.policy.mode == "budget"}   # a byte budget for each step
         return [k for k, bad in clash.items() if bad]
 
     def settle(self, framework: str, engine: str, elastic: bool = False) -> "AllgatherConfig":
         """``local_steps: auto`` made concrete where the exchange is built (a set count is kept):
         1. Local steps run only in PyTorch's DistributedOptimizer under horovodrun, by allgather,
            with none of ``per_step_knobs``, outside Horovod Elastic (whose reset broadcasts one
-           model); anywhere else auto is every step, as before.
+           model); anywhere else auto is every step at ``density``.
         2. There it is ``AUTO_LOCAL_STEPS`` steps, and an exchange sends ``AUTO_LOCAL_STEPS x density``
-           of each delta: ``density`` keeps its meaning of what a step sends on average (a run config
-           reaches the optimizer dumped and parsed again, so a density given cannot be told from
-           the default here; 0.0125 is the 0.1 an exchange that held the cells).
+           of each delta, but at least ``AUTO_EXCHANGE_DENSITY``: below 0.1 an exchange the text cells
+           lost perplexity (docs/benchmarks.md, "Local steps"). ``density`` keeps its meaning of what
+           a step sends on average where it asks for more.
         3. DGC's momentum correction goes off, named or not: the optimizer's momentum runs on every
            worker (a run config reaches the optimizer dumped and parsed again, so whether the
-           correction was named cannot be told here; set local_steps: 1 to keep it)."""
+           correction was named cannot be told here; set local_steps: 1 to keep it).
+        4. RedSync's positions are Golomb-coded (raw under radix, which keeps the step on the device):
+           the host encode runs once an exchange, and at 0.1 a gap takes about 5 bits instead of 32.
+           The cells in (2) were measured so; a set local_steps keeps the coding given."""
         if self.local_steps != "auto":
             return self
         if (framework, engine) != ("torch", "horovod") or elastic or self.per_step_knobs():   # 1.
             return self.model_copy(update={"local_steps": 1})
         steps = AUTO_LOCAL_STEPS
-        density = min(1.0, self.density * steps)
-        return self.model_copy(update={"local_steps": steps, "density": density,                        # 2.
-                                       "dgc": self.dgc.model_copy(update={"momentum_correction": False})})  # 3.
+        density = min(1.0, max(AUTO_EXCHANGE_DENSITY, self.density * steps))                          # 2.
+        update = {"local_steps": steps, "density": density,
+                  "dgc": self.dgc.model_copy(update={"momentum_correction": False})}                   # 3.
+        message, selection = getattr(self, "message", None), getattr(self, "selection", None)
+        if isinstance(message, MessageConfig) and selection.method != "radix":                        # 4.
+            update["message"] = message.model_copy(update={"index_coding": "golomb"})
+        return self.model_copy(update=update)
 
     @model_validator(mode="after")
     def _frozen_needs_update_units(self):
@@ -772,6 +781,7 @@ class RedSyncConfig(AllgatherConfig):
     See docs/redsync.md for each knob's trade-off."""
     per_layer_quantize: ClassVar[bool] = True
     density: float = Field(0.001, description="fraction of each compressed layer sent per step, in (0, 1]")
+    local_steps: Union[Literal["auto"], int] = Field("auto", description=_LOCAL_STEPS)
     selection: SelectionConfig = Field(default_factory=SelectionConfig, description="how k elements are found")
     message: MessageConfig = Field(default_factory=MessageConfig, description="what travels")
     dgc: RedSyncDGCConfig = Field(default_factory=RedSyncDGCConfig, description="DGC's corrections")

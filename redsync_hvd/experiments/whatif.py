@@ -110,6 +110,8 @@ def price(spec: dict, layers: list, N: int, net: Network, rates, compute_s: floa
     if getattr(config, "local_steps", None) == "auto":   # as DistributedOptimizer settles it under horovodrun
         config = config.settle("torch", "horovod")
         spec = {**spec, "local_steps": config.local_steps, "density": config.density}
+        if hasattr(config, "message"):   # RedSync's positions Golomb-coded under local steps
+            spec["message"] = config.message.model_dump(mode="json")
     steady = {k: v for k, v in spec.items() if k not in ("warmup", "start_iter", "dgc")}   # no optimizer here
     policy_spec = spec.get("policy")
     if isinstance(policy_spec, dict):

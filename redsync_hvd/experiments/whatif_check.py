@@ -50,8 +50,12 @@ class Cell:
 
 def current(spec: dict) -> dict:
     """A compression section of an older sweep with its flat keys where they live now
-    (``threshold_reuse: 5`` -> ``selection: {threshold_reuse: 5}``)."""
+    (``threshold_reuse: 5`` -> ``selection: {threshold_reuse: 5}``). The recorded sweeps ran
+    RedSync every step, before ``local_steps: auto`` became its default: a section that does not
+    name ``local_steps`` is priced as it ran."""
     out = expand_shorthands({k: v for k, v in spec.items() if k not in MOVED or k == "layers"})
+    if out.get("method") == "redsync":
+        out.setdefault("local_steps", 1)
     for key, value in spec.items():
         if key in MOVED and key != "layers":
             group, name = MOVED[key].split(".")

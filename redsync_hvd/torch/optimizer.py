@@ -25,6 +25,7 @@ from ..comm import HorovodCommunicator
 from ..compressors.base import Compressor
 from ..engine import build_exchange, parse
 from .decentralized import DecentralizedOptimizer
+from .delayed import local_step
 from .options import (
     HorovodOptions,
     OutsideProcessSet,
@@ -41,13 +42,23 @@ SPARSE_AUTO_NOTE = ("compression.sparse_update: true (auto under policy.mode: co
                     "SGD, so step() applies each compressed layer's average straight to its weights; their .grad "
                     "is None after step() (synchronize() first gives dense averages)")
 LOCAL_AUTO_NOTE = ("compression.local_steps: {steps} (auto): each worker takes {steps} steps of its own optimizer, "
-                   "then sends the top {density:g} of its model delta plus residual (density x {steps}); DGC's "
-                   "momentum correction is off, the optimizer's momentum stays on each worker (docs/redsync.md, "
-                   "'Local steps')")
+                   "then sends the top {density:g} of its model delta plus residual (density x {steps}, at least "
+                   "0.1; {coding} positions); DGC's momentum correction is off, the optimizer's momentum stays "
+                   "on each worker (docs/redsync.md, 'Local steps')")
 LOCAL_AUTO_OFF_NOTE = "compression.local_steps: 1 (auto): {knobs} need an exchange every step"
 STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
                    "optimizer.synchronize(): step() uses the gradients synchronize() wrote (horovod.torch would "
                    "exchange them again); wrap step() in `with optimizer.skip_synchronize():`")
+
+
+def local_auto_note(spec) -> str:
+    """layers.log's line on what ``local_steps: auto`` settled to, and why."""
+    if not spec.delayed:
+        why = ", ".join(spec.per_step_knobs()) or "Horovod Elastic's reset broadcasts one model, which"
+        return LOCAL_AUTO_OFF_NOTE.format(knobs=why)
+    message = getattr(spec, "message", None)
+    return LOCAL_AUTO_NOTE.format(steps=spec.local_steps, density=spec.density,
+                                  coding=getattr(message, "index_coding", "raw"))
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -77,9 +88,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                take_moments=lambda: take_moments(self, self._names))
         self._exchange, self.compression_config = built.exchange, built.config
         if auto:
-            why = ", ".join(spec.per_step_knobs()) or "Horovod Elastic's reset broadcasts one model, which"
-            self._exchange.policy.notes.append(LOCAL_AUTO_NOTE.format(steps=spec.local_steps, density=spec.density)
-                                               if spec.delayed else LOCAL_AUTO_OFF_NOTE.format(knobs=why))
+            self._exchange.policy.notes.append(local_auto_note(spec))
         # feedback_units: update: compressed layers arrive as Adam steps, applied here (update_units.py)
         self._units = UpdateUnitsStep(self, self._names, built.exchange.memory) if built.moments else None
         if built.config.follows_own_lr:
@@ -103,6 +112,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # communication delay (SBC): local steps, then the model delta goes through the exchange
         self._local_steps = config.local_steps if config.delayed else None
         self._snapshot, self._local, self._sync_next = None, 0, False
+        self._nonfinite: set = set()   # this round's layers whose gradient was not finite (delayed.py)
         self._hooks = [] if self._local_steps else \
             [p.register_post_accumulate_grad_hook(self._make_hook(n)) for n, p in named]
         # sparse gradients must stay sparse for their optimizer: no dense buffer for them to land in
@@ -331,33 +341,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._skip_sync = False
 
-    def _delayed_step(self, closure):
-        """SBC: a local step; every ``local_steps`` steps, exchange W_local - W and restart from
-        W + average of the decoded deltas (identical on every rank)."""
-        if self._snapshot is None:   # after broadcast_parameters, before the first local step
-            self._snapshot = {n: p.detach().clone() for n, p in self._params.items()}
-        loss = super(self.__class__, self).step(closure)
-        self._local += 1
-        ex = self._exchange
-        if self._local % self._local_steps and not self._sync_next:
-            # dense SGD would have sent this step's gradients: count them for an honest ratio
-            ex.stats.add("dense_bytes", 4 * sum(p.numel() for p in self._params.values()))
-            ex.stats.end_step()
-            return loss
-        decay = getattr(self.compression_config, "local_decay", 1.0)
-        if decay != 1.0:   # SparseLoCo: e = decay * e + delta, before the delta joins
-            ex.memory.scale(decay)
-        for name in ex.order:
-            ex.submit(name, self._params[name].detach() - self._snapshot[name])
-        averaged = ex.finish().averages
-        with torch.no_grad():
-            for name, flat in averaged.items():
-                p = self._params[name]
-                p.copy_(self._snapshot[name] + flat.view(p.shape).to(p.dtype))
-                self._snapshot[name].copy_(p)
-        self._local, self._sync_next = 0, False   # the next round counts its local steps from here
-        return loss
-
     def sync_next_step(self) -> None:
         """Local steps (``local_steps`` above 1, SBC): the next ``step()`` ends with an exchange
         whatever the count of local steps, so every worker holds the same weights after it. The
@@ -368,7 +351,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         if self._local_steps:
-            return self._delayed_step(closure)
+            return local_step(self, closure, super(self.__class__, self).step)
         if not self._skip_sync:
             if self._synchronized:
                 warnings.warn(STEP_AFTER_SYNC, stacklevel=2)

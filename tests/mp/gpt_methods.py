@@ -17,11 +17,13 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "pydoc" / "gpt.yaml"
 TINY = ["model.options={d_model: 32, n_layers: 1, n_heads: 2, dropout: 0.1}", "data.options.seq_len=16",
         "training.steps=6", "training.batch_size=8", "training.eval_every=0", "training.log_every=2",
         "training.progress=false", "optimizer.schedule.warmup_fraction=0.3"]
-METHODS = {"redsync": ["compression.method=redsync", "compression.density=0.01"],
+# redsync every step (local_steps: 1): the per-step exchange in AdamW's units, the same on every engine;
+# its default, local_steps: auto, takes 8 local steps under horovodrun (tests/test_training_runs.py)
+METHODS = {"redsync": ["compression.method=redsync", "compression.density=0.01", "compression.local_steps=1"],
            "topk": ["compression.method=topk", "compression.density=0.01"],
            "powersgd": ["compression.method=powersgd", "compression.rank=1", "compression.start_iter=2"],
            "redsync-gradient": ["compression.method=redsync", "compression.density=0.01",
-                                "compression.feedback_units=gradient"],
+                                "compression.feedback_units=gradient", "compression.local_steps=1"],
            "dct": ["compression.method=dct", "compression.density=0.01"],
            "demo": ["compression.method=dct", "compression.density=0.01", "compression.decay=0.999",
                     "compression.sign_step=true"]}

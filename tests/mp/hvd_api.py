@@ -21,7 +21,8 @@ import torch.nn.functional as F
 import redsync_hvd.torch as rhvd
 from redsync_hvd.exchange import NonFiniteGradientError
 
-EXACT = {"method": "redsync", "density": 1.0, "message": {"quantize": "none"}, "dgc": {"momentum_correction": False},
+EXACT = {"method": "redsync", "local_steps": 1, "density": 1.0, "message": {"quantize": "none"},
+         "dgc": {"momentum_correction": False},
          "policy": {"min_compress_numel": 0}, "selection": {"method": "tbs"}}
 IMPLS = {"horovod": None, "none": {"method": "none"}, "redsync": EXACT}
 

@@ -15,10 +15,11 @@ from redsync_hvd.config import registry
 from redsync_hvd.data.digits import build_digits
 from redsync_hvd.models import build_model
 
-SPECS = {   # each method at the settings of its configs/digits file where it has one, no warm-up
+SPECS = {   # each method at the settings of its configs/digits file where it has one, no warm-up, a step's bytes
     "none": {}, "fp16": {}, "topk": {"density": 0.01}, "randomk": {"density": 0.01},
-    "redsync": {"density": 0.01, "selection": "radix", "policy": {"min_compress_numel": 1024}},
-    "redsync-tbs": {"method": "redsync", "density": 0.01, "selection": {"method": "tbs", "threshold_reuse": 5},
+    "redsync": {"density": 0.01, "local_steps": 1, "selection": "radix", "policy": {"min_compress_numel": 1024}},
+    "redsync-tbs": {"method": "redsync", "density": 0.01, "local_steps": 1,
+                    "selection": {"method": "tbs", "threshold_reuse": 5},
                     "policy": {"min_compress_numel": 1024}},
     "iwp": {"density": 0.01, "policy": {"min_compress_numel": 1024}},
     "sbc": {"density": 0.01, "local_steps": 1, "policy": {"min_compress_numel": 1024}},
