@@ -4,10 +4,11 @@ horovod.torch, under horovodrun.
     horovodrun -np 2 -H localhost:2 python examples/torch_horovod.py
 
 Each worker fits a linear classifier to samples of its own (class c: feature c is 1, the rest
-noise of about unit norm in all); RedSync sends 0.1% of the weight matrix's gradient per step
-(the bias, under 4096 elements, goes dense).
-`method: redsync` also turns DGC's momentum correction on by default: the optimizer's momentum
-moves into the compression wrapper (docs/configuration.md lists each method's defaults).
+noise of about unit norm in all). Under horovodrun RedSync's default (`local_steps: auto`) has
+each worker take 8 steps of its own SGD, then send the top 10% of its weight matrix's delta plus
+residual (the bias, under 4096 elements, goes dense; docs/redsync.md, "Local steps").
+`local_steps: 1` exchanges 0.1% of the gradient every step instead, with DGC's momentum
+correction (docs/configuration.md lists each method's defaults).
 Rank 0 prints the loss every 20 steps and the exchange's figures at the end.
 """
 import json

@@ -41,8 +41,8 @@ needs_netns = pytest.mark.skipif(_WHY is not None, reason=f"netbench needs root 
 
 # -- anywhere ------------------------------------------------------------------------------
 def test_prediction_uses_measured_message_sizes():
-    run = {"compression": {"method": "redsync", "message": {"quantize": "sign_mean"}}, "select_s": 0.01,
-           "decompress_s": 0.02,
+    run = {"compression": {"method": "redsync", "local_steps": 1, "message": {"quantize": "sign_mean"}},
+           "select_s": 0.01, "decompress_s": 0.02,
            "layers": [{"name": "fc", "group": "sparse", "wire_bytes": 4 * 1000 + 4, "dense_bytes": 4 * 1_000_000},
                       {"name": "bias", "group": "dense", "wire_bytes": 400, "dense_bytes": 400}],
            "buckets": [["fc"]]}

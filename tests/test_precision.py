@@ -7,7 +7,9 @@ import math
 
 import pytest
 import torch
+from launch import summary, train
 
+from redsync_hvd import checkpoint
 from redsync_hvd.comm import LocalCommunicator
 from redsync_hvd.config.registry import METHODS as COMPRESSORS
 from redsync_hvd.engine import MomentumSpec, build_exchange
@@ -147,8 +149,8 @@ def test_horovod_optimizer_under_fp16_autocast_skips_overflow_steps_without_touc
     unchanged, scale lowered); the next steps train."""
     model = _model()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model.named_parameters(),
-                               {"method": "redsync", "density": 0.1, "policy": {"min_compress_numel": 0}},
-                               communicator=LocalCommunicator(2))
+                               {"method": "redsync", "local_steps": 1, "density": 0.1,
+                                "policy": {"min_compress_numel": 0}}, communicator=LocalCommunicator(2))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
     opt.set_grad_scaler(scaler)
     gen = torch.Generator().manual_seed(4)
@@ -174,6 +176,21 @@ def test_horovod_optimizer_under_fp16_autocast_skips_overflow_steps_without_touc
         else:
             assert not same and scaler.get_scale() == scale, step
     assert opt.exchange.step == 3 and all(torch.isfinite(v).all() for v in _memory(opt.exchange).values())
+
+
+def test_local_steps_are_refused_with_a_grad_scaler_and_the_runner_exchanges_every_step_under_fp16(tmp_path):
+    """A GradScaler skips a step on the rank that overflowed only, which would move that rank's
+    rounds: local steps (auto's too) are refused with the fix; the runner, under training.precision:
+    fp16, settles auto to every step."""
+    model = _model()
+    for steps in ("auto", 4):
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                   {"method": "redsync", "local_steps": steps}, communicator=LocalCommunicator(2))
+        with pytest.raises(ValueError, match="set compression.local_steps: 1 to train with fp16"):
+            opt.set_grad_scaler(torch.amp.GradScaler("cpu"))
+    train(tmp_path, "configs/digits/redsync.yaml", "training.precision=fp16", "training.steps=6", "output.name=amp")
+    s = summary(tmp_path / "amp")
+    assert s["steps"] == 6 and checkpoint.load(tmp_path / "amp", 0)["optimizer"]["redsync"].get("delay") is None, s
 
 
 def test_sparse_update_is_refused_with_a_grad_scaler():

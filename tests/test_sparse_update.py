@@ -10,8 +10,9 @@ from redsync_hvd.comm import LocalCommunicator
 from redsync_hvd.exchange import NonFiniteGradientError
 from redsync_hvd.torch import DistributedOptimizer
 
-BASE = {
+BASE = {   # an exchange every step: sparse_update applies each step's average inside step()
     "method": "redsync",
+    "local_steps": 1,
     "density": 0.05,
     "message": {"quantize": "sign_mean"},
     "dgc": {"momentum_correction": True},

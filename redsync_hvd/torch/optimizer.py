@@ -45,6 +45,10 @@ LOCAL_AUTO_NOTE = ("compression.local_steps: {steps} (auto): each worker takes {
                    "then sends the top {density:g} of its model delta plus residual (density x {steps}, at least "
                    "0.1; {coding} positions); DGC's momentum correction is off, the optimizer's momentum stays "
                    "on each worker (docs/redsync.md, 'Local steps')")
+LOCAL_STEPS_SCALER = ("compression.local_steps: {steps}: a GradScaler skips an overflowing step on the rank that "
+                      "overflowed only, which would move that rank's exchanges out of step with the others' (a hang "
+                      "at the end of the run): set compression.local_steps: 1 to train with fp16 and a GradScaler "
+                      "(the runner does so under training.precision: fp16 where local_steps is auto), or use bf16")
 LOCAL_AUTO_OFF_NOTE = "compression.local_steps: 1 (auto): {knobs} need an exchange every step"
 STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
                    "optimizer.synchronize(): step() uses the gradients synchronize() wrote (horovod.torch would "
@@ -265,8 +269,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._sparse_update:
             raise ValueError("compression.sparse_update updates the weights inside step(), before a GradScaler "
                              "could skip an overflowing step: set sparse_update: false to train with fp16")
-        if not self._local_steps:   # SBC's local steps see local gradients, which the scaler checks itself
-            self._exchange.use_grad_scaler(scaler)
+        if self._local_steps:
+            raise ValueError(LOCAL_STEPS_SCALER.format(steps=self._local_steps))
+        self._exchange.use_grad_scaler(scaler)
 
     def synchronize(self):
         """Finish this step's exchange and write the averaged gradients into ``.grad`` (SBC:

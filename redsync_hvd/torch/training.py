@@ -129,8 +129,10 @@ class HorovodAdapter(_Unsharded):
 
     def distribute(self, cfg: RunConfig, model, opt) -> tuple:
         """(module the forward runs through, optimizer that steps, what counts the communication)."""
-        opt = self.rhvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                             compression=cfg.compression.model_dump())
+        compression = cfg.compression.model_dump()
+        if cfg.training.precision == "fp16" and compression.get("local_steps") == "auto":
+            compression["local_steps"] = 1   # a GradScaler skips steps on one rank only (set_grad_scaler)
+        opt = self.rhvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
         self.rhvd.broadcast_parameters(model.state_dict(), root_rank=0)
         self.rhvd.broadcast_optimizer_state(opt, root_rank=0, initialize=False)   # no step before the first
         return model, opt, opt
