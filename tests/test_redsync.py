@@ -53,6 +53,45 @@ def test_sign_mean_reconstructs_mean_times_sign_at_sent_indices(coding, rule):
             assert by_kind["indices"] == 4 * sent.numel()
 
 
+@pytest.mark.parametrize("coding", ["raw", "golomb"])
+def test_int8_sends_a_code_and_one_scale_and_the_residual_keeps_the_rounding(coding):
+    comp, _ = build_compressor({"method": "redsync", "density": 0.05, "selection": {"method": "exact"},
+                                "message": {"quantize": "int8", "index_coding": coding},
+                                "dgc": {"momentum_correction": False}})
+    x = torch.randn(2000, generator=torch.Generator().manual_seed(1)) * 1e-3
+    x[7] = 0.5   # one outlier sets the scale
+    lay = layer(2000, 0.05)
+    msg = comp.compress(x, lay, 0)
+    codes, scale = msg.tensors[-2], msg.tensors[-1]
+    assert codes.dtype == torch.int8 and codes.numel() == 100 and scale.shape == (1,)
+    assert float(scale) == pytest.approx(0.5 / 127) and int(codes.abs().max()) == 127
+    out = torch.zeros(2000)
+    comp.decompress_add(out, msg.tensors, lay)
+    sent = msg.positions
+    assert out.count_nonzero() <= sent.numel() and out[7] == 127 * scale   # the outlier arrives exact
+    assert float((out[sent] - x[sent]).abs().max()) <= float(scale) / 2 * (1 + 1e-6)
+    by_kind = msg.nbytes()
+    assert by_kind["values"] == 100 and by_kind["scales"] == 4
+    wire = comp.wire(lay)
+    assert wire.kinds == msg.kinds and wire.dtypes[-2:] == (torch.int8, torch.float32) and wire.counts[-2:] == (100, 1)
+    mem = ResidualMemory()
+    x2 = mem.compensate("w", x).x
+    mem.update(lay, x2, comp.compress(x2, lay, 0), comp)
+    mem.commit()
+    assert torch.equal(mem.residual["w"], x - out)   # what rounding lost waits in the residual, exactly
+
+
+def test_int8_is_refused_where_its_codes_cannot_travel():
+    from redsync_hvd.config.compression import parse_compression
+    with pytest.raises(ValueError, match="int8"):
+        parse_compression({"method": "redsync", "selection": {"method": "radix"}, "message": {"quantize": "int8"}})
+    with pytest.raises(ValueError, match="int8.*allgather"):
+        parse_compression({"method": "redsync", "aggregation": "sparse_reduce_scatter",
+                           "message": {"quantize": "int8"}})
+    fsdp = parse_compression({"method": "redsync", "message": {"quantize": "int8"}}).sharded_problems()
+    assert "message.quantize: int8" in fsdp and "fp16" in fsdp["message.quantize: int8"]
+
+
 def test_larger_rule_keeps_the_side_with_larger_mean_magnitude():
     comp, _ = build_compressor(
         {
@@ -70,7 +109,7 @@ def test_larger_rule_keeps_the_side_with_larger_mean_magnitude():
 
 @settings(max_examples=30, deadline=None)
 @given(n=st.integers(10, 400), steps=st.integers(1, 5), density=st.floats(0.01, 1.0),
-       quantize=st.sampled_from(["none", "fp16", "sign_mean"]), coding=st.sampled_from(["raw", "golomb"]),
+       quantize=st.sampled_from(["none", "fp16", "int8", "sign_mean"]), coding=st.sampled_from(["raw", "golomb"]),
        selection=st.sampled_from(["exact", "trimmed", "tbs", "sampled"]), seed=st.integers(0, 999))
 def test_conservation_with_every_quantiser(n, steps, density, quantize, coding, selection, seed):
     comp, _ = build_compressor(

@@ -1,6 +1,8 @@
 """One message format for RedSync (Fang et al., 2019), its exact-k variant and SBC (Sattler et al., 2019).
 
     message.quantize none | fp16:  [positions, values]   values in the wire's dtype
+    message.quantize int8:         [positions, codes, scale]   int8 codes, one float32 scale per layer:
+                                                        a value is code * scale, scale = max|v| / 127
     message.quantize sign_mean:    [positions, mean]     one float32: the signed mean of the kept
                                                         sign's values (its sign rule: ``sign``)
     message.index_coding golomb:   positions as [Golomb-Rice bytes, (count, b) int32] (core/golomb.py)
@@ -8,7 +10,8 @@
 
 A receiver adds ``values`` (or the mean at every position) into its buffer (``decode_add``);
 the sender runs the same code with alpha = -1 on its residual, so what leaves the residual is
-exactly what the receivers reconstruct, rounding included.
+exactly what the receivers reconstruct, rounding included. That is why int8 needs no
+stochastic rounding (QSGD's): what a code rounds off waits in the residual for a later message.
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ from ..core.golomb import decode_positions, encode_positions
 from ..core.select.reference import keep_side, kept_mean
 from ..core.wire import to_wire
 
-VALUE_DTYPES = {"none": torch.float32, "fp16": torch.float16, "sign_mean": torch.float32}
+VALUE_DTYPES = {"none": torch.float32, "fp16": torch.float16, "int8": torch.int8, "sign_mean": torch.float32}
+INT8_LEVELS = 127   # codes in [-127, 127]: symmetric, so a value and its negation round alike
 
 
 class MessageCodec:
@@ -29,6 +33,7 @@ class MessageCodec:
             raise ValueError(f"message.quantize={quantize!r} is not one of {sorted(VALUE_DTYPES)}")
         self.quantize, self.golomb, self.sign_rule = quantize, index_coding == "golomb", sign_rule
         self.mean = quantize == "sign_mean"
+        self.scaled = quantize == "int8"   # the values travel as codes, with one scale after them
         self.value_dtype = VALUE_DTYPES[quantize]
 
     def sign(self, step: int) -> str | None:
@@ -41,31 +46,47 @@ class MessageCodec:
         return "larger"
 
     def wire_dtypes(self, layer) -> tuple:
-        return ((torch.uint8, torch.int32) if self.golomb else (layer.index_dtype,)) + (self.value_dtype,)
+        return ((torch.uint8, torch.int32) if self.golomb else (layer.index_dtype,)) + (self.value_dtype,) \
+            + ((torch.float32,) if self.scaled else ())
 
     @property
     def kinds(self) -> tuple:
         """What each wire tensor is, for byte accounting."""
         index = ("indices", "headers") if self.golomb else ("indices",)
-        return index + ("scalars" if self.mean else "values",)
+        return index + ("scalars" if self.mean else "values",) + (("scales",) if self.scaled else ())
 
-    def to_wire(self, values: torch.Tensor) -> torch.Tensor:
-        """Values as they travel, clamped to the wire type's finite range (``core/wire.py``); the
-        residual keeps what this rounding and clamping lose."""
-        return to_wire(values, self.value_dtype)
+    @property
+    def index_parts(self) -> int:
+        """How many wire tensors carry the positions (the values follow them)."""
+        return 2 if self.golomb else 1
 
-    def encode(self, positions: torch.Tensor, value: torch.Tensor, layer) -> list:
-        """[positions (int32 or Golomb-coded), value]; ``value``: the values in the wire's dtype,
-        or the one mean (1,) with sign_mean."""
+    def to_wire(self, values: torch.Tensor) -> list:
+        """Values as they travel: [values in the wire's float type, clamped to its finite range
+        (``core/wire.py``)], or with int8 [codes, scale]. The residual keeps what this rounding and
+        clamping lose."""
+        if not self.scaled:
+            return [to_wire(values, self.value_dtype)]
+        scale = (values.abs().amax() if values.numel() else values.new_zeros(())) / INT8_LEVELS
+        codes = torch.round(values / torch.clamp(scale, min=torch.finfo(torch.float32).tiny))
+        return [codes.clamp_(-INT8_LEVELS, INT8_LEVELS).to(torch.int8), scale.reshape(1).float()]
+
+    def values(self, tensors: list) -> torch.Tensor:
+        """The float32 values an encoded message carries: the values, or code * scale, or the mean."""
+        value = tensors[self.index_parts].float()
+        return value * tensors[self.index_parts + 1].float() if self.scaled else value
+
+    def encode(self, positions: torch.Tensor, value: list, layer) -> list:
+        """[positions (int32 or Golomb-coded), *value]; ``value``: :meth:`to_wire`'s list, or
+        [the one mean (1,)] with sign_mean. Golomb-coded positions go in order, their values with them."""
         if not self.golomb:
-            return [positions.to(layer.index_dtype), value]
+            return [positions.to(layer.index_dtype), *value]
         order = torch.argsort(positions)
         positions = positions[order]
-        if value.numel() > 1:
-            value = value[order]
+        if not self.mean:
+            value = [value[0][order], *value[1:]]
         payload, b = encode_positions(positions.cpu(), layer.numel)
         meta = torch.tensor([positions.numel(), b], dtype=torch.int32)
-        return [payload.to(positions.device), meta.to(positions.device), value]
+        return [payload.to(positions.device), meta.to(positions.device), *value]
 
     def positions(self, tensors: list, layer) -> torch.Tensor:
         """The int64 positions of an encoded message."""
@@ -79,7 +100,7 @@ class MessageCodec:
         idx = self.positions(tensors, layer).to(out.device)
         if not idx.numel():
             return
-        value = tensors[-1].to(device=out.device, dtype=out.dtype)
+        value = self.values(tensors).to(device=out.device, dtype=out.dtype)
         if self.mean:
             value = value.expand(idx.numel())
         out.index_add_(0, idx, value, alpha=alpha)

@@ -4,8 +4,8 @@
     message.quantize == sign_mean:
         keep one sign of v[idx] (alternating per step, or the side with the larger mean: SBC's rule)
         send (idx of that sign, ONE float: their mean)
-    message.quantize in (none, fp16):
-        send (idx, v[idx])
+    message.quantize in (none, fp16, int8):
+        send (idx, v[idx])                           (int8: codes and one scale per layer)
     v[idx] -= what receivers will reconstruct        (the exchange: decompress_add(alpha=-1))
 
 ``selection.scope: bucket`` (the default on CUDA) selects for all layers of a bucket at once
@@ -66,11 +66,12 @@ class RedSyncCompressor(Compressor):
         selection = getattr(self.config, "selection", None)
         if not codec.mean and selection is not None and selection.scope != "bucket":   # by bucket: about k
             k = min(layer.numel, math.ceil(LOOSE.get(self._method(layer), 1.0) * k))
-        second = 1 if codec.mean else k
-        counts = (golomb_bytes(k, layer.numel), 2, second) if codec.golomb else (k, second)
+        second = (1,) if codec.mean else (k, 1) if codec.scaled else (k,)
+        counts = ((golomb_bytes(k, layer.numel), 2) if codec.golomb else (k,)) + second
         cap = self._capacity(layer)
         return Wire(codec.wire_dtypes(layer), codec.kinds, counts,
-                    capacity=None if cap is None else (cap, 1 if codec.mean else cap))
+                    capacity=None if cap is None else (cap,) + ((1,) if codec.mean else (cap, 1) if codec.scaled
+                                                                 else (cap,)))
 
     # -- compress -------------------------------------------------------------
     def _method(self, layer: Layer) -> str:
@@ -102,12 +103,13 @@ class RedSyncCompressor(Compressor):
         vals = x.index_select(0, idx)
         codec = self.codec_of(layer)
         if codec.mean:
-            idx, value = codec.sign_mean(idx, vals, step)
+            idx, mean = codec.sign_mean(idx, vals, step)
+            value = [mean]
         else:
             value = codec.to_wire(vals)
         return self._message(idx, value, layer, selected)
 
-    def _message(self, idx: torch.Tensor, value: torch.Tensor, layer: Layer, selected: int) -> Message:
+    def _message(self, idx: torch.Tensor, value: list, layer: Layer, selected: int) -> Message:
         codec = self.codec_of(layer)
         return Message(codec.encode(idx, value, layer), codec.kinds, selected=selected, k=layer.k,
                        positions=idx)
@@ -151,7 +153,7 @@ class RedSyncCompressor(Compressor):
         values = None if self.codec.mean else sel.parts(sel.values)
         messages = []
         for i, (layer, idx, bad) in enumerate(zip(layers, sel.parts(), sel.nonfinite.tolist())):
-            value = sel.means[i:i + 1] if self.codec.mean else self.codec.to_wire(values[i])
+            value = [sel.means[i:i + 1]] if self.codec.mean else self.codec.to_wire(values[i])
             msg = self._message(idx, value, layer, sel.selected[i])
             if bad:   # sent empty; every rank fails the step in finish()
                 msg.nonfinite = torch.ones((), dtype=torch.bool, device=idx.device)

@@ -36,5 +36,5 @@ class SBCCompressor(RedSyncCompressor):
         binarize = self.config.message.binarize
         sel = select(single(layer.numel, layer.k), x, TOPK, sign="larger" if binarize else None, mean=binarize)
         idx = sel.positions
-        value = sel.means.float() if binarize else self.codec_of(layer).to_wire(x.index_select(0, idx))
+        value = [sel.means.float()] if binarize else self.codec_of(layer).to_wire(x.index_select(0, idx))
         return self._message(idx, value, layer, idx.numel())

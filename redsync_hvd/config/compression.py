@@ -91,7 +91,7 @@ class LayerOverride(_Group):
     pattern: str
     density: Optional[float] = None
     selection: Optional[Selection] = None
-    quantize: Optional[Literal["none", "fp16", "sign_mean"]] = Field(
+    quantize: Optional[Literal["none", "fp16", "int8", "sign_mean"]] = Field(
         None, description="redsync: this layer's message.quantize, e.g. values (none) for an embedding or a "
                           "decoder, whose selected values one mean represents badly (docs/redsync.md)")
     dense: bool = Field(False, description="send this layer dense (fused allreduce)")
@@ -263,10 +263,13 @@ class SelectionConfig(_Group):
 
 class MessageConfig(_Group):
     """What a RedSync message carries besides the positions."""
-    quantize: Literal["none", "fp16", "sign_mean"] = Field(
+    quantize: Literal["none", "fp16", "int8", "sign_mean"] = Field(
         "fp16", description="fp16: half values (48 bits an element with its index) | none: fp32 values (64 bits) | "
-                            "sign_mean: one sign, one mean per layer (32 bits an element, about 1.7x fewer bytes at "
-                            "the same density; the other sign waits, and one mean stands for values that differ)")
+                            "int8: one byte a value and one fp32 scale per layer (40 bits with an int32 index; "
+                            "what rounding loses waits in the residual; allgather and selection by tbs, trimmed, "
+                            "sampled or exact only) | sign_mean: one sign, one mean per layer (32 bits an "
+                            "element, about 1.7x fewer bytes at the same density; the other sign waits, and one "
+                            "mean stands for values that differ)")
     sign_rule: Literal["alternate", "larger"] = Field(
         "alternate", description="sign_mean: alternate the sign every step (RedSync) | larger: the side "
                                  "with the larger mean magnitude (SBC)")
@@ -735,6 +738,9 @@ class AllgatherConfig(ResidualConfig):
 
     def sharded_problems(self) -> dict:
         problems = {
+            "message.quantize: int8": (getattr(getattr(self, "message", None), "quantize", None) == "int8",
+                                       "FSDP's reduce-scatter sums (position, value) pairs in fp32 or fp16; set "
+                                       "message.quantize: fp16"),
             "message.index_coding: golomb": (getattr(getattr(self, "message", None), "index_coding", "raw") == "golomb",
                                              "Golomb-coded positions travel by allgather only; set "
                                              "message.index_coding: raw"),
@@ -756,6 +762,10 @@ class AllgatherConfig(ResidualConfig):
             raise ValueError(f"aggregation={self.aggregation!r} with sparse_update: a reduce-scatter bucket is "
                              "decoded into dense averages, not applied to the weights in step(); set "
                              "sparse_update: false, or aggregation: allgather")
+        if getattr(getattr(self, "message", None), "quantize", None) == "int8":
+            raise ValueError(f"aggregation={self.aggregation!r} sums (position, value) pairs in fp32 or fp16, or "
+                             "sign-mean: int8 codes with one scale per layer travel by allgather only. Set "
+                             "message.quantize: fp16, or aggregation: allgather")
         if getattr(getattr(self, "message", None), "index_coding", "raw") == "golomb":
             raise ValueError(f"aggregation={self.aggregation!r} sends (position, value) pairs or sign-mean: "
                              "Golomb-coded positions travel by allgather only. Set message.index_coding: raw, "
@@ -829,6 +839,10 @@ class RedSyncConfig(AllgatherConfig):
                 raise ValueError("selection.method=radix selects exactly k for every layer of a bucket at once, "
                                  "with one message format: set selection.scope: bucket (or auto) and drop per-layer "
                                  "selection overrides and per-layer quantize overrides")
+            if self.message.quantize == "int8":
+                raise ValueError("selection.method=radix writes its values in the wire's float type on the device; "
+                                 "message.quantize: int8 needs each layer's scale first: set message.quantize: fp16, "
+                                 "or another selection.method")
             if self.message.index_coding == "golomb":
                 raise ValueError("selection.method=radix keeps the step on the device, but Golomb index coding "
                                  "encodes on the host: set message.index_coding: raw, or another selection.method")
