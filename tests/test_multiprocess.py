@@ -158,6 +158,9 @@ SBC_ROUNDS = [
      "policy": {"min_compress_numel": 0}, "check_local": True, "sync_last": True},
     # SparseLoCo's decay: each rank's residual fades by local_decay before its next delta joins
     {"method": "topk", "local_steps": 3, "density": 0.2, "local_decay": 0.5, "policy": {"min_compress_numel": 0}},
+    # DiLoCo's outer Nesterov step on each round's average delta (buffers kept across rounds)
+    {"method": "redsync", "local_steps": 3, "density": 1.0, "message": {"quantize": "none"},
+     "policy": {"min_compress_numel": 0}, "check_local": True, "outer_momentum": 0.5, "outer_lr": 0.7},
 ]
 
 

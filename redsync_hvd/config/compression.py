@@ -593,6 +593,12 @@ _LOCAL_DECAY = ("with local steps: each worker's residual is multiplied by this 
                 "1 / (1 - local_decay) exchanges fades instead of arriving late, and the residual acts as a "
                 "decaying outer momentum. 1: kept whole (the default). With an exchange every step it does not apply")
 
+_OUTER = ("with local steps: DiLoCo's outer optimizer (Douillard et al. 2023), Nesterov momentum on the average "
+          "delta of each exchange: buf = outer_momentum * buf + delta, and the weights move by outer_lr * (delta + "
+          "outer_momentum * buf) instead of by delta. One buffer per parameter, the same on every rank. DiLoCo "
+          "uses outer_lr 0.7 and outer_momentum 0.9 after hundreds of local steps; at outer_momentum 0 and outer_lr "
+          "1 (the default) the weights move by the average delta. With an exchange every step it does not apply")
+
 AUTO_LOCAL_STEPS = 8   # docs/benchmarks.md, "Local steps": 8 steps held the cells the per-step default misses
 AUTO_EXCHANGE_DENSITY = 0.1   # the least an exchange of auto's local steps sends of each delta (ibid.)
 
@@ -615,6 +621,8 @@ class AllgatherConfig(ResidualConfig):
                              "its size. Frozen early, v misses how gradients shrink late in the run; 0: never")
     local_steps: Union[Literal["auto"], int] = Field(1, description=_LOCAL_STEPS)
     local_decay: float = Field(1.0, gt=0, le=1, description=_LOCAL_DECAY)
+    outer_lr: float = Field(1.0, gt=0, description="outer_lr: " + _OUTER)
+    outer_momentum: float = Field(0.0, ge=0, lt=1, description="outer_momentum: " + _OUTER)
 
     @field_validator("local_steps", mode="before")
     @classmethod
@@ -665,6 +673,13 @@ class AllgatherConfig(ResidualConfig):
             raise ValueError(f"local_decay: {self.local_decay} fades the residual between exchanges of local steps; "
                              "with local_steps: 1 there are none: set local_steps (a count, or auto), or remove "
                              "local_decay")
+        outer = [f"{k}: {v}" for k, v in (("outer_lr", self.outer_lr), ("outer_momentum", self.outer_momentum))
+                 if v != type(self).model_fields[k].default]
+        if outer and self.local_steps == 1:
+            raise ValueError(f"{', '.join(outer)} steps on the average delta of an exchange of local steps (DiLoCo's "
+                             "outer optimizer); with local_steps: 1 the gradients are averaged every step and the "
+                             "wrapped optimizer steps on them: set local_steps (a count, or auto), or remove "
+                             f"{' and '.join(k.split(':')[0] for k in outer)}")
         if not self.delayed:
             return self
         named = ["dgc.momentum_correction: true"] * self.dgc.momentum_correction + self.per_step_knobs()

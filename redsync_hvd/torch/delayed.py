@@ -6,7 +6,8 @@
 2. Every ``local_steps`` steps (or when ``sync_next_step`` asked), each worker submits its model
    delta W_local - W to the exchange. A worker that skipped a step in this round poisons its
    delta, so the exchange's agreed finiteness check fails the round on every rank alike.
-3. A round that passes: W = W + average of the decoded deltas, identical on every rank.
+3. A round that passes: W = W + average of the decoded deltas, identical on every rank (or, with
+   ``outer_momentum`` / ``outer_lr``, W + DiLoCo's outer Nesterov step on that average).
    A round that fails: every worker's weights go back to W (the local steps since are dropped)
    and every rank raises, naming the layers; nothing hangs, the residuals stay as they were."""
 from __future__ import annotations
@@ -70,7 +71,20 @@ def restart_round(opt, averaged: dict | None) -> None:
             if averaged is None:
                 p.copy_(opt._snapshot[name])
             elif name in averaged:
-                p.copy_(opt._snapshot[name] + averaged[name].view(p.shape).to(p.dtype))
+                p.copy_(opt._snapshot[name] + outer_step(opt, name, averaged[name].view(p.shape)).to(p.dtype))
                 opt._snapshot[name].copy_(p)
     opt._local, opt._sync_next = 0, False
     opt._nonfinite.clear()
+
+
+def outer_step(opt, name: str, delta: torch.Tensor) -> torch.Tensor:
+    """How far the common weights move for the average ``delta``: ``delta`` itself, or DiLoCo's outer
+    Nesterov step, buf = mu * buf + delta and outer_lr * (delta + mu * buf), with the outer gradient
+    taken as -delta (Douillard et al. 2023)."""
+    config = opt.compression_config
+    mu, lr = getattr(config, "outer_momentum", 0.0), getattr(config, "outer_lr", 1.0)
+    if mu:
+        buf = opt._outer.get(name)
+        buf = opt._outer[name] = delta.clone() if buf is None else buf.mul_(mu).add_(delta)
+        delta = delta + mu * buf
+    return delta if lr == 1.0 else lr * delta

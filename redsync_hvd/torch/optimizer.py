@@ -116,6 +116,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # communication delay (SBC): local steps, then the model delta goes through the exchange
         self._local_steps = config.local_steps if config.delayed else None
         self._snapshot, self._local, self._sync_next = None, 0, False
+        self._outer: dict = {}   # DiLoCo's outer momentum per parameter (outer_momentum), the same on every rank
         self._nonfinite: set = set()   # this round's layers whose gradient was not finite (delayed.py)
         self._hooks = [] if self._local_steps else \
             [p.register_post_accumulate_grad_hook(self._make_hook(n)) for n, p in named]
@@ -379,7 +380,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         state = super(self.__class__, self).state_dict()
         state["redsync"] = self._exchange.state_dict()
         if self._local_steps:
-            state["redsync"]["delay"] = {"local": self._local, "snapshot": self._snapshot}
+            state["redsync"]["delay"] = {"local": self._local, "snapshot": self._snapshot, "outer": self._outer}
         return state
 
     def load_state_dict(self, state_dict):
@@ -393,6 +394,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._local = delay["local"]
                 self._snapshot = None if delay["snapshot"] is None else \
                     {k: v.clone() for k, v in delay["snapshot"].items()}
+                self._outer = {k: v.clone() for k, v in delay.get("outer", {}).items()}
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step=1,

@@ -1,7 +1,8 @@
 """Local steps under horovodrun (SBC, and ``local_steps`` of RedSync and top-k, set or auto): after every
 communication round all ranks hold identical models, no collective runs between rounds,
 local_steps=1/density=1/no binarisation equals dense SGD, and at density 1 with fp32 values a
-round lands on the average of the workers' own local SGD runs (``check_local``)."""
+round lands on the average of the workers' own local SGD runs (``check_local``), or with
+``outer_momentum``/``outer_lr`` on DiLoCo's outer Nesterov step from it."""
 import copy
 import json
 import sys
@@ -19,6 +20,7 @@ def main(options):
     expect_steps = options.pop("expect_steps", None)   # local_steps: auto settles to this
     sync_last = options.pop("sync_last", False)   # sync_next_step() before the last step: a round there too
     check_decay = options.get("local_decay")   # SparseLoCo's decay: what each rank sent, from its residuals
+    mu, outer_lr = options.get("outer_momentum", 0.0), options.get("outer_lr", 1.0)   # DiLoCo's outer step
     rhvd.init()
     rank, size = rhvd.rank(), rhvd.size()
     torch.manual_seed(3)
@@ -40,6 +42,8 @@ def main(options):
     names = [n for n, _ in model.named_parameters()]
     before = {n: p.detach().clone() for n, p in model.named_parameters()}   # the common weights of the last round
     kept = {n: torch.zeros_like(p) for n, p in before.items()}             # this rank's residuals then
+    start = [p.detach().clone() for p in model.parameters()]               # the round's common weights
+    buf = [torch.zeros_like(p) for p in start]                             # the outer momentum, by hand
     for step in range(12):
         for r, m in enumerate(local):
             m.zero_grad()
@@ -64,8 +68,14 @@ def main(options):
         if check_local:
             with torch.no_grad():
                 average = [torch.stack(qs).mean(0) for qs in zip(*(m.parameters() for m in local))]
-            for p, a in zip(model.parameters(), average):
-                assert torch.allclose(p, a, atol=1e-5), (p - a).abs().max()
+            for i, (p, a) in enumerate(zip(model.parameters(), average)):
+                delta = a - start[i]
+                buf[i] = mu * buf[i] + delta
+                expect = start[i] + outer_lr * (delta + mu * buf[i])
+                assert torch.allclose(p, expect, atol=1e-5), (p - expect).abs().max()
+                if mu or outer_lr != 1.0:
+                    assert not torch.allclose(p, a, atol=1e-4), "the outer step did not move the weights"
+            start = [p.detach().clone() for p in model.parameters()]
         if check_decay:
             check_sent(opt, model, local[rank], names, before, kept, check_decay)
         local = [copy.deepcopy(model) for _ in range(size)]
