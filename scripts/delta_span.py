@@ -20,7 +20,6 @@ Writes a markdown table (stdout, and ``--out``) with the machine and the command
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
 from pathlib import Path
@@ -32,9 +31,8 @@ from redsync_hvd.compressors.codec import MessageCodec
 from redsync_hvd.config import load_config
 from redsync_hvd.data import build_datasets
 from redsync_hvd.experiments.jobs import REPO
-from redsync_hvd.experiments.machine import cpu_name
 from redsync_hvd.experiments.stats import mean, median
-from redsync_hvd.experiments.tables import cell, command_line, markdown
+from redsync_hvd.experiments.tables import cell, markdown, one_process_report
 from redsync_hvd.models import build_model
 from redsync_hvd.torch.training import build_optimizer
 
@@ -103,14 +101,10 @@ def main(argv=None) -> int:
     cfg = load_config(str(REPO / args.config) if not Path(args.config).is_absolute() else args.config, args.overrides)
     t0 = time.time()
     results = train(cfg, args.local_steps, args.density, args.steps)
-    text = (f"`{command_line(argv, 'scripts/delta_span.py')}`\n\n"
-            f"{cfg.model.name} on {cfg.data.name} under {cfg.optimizer.name}, {args.local_steps} local steps, the "
-            f"top {args.density:g} of each delta, {args.steps} steps, one process, {cpu_name()}, torch "
-            f"{torch.__version__}, Python {platform.python_version()}, {time.time() - t0:.0f} s\n\n" + table(results))
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+    one_process_report(argv, "scripts/delta_span.py",
+                       f"{cfg.model.name} on {cfg.data.name} under {cfg.optimizer.name}, {args.local_steps} local "
+                       f"steps, the top {args.density:g} of each delta, {args.steps} steps", time.time() - t0,
+                       table(results), args.out)
     return 0
 
 

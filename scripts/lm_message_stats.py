@@ -25,7 +25,6 @@ Writes a markdown table (stdout, and ``--out``) with the machine and the command
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
 from pathlib import Path
@@ -38,9 +37,8 @@ from redsync_hvd.compressors.base import Layer
 from redsync_hvd.config import load_config
 from redsync_hvd.data import build_datasets
 from redsync_hvd.experiments.jobs import REPO
-from redsync_hvd.experiments.machine import cpu_name
 from redsync_hvd.experiments.stats import mean, median
-from redsync_hvd.experiments.tables import cell, command_line, markdown
+from redsync_hvd.experiments.tables import cell, markdown, one_process_report
 from redsync_hvd.memory import ResidualMemory
 from redsync_hvd.models import build_model
 
@@ -133,14 +131,9 @@ def main(argv=None) -> int:
     cfg = load_config(str(REPO / args.config) if not Path(args.config).is_absolute() else args.config, args.overrides)
     t0 = time.time()
     results = train(cfg, args.density, args.steps, args.skip)
-    text = (f"`{command_line(argv, 'scripts/lm_message_stats.py')}`\n\n"
-            f"{cfg.model.name} on {cfg.data.name}, density {args.density}, steps {args.skip}-{args.steps}, "
-            f"one process, {cpu_name()}, torch {torch.__version__}, Python {platform.python_version()}, "
-            f"{time.time() - t0:.0f} s\n\n" + table(results))
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+    one_process_report(argv, "scripts/lm_message_stats.py",
+                       f"{cfg.model.name} on {cfg.data.name}, density {args.density}, steps {args.skip}-{args.steps}",
+                       time.time() - t0, table(results), args.out)
     return 0
 
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 import csv
 import json
 import math
+import platform
 import shlex
 import sys
 from pathlib import Path
+
+from .machine import cpu_name
 
 
 def cell(v, spec: str = "", suffix: str = "") -> str:
@@ -59,6 +62,20 @@ def write_result(path: str, info: dict, rows: list, text: str) -> None:
         write_json(Path(path), {"machine": info, "rows": rows})
     else:
         Path(path).write_text(text + "\n")
+
+
+def one_process_report(argv, program: str, what: str, seconds: float, body: str, out: str | None) -> str:
+    """A one-process measurement's markdown: the command, ``what`` ran on which machine and
+    software, and ``body``; printed, and written to ``out`` where given."""
+    torch = sys.modules.get("torch")   # its version where the caller loaded it; these tools need no torch
+    version = f", torch {torch.__version__}" if torch is not None else ""
+    text = (f"`{command_line(argv, program)}`\n\n{what}, one process, {cpu_name()}{version}, Python "
+            f"{platform.python_version()}, {seconds:.0f} s\n\n{body}")
+    print(text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text)
+    return text
 
 
 def command_line(argv=None, program: str | None = None) -> str:
