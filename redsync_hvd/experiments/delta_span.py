@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """How far apart the values of one local-steps exchange are, and what int8 and fp16 lose on them.
 
-    python scripts/delta_span.py [--config configs/austen/gpt-dense.yaml] [--local-steps 8]
+    python -m redsync_hvd.experiments.delta_span [--config configs/austen/gpt-dense.yaml] [--local-steps 8]
         [--density 0.1] [--steps 400] [--out FILE]
 
 One process trains the config's model with its optimizer (no learning-rate schedule), and every
@@ -27,16 +26,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from redsync_hvd.compressors.codec import MessageCodec
-from redsync_hvd.config import load_config
-from redsync_hvd.data import build_datasets
-from redsync_hvd.experiments.jobs import REPO
-from redsync_hvd.experiments.stats import mean, median
-from redsync_hvd.experiments.tables import cell, markdown, one_process_report
-from redsync_hvd.models import build_model
-from redsync_hvd.torch.training import build_optimizer
+from ..compressors.codec import MessageCodec
+from ..config import load_config
+from ..core.select import Contract, select, single
+from ..data import build_datasets
+from ..models import build_model
+from ..torch.training import build_optimizer
+from .jobs import REPO
+from .stats import mean, median
+from .tables import cell, markdown, one_process_report
 
 CODECS = {q: MessageCodec(q) for q in ("int8", "fp16")}
+EXACT = Contract("exact", finite=False)
 
 
 def rounding_error(codec: MessageCodec, v: torch.Tensor) -> float:
@@ -71,7 +72,7 @@ def train(cfg, local_steps: int, density: float, steps: int) -> dict:
         with torch.no_grad():                                                                         # 3.
             for name, p in large.items():
                 x = (p - snapshot[name]).reshape(-1) + residual[name]
-                idx = x.abs().topk(max(1, int(density * x.numel()))).indices
+                idx = select(single(x.numel(), max(1, int(density * x.numel()))), x, EXACT).positions
                 v = x[idx]
                 span = float(v.abs().max() / v.abs().min().clamp_min(1e-30))
                 figures[name].append({"span": span, **{q: rounding_error(c, v) for q, c in CODECS.items()}})
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
     cfg = load_config(str(REPO / args.config) if not Path(args.config).is_absolute() else args.config, args.overrides)
     t0 = time.time()
     results = train(cfg, args.local_steps, args.density, args.steps)
-    one_process_report(argv, "scripts/delta_span.py",
+    one_process_report(argv, "-m redsync_hvd.experiments.delta_span",
                        f"{cfg.model.name} on {cfg.data.name} under {cfg.optimizer.name}, {args.local_steps} local "
                        f"steps, the top {args.density:g} of each delta, {args.steps} steps", time.time() - t0,
                        table(results), args.out)
