@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import redsync_hvd.torch.ddp as rddp
+from redsync_hvd.launchers import close_process_group
 
 STEPS = 100
 
@@ -33,5 +34,7 @@ for step in range(STEPS + 1):
         print(f"step {step} loss {loss.item():.4f}", flush=True)
 if dist.get_rank() == 0:
     print("communication_stats:", json.dumps(state.communication_stats(), default=str), flush=True)
-dist.barrier()   # every rank is done before any tears the process group down
-dist.destroy_process_group()
+# A barrier, then exit at once: torch 2.13's Gloo teardown (destroy_process_group, or the
+# interpreter's shut-down) can abort a finished job with "terminate called without an active
+# exception" on a loaded machine; after the last collective there is nothing left to lose.
+close_process_group()

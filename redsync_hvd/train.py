@@ -216,11 +216,16 @@ def launch(cfg, adapter, relayed: bool = False) -> int:
 def exit_with(code: int):
     """A stopped run (every rank saved and passed the last collective) ends at once, before its
     launcher's SIGKILL (preemption.exit_now); a refused one without the launcher's report of it
-    (launchers.exit_quietly); other codes end as usual."""
+    (launchers.exit_quietly); a finished torch.distributed run, where every rank reached the end,
+    through launchers.close_process_group, past Gloo's teardown that can abort a finished job on
+    a loaded machine; other codes end as usual."""
     if code == EXIT_STOPPED:
         exit_now(code)
     if code == EXIT_BAD_INPUT:
         launchers.exit_quietly(code)
+    dist = sys.modules.get("torch.distributed")
+    if code == 0 and dist is not None and dist.is_available() and dist.is_initialized():
+        launchers.close_process_group(code)
     sys.exit(code)
 
 
