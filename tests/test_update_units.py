@@ -15,7 +15,7 @@ from redsync_hvd.engine import build_exchange
 from redsync_hvd.memory import AdamUnitsMemory, MomentumCorrectionMemory, ResidualMemory
 from redsync_hvd.policy import LayerPolicy
 from redsync_hvd.torch.params import layers_of, take_momentum
-from redsync_hvd.torch.update_units import take_moments
+from redsync_hvd.torch.update_units import of_average_step, take_moments
 
 UPDATE = {"method": "redsync", "density": 0.01, "feedback_units": "update"}
 
@@ -137,6 +137,48 @@ def test_a_frozen_variance_stops_v_and_its_bias_correction_at_step_w():
     assert built.exchange.memory.freeze_after == 7
 
 
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.AdamW(ps, lr=0.01, betas=(0.9, 0.95), weight_decay=0.1),
+                                  lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=0.01)])
+def test_of_average_step_for_one_worker_is_torchs_own_and_for_two_divides_by_the_averages_variance(make):
+    """``of_average_step`` with N = 1 follows torch's Adam/AdamW (to rounding: sqrt(v / bc2) against
+    sqrt(v) / sqrt(bc2)); with N = 2 it steps further where the gradient's sign flips (v_hat above
+    m_hat**2) and as far where the gradient never changes."""
+    torch.manual_seed(0)
+    own, one, two = (torch.nn.Linear(6, 4) for _ in range(3))
+    one.load_state_dict(own.state_dict())
+    two.load_state_dict(own.state_dict())
+    opts = [make(m.parameters()) for m in (own, one, two)]
+    for step in range(12):
+        x = torch.randn(8, 6) * (-1) ** step
+        for m, o in zip((own, one, two), opts):
+            o.zero_grad()
+            m(x).sum().backward()
+        opts[0].step()
+        of_average_step(opts[1], 1)
+        of_average_step(opts[2], 2)
+    for a, b in zip(own.parameters(), one.parameters()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
+    # the weight's gradient flips sign with x: of_average steps further; the bias's is 8 at every
+    # step (d sum / d b), no noise, so v_hat = m_hat**2 and both variances agree
+    assert (two.weight - own.weight).abs().sum() > 1e-2
+    assert torch.allclose(two.bias, own.bias, rtol=0, atol=1e-6)
+
+
+def test_adam_variance_needs_workers_own_steps_and_reaches_the_memory():
+    assert parse_compression({"method": "redsync", "local_steps": 8, "adam_variance": "of_average"}).adam_variance \
+        == "of_average"
+    with pytest.raises(ValueError, match="feedback_units: update or local_steps above 1"):
+        parse_compression({"method": "topk", "feedback_units": "gradient", "adam_variance": "of_average"})
+    for variance, workers in (("own", 1), ("of_average", 3)):
+        model = torch.nn.Linear(64, 80)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        names = {p: n for n, p in model.named_parameters()}
+        built = build_exchange({**UPDATE, "adam_variance": variance}, layers_of(list(model.named_parameters())),
+                               LocalCommunicator(3), agree=False, take_moments=lambda: take_moments(opt, names),
+                               take_momentum=lambda: take_momentum(opt.param_groups, names))
+        assert built.exchange.memory.workers == workers
+
+
 def test_resize_sums_residuals_averages_moments_and_reset_drops_both():
     a = {"residual": {"w": torch.ones(3)}, "exp_avg": {"w": torch.full((3,), 2.0)},
          "exp_avg_sq": {"w": torch.full((3,), 4.0)}, "steps": {"w": 7}}
@@ -190,11 +232,13 @@ def test_min_sends_and_the_exponential_warmup_take_the_larger_density():
 def test_horovod_update_units_equal_the_workers_own_adamw_steps_and_resume_bit_for_bit():
     out = run_script("update_units.py", "horovod", np=2, timeout=180).stdout
     assert out.count("OK density 1 equals") == 2 and out.count("OK a resume keeps") == 2, out[-3000:]
+    assert out.count("OK of_average divides") == 2, out[-3000:]
 
 
 def test_ddp_hook_update_units_equal_the_workers_own_adamw_steps_and_resume_bit_for_bit():
     out = run_torch_script("update_units.py", "ddp", nproc=2, timeout=180).stdout
     assert out.count("OK density 1 equals") == 2 and out.count("OK a resume keeps") == 2, out[-3000:]
+    assert out.count("OK of_average divides") == 2, out[-3000:]
 
 
 TINY_GPT = ("model.options={d_model: 32, n_layers: 1, n_heads: 2, dropout: 0.0}", "data.options.seq_len=16",

@@ -599,6 +599,14 @@ _OUTER = ("with local steps: DiLoCo's outer optimizer (Douillard et al. 2023), N
           "uses outer_lr 0.7 and outer_momentum 0.9 after hundreds of local steps; at outer_momentum 0 and outer_lr "
           "1 (the default) the weights move by the average delta. With an exchange every step it does not apply")
 
+_ADAM_VARIANCE = ("where each worker takes its own Adam or AdamW steps (feedback_units: update, or local_steps "
+                  "above 1), what its step divides by. own: its second moment v, from its own gradient, as Adam "
+                  "does | of_average: an estimate of the second moment of the N workers' average gradient, "
+                  "v_hat / N + (1 - 1/N) * m_hat**2, what dense Adam divides by. A worker's own v carries its "
+                  "gradient noise in full, up to N times the average's, so its steps are up to sqrt(N) times "
+                  "smaller where noise dominates: the averaged run learns more slowly than dense. Costs nothing "
+                  "on the wire; memory/adam.py")
+
 AUTO_LOCAL_STEPS = 8   # docs/benchmarks.md, "Local steps": 8 steps held the cells the per-step default misses
 AUTO_EXCHANGE_DENSITY = 0.1   # the least an exchange of auto's local steps sends of each delta (ibid.)
 
@@ -619,6 +627,7 @@ class AllgatherConfig(ResidualConfig):
                              "stops moving (1-bit Adam's frozen variance, Tang et al. 2021), so its Adam direction "
                              "is its momentum over a fixed per-coordinate scale and a residual that waited keeps "
                              "its size. Frozen early, v misses how gradients shrink late in the run; 0: never")
+    adam_variance: Literal["own", "of_average"] = Field("own", description=_ADAM_VARIANCE)
     local_steps: Union[Literal["auto"], int] = Field(1, description=_LOCAL_STEPS)
     local_decay: float = Field(1.0, gt=0, le=1, description=_LOCAL_DECAY)
     outer_lr: float = Field(1.0, gt=0, description="outer_lr: " + _OUTER)
@@ -727,6 +736,14 @@ class AllgatherConfig(ResidualConfig):
         if isinstance(message, MessageConfig) and selection.method != "radix":                        # 4.
             update["message"] = message.model_copy(update={"index_coding": "golomb"})
         return self.model_copy(update=update)
+
+    @model_validator(mode="after")
+    def _average_variance_needs_own_steps(self):
+        if self.adam_variance != "own" and not (self.in_update_units or self.local_steps != 1):
+            raise ValueError(f"adam_variance: {self.adam_variance} changes each worker's own Adam steps, which only "
+                             "feedback_units: update or local_steps above 1 (or auto) take: set one of them, or "
+                             "leave adam_variance out")
+        return self
 
     @model_validator(mode="after")
     def _frozen_needs_update_units(self):

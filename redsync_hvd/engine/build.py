@@ -180,12 +180,15 @@ def update_units(config: MethodConfig, take_moments: Optional[Callable[[], Union
 
 
 def build_memory(config: CompressionConfig, momentum: Optional[MomentumSpec], fuse: bool = True,
-                 moments: Optional[AdamSpec] = None):
+                 moments: Optional[AdamSpec] = None, workers: int = 1):
+    """``workers``: the world's size, for ``adam_variance: of_average``."""
     if not config.uses_memory:
         return None
     if moments is not None:
+        of_average = getattr(config, "adam_variance", "own") == "of_average"
         return AdamUnitsMemory(moments.betas, moments.eps, moments.l2, freeze_after=config.frozen_variance_after,
-                               decay=config.residual_decay, sign_step=config.steps_by_sign)
+                               decay=config.residual_decay, sign_step=config.steps_by_sign,
+                               workers=workers if of_average else 1)
     if config.residual_decay != 1.0 or config.steps_by_sign:
         raise ValueError(f"compression.method={config.method!r}: decay and sign_step act on each worker's own Adam "
                          "steps (error feedback in update units), which this run does not keep: train with "
@@ -239,7 +242,7 @@ def build_exchange(compression: Any, layers: list, comm, *, framework: str = "to
             config, notes = without_momentum_correction(config), [NO_MOMENTUM_NOTE]
     moments, more = update_units(config, take_moments, f"the {framework} adapter under engine: {engine}")
     notes = [UPDATE_UNITS_NOTE] if moments is not None else notes + more
-    memory = build_memory(config, momentum, fuse, moments)
+    memory = build_memory(config, momentum, fuse, moments, workers=comm.size)
     policy = LayerPolicy(config, compressor)                                        # 5.
     policy.notes = chosen + notes
     if config.policy.decisions is not None:

@@ -20,6 +20,16 @@ optimizer's own Adam on their averaged gradient, exactly as dense training.
 Adam's coupled weight decay (``Adam(weight_decay=...)``: L2 added to the gradient) joins g
 before the moments here, as it would in Adam; AdamW's decoupled decay stays in step 4.
 
+With ``workers`` = N > 1 (``adam_variance: of_average``), step 2 divides by an estimate of the
+second moment of the N workers' *average* gradient instead of this worker's own:
+
+    v_avg = v_hat / N + (1 - 1/N) * m_hat**2      (v_hat, m_hat: the bias-corrected moments)
+
+A worker's gradient g = mu + noise has E[g**2] = mu**2 + s**2; the average of N has mu**2 + s**2/N.
+v_hat estimates the first and m_hat**2 mu**2 (its noise damped by b1's average), so v_avg estimates
+the second. Dense Adam divides by that; each worker's own v is up to N times larger where noise
+dominates, which shrinks the averaged step by up to sqrt(N) there (measured: docs/redsync.md).
+
 With ``freeze_after`` = W > 0, v stops at step W (1-bit Adam's frozen variance, Tang et al.
 2021) and its bias correction with it: from then on step 2 is linear in m, a fixed scale per
 coordinate.
@@ -50,9 +60,10 @@ class AdamUnitsMemory(ResidualMemory):
     COUNTERS = ("steps",)
 
     def __init__(self, betas: dict, eps: dict, l2: dict | None = None, freeze_after: int = 0,
-                 decay: float = 1.0, sign_step: bool = False):
+                 decay: float = 1.0, sign_step: bool = False, workers: int = 1):
         super().__init__(fuse=False)   # the native fused pass knows x = r + g and DGC's u only
         self.betas, self.eps, self.l2, self.freeze_after = betas, eps, l2 or {}, freeze_after
+        self.workers = workers          # above 1: the variance of the workers' average (docstring)
         self.decay, self.sign_step = decay, sign_step
         self.sent: set = set()          # the layers whose averages are in update units, last step
 
@@ -88,7 +99,10 @@ class AdamUnitsMemory(ResidualMemory):
             v_new.copy_(v)
         else:
             torch.mul(v, b2, out=v_new).addcmul_(g, g, value=1 - b2)
-        denom = (v_new.sqrt() / (1 - b2 ** tv) ** 0.5).add_(self.eps[name])  # 2. as torch's Adam
+        if self.workers > 1:
+            denom = average_denominator(m_new, v_new, 1 - b1 ** t, 1 - b2 ** tv, self.workers, self.eps[name])
+        else:
+            denom = (v_new.sqrt() / (1 - b2 ** tv) ** 0.5).add_(self.eps[name])  # 2. as torch's Adam
         kept = r if self.decay == 1.0 else r * self.decay                  # DeMo's decay
         torch.addcdiv(kept, m_new, denom, value=1 / (1 - b1 ** t), out=x)    # 3. x = r + s
 
@@ -107,3 +121,11 @@ class AdamUnitsMemory(ResidualMemory):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.sent = set()
+
+
+def average_denominator(m: torch.Tensor, v: torch.Tensor, bc1: float, bc2: float, workers: int,
+                        eps: float) -> torch.Tensor:
+    """sqrt(v_hat / N + (1 - 1/N) * m_hat**2) + eps: Adam's denominator for the second moment of
+    N workers' average gradient, from one worker's bias-corrected moments (module docstring)."""
+    est = (m / bc1).square_().mul_(1 - 1 / workers)
+    return est.add_(v, alpha=1 / (workers * bc2)).sqrt_().add_(eps)

@@ -23,7 +23,7 @@ import torch
 
 from ..comm import HorovodCommunicator
 from ..compressors.base import Compressor
-from ..engine import build_exchange, parse
+from ..engine import AdamSpec, build_exchange, parse
 from .decentralized import DecentralizedOptimizer
 from .delayed import local_step
 from .options import (
@@ -36,7 +36,7 @@ from .options import (
 )
 from .params import check_plain_sgd, layers_of, plain_sgd_problems, resolve_names, take_momentum
 from .sparse import SparseRows, makes_sparse_grads
-from .update_units import UpdateUnitsStep, take_moments
+from .update_units import UpdateUnitsStep, of_average_step, take_moments
 
 SPARSE_AUTO_NOTE = ("compression.sparse_update: true (auto under policy.mode: cost_model): the optimizer is plain "
                     "SGD, so step() applies each compressed layer's average straight to its weights; their .grad "
@@ -117,6 +117,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._local_steps = config.local_steps if config.delayed else None
         self._snapshot, self._local, self._sync_next = None, 0, False
         self._outer: dict = {}   # DiLoCo's outer momentum per parameter (outer_momentum), the same on every rank
+        self._inner_step = self._local_adam(config, comm) if self._local_steps else None
         self._nonfinite: set = set()   # this round's layers whose gradient was not finite (delayed.py)
         self._hooks = [] if self._local_steps else \
             [p.register_post_accumulate_grad_hook(self._make_hook(n)) for n, p in named]
@@ -124,6 +125,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._landing_named = [] if self._local_steps else [(n, p) for n, p in exchanged if n not in sparse]
         self._landing, self._layout = self._grad_views(self._landing_named), 0
         self._attach()
+
+    def _local_adam(self, config, comm):
+        """The local steps' own step: the wrapped optimizer's, or with ``adam_variance: of_average``
+        Adam's divided by the average's variance (update_units.of_average_step)."""
+        if getattr(config, "adam_variance", "own") != "of_average":
+            return None
+        spec = take_moments(self, self._names)
+        if not isinstance(spec, AdamSpec):
+            raise ValueError("compression.adam_variance: of_average changes the steps of torch.optim.Adam or AdamW"
+                             + (f", and {spec}" if spec else f", not those of {type(self).__mro__[1].__name__}")
+                             + ": train with a plain Adam or AdamW, or leave adam_variance out")
+        return lambda closure=None: of_average_step(self, comm.size, closure)
 
     def _choose_sparse_update(self, config, options: HorovodOptions) -> bool:
         """``sparse_update: auto`` under the cost model: on where this optimizer is plain SGD (as it is
@@ -357,7 +370,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         if self._local_steps:
-            return local_step(self, closure, super(self.__class__, self).step)
+            return local_step(self, closure, self._inner_step or super(self.__class__, self).step)
         if not self._skip_sync:
             if self._synchronized:
                 warnings.warn(STEP_AFTER_SYNC, stacklevel=2)

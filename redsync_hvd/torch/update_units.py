@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..engine import AdamSpec
+from ..memory.adam import average_denominator
 
 
 def take_moments(optimizer, names: dict) -> AdamSpec | str | None:
@@ -82,3 +83,36 @@ class UpdateUnitsStep:
         """Register steps 2 and 3 as ``optimizer``'s step pre- and post-hooks (the DDP hook's way)."""
         return [optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.apply()),
                 optimizer.register_step_post_hook(lambda opt, args, kwargs: self.restore())]
+
+
+def of_average_step(optimizer, workers: int, closure=None):
+    """One step of a torch Adam or AdamW under local steps with ``adam_variance: of_average``: torch's
+    own update and state (``step``, ``exp_avg``, ``exp_avg_sq``, so checkpoints load either way), but
+    each parameter divided by the estimate of the N workers' average gradient's second moment
+    (``memory/adam.py:average_denominator``) in place of sqrt(v_hat) + eps."""
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            (b1, b2), lr, wd = group["betas"], float(group["lr"]), group["weight_decay"]
+            decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = optimizer.state[p]
+                if not state:
+                    state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                state["step"] += 1
+                t, g = float(state["step"]), p.grad
+                if wd and decoupled:
+                    p.mul_(1 - lr * wd)
+                elif wd:
+                    g = g.add(p, alpha=wd)
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.lerp_(g, 1 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                denom = average_denominator(m, v, 1 - b1 ** t, 1 - b2 ** t, workers, group["eps"])
+                p.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
+    return loss

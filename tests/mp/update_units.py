@@ -7,6 +7,9 @@
    dense AdamW on the compressed layer.
 2. At density 0.05 a run saved after 3 steps and resumed into a new model and optimizer ends 6 steps
    bit-identical to the run that went on: the moments, step counts and residuals are in the state.
+3. ``adam_variance: of_average``: (1) again, each direction divided by sqrt(v_hat/N + (1-1/N) m_hat**2)
+   + eps; under Horovod also with 2 local steps at density 1, where every layer's local AdamW step
+   is so divided and the weights move by the average delta after each round.
 Prints ``OK <check>`` per check on every rank."""
 import copy
 import sys
@@ -65,7 +68,14 @@ def train(model, opt, steps, start=0):
         opt.step()
 
 
-def reference(steps):
+def denominator(m, v, t, of_average):
+    v_hat, m_hat = v / (1 - BETAS[1] ** t), m / (1 - BETAS[0] ** t)
+    if of_average:   # the second moment of the average of SIZE workers' gradients
+        return (v_hat / SIZE + (1 - 1 / SIZE) * m_hat ** 2).sqrt() + EPS
+    return (v.sqrt() / (1 - BETAS[1] ** t) ** 0.5).add_(EPS)
+
+
+def reference(steps, of_average=False):
     """Every worker's own AdamW direction on the compressed weight, averaged; AdamW on the rest."""
     model = net()
     big = model[0].weight
@@ -83,7 +93,7 @@ def reference(steps):
             g = grads[r][0]
             m.lerp_(g, 1 - BETAS[0])
             v.mul_(BETAS[1]).addcmul_(g, g, value=1 - BETAS[1])
-            denom = (v.sqrt() / (1 - BETAS[1] ** t) ** 0.5).add_(EPS)
+            denom = denominator(m, v, t, of_average)
             directions.append(m / (1 - BETAS[0] ** t) / denom)
         for i, p in enumerate(rest, start=1):
             p.grad = sum(g[i] for g in grads) / SIZE
@@ -91,6 +101,31 @@ def reference(steps):
         with torch.no_grad():
             big.mul_(1 - LR * WD).sub_(LR * sum(directions) / SIZE)
     return model
+
+
+def local_reference(steps, local):
+    """Each worker ``local`` AdamW steps of its own, divided by the average's variance, from the
+    round's weights; then every weight moves by the average delta."""
+    start = net()
+    workers = [copy.deepcopy(start) for _ in range(SIZE)]
+    moments = [{p: (torch.zeros_like(p), torch.zeros_like(p)) for p in w.parameters()} for w in workers]
+    for step in range(steps):
+        for r, w in enumerate(workers):
+            w.zero_grad()
+            loss_of(w, step, r).backward()
+            with torch.no_grad():
+                for p in w.parameters():
+                    m, v = moments[r][p]
+                    m.lerp_(p.grad, 1 - BETAS[0])
+                    v.mul_(BETAS[1]).addcmul_(p.grad, p.grad, value=1 - BETAS[1])
+                    p.mul_(1 - LR * WD).sub_(LR * m / (1 - BETAS[0] ** (step + 1)) / denominator(m, v, step + 1, True))
+        if (step + 1) % local == 0:
+            with torch.no_grad():
+                for p0, *got in zip(start.parameters(), *(w.parameters() for w in workers)):
+                    p0.add_(sum(q - p0 for q in got) / SIZE)
+                    for q in got:
+                        q.copy_(p0)
+    return start
 
 
 def dense_adamw(steps):
@@ -135,6 +170,27 @@ memory = (state["redsync"] if ENGINE == "horovod" else state["exchange"])["memor
 name = "0.weight"   # the exchange names layers as the module does, under DDP too
 assert memory["steps"] == {name: 6} and memory["exp_avg"][name].abs().sum() > 0, memory["steps"]
 print("OK a resume keeps the moments bit for bit", flush=True)
+
+# 3. adam_variance: of_average, every step and (Horovod) under local steps
+model, opt, _ = wrap(net(), {**SPEC, "adam_variance": "of_average"})
+train(model, opt, 5)
+for a, b in zip(params(model), params(reference(5, of_average=True))):
+    assert torch.allclose(a, b, rtol=0, atol=2e-6), (a.shape, (a - b).abs().max())
+assert (params(model)[0] - params(reference(5))[0]).abs().max() > 1e-5, "of_average moved as own variance does"
+if ENGINE == "horovod":
+    local = {"method": "topk", "density": 1.0, "local_steps": 2, "adam_variance": "of_average"}
+    model, opt, _ = wrap(net(), local)
+    train(model, opt, 4)
+    for a, b in zip(params(model), params(local_reference(4, 2))):
+        assert torch.allclose(a, b, rtol=0, atol=2e-6), (a.shape, (a - b).abs().max())
+    plain = net()
+    try:
+        DistributedOptimizer(torch.optim.SGD(plain.parameters(), lr=LR, momentum=0.9),
+                             named_parameters=plain.named_parameters(), compression=local)
+        raise AssertionError("of_average was accepted under SGD")
+    except ValueError as error:
+        assert "plain Adam or AdamW" in str(error) and "SGD" in str(error), error
+print("OK of_average divides by the average's variance", flush=True)
 if ENGINE == "ddp":
     # launchers.close_process_group: torch's Gloo teardown at exit aborted this job once
     # ("terminate called without an active exception") after both ranks had printed OK
