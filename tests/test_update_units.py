@@ -177,6 +177,9 @@ def test_adam_variance_needs_workers_own_steps_and_reaches_the_memory():
                                LocalCommunicator(3), agree=False, take_moments=lambda: take_moments(opt, names),
                                take_momentum=lambda: take_momentum(opt.param_groups, names))
         assert built.exchange.memory.workers == workers
+    for make in (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), lambda ps: torch.optim.Adagrad(ps)):
+        with pytest.raises(ValueError, match="keeps none .*leave adam_variance out"):
+            built_for(make, {**UPDATE, "adam_variance": "of_average"})
 
 
 def test_resize_sums_residuals_averages_moments_and_reset_drops_both():

@@ -12,6 +12,7 @@ from .build import (
                     check_same_everywhere,
                     parse,
                     refuse,
+                    refuse_average_variance,
 )
 from .probes import given_compute, network_for, probe_compute
 
@@ -30,4 +31,5 @@ __all__ = [
     "parse",
     "probe_compute",
     "refuse",
+    "refuse_average_variance",
 ]

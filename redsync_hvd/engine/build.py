@@ -179,6 +179,14 @@ def update_units(config: MethodConfig, take_moments: Optional[Callable[[], Union
     return None, [NO_MOMENTS_NOTE.format(why=why)]
 
 
+def refuse_average_variance(config, why: str) -> None:
+    """``adam_variance: of_average`` where no worker takes Adam steps of its own: a clear error,
+    not a key that changes nothing."""
+    if getattr(config, "adam_variance", "own") != "own":
+        raise ValueError(f"compression.adam_variance: {config.adam_variance} changes the Adam steps each worker "
+                         f"takes of its own, and this run keeps none ({why}): leave adam_variance out")
+
+
 def build_memory(config: CompressionConfig, momentum: Optional[MomentumSpec], fuse: bool = True,
                  moments: Optional[AdamSpec] = None, workers: int = 1):
     """``workers``: the world's size, for ``adam_variance: of_average``."""
@@ -242,6 +250,8 @@ def build_exchange(compression: Any, layers: list, comm, *, framework: str = "to
             config, notes = without_momentum_correction(config), [NO_MOMENTUM_NOTE]
     moments, more = update_units(config, take_moments, f"the {framework} adapter under engine: {engine}")
     notes = [UPDATE_UNITS_NOTE] if moments is not None else notes + more
+    if moments is None and not getattr(config, "delayed", False):
+        refuse_average_variance(config, more[0] if more else "this run's optimizer is not Adam or AdamW")
     memory = build_memory(config, momentum, fuse, moments, workers=comm.size)
     policy = LayerPolicy(config, compressor)                                        # 5.
     policy.notes = chosen + notes

@@ -60,6 +60,7 @@ from ..engine import (
     parse,
     probe_compute,
     refuse,
+    refuse_average_variance,
 )
 from ..engine.decisions import pin
 from ..exchange import NonFiniteGradientError
@@ -293,6 +294,7 @@ def register(model, compression=None, optimizer=None, communicator=None) -> FSDP
         # (under SGD, DGC's correction already is update units)
         policy.notes.append(NO_MOMENTS_NOTE.format(why="engine: fsdp would keep them for every whole layer on "
                                                        "every worker, which is what sharding exists to avoid"))
+    refuse_average_variance(config, "engine: fsdp keeps no Adam moments per worker")
     groups, extras, carried = [], [], Carried(KINDS)
     for name, params, mine, pg in per_group:
         groups.append(_group(config, name, params, mine, comm, spec, carried))
