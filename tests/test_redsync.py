@@ -81,6 +81,19 @@ def test_int8_sends_a_code_and_one_scale_and_the_residual_keeps_the_rounding(cod
     assert torch.equal(mem.residual["w"], x - out)   # what rounding lost waits in the residual, exactly
 
 
+def test_delta_span_rounding_error_is_what_the_receivers_lose():
+    """experiments/delta_span's figure decodes through the codec, as the receivers do: int8 loses at
+    most half a level of the largest value, fp16 half an ulp, and a value the wire holds exactly
+    loses nothing."""
+    from redsync_hvd.experiments.delta_span import CODECS, rounding_error
+    v = torch.linspace(1.0, 2.0, 1001)   # a span of 2: int8's smallest value has 63 levels
+    assert 0 < rounding_error(CODECS["int8"], v) <= 2.0 / 254 / 1.0
+    assert 0 < rounding_error(CODECS["fp16"], v) <= 2.0 ** -11
+    exact = torch.tensor([1.0, -0.5, 2.0, 0.25])
+    assert rounding_error(CODECS["fp16"], exact) == 0.0
+    assert rounding_error(CODECS["int8"], torch.full((5,), -3.0)) == 0.0   # every value is the scale
+
+
 def test_int8_is_refused_where_its_codes_cannot_travel():
     from redsync_hvd.config.compression import parse_compression
     with pytest.raises(ValueError, match="int8"):

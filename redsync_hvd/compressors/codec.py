@@ -72,8 +72,11 @@ class MessageCodec:
 
     def values(self, tensors: list) -> torch.Tensor:
         """The float32 values an encoded message carries: the values, or code * scale, or the mean."""
-        value = tensors[self.index_parts].float()
-        return value * tensors[self.index_parts + 1].float() if self.scaled else value
+        return self.decoded(tensors[self.index_parts:])
+
+    def decoded(self, value: list) -> torch.Tensor:
+        """The float32 values that :meth:`to_wire`'s list (or sign_mean's [mean]) stands for."""
+        return value[0].float() * value[1].float() if self.scaled else value[0].float()
 
     def encode(self, positions: torch.Tensor, value: list, layer) -> list:
         """[positions (int32 or Golomb-coded), *value]; ``value``: :meth:`to_wire`'s list, or

@@ -42,9 +42,7 @@ EXACT = Contract("exact", finite=False)
 
 def rounding_error(codec: MessageCodec, v: torch.Tensor) -> float:
     """||decoded - v|| / ||v|| of ``v`` sent through ``codec``'s values."""
-    sent = codec.to_wire(v)
-    decoded = sent[0].float() * sent[1] if codec.scaled else sent[0].float()
-    return float((decoded - v).norm() / v.norm())
+    return float((codec.decoded(codec.to_wire(v)) - v).norm() / v.norm())
 
 
 def train(cfg, local_steps: int, density: float, steps: int) -> dict:
