@@ -70,8 +70,9 @@ def resume(cfg: RunConfig, rank: int, size: int, allgather_object: Callable) -> 
     1. ``checkpoint.resume``: load, then one allgather of step, world size, fingerprint (or
        the load error); on another world size ``training.on_resize`` decides, and summed
        residuals are scaled so the owed weight update stays ``lr / N * sum r``.
-    2. The checkpoints' experiment fingerprint must be this config's (RESUMABLE keys aside);
-       otherwise the keys that differ are named.
+    2. The checkpoints' experiment fingerprint must be this config's (RESUMABLE keys aside), or
+       their saved config, read by this version, must be this run's experiment
+       (:func:`same_experiment`); otherwise the keys that differ are named.
     Raises :class:`checkpoint.CheckpointError`, the same on every rank."""
     if not cfg.training.resume:
         return None
@@ -83,12 +84,25 @@ def resume(cfg: RunConfig, rank: int, size: int, allgather_object: Callable) -> 
     r = checkpoint.resume(cfg.training.resume, rank, size, lambda obj: allgather_object(obj, name="rsync.resume"),
                           on_resize=cfg.training.on_resize,
                           scale=lambda m, n: resize.pending_update_scale(m, n, lr_of(m), lr_of(n)))
-    if r.agreement.fingerprint != cfg.experiment_fingerprint():
+    if r.agreement.fingerprint != cfg.experiment_fingerprint() and not same_experiment(r.blob.get("config"), cfg):
         raise checkpoint.CheckpointError(
             f"cannot resume: {cfg.training.resume} holds checkpoints of another experiment: "
             f"{config_diff(r.blob.get('config') or {}, cfg)}. Resume with the config that wrote them; a resume may "
             f"change only {', '.join(RESUMABLE)}", cfg.training.resume, rank, "mismatch")
     return r
+
+
+def same_experiment(saved: dict | None, cfg: RunConfig) -> bool:
+    """Whether checkpoints saved by an older version, whose fingerprint counted fewer keys, hold
+    this run's experiment: their full config, read by this version, gives the same experiment.
+    A key added since is read at its default, and a new key lands at the behaviour it did not
+    change; every key the old version had is in the saved config with its value, so a default
+    that changed since does not pass for the old one. The saved config is the same on every rank
+    (the ranks agreed on its fingerprint), so every rank decides the same."""
+    try:
+        return validate(saved or {}).experiment_fingerprint() == cfg.experiment_fingerprint()
+    except Exception:   # noqa: BLE001 - a config this version cannot read is another experiment
+        return False
 
 
 def config_diff(saved: dict, cfg: RunConfig) -> str:

@@ -230,6 +230,28 @@ def test_resume_of_another_experiment_names_the_keys_that_differ(tmp_path):
         resume(other, 0, 1, one_rank)
 
 
+def test_a_checkpoint_of_an_older_version_resumes_where_only_new_keys_differ(tmp_path):
+    """A version that adds a key changes every fingerprint. Checkpoints saved before it (their
+    config without the key, their fingerprint over that) resume when the saved config, read now
+    with the key at its default, is this run's experiment; a saved key whose value differs from
+    this run's, or a new key set away from its default, is still another experiment."""
+    from redsync_hvd.config import load_config, validate
+    from redsync_hvd.runner import resume
+    one_rank = lambda obj, name: [obj]   # noqa: E731 - allgather_object of a world of one
+    cfg = load_config(REPO / CONFIG, [f"output.dir={tmp_path}"])
+    older = cfg.to_dict()
+    del older["compression"]["warmup"]["min_sends"]   # a key the older version did not have
+    assert validate(older).experiment_fingerprint() == cfg.experiment_fingerprint()
+    checkpoint.save(tmp_path / "old", 0, {"step": 7, "world_size": 1, "fingerprint": "0123456789abcdef",
+                                          "config": older})
+    now = load_config(REPO / CONFIG, [f"training.resume={tmp_path / 'old'}"])
+    assert resume(now, 0, 1, one_rank).agreement.step == 7
+    for changed in ("compression.density=0.02", "compression.warmup.min_sends=10"):
+        other = load_config(REPO / CONFIG, [f"training.resume={tmp_path / 'old'}", changed])
+        with pytest.raises(checkpoint.CheckpointError, match=r"another experiment: compression\."):
+            resume(other, 0, 1, one_rank)
+
+
 # -- preemption ------------------------------------------------------------------------------
 @pytest.mark.parametrize("launcher", ["gloo", "mpirun"])
 def test_sigterm_to_the_launcher_saves_every_rank(tmp_path, launcher):
