@@ -180,6 +180,12 @@ def test_adam_variance_needs_workers_own_steps_and_reaches_the_memory():
     for make in (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), lambda ps: torch.optim.Adagrad(ps)):
         with pytest.raises(ValueError, match="keeps none .*leave adam_variance out"):
             built_for(make, {**UPDATE, "adam_variance": "of_average"})
+    # shared averages the variances at exchanges of local steps: refused where every step is an exchange
+    with pytest.raises(ValueError, match="shared .*local_steps is 1"):
+        parse_compression({"method": "redsync", "local_steps": 1, "adam_variance": "shared"})
+    with pytest.raises(ValueError, match="shared .*this run exchanges every step.*of_average"):
+        built_for(lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                  {**UPDATE, "local_steps": "auto", "adam_variance": "shared"})
 
 
 def test_resize_sums_residuals_averages_moments_and_reset_drops_both():

@@ -7,7 +7,8 @@
    delta W_local - W to the exchange. A worker that skipped a step in this round poisons its
    delta, so the exchange's agreed finiteness check fails the round on every rank alike.
 3. A round that passes: W = W + average of the decoded deltas, identical on every rank (or, with
-   ``outer_momentum`` / ``outer_lr``, W + DiLoCo's outer Nesterov step on that average).
+   ``outer_momentum`` / ``outer_lr``, W + DiLoCo's outer Nesterov step on that average); with
+   ``adam_variance: shared`` the workers then average their variance estimates for the next round.
    A round that fails: every worker's weights go back to W (the local steps since are dropped)
    and every rank raises, naming the layers; nothing hangs, the residuals stay as they were."""
 from __future__ import annotations
@@ -61,6 +62,9 @@ def local_step(opt, closure, optimizer_step):
         restart_round(opt, averaged=None)
         raise NonFiniteGradientError(str(error) + ROLLED_BACK) from error
     restart_round(opt, averaged)
+    share = getattr(opt, "_share_variance", None)
+    if share is not None:   # adam_variance: shared, the next round's denominators (update_units.py)
+        ex.stats.add_bytes({"variance": share()}, group="variance")
     return loss
 
 

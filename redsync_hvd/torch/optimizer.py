@@ -36,7 +36,7 @@ from .options import (
 )
 from .params import check_plain_sgd, layers_of, plain_sgd_problems, resolve_names, take_momentum
 from .sparse import SparseRows, makes_sparse_grads
-from .update_units import UpdateUnitsStep, of_average_step, take_moments
+from .update_units import UpdateUnitsStep, of_average_step, share_variance, take_moments
 
 SPARSE_AUTO_NOTE = ("compression.sparse_update: true (auto under policy.mode: cost_model): the optimizer is plain "
                     "SGD, so step() applies each compressed layer's average straight to its weights; their .grad "
@@ -128,14 +128,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _local_adam(self, config, comm):
         """The local steps' own step: the wrapped optimizer's, or with ``adam_variance: of_average``
-        Adam's divided by the average's variance (update_units.of_average_step)."""
-        if getattr(config, "adam_variance", "own") != "of_average":
+        Adam's divided by the average's variance (update_units.of_average_step); with ``shared``
+        the same, by the workers' estimates averaged at each exchange (update_units.share_variance,
+        called by delayed.restart_round through ``_share_variance``)."""
+        self._share_variance = None
+        if getattr(config, "adam_variance", "own") == "own":
             return None
         spec = take_moments(self, self._names)
         if not isinstance(spec, AdamSpec):
             raise ValueError("compression.adam_variance: of_average changes the steps of torch.optim.Adam or AdamW"
                              + (f", and {spec}" if spec else f", not those of {type(self).__mro__[1].__name__}")
                              + ": train with a plain Adam or AdamW, or leave adam_variance out")
+        if config.adam_variance == "shared":
+            self._share_variance = lambda: share_variance(self, comm)
         return lambda closure=None: of_average_step(self, comm.size, closure)
 
     def _choose_sparse_update(self, config, options: HorovodOptions) -> bool:

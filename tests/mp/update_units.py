@@ -9,7 +9,8 @@
    bit-identical to the run that went on: the moments, step counts and residuals are in the state.
 3. ``adam_variance: of_average``: (1) again, each direction divided by sqrt(v_hat/N + (1-1/N) m_hat**2)
    + eps; under Horovod also with 2 local steps at density 1, where every layer's local AdamW step
-   is so divided and the weights move by the average delta after each round.
+   is so divided and the weights move by the average delta after each round; and ``shared``, where
+   after each exchange every worker divides by the workers' estimates averaged, the same on every rank.
 Prints ``OK <check>`` per check on every rank."""
 import copy
 import sys
@@ -103,28 +104,35 @@ def reference(steps, of_average=False):
     return model
 
 
-def local_reference(steps, local):
+def local_reference(steps, local, shared=False):
     """Each worker ``local`` AdamW steps of its own, divided by the average's variance, from the
-    round's weights; then every weight moves by the average delta."""
+    round's weights; then every weight moves by the average delta. ``shared``: from the first
+    exchange on, every worker divides by the mean over the workers of their estimates
+    v_hat/N + (1-1/N) m_hat**2 taken at the last exchange."""
     start = net()
     workers = [copy.deepcopy(start) for _ in range(SIZE)]
-    moments = [{p: (torch.zeros_like(p), torch.zeros_like(p)) for p in w.parameters()} for w in workers]
+    moments = [{i: (torch.zeros_like(p), torch.zeros_like(p)) for i, p in enumerate(w.parameters())} for w in workers]
+    common = {}
     for step in range(steps):
         for r, w in enumerate(workers):
             w.zero_grad()
             loss_of(w, step, r).backward()
             with torch.no_grad():
-                for p in w.parameters():
-                    m, v = moments[r][p]
+                for i, p in enumerate(w.parameters()):
+                    m, v = moments[r][i]
                     m.lerp_(p.grad, 1 - BETAS[0])
                     v.mul_(BETAS[1]).addcmul_(p.grad, p.grad, value=1 - BETAS[1])
-                    p.mul_(1 - LR * WD).sub_(LR * m / (1 - BETAS[0] ** (step + 1)) / denominator(m, v, step + 1, True))
+                    denom = common[i].sqrt() + EPS if i in common else denominator(m, v, step + 1, True)
+                    p.mul_(1 - LR * WD).sub_(LR * m / (1 - BETAS[0] ** (step + 1)) / denom)
         if (step + 1) % local == 0:
             with torch.no_grad():
                 for p0, *got in zip(start.parameters(), *(w.parameters() for w in workers)):
                     p0.add_(sum(q - p0 for q in got) / SIZE)
                     for q in got:
                         q.copy_(p0)
+                if shared:
+                    common = {i: sum((denominator(*moments[r][i], step + 1, True) - EPS) ** 2
+                                     for r in range(SIZE)) / SIZE for i in moments[0]}
     return start
 
 
@@ -183,6 +191,16 @@ if ENGINE == "horovod":
     train(model, opt, 4)
     for a, b in zip(params(model), params(local_reference(4, 2))):
         assert torch.allclose(a, b, rtol=0, atol=2e-6), (a.shape, (a - b).abs().max())
+    # adam_variance: shared, every worker divides by the same averaged estimate after an exchange
+    model, opt, _ = wrap(net(), {**local, "adam_variance": "shared"})
+    train(model, opt, 6)
+    shared = [opt.state[p]["shared_var"] for p in model.parameters()]
+    gathered = hvd.allgather_object([v.clone() for v in shared])
+    assert all(torch.equal(a, b) for a, b in zip(*gathered)), "ranks divide by different variances"
+    for a, b in zip(params(model), params(local_reference(6, 2, shared=True))):
+        assert torch.allclose(a, b, rtol=0, atol=2e-6), (a.shape, (a - b).abs().max())
+    assert (params(model)[0] - params(local_reference(6, 2))[0]).abs().max() > 1e-6, "shared moved as of_average"
+    assert opt.exchange.stats.total.get("bytes_variance", 0) > 0, "the variance's bytes went uncounted"
     plain = net()
     try:
         DistributedOptimizer(torch.optim.SGD(plain.parameters(), lr=LR, momentum=0.9),
