@@ -607,7 +607,8 @@ _ADAM_VARIANCE = ("where each worker takes its own Adam or AdamW steps (feedback
                   "smaller where noise dominates: the averaged run learns more slowly than dense. Costs nothing "
                   "on the wire; memory/adam.py | shared (local steps only): at each exchange the workers' "
                   "of_average estimates are averaged (one dense fp32 allreduce of every Adam parameter's size) "
-                  "and every worker divides its next round's steps by that same number, so the average of their "
+                  "and every worker divides its next round's steps by that same number (or by its own estimate / N "
+                  "where that is larger: a gradient the last exchange had not seen), so the average of their "
                   "steps is Adam's step of their average momentum; a worker's estimate alone moves a rare "
                   "coordinate that only its batch touched by its own variance. Costs a dense exchange of v per "
                   "round: a diagnostic, not a default; torch/update_units.py")

@@ -123,9 +123,13 @@ class AdamUnitsMemory(ResidualMemory):
         self.sent = set()
 
 
+def average_variance(m: torch.Tensor, v: torch.Tensor, bc1: float, bc2: float, workers: int) -> torch.Tensor:
+    """v_hat / N + (1 - 1/N) * m_hat**2: the second moment of N workers' average gradient, estimated
+    from one worker's bias-corrected moments (module docstring)."""
+    return (m / bc1).square_().mul_(1 - 1 / workers).add_(v, alpha=1 / (workers * bc2))
+
+
 def average_denominator(m: torch.Tensor, v: torch.Tensor, bc1: float, bc2: float, workers: int,
                         eps: float) -> torch.Tensor:
-    """sqrt(v_hat / N + (1 - 1/N) * m_hat**2) + eps: Adam's denominator for the second moment of
-    N workers' average gradient, from one worker's bias-corrected moments (module docstring)."""
-    est = (m / bc1).square_().mul_(1 - 1 / workers)
-    return est.add_(v, alpha=1 / (workers * bc2)).sqrt_().add_(eps)
+    """sqrt(v_hat / N + (1 - 1/N) * m_hat**2) + eps: Adam's denominator for that second moment."""
+    return average_variance(m, v, bc1, bc2, workers).sqrt_().add_(eps)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..engine import AdamSpec
-from ..memory.adam import average_denominator
+from ..memory.adam import average_denominator, average_variance
 
 
 def take_moments(optimizer, names: dict) -> AdamSpec | str | None:
@@ -91,7 +91,11 @@ def of_average_step(optimizer, workers: int, closure=None):
     each parameter divided by the estimate of the N workers' average gradient's second moment
     (``memory/adam.py:average_denominator``) in place of sqrt(v_hat) + eps. With ``adam_variance:
     shared`` a parameter whose state holds ``shared_var`` (:func:`share_variance`) divides by
-    sqrt(shared_var) + eps instead: the same number on every worker."""
+    sqrt(max(shared_var, own / N)) + eps instead, ``own`` this worker's estimate now: the same number
+    on every worker, but where a gradient arrived since the last exchange that the shared variance
+    has not seen (a word no batch held before). Frozen alone, the shared variance is about 0
+    there and the step m / eps; own / N is what dense Adam's variance would be had only this
+    worker's batch held it."""
     loss = None
     if closure is not None:
         with torch.enable_grad():
@@ -116,7 +120,8 @@ def of_average_step(optimizer, workers: int, closure=None):
                 m.lerp_(g, 1 - b1)
                 v.mul_(b2).addcmul_(g, g, value=1 - b2)
                 if "shared_var" in state:
-                    denom = state["shared_var"].sqrt().add_(group["eps"])
+                    own = average_variance(m, v, 1 - b1 ** t, 1 - b2 ** t, workers).div_(workers)
+                    denom = torch.maximum(state["shared_var"], own).sqrt_().add_(group["eps"])
                 else:
                     denom = average_denominator(m, v, 1 - b1 ** t, 1 - b2 ** t, workers, group["eps"])
                 p.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
@@ -139,8 +144,7 @@ def share_variance(optimizer, comm) -> int:
             state = optimizer.state[p]
             if state:
                 t = float(state["step"])
-                est = (state["exp_avg"] / (1 - b1 ** t)).square_().mul_(1 - 1 / n)
-                est.add_(state["exp_avg_sq"], alpha=1 / (n * (1 - b2 ** t)))
+                est = average_variance(state["exp_avg"], state["exp_avg_sq"], 1 - b1 ** t, 1 - b2 ** t, n)
             else:   # no gradient yet on this rank: it adds nothing, and the collective still matches
                 est = torch.zeros_like(p)
             sent.append((state, est, comm.allreduce_async(est, name=f"rsync.shared_var.{i}", average=True)))

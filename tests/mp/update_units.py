@@ -108,7 +108,8 @@ def local_reference(steps, local, shared=False):
     """Each worker ``local`` AdamW steps of its own, divided by the average's variance, from the
     round's weights; then every weight moves by the average delta. ``shared``: from the first
     exchange on, every worker divides by the mean over the workers of their estimates
-    v_hat/N + (1-1/N) m_hat**2 taken at the last exchange."""
+    v_hat/N + (1-1/N) m_hat**2 taken at the last exchange, or by its own estimate now / N where
+    that is larger."""
     start = net()
     workers = [copy.deepcopy(start) for _ in range(SIZE)]
     moments = [{i: (torch.zeros_like(p), torch.zeros_like(p)) for i, p in enumerate(w.parameters())} for w in workers]
@@ -122,7 +123,9 @@ def local_reference(steps, local, shared=False):
                     m, v = moments[r][i]
                     m.lerp_(p.grad, 1 - BETAS[0])
                     v.mul_(BETAS[1]).addcmul_(p.grad, p.grad, value=1 - BETAS[1])
-                    denom = common[i].sqrt() + EPS if i in common else denominator(m, v, step + 1, True)
+                    denom = denominator(m, v, step + 1, True)
+                    if i in common:   # the shared variance, or this worker's estimate / N where larger
+                        denom = torch.maximum(common[i], ((denom - EPS) ** 2) / SIZE).sqrt() + EPS
                     p.mul_(1 - LR * WD).sub_(LR * m / (1 - BETAS[0] ** (step + 1)) / denom)
         if (step + 1) % local == 0:
             with torch.no_grad():
