@@ -611,7 +611,10 @@ _ADAM_VARIANCE = ("where each worker takes its own Adam or AdamW steps (feedback
                   "where that is larger: a gradient the last exchange had not seen), so the average of their "
                   "steps is Adam's step of their average momentum; a worker's estimate alone moves a rare "
                   "coordinate that only its batch touched by its own variance. Costs a dense exchange of v per "
-                  "round: a diagnostic, not a default; torch/update_units.py")
+                  "round: a diagnostic, not a default; torch/update_units.py | shared_factored: the same, with each "
+                  "matrix's estimate sent as its row and column means and rebuilt as their outer product over the "
+                  "mean (Adafactor's factored second moment, Shazeer and Stern 2018): rows + columns numbers a "
+                  "round instead of rows x columns")
 
 AUTO_LOCAL_STEPS = 8   # docs/benchmarks.md, "Local steps": 8 steps held the cells the per-step default misses
 AUTO_EXCHANGE_DENSITY = 0.1   # the least an exchange of auto's local steps sends of each delta (ibid.)
@@ -633,7 +636,8 @@ class AllgatherConfig(ResidualConfig):
                              "stops moving (1-bit Adam's frozen variance, Tang et al. 2021), so its Adam direction "
                              "is its momentum over a fixed per-coordinate scale and a residual that waited keeps "
                              "its size. Frozen early, v misses how gradients shrink late in the run; 0: never")
-    adam_variance: Literal["own", "of_average", "shared"] = Field("own", description=_ADAM_VARIANCE)
+    adam_variance: Literal["own", "of_average", "shared", "shared_factored"] = Field("own",
+                                                                                     description=_ADAM_VARIANCE)
     local_steps: Union[Literal["auto"], int] = Field(1, description=_LOCAL_STEPS)
     local_decay: float = Field(1.0, gt=0, le=1, description=_LOCAL_DECAY)
     outer_lr: float = Field(1.0, gt=0, description="outer_lr: " + _OUTER)
@@ -749,9 +753,9 @@ class AllgatherConfig(ResidualConfig):
             raise ValueError(f"adam_variance: {self.adam_variance} changes each worker's own Adam steps, which only "
                              "feedback_units: update or local_steps above 1 (or auto) take: set one of them, or "
                              "leave adam_variance out")
-        if self.adam_variance == "shared" and self.local_steps == 1:
-            raise ValueError("adam_variance: shared averages the workers' variances at each exchange of local steps, "
-                             "and local_steps is 1: set local_steps above 1 (or auto), or use of_average")
+        if self.adam_variance.startswith("shared") and self.local_steps == 1:
+            raise ValueError(f"adam_variance: {self.adam_variance} averages the workers' variances at each exchange of "
+                             "local steps, and local_steps is 1: set local_steps above 1 (or auto), or use of_average")
         return self
 
     @model_validator(mode="after")

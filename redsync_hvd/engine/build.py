@@ -193,10 +193,10 @@ def build_memory(config: CompressionConfig, momentum: Optional[MomentumSpec], fu
     if not config.uses_memory:
         return None
     if moments is not None:
-        if getattr(config, "adam_variance", "own") == "shared":
-            raise ValueError("compression.adam_variance: shared averages the workers' variances at each exchange of "
-                             "local steps, and this run exchanges every step (update units): use of_average, or "
-                             "local steps (engine: horovod, local_steps above 1)")
+        if getattr(config, "adam_variance", "own").startswith("shared"):
+            raise ValueError(f"compression.adam_variance: {config.adam_variance} averages the workers' variances at "
+                             "each exchange of local steps, and this run exchanges every step (update units): use "
+                             "of_average, or local steps (engine: horovod, local_steps above 1)")
         of_average = getattr(config, "adam_variance", "own") == "of_average"
         return AdamUnitsMemory(moments.betas, moments.eps, moments.l2, freeze_after=config.frozen_variance_after,
                                decay=config.residual_decay, sign_step=config.steps_by_sign,

@@ -139,8 +139,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("compression.adam_variance: of_average changes the steps of torch.optim.Adam or AdamW"
                              + (f", and {spec}" if spec else f", not those of {type(self).__mro__[1].__name__}")
                              + ": train with a plain Adam or AdamW, or leave adam_variance out")
-        if config.adam_variance == "shared":
-            self._share_variance = lambda: share_variance(self, comm)
+        if config.adam_variance.startswith("shared"):
+            factored = config.adam_variance == "shared_factored"
+            self._share_variance = lambda: share_variance(self, comm, factored)
         return lambda closure=None: of_average_step(self, comm.size, closure)
 
     def _choose_sparse_update(self, config, options: HorovodOptions) -> bool:

@@ -128,15 +128,19 @@ def of_average_step(optimizer, workers: int, closure=None):
     return loss
 
 
-def share_variance(optimizer, comm) -> int:
+def share_variance(optimizer, comm, factored: bool = False) -> int:
     """``adam_variance: shared``, at each exchange of local steps: every worker's estimate of the
     average gradient's second moment, v_hat / N + (1 - 1/N) * m_hat**2, averaged over the workers
     (one allreduce per parameter, in the param groups' order, the same on every rank) and kept in
     the parameter's state as ``shared_var`` for the next round's steps. With the denominator the
     same everywhere the average of the workers' steps is linear in their momenta: Adam's step of
     the average momentum. A worker's own estimate cannot see what another worker's batch brought
-    (a rare word in one batch gets half of dense Adam's step from the average). Returns the bytes
-    sent: a dense fp32 exchange of every Adam parameter a round."""
+    (a rare word in one batch gets half of dense Adam's step from the average).
+
+    ``factored`` (``shared_factored``): a matrix's estimate E travels as its row and column means
+    r, c and comes back as r c^T / mean(E), Adafactor's factored second moment (Shazeer and Stern,
+    2018); the means are linear, so the average of the workers' factors is the factor of their
+    average. Returns the bytes sent (fp32)."""
     n, sent = comm.size, []
     with torch.no_grad():
         params = [(q, group["betas"]) for group in optimizer.param_groups for q in group["params"]]
@@ -147,10 +151,23 @@ def share_variance(optimizer, comm) -> int:
                 est = average_variance(state["exp_avg"], state["exp_avg_sq"], 1 - b1 ** t, 1 - b2 ** t, n)
             else:   # no gradient yet on this rank: it adds nothing, and the collective still matches
                 est = torch.zeros_like(p)
-            sent.append((state, est, comm.allreduce_async(est, name=f"rsync.shared_var.{i}", average=True)))
-        for state, _est, handle in sent:
+            payload = factor(est) if factored and p.dim() > 1 else est
+            handle = comm.allreduce_async(payload, name=f"rsync.shared_var.{i}", average=True)
+            sent.append((p, state, payload, handle))
+        for p, state, _payload, handle in sent:
+            got = comm.wait(handle)
             if state:
-                state["shared_var"] = comm.wait(handle)
-            else:
-                comm.wait(handle)
-    return 4 * sum(est.numel() for _, est, _ in sent)
+                state["shared_var"] = unfactor(got, p.shape) if got.shape != p.shape else got
+    return 4 * sum(payload.numel() for _, _, payload, _ in sent)
+
+
+def factor(est: torch.Tensor) -> torch.Tensor:
+    """[row means, column means] of ``est`` seen as (its first dimension, the rest)."""
+    rows = est.reshape(est.shape[0], -1)
+    return torch.cat([rows.mean(1), rows.mean(0)])
+
+
+def unfactor(means: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """r c^T / mean: the matrix of ``shape`` whose row and column means :func:`factor` sent."""
+    r, c = means[:shape[0]], means[shape[0]:]
+    return torch.outer(r, c).div_(r.mean().clamp_min(torch.finfo(r.dtype).tiny)).reshape(shape)

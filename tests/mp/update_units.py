@@ -10,7 +10,8 @@
 3. ``adam_variance: of_average``: (1) again, each direction divided by sqrt(v_hat/N + (1-1/N) m_hat**2)
    + eps; under Horovod also with 2 local steps at density 1, where every layer's local AdamW step
    is so divided and the weights move by the average delta after each round; and ``shared``, where
-   after each exchange every worker divides by the workers' estimates averaged, the same on every rank.
+   after each exchange every worker divides by the workers' estimates averaged, the same on every rank,
+   and ``shared_factored``, where a matrix's shared estimate is rebuilt from its row and column means.
 Prints ``OK <check>`` per check on every rank."""
 import copy
 import sys
@@ -104,7 +105,12 @@ def reference(steps, of_average=False):
     return model
 
 
-def local_reference(steps, local, shared=False):
+def factored(e):
+    """Adafactor's rebuild of a matrix from its row and column means; vectors as they are."""
+    return torch.outer(e.mean(1), e.mean(0)) / e.mean() if e.dim() == 2 else e
+
+
+def local_reference(steps, local, shared=False, factor=False):
     """Each worker ``local`` AdamW steps of its own, divided by the average's variance, from the
     round's weights; then every weight moves by the average delta. ``shared``: from the first
     exchange on, every worker divides by the mean over the workers of their estimates
@@ -136,6 +142,7 @@ def local_reference(steps, local, shared=False):
                 if shared:
                     common = {i: sum((denominator(*moments[r][i], step + 1, True) - EPS) ** 2
                                      for r in range(SIZE)) / SIZE for i in moments[0]}
+                    common = {i: factored(e) if factor else e for i, e in common.items()}
     return start
 
 
@@ -204,6 +211,15 @@ if ENGINE == "horovod":
         assert torch.allclose(a, b, rtol=0, atol=2e-6), (a.shape, (a - b).abs().max())
     assert (params(model)[0] - params(local_reference(6, 2))[0]).abs().max() > 1e-6, "shared moved as of_average"
     assert opt.exchange.stats.total.get("bytes_variance", 0) > 0, "the variance's bytes went uncounted"
+    # shared_factored: a matrix's shared variance is rebuilt from its row and column means
+    model, opt, _ = wrap(net(), {**local, "adam_variance": "shared_factored"})
+    train(model, opt, 6)
+    weight = opt.state[model[0].weight]["shared_var"]
+    assert weight.shape == (80, 64) and torch.linalg.matrix_rank(weight) == 1, "not rebuilt from its means"
+    for a, b in zip(params(model), params(local_reference(6, 2, shared=True, factor=True))):
+        assert torch.allclose(a, b, rtol=0, atol=2e-6), (a.shape, (a - b).abs().max())
+    sent = opt.exchange.stats.total["bytes_variance"]
+    assert sent == 2 * 4 * (80 + 64 + 80 + 3 + 80 + 3), sent   # 2 rounds counted by step 6: rows + columns, biases
     plain = net()
     try:
         DistributedOptimizer(torch.optim.SGD(plain.parameters(), lr=LR, momentum=0.9),
