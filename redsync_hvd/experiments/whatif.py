@@ -99,6 +99,19 @@ def time_compute(model, x, y, task: str, repeats: int) -> list:
     return times
 
 
+def as_horovod_runs(spec: dict, sgd: bool = False) -> dict:
+    """``spec`` with ``local_steps: auto`` settled as DistributedOptimizer settles it under horovodrun
+    (``sgd``: the optimizer is torch.optim.SGD, whose RedSync values then travel as int8)."""
+    config = parse_compression(spec)
+    if getattr(config, "local_steps", None) != "auto":
+        return spec
+    config = config.settle("torch", "horovod", sgd=sgd)
+    spec = {**spec, "local_steps": config.local_steps, "density": config.density}
+    if hasattr(config, "message"):   # RedSync's positions Golomb-coded under local steps, its values int8 under SGD
+        spec["message"] = config.message.model_dump(mode="json")
+    return spec
+
+
 def price(spec: dict, layers: list, N: int, net: Network, rates, compute_s: float, overlap: float) -> dict:
     """Predicted seconds of one step under ``spec`` (step 3): the exchange's own buckets and
     decisions for N workers, each priced. A bucket that sends every element (dense layers, and
@@ -106,12 +119,8 @@ def price(spec: dict, layers: list, N: int, net: Network, rates, compute_s: floa
     also converts every element down and back (``rates``: its measured cost per element; a bucket's
     fixed cost, which none has too and is priced without, is left out; none sends the gradient
     itself and has no rate). ``rates`` prices the selecting methods' buckets."""
+    spec = as_horovod_runs(spec)
     config = parse_compression(spec)
-    if getattr(config, "local_steps", None) == "auto":   # as DistributedOptimizer settles it under horovodrun
-        config = config.settle("torch", "horovod")
-        spec = {**spec, "local_steps": config.local_steps, "density": config.density}
-        if hasattr(config, "message"):   # RedSync's positions Golomb-coded under local steps
-            spec["message"] = config.message.model_dump(mode="json")
     steady = {k: v for k, v in spec.items() if k not in ("warmup", "start_iter", "dgc")}   # no optimizer here
     policy_spec = spec.get("policy")
     if isinstance(policy_spec, dict):
@@ -188,13 +197,15 @@ def price_repeats(spec: dict, layers: list, N: int, net: Network, compute_s: flo
 
 
 def candidates(cfg, names: list) -> list:
-    """(label, compression spec): the config's own, then each baseline at its defaults."""
+    """(label, compression spec): the config's own, then each baseline at its defaults, each as the
+    config's optimizer would settle it."""
+    sgd = cfg.optimizer.name == "sgd"
     own = cfg.compression.model_dump(mode="json")
-    out = [(f"config ({own['method']})", own)]
+    out = [(f"config ({own['method']})", as_horovod_runs(own, sgd))]
     for name in names:
         spec = {"method": name}
         if parse_compression(spec).strategy == "exchange":
-            out.append((name, spec))
+            out.append((name, as_horovod_runs(spec, sgd)))
     return out
 
 

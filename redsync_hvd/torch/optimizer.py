@@ -43,8 +43,8 @@ SPARSE_AUTO_NOTE = ("compression.sparse_update: true (auto under policy.mode: co
                     "is None after step() (synchronize() first gives dense averages)")
 LOCAL_AUTO_NOTE = ("compression.local_steps: {steps} (auto): each worker takes {steps} steps of its own optimizer, "
                    "then sends the top {density:g} of its model delta plus residual (density x {steps}, at least "
-                   "0.1; {coding} positions); DGC's momentum correction is off, the optimizer's momentum stays "
-                   "on each worker (docs/redsync.md, 'Local steps')")
+                   "0.1; {coding} positions, {values} values); DGC's momentum correction is off, the optimizer's "
+                   "momentum stays on each worker (docs/redsync.md, 'Local steps')")
 LOCAL_STEPS_SCALER = ("compression.local_steps: {steps}: a GradScaler skips an overflowing step on the rank that "
                       "overflowed only, which would move that rank's exchanges out of step with the others' (a hang "
                       "at the end of the run): set compression.local_steps: 1 to train with fp16 and a GradScaler "
@@ -62,7 +62,8 @@ def local_auto_note(spec) -> str:
         return LOCAL_AUTO_OFF_NOTE.format(knobs=why)
     message = getattr(spec, "message", None)
     return LOCAL_AUTO_NOTE.format(steps=spec.local_steps, density=spec.density,
-                                  coding=getattr(message, "index_coding", "raw"))
+                                  coding=getattr(message, "index_coding", "raw"),
+                                  values=getattr(message, "quantize", "fp32"))
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -78,7 +79,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         spec = parse(compression)
         auto = getattr(spec, "local_steps", None) == "auto" and not isinstance(compression, Compressor)
         if auto:   # local_steps: auto is settled here, the one place local steps run
-            spec = compression = spec.settle("torch", "horovod", elastic=os.environ.get("HOROVOD_ELASTIC") == "1")
+            spec = compression = spec.settle("torch", "horovod", elastic=os.environ.get("HOROVOD_ELASTIC") == "1",
+                                             sgd=isinstance(self, torch.optim.SGD))
         self._horovod_options(options, comm, spec)
         sparse = {n for n, p in named if makes_sparse_grads(self, p)}
         rows = {n: p for n, p in named if n in sparse and not (options.sparse_as_dense or self._delayed)}
