@@ -397,7 +397,8 @@ def test_local_steps_keep_momentum_local_and_name_what_cannot_apply():
 def test_local_steps_auto_settles_where_the_exchange_is_built():
     """``local_steps: auto`` (RedSync's default): 8 steps under PyTorch's Horovod optimizer with an
     exchange of 8 x density but at least 0.1 (the default's too, after a dump and a second parse),
-    Golomb-coded positions, int8 values under SGD, and DGC's correction off;
+    Golomb-coded positions, int8 values under SGD, one shared Adam variance under Adam, and DGC's
+    correction off;
     every step, with the config as written, on the other engines or with a per-step knob set; a
     word that is not auto is refused with the fix."""
     from redsync_hvd.config import exchange_every, parse_compression
@@ -418,6 +419,11 @@ def test_local_steps_auto_settles_where_the_exchange_is_built():
     assert parse_compression({"method": "redsync", "selection": "radix"}).settle(
         "torch", "horovod", sgd=True).message.quantize == "fp16"
     assert auto.settle("torch", "ddp", sgd=True).message.quantize == "fp16"
+    # under Adam/AdamW one shared variance, sent factored; a variance given, or every step, keeps its own
+    assert (here.adam_variance, auto.settle("torch", "horovod", adam=True).adam_variance) == ("own", "shared_factored")
+    assert parse_compression({"method": "redsync", "adam_variance": "of_average"}).settle(
+        "torch", "horovod", adam=True).adam_variance == "of_average"
+    assert auto.settle("torch", "ddp", adam=True).adam_variance == "own"
     budget = parse_compression({"method": "redsync", "selection": "radix", "policy": {"mode": "budget"}})
     assert budget.settle("torch", "horovod").local_steps == 1 and budget.per_step_knobs() == ["policy.mode: budget"]
     more = parse_compression({"method": "redsync", "local_steps": "auto", "density": 0.05})

@@ -133,7 +133,7 @@ def test_missing_dataset_path_is_a_clear_error(tmp_path):
 def test_local_steps_auto_through_the_runner_ends_on_one_model(tmp_path):
     """``python -m redsync_hvd.train`` under horovodrun -np 2 with ``local_steps: auto``: the config
     reaches the optimizer dumped and parsed again, and auto still settles to 8 local steps
-    (layers.log), with int8 values under SGD and fp16 under AdamW; 22 steps are 2 rounds and 6
+    (layers.log), with int8 values under SGD and fp16 and a shared variance under AdamW; 22 steps are 2 rounds and 6
     local steps, and the runner's sync before the last step leaves both ranks on the same weights."""
     import torch
 
@@ -145,7 +145,8 @@ def test_local_steps_auto_through_the_runner_ends_on_one_model(tmp_path):
     assert "compression.local_steps: 8 (auto)" in log and "golomb positions, int8 values" in log, log[-1500:]
     train(tmp_path, "configs/digits/dense.yaml", "compression={method: redsync, local_steps: auto}",
           "optimizer.name=adamw", "optimizer.lr=0.001", "training.epochs=1", "output.name=adamw")
-    assert "golomb positions, fp16 values" in (tmp_path / "adamw" / "layers.log").read_text()
+    log = (tmp_path / "adamw" / "layers.log").read_text()
+    assert "golomb positions, fp16 values); Adam's variance shared" in log, log[-1500:]
     weights = [torch.load(folder / f"checkpoint-rank{r}.pt", map_location="cpu", weights_only=False)["model"]
                for r in range(2)]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])

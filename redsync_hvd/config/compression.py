@@ -719,7 +719,8 @@ class AllgatherConfig(ResidualConfig):
                  "policy.mode: budget": self.policy.mode == "budget"}   # a byte budget for each step
         return [k for k, bad in clash.items() if bad]
 
-    def settle(self, framework: str, engine: str, elastic: bool = False, sgd: bool = False) -> "AllgatherConfig":
+    def settle(self, framework: str, engine: str, elastic: bool = False, sgd: bool = False,
+               adam: bool = False) -> "AllgatherConfig":
         """``local_steps: auto`` made concrete where the exchange is built (a set count is kept):
         1. Local steps run only in PyTorch's DistributedOptimizer under horovodrun, by allgather,
            with none of ``per_step_knobs``, outside Horovod Elastic (whose reset broadcasts one
@@ -738,7 +739,12 @@ class AllgatherConfig(ResidualConfig):
            a layer: 1.6x fewer bytes, and every momentum-SGD cell ended where fp16 ends (the Fashion
            CNN at 2.7x PowerSGD's ratio, where fp16 reaches 1.7x). Under AdamW int8 cost the GPT 2%
            perplexity on five seeds, so any other optimizer keeps fp16 (docs/benchmarks.md, "int8
-           values"). A set local_steps keeps the values given."""
+           values"). A set local_steps keeps the values given.
+        6. Under torch's Adam or AdamW (``adam``: a step the adapter reproduces) ``adam_variance:
+           own`` becomes ``shared_factored``: every worker divides its local steps by one variance,
+           averaged at each exchange as each matrix's row and column means. Over seeds 0-2 it
+           halved the default's gap on both GPT cells at about the same ratio (docs/benchmarks.md,
+           "Each worker's own Adam variance"). A set local_steps keeps the variance given."""
         if self.local_steps != "auto":
             return self
         if (framework, engine) != ("torch", "horovod") or elastic or self.per_step_knobs():   # 1.
@@ -752,6 +758,8 @@ class AllgatherConfig(ResidualConfig):
             int8 = sgd and message.quantize == "fp16"                                                  # 5.
             update["message"] = message.model_copy(update={"index_coding": "golomb",
                                                            "quantize": "int8" if int8 else message.quantize})
+        if adam and self.adam_variance == "own":                                                      # 6.
+            update["adam_variance"] = "shared_factored"
         return self.model_copy(update=update)
 
     @model_validator(mode="after")

@@ -43,8 +43,10 @@ SPARSE_AUTO_NOTE = ("compression.sparse_update: true (auto under policy.mode: co
                     "is None after step() (synchronize() first gives dense averages)")
 LOCAL_AUTO_NOTE = ("compression.local_steps: {steps} (auto): each worker takes {steps} steps of its own optimizer, "
                    "then sends the top {density:g} of its model delta plus residual (density x {steps}, at least "
-                   "0.1; {coding} positions, {values} values); DGC's momentum correction is off, the optimizer's "
-                   "momentum stays on each worker (docs/redsync.md, 'Local steps')")
+                   "0.1; {coding} positions, {values} values){variance}; DGC's momentum correction is off, the "
+                   "optimizer's momentum stays on each worker (docs/redsync.md, 'Local steps')")
+VARIANCE_NOTE = {"shared_factored": "; Adam's variance shared: averaged at each exchange as each matrix's row and "
+                                     "column means (adam_variance: shared_factored)"}
 LOCAL_STEPS_SCALER = ("compression.local_steps: {steps}: a GradScaler skips an overflowing step on the rank that "
                       "overflowed only, which would move that rank's exchanges out of step with the others' (a hang "
                       "at the end of the run): set compression.local_steps: 1 to train with fp16 and a GradScaler "
@@ -63,7 +65,8 @@ def local_auto_note(spec) -> str:
     message = getattr(spec, "message", None)
     return LOCAL_AUTO_NOTE.format(steps=spec.local_steps, density=spec.density,
                                   coding=getattr(message, "index_coding", "raw"),
-                                  values=getattr(message, "quantize", "fp32"))
+                                  values=getattr(message, "quantize", "fp32"),
+                                  variance=VARIANCE_NOTE.get(getattr(spec, "adam_variance", "own"), ""))
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -80,7 +83,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         auto = getattr(spec, "local_steps", None) == "auto" and not isinstance(compression, Compressor)
         if auto:   # local_steps: auto is settled here, the one place local steps run
             spec = compression = spec.settle("torch", "horovod", elastic=os.environ.get("HOROVOD_ELASTIC") == "1",
-                                             sgd=isinstance(self, torch.optim.SGD))
+                                             sgd=isinstance(self, torch.optim.SGD),
+                                             adam=isinstance(take_moments(self, self._names), AdamSpec))
         self._horovod_options(options, comm, spec)
         sparse = {n for n, p in named if makes_sparse_grads(self, p)}
         rows = {n: p for n, p in named if n in sparse and not (options.sparse_as_dense or self._delayed)}
