@@ -82,9 +82,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         spec = parse(compression)
         auto = getattr(spec, "local_steps", None) == "auto" and not isinstance(compression, Compressor)
         if auto:   # local_steps: auto is settled here, the one place local steps run
-            spec = compression = spec.settle("torch", "horovod", elastic=os.environ.get("HOROVOD_ELASTIC") == "1",
-                                             sgd=isinstance(self, torch.optim.SGD),
-                                             adam=isinstance(take_moments(self, self._names), AdamSpec))
+            spec = compression = self._settle(spec)
         self._horovod_options(options, comm, spec)
         sparse = {n for n, p in named if makes_sparse_grads(self, p)}
         rows = {n: p for n, p in named if n in sparse and not (options.sparse_as_dense or self._delayed)}
@@ -131,6 +129,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._landing_named = [] if self._local_steps else [(n, p) for n, p in exchanged if n not in sparse]
         self._landing, self._layout = self._grad_views(self._landing_named), 0
         self._attach()
+
+    def _settle(self, spec):
+        """``local_steps: auto`` made concrete for this optimizer: int8 values under SGD, one shared
+        Adam variance under an Adam this adapter reproduces (``AllgatherConfig.settle``)."""
+        return spec.settle("torch", "horovod", elastic=os.environ.get("HOROVOD_ELASTIC") == "1",
+                           sgd=isinstance(self, torch.optim.SGD),
+                           adam=isinstance(take_moments(self, self._names), AdamSpec))
 
     def _local_adam(self, config, comm):
         """The local steps' own step: the wrapped optimizer's, or with ``adam_variance: of_average``
