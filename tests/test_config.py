@@ -371,14 +371,14 @@ def test_an_auto_setting_is_the_experiment_it_was_before_it_was_auto():
 
 
 def test_local_steps_keep_momentum_local_and_name_what_cannot_apply():
-    """RedSync's and top-k's local_steps: the delayed step of SBC, on PyTorch under Horovod only;
+    """RedSync's and top-k's local_steps: the delayed step of SBC, on PyTorch under Horovod and DDP;
     DGC's correction (RedSync's default) goes off with it unless named, and what acts on every
     step's gradient is refused with the fix."""
     from redsync_hvd.config import parse_compression
     from redsync_hvd.engine.build import refuse
 
     on = parse_compression({"method": "redsync", "local_steps": 8, "density": 0.1})
-    assert on.delayed and not on.corrects_momentum and not on.in_update_units and on.engines == ("horovod",)
+    assert on.delayed and not on.corrects_momentum and not on.in_update_units and on.engines == ("horovod", "ddp")
     off = parse_compression({"method": "redsync"})
     assert not off.delayed and off.corrects_momentum and off.in_update_units and "ddp" in off.engines
     for bad, named in [({"dgc": {"momentum_correction": True}}, "dgc.momentum_correction"),
@@ -388,10 +388,11 @@ def test_local_steps_keep_momentum_local_and_name_what_cannot_apply():
         with pytest.raises(ValueError, match="local_steps: 1") as info:
             parse_compression({"method": "redsync", "local_steps": 4, **bad})
         assert named in str(info.value)
-    for framework, engine in [("torch", "ddp"), ("torch", "fsdp"), ("tensorflow", "horovod")]:
+    for framework, engine in [("torch", "fsdp"), ("tensorflow", "horovod")]:
         with pytest.raises(ValueError, match="local steps"):
             refuse(on, framework, engine)
     refuse(on, "torch", "horovod")
+    refuse(on, "torch", "ddp")
 
 
 def test_local_steps_auto_settles_where_the_exchange_is_built():

@@ -94,6 +94,8 @@ def test_ddp_resume_is_bit_identical():
          "aggregation": "sparse_reduce_scatter"},
         {"method": "randomk", "density": 0.1},                               # positions drawn per step
         {"method": "qsgd", "bits": 2, "residual": True},                     # rounding seeded per step
+        {"method": "redsync", "density": 0.3, "local_steps": 2,                # saved in the middle of a round
+         "policy": {"min_compress_numel": 100}},
     ], "resume ")
 
 
@@ -146,6 +148,25 @@ def test_register_needs_a_ddp_model_and_an_optimizer_holding_its_parameters(one_
     other = torch.optim.SGD(torch.nn.Linear(3, 3).parameters(), lr=0.1, momentum=0.9)
     with pytest.raises(ValueError, match="does not hold parameters"):
         rddp.register(_ddp(), {"method": "redsync"}, optimizer=other)
+
+
+def test_local_steps_need_the_optimizer_and_refuse_a_grad_scaler(one_rank):
+    from redsync_hvd.torch import ddp as rddp
+    spec = {"method": "redsync", "local_steps": 4, "density": 0.1}
+    with pytest.raises(ValueError, match="optimizer=opt"):
+        rddp.register(_ddp(), spec)
+    model = _ddp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = rddp.register(model, spec, optimizer=opt)
+    with pytest.raises(ValueError, match="GradScaler"):
+        state.set_grad_scaler(torch.amp.GradScaler("cpu"))
+    saved = state.state_dict()
+    assert saved["exchange"]["delay"] == {"local": 0, "snapshot": None, "outer": {}}
+    other = _ddp()
+    every = rddp.register(other, {"method": "redsync", "density": 0.1},
+                          optimizer=torch.optim.SGD(other.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="local steps"):
+        every.load_state_dict(saved)
 
 
 def test_state_from_another_method_is_refused(one_rank):
@@ -266,6 +287,29 @@ def test_runner_under_torchrun_trains_as_the_horovod_engine_bit_for_bit(ddp_run)
         _same_state(mine["residual"], theirs["residual"], "residuals")
         _same_state(mine["velocity"], theirs["velocity"], "velocities")
         assert any(v.abs().sum() > 0 for v in mine["residual"].values())
+
+
+def test_local_steps_under_torchrun_train_as_the_horovod_engine_bit_for_bit(tmp_path):
+    """local_steps: 3 under the DDP hook (the hook sends nothing; register() makes optimizer.step the
+    round's local step and its exchange of model deltas) and under horovodrun: 40 steps are 13
+    rounds and the runner's sync before the last step; both engines end with the same weights on
+    every rank, the same residuals and the same bytes, so between exchanges nothing was sent."""
+    local = [*RUN[:-1], "compression.local_steps=3", "compression.density=0.3"]
+    train(tmp_path, "configs/digits/redsync.yaml", *local, "engine=ddp", "output.name=ddp", launcher="torchrun",
+          timeout=240)
+    train(tmp_path, "configs/digits/redsync.yaml", *local, "output.name=horovod", timeout=240)
+    a, b = summary(tmp_path / "ddp"), summary(tmp_path / "horovod")
+    assert a["final_accuracy"] > 0.3 and a["steps"] == 40, a
+    for key in ("final_accuracy", "final_loss", "wire_bytes", "dense_bytes"):
+        assert a[key] == b[key], (key, a[key], b[key])
+    ddp = [_checkpoint(tmp_path / "ddp", rank) for rank in (0, 1)]
+    for rank in (0, 1):
+        h = _checkpoint(tmp_path / "horovod", rank)
+        _same_state(ddp[rank]["model"], h["model"], "weights")
+        _same_state(ddp[rank]["model"], ddp[0]["model"], "one model on every rank")
+        _same_state(ddp[rank]["compression"]["exchange"]["memory"]["residual"],
+                    h["optimizer"]["redsync"]["memory"]["residual"], "residuals")
+        assert ddp[rank]["compression"]["exchange"]["delay"]["local"] == 0   # the last step ended a round
 
 
 def test_runner_resumes_under_torchrun_bit_for_bit(ddp_run):

@@ -664,7 +664,7 @@ class AllgatherConfig(ResidualConfig):
 
     @property
     def engines(self) -> tuple:
-        return ("horovod",) if self.delayed else ("horovod", "ddp", "fsdp")
+        return ("horovod", "ddp") if self.delayed else ("horovod", "ddp", "fsdp")
 
     @property
     def frameworks(self) -> tuple:

@@ -41,9 +41,15 @@ to send, the hooks run DDP's reduction and the exchange is skipped.
 
 Methods that fit a hook: everything that compresses one step's gradients (none, fp16,
 topk, randomk, redsync, iwp and the allreduce/allgather baselines). Refused, with the
-Horovod path named: SBC (it exchanges model deltas after local steps, which a gradient
-hook never sees), the decentralized methods (dcd, ecd, dpsgd, naive: no allreduce at all)
-and ``sparse_update`` (it updates the weights inside the optimizer step).
+Horovod path named: SBC, the decentralized methods (dcd, ecd, dpsgd, naive: no allreduce at
+all) and ``sparse_update`` (it updates the weights inside the optimizer step).
+
+Local steps (``local_steps`` above 1, for redsync and topk) need ``optimizer``: the hook then
+sends nothing, each worker's own gradient stays in its buckets, and :func:`register` makes
+``optimizer.step`` the round's local step (``delayed.LocalRounds``, the same object the Horovod
+optimizer drives): every ``local_steps`` steps the model deltas go through the exchange and every
+worker restarts from the common weights plus the average, as PyTorch's post-local SGD does
+with a wrapper optimizer. ``state.sync_next_step()`` ends the round at the next step.
 
 Momentum correction (DGC, Lin et al., ICLR 2018) is supported when ``optimizer`` is given:
 as :class:`~redsync_hvd.torch.optimizer.DistributedOptimizer` does, the optimizer's momentum
@@ -62,6 +68,7 @@ scaler.step(opt); scaler.update()`` as usual (docs/ddp.md).
 from __future__ import annotations
 
 import math
+import types
 
 import torch
 import torch.distributed as dist
@@ -71,8 +78,9 @@ from ..compressors.base import Compressor
 from ..core.stats import CommStats
 from ..engine import build_exchange, check_same_everywhere, parse, refuse
 from ..exchange import NonFiniteGradientError
+from .delayed import LOCAL_STEPS_SCALER, LocalRounds
 from .params import layers_of, take_momentum
-from .update_units import UpdateUnitsStep, take_moments
+from .update_units import UpdateUnitsStep, local_adam, take_moments
 
 
 class DDPCompressionState:
@@ -88,6 +96,7 @@ class DDPCompressionState:
         self._name = {id(p): n for n, p in named}
         self._decay = decay or {}
         self.update_units = None     # feedback_units: update: the optimizer's hooks (update_units.py)
+        self.rounds = None           # local steps: the round the wrapped optimizer step is in (delayed.py)
         self._pending: list = []     # (names, grads, buffer, future) of this step's buckets
         self._bucket_bytes: dict = {}    # fast path: (bucket index, buffer address) -> bytes
         self._reduced: list = []         # fast path: (work, buffer, future) of this step's buckets
@@ -118,6 +127,21 @@ class DDPCompressionState:
         if bucket.is_last():
             self._finish_step()
         return fut
+
+    def keep_bucket(self, bucket) -> torch.futures.Future:
+        """Local steps: each worker keeps its own gradient, unreduced; the round's exchange of model
+        deltas follows its optimizer steps (``delayed.LocalRounds``)."""
+        buffer = bucket.buffer()
+        fut = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+        fut.set_result(buffer)
+        return fut
+
+    def sync_next_step(self) -> None:
+        """Local steps: the next optimizer step ends its round with an exchange, so every worker holds
+        the same weights after it (the runner calls it before a run's last step). Every step
+        already exchanges: nothing to do."""
+        if self.rounds is not None:
+            self.rounds.sync_next = True
 
     def _all_dense(self) -> bool:
         """Whether the exchange sends every layer dense and holds no residual still to send (the
@@ -216,6 +240,8 @@ class DDPCompressionState:
         sets inf gradients, so ``scaler.step`` skips it. The fast path keeps no state: the
         overflow reaches every rank's average and the scaler finds it there, so its own finite
         check (which would raise) is turned off."""
+        if self.rounds is not None:
+            raise ValueError(LOCAL_STEPS_SCALER.format(steps=self.rounds.steps))
         if self.exchange is not None:
             self.exchange.use_grad_scaler(scaler)
         elif scaler.is_enabled():
@@ -243,6 +269,8 @@ class DDPCompressionState:
     def state_dict(self) -> dict:
         """This rank's compression state (residuals are per worker: save one per rank)."""
         inner = self.exchange.state_dict() if self.exchange is not None else {"stats": self.stats.state_dict()}
+        if self.rounds is not None:
+            inner["delay"] = self.rounds.state_dict()
         return {"method": self.config.method, "world_size": self.comm.size, "exchange": inner}
 
     def load_state_dict(self, state: dict) -> None:
@@ -251,7 +279,15 @@ class DDPCompressionState:
                              f"{state.get('world_size')} workers, but the hook runs {self.config.method!r} on "
                              f"{self.comm.size}: resume with the same compression config and world size")
         if self.exchange is not None:
-            self.exchange.load_state_dict(state["exchange"])
+            inner = dict(state["exchange"])
+            delay = inner.pop("delay", None)
+            if (delay is None) != (self.rounds is None):
+                raise ValueError("this compression state was saved " + ("with" if delay else "without") + " local "
+                                 "steps and the hook runs " + ("without" if delay else "with") + " them: resume "
+                                 "with the compression config it was saved with")
+            self.exchange.load_state_dict(inner)
+            if delay is not None:
+                self.rounds.load_state_dict(delay)
         else:
             self.stats.load_state_dict(state["exchange"]["stats"])
 
@@ -259,6 +295,10 @@ class DDPCompressionState:
 # the hooks take no annotations: DDP compares them literally with its own
 def _exchange_hook(state, bucket):
     return state.submit_bucket(bucket)
+
+
+def _local_hook(state, bucket):
+    return state.keep_bucket(bucket)
 
 
 def _allreduce_hook(state, bucket):
@@ -295,11 +335,39 @@ def register(ddp_model, compression=None, process_group=None, optimizer=None) ->
                            take_moments=take and (lambda: take_moments(optimizer, {p: n for n, p in named})))
     decay = built.momentum.weight_decay if built.momentum else {}
     state = DDPCompressionState(built.config, comm, named, built.exchange, decay)
+    if built.config.delayed:
+        _run_local_steps(state, optimizer, named)
+        ddp_model.register_comm_hook(state, _local_hook)
+        return state
     if built.moments:   # compressed layers arrive as Adam steps: the optimizer's hooks apply them
         state.update_units = UpdateUnitsStep(optimizer, {p: n for n, p in named}, built.exchange.memory)
         state.update_units.hook(optimizer)
     ddp_model.register_comm_hook(state, _exchange_hook)
     return state
+
+
+def _run_local_steps(state, optimizer, named: list) -> None:
+    """``local_steps`` above 1: the hook sends nothing and ``optimizer.step`` becomes a local step
+    of the round (``delayed.LocalRounds``: every ``local_steps`` steps the model deltas go through
+    the exchange), as PyTorch's post-local SGD wraps its optimizer. The method replaces ``step``
+    on this optimizer object, so the training loop stays as it was."""
+    config = state.config
+    if optimizer is None:
+        raise ValueError(f"compression.local_steps: {config.local_steps}: each worker takes steps of its own "
+                         "optimizer and the model deltas are exchanged after them: pass "
+                         "register(ddp_model, compression, optimizer=opt), or set local_steps: 1")
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing = [n for n, p in named if id(p) not in held]
+    if missing:
+        raise ValueError(f"optimizer does not hold parameters {missing[:5]} of the DDP model: pass the optimizer "
+                         "built on ddp_model.parameters() (local steps exchange what it steps)")
+    inner, share = local_adam(optimizer, {p: n for n, p in named}, config, state.comm)
+    state.rounds = LocalRounds(state.exchange, dict(named), config, share)
+    own = optimizer.step
+
+    def step(opt, closure=None):
+        return state.rounds.step(closure, inner or own)
+    optimizer.step = types.MethodType(step, optimizer)   # bound, as LR schedulers expect to wrap it
 
 
 def _reduced_parameters(ddp_model) -> list:

@@ -1,4 +1,7 @@
-"""Local steps (``local_steps`` above 1, SBC's communication delay) in the PyTorch optimizer:
+"""Local steps (``local_steps`` above 1, SBC's communication delay), one state object that both
+PyTorch adapters drive: :class:`~redsync_hvd.torch.optimizer.DistributedOptimizer` under
+horovodrun, and the DDP hook (``ddp.register``), whose hook then sends nothing and which wraps
+the optimizer's ``step`` (PyTorch's post-local SGD does the same with a wrapper optimizer):
 
 1. Every step, each worker checks its own gradients (where ``check_finite`` is on) and takes a
    step of its own optimizer; a step whose gradients hold NaN/Inf is skipped on that worker, so
@@ -22,6 +25,10 @@ from ..exchange import NonFiniteGradientError
 ROLLED_BACK = (" Under local steps: a worker's step with such a gradient was skipped on that worker, the "
                "round's exchange failed on every rank, and every worker's weights are back at the last "
                "exchange's (the local steps since were dropped).")
+LOCAL_STEPS_SCALER = ("compression.local_steps: {steps}: a GradScaler skips an overflowing step on the rank that "
+                      "overflowed only, which would move that rank's exchanges out of step with the others' (a hang "
+                      "at the end of the run): set compression.local_steps: 1 to train with fp16 and a GradScaler "
+                      "(the runner does so under training.precision: fp16 where local_steps is auto), or use bf16")
 
 
 def nonfinite_grads(params: dict) -> list:
@@ -34,61 +41,78 @@ def nonfinite_grads(params: dict) -> list:
     return [n for (n, _), ok in zip(named, finite) if not ok]
 
 
-def local_step(opt, closure, optimizer_step):
-    """Step 1, then steps 2-3 when the round ends. ``optimizer_step`` is the wrapped optimizer's own."""
-    if opt._snapshot is None:   # after broadcast_parameters, before the first local step
-        opt._snapshot = {n: p.detach().clone() for n, p in opt._params.items()}
-    ex = opt._exchange
-    bad = nonfinite_grads(opt._params) if ex.check_finite and closure is None else []
-    opt._nonfinite.update(bad)
-    loss = None if bad else optimizer_step(closure)                                    # 1.
-    opt._local += 1
-    if opt._local % opt._local_steps and not opt._sync_next:
-        # dense SGD would have sent this step's gradients: count them for an honest ratio
-        ex.stats.add("dense_bytes", 4 * sum(p.numel() for p in opt._params.values()))
-        ex.stats.end_step()
+class LocalRounds:
+    """Where a worker stands in its round of local steps: the common weights W of the last exchange
+    (``snapshot``, taken at the first step, after the adapter made every rank's weights equal), the
+    steps taken since, DiLoCo's outer momentum, and whether the next step must end the round.
+    ``share_variance``: ``adam_variance: shared``'s exchange of the next round's denominators."""
+
+    def __init__(self, exchange, params: dict, config, share_variance=None):
+        self.exchange, self.params, self.config = exchange, params, config
+        self.steps, self.share_variance = config.local_steps, share_variance
+        self.snapshot, self.local, self.sync_next = None, 0, False
+        self.outer: dict = {}       # per parameter, the same on every rank (outer_momentum)
+        self.nonfinite: set = set()   # this round's layers whose gradient was not finite
+
+    def step(self, closure, optimizer_step):
+        """Step 1, then steps 2-3 when the round ends. ``optimizer_step``: the worker's own step."""
+        if self.snapshot is None:
+            self.snapshot = {n: p.detach().clone() for n, p in self.params.items()}
+        ex = self.exchange
+        bad = nonfinite_grads(self.params) if ex.check_finite and closure is None else []
+        self.nonfinite.update(bad)
+        loss = None if bad else optimizer_step(closure)                                   # 1.
+        self.local += 1
+        if self.local % self.steps and not self.sync_next:
+            # dense SGD would have sent this step's gradients: count them for an honest ratio
+            ex.stats.add("dense_bytes", 4 * sum(p.numel() for p in self.params.values()))
+            ex.stats.end_step()
+            return loss
+        decay = getattr(self.config, "local_decay", 1.0)
+        if decay != 1.0:   # SparseLoCo: e = decay * e + delta, before the delta joins
+            ex.memory.scale(decay)
+        for name in ex.order:                                                              # 2.
+            delta = self.params[name].detach() - self.snapshot[name]
+            if name in self.nonfinite:
+                delta.view(-1)[0] = math.nan
+            ex.submit(name, delta)
+        try:
+            averaged = ex.finish().averages
+        except NonFiniteGradientError as error:                                            # 3.
+            self.restart(averaged=None)
+            raise NonFiniteGradientError(str(error) + ROLLED_BACK) from error
+        self.restart(averaged)
+        if self.share_variance is not None:   # adam_variance: shared (update_units.py)
+            ex.stats.add_bytes({"variance": self.share_variance()}, group="variance")
         return loss
-    decay = getattr(opt.compression_config, "local_decay", 1.0)
-    if decay != 1.0:   # SparseLoCo: e = decay * e + delta, before the delta joins
-        ex.memory.scale(decay)
-    for name in ex.order:                                                               # 2.
-        delta = opt._params[name].detach() - opt._snapshot[name]
-        if name in opt._nonfinite:
-            delta.view(-1)[0] = math.nan
-        ex.submit(name, delta)
-    try:
-        averaged = ex.finish().averages
-    except NonFiniteGradientError as error:                                             # 3.
-        restart_round(opt, averaged=None)
-        raise NonFiniteGradientError(str(error) + ROLLED_BACK) from error
-    restart_round(opt, averaged)
-    share = getattr(opt, "_share_variance", None)
-    if share is not None:   # adam_variance: shared, the next round's denominators (update_units.py)
-        ex.stats.add_bytes({"variance": share()}, group="variance")
-    return loss
 
+    def restart(self, averaged: dict | None) -> None:
+        """Every worker from W + the average (or, for a failed round, from W), counting anew."""
+        with torch.no_grad():
+            for name, p in self.params.items():
+                if averaged is None:
+                    p.copy_(self.snapshot[name])
+                elif name in averaged:
+                    p.copy_(self.snapshot[name] + self.outer_step(name, averaged[name].view(p.shape)).to(p.dtype))
+                    self.snapshot[name].copy_(p)
+        self.local, self.sync_next = 0, False
+        self.nonfinite.clear()
 
-def restart_round(opt, averaged: dict | None) -> None:
-    """Every worker from W + the average (or, for a failed round, from W), counting anew."""
-    with torch.no_grad():
-        for name, p in opt._params.items():
-            if averaged is None:
-                p.copy_(opt._snapshot[name])
-            elif name in averaged:
-                p.copy_(opt._snapshot[name] + outer_step(opt, name, averaged[name].view(p.shape)).to(p.dtype))
-                opt._snapshot[name].copy_(p)
-    opt._local, opt._sync_next = 0, False
-    opt._nonfinite.clear()
+    def outer_step(self, name: str, delta: torch.Tensor) -> torch.Tensor:
+        """How far the common weights move for the average ``delta``: ``delta`` itself, or DiLoCo's
+        outer Nesterov step, buf = mu * buf + delta and outer_lr * (delta + mu * buf), with the outer
+        gradient taken as -delta (Douillard et al. 2023)."""
+        mu, lr = getattr(self.config, "outer_momentum", 0.0), getattr(self.config, "outer_lr", 1.0)
+        if mu:
+            buf = self.outer.get(name)
+            buf = self.outer[name] = delta.clone() if buf is None else buf.mul_(mu).add_(delta)
+            delta = delta + mu * buf
+        return delta if lr == 1.0 else lr * delta
 
+    def state_dict(self) -> dict:
+        return {"local": self.local, "snapshot": self.snapshot, "outer": self.outer}
 
-def outer_step(opt, name: str, delta: torch.Tensor) -> torch.Tensor:
-    """How far the common weights move for the average ``delta``: ``delta`` itself, or DiLoCo's outer
-    Nesterov step, buf = mu * buf + delta and outer_lr * (delta + mu * buf), with the outer gradient
-    taken as -delta (Douillard et al. 2023)."""
-    config = opt.compression_config
-    mu, lr = getattr(config, "outer_momentum", 0.0), getattr(config, "outer_lr", 1.0)
-    if mu:
-        buf = opt._outer.get(name)
-        buf = opt._outer[name] = delta.clone() if buf is None else buf.mul_(mu).add_(delta)
-        delta = delta + mu * buf
-    return delta if lr == 1.0 else lr * delta
+    def load_state_dict(self, delay: dict) -> None:
+        self.local = delay["local"]
+        self.snapshot = None if delay["snapshot"] is None else {k: v.clone() for k, v in delay["snapshot"].items()}
+        self.outer = {k: v.clone() for k, v in delay.get("outer", {}).items()}

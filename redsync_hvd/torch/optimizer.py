@@ -25,7 +25,7 @@ from ..comm import HorovodCommunicator
 from ..compressors.base import Compressor
 from ..engine import AdamSpec, build_exchange, parse
 from .decentralized import DecentralizedOptimizer
-from .delayed import local_step
+from .delayed import LOCAL_STEPS_SCALER, LocalRounds
 from .options import (
     HorovodOptions,
     OutsideProcessSet,
@@ -36,7 +36,7 @@ from .options import (
 )
 from .params import check_plain_sgd, layers_of, plain_sgd_problems, resolve_names, take_momentum
 from .sparse import SparseRows, makes_sparse_grads
-from .update_units import UpdateUnitsStep, of_average_step, share_variance, take_moments
+from .update_units import UpdateUnitsStep, local_adam, take_moments
 
 SPARSE_AUTO_NOTE = ("compression.sparse_update: true (auto under policy.mode: cost_model): the optimizer is plain "
                     "SGD, so step() applies each compressed layer's average straight to its weights; their .grad "
@@ -47,10 +47,6 @@ LOCAL_AUTO_NOTE = ("compression.local_steps: {steps} (auto): each worker takes {
                    "optimizer's momentum stays on each worker (docs/redsync.md, 'Local steps')")
 VARIANCE_NOTE = {"shared_factored": "; Adam's variance shared: averaged at each exchange as each matrix's row and "
                                      "column means (adam_variance: shared_factored)"}
-LOCAL_STEPS_SCALER = ("compression.local_steps: {steps}: a GradScaler skips an overflowing step on the rank that "
-                      "overflowed only, which would move that rank's exchanges out of step with the others' (a hang "
-                      "at the end of the run): set compression.local_steps: 1 to train with fp16 and a GradScaler "
-                      "(the runner does so under training.precision: fp16 where local_steps is auto), or use bf16")
 LOCAL_AUTO_OFF_NOTE = "compression.local_steps: 1 (auto): {knobs} need an exchange every step"
 STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
                    "optimizer.synchronize(): step() uses the gradients synchronize() wrote (horovod.torch would "
@@ -119,10 +115,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._skip_sync = False
         # communication delay (SBC): local steps, then the model delta goes through the exchange
         self._local_steps = config.local_steps if config.delayed else None
-        self._snapshot, self._local, self._sync_next = None, 0, False
-        self._outer: dict = {}   # DiLoCo's outer momentum per parameter (outer_momentum), the same on every rank
-        self._inner_step = self._local_adam(config, comm) if self._local_steps else None
-        self._nonfinite: set = set()   # this round's layers whose gradient was not finite (delayed.py)
+        self._rounds = None
+        if self._local_steps:   # adam_variance: of_average / shared replace the wrapped Adam's step
+            self._inner_step, share = local_adam(self, self._names, config, comm)
+            self._rounds = LocalRounds(self._exchange, self._params, config, share)
         self._hooks = [] if self._local_steps else \
             [p.register_post_accumulate_grad_hook(self._make_hook(n)) for n, p in named]
         # sparse gradients must stay sparse for their optimizer: no dense buffer for them to land in
@@ -136,24 +132,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return spec.settle("torch", "horovod", elastic=os.environ.get("HOROVOD_ELASTIC") == "1",
                            sgd=isinstance(self, torch.optim.SGD),
                            adam=isinstance(take_moments(self, self._names), AdamSpec))
-
-    def _local_adam(self, config, comm):
-        """The local steps' own step: the wrapped optimizer's, or with ``adam_variance: of_average``
-        Adam's divided by the average's variance (update_units.of_average_step); with ``shared``
-        the same, by the workers' estimates averaged at each exchange (update_units.share_variance,
-        called by delayed.restart_round through ``_share_variance``)."""
-        self._share_variance = None
-        if getattr(config, "adam_variance", "own") == "own":
-            return None
-        spec = take_moments(self, self._names)
-        if not isinstance(spec, AdamSpec):
-            raise ValueError("compression.adam_variance: of_average changes the steps of torch.optim.Adam or AdamW"
-                             + (f", and {spec}" if spec else f", not those of {type(self).__mro__[1].__name__}")
-                             + ": train with a plain Adam or AdamW, or leave adam_variance out")
-        if config.adam_variance.startswith("shared"):
-            factored = config.adam_variance == "shared_factored"
-            self._share_variance = lambda: share_variance(self, comm, factored)
-        return lambda closure=None: of_average_step(self, comm.size, closure)
 
     def _choose_sparse_update(self, config, options: HorovodOptions) -> bool:
         """``sparse_update: auto`` under the cost model: on where this optimizer is plain SGD (as it is
@@ -383,11 +361,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         runner calls it before a run's last step (a run of 1,500 steps at 8 local steps would
         otherwise end 4 steps after its last exchange, each worker on its own weights). Call it
         on every rank before the same step. Every step already exchanges: nothing to do."""
-        self._sync_next = bool(self._local_steps)
+        if self._rounds is not None:
+            self._rounds.sync_next = True
 
     def step(self, closure=None):
         if self._local_steps:
-            return local_step(self, closure, self._inner_step or super(self.__class__, self).step)
+            return self._rounds.step(closure, self._inner_step or super(self.__class__, self).step)
         if not self._skip_sync:
             if self._synchronized:
                 warnings.warn(STEP_AFTER_SYNC, stacklevel=2)
@@ -410,7 +389,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         state = super(self.__class__, self).state_dict()
         state["redsync"] = self._exchange.state_dict()
         if self._local_steps:
-            state["redsync"]["delay"] = {"local": self._local, "snapshot": self._snapshot, "outer": self._outer}
+            state["redsync"]["delay"] = self._rounds.state_dict()
         return state
 
     def load_state_dict(self, state_dict):
@@ -421,10 +400,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             delay = extra.pop("delay", None)
             self._exchange.load_state_dict(extra)
             if delay is not None:
-                self._local = delay["local"]
-                self._snapshot = None if delay["snapshot"] is None else \
-                    {k: v.clone() for k, v in delay["snapshot"].items()}
-                self._outer = {k: v.clone() for k, v in delay.get("outer", {}).items()}
+                self._rounds.load_state_dict(delay)
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step=1,

@@ -274,7 +274,7 @@ class TorchTrainer:
 
     def sync_next_step(self) -> None:
         """Before a run's last step: local steps end it with an exchange (``sync_next_step``)."""
-        sync = getattr(self.opt, "sync_next_step", None)
+        sync = getattr(self.comm, "sync_next_step", None)   # the Horovod optimizer, or the DDP hook's state
         if sync is not None:
             sync()
 

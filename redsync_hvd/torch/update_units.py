@@ -85,6 +85,26 @@ class UpdateUnitsStep:
                 optimizer.register_step_post_hook(lambda opt, args, kwargs: self.restore())]
 
 
+def local_adam(optimizer, names: dict, config, comm) -> tuple:
+    """The local steps' own step and what shares the variance, for ``adam_variance`` other than
+    ``own``: (Adam's step divided by the average's variance, :func:`of_average_step`; with
+    ``shared``, :func:`share_variance` for each exchange). (None, None) with ``own``: the wrapped
+    optimizer's own step, and nothing to share."""
+    variance = getattr(config, "adam_variance", "own")
+    if variance == "own":
+        return None, None
+    spec = take_moments(optimizer, names)
+    if not isinstance(spec, AdamSpec):
+        raise ValueError(f"compression.adam_variance: {variance} changes the steps of torch.optim.Adam or AdamW"
+                         + (f", and {spec}" if spec else f", not those of {type(optimizer).__name__}")
+                         + ": train with a plain Adam or AdamW, or leave adam_variance out")
+    share = None
+    if variance.startswith("shared"):
+        factored = variance == "shared_factored"
+        share = lambda: share_variance(optimizer, comm, factored)   # noqa: E731
+    return (lambda closure=None: of_average_step(optimizer, comm.size, closure)), share
+
+
 def of_average_step(optimizer, workers: int, closure=None):
     """One step of a torch Adam or AdamW under local steps with ``adam_variance: of_average``: torch's
     own update and state (``step``, ``exp_avg``, ``exp_avg_sq``, so checkpoints load either way), but
