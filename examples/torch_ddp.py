@@ -3,8 +3,11 @@ DistributedDataParallel, under torchrun (Gloo on CPU; no Horovod needed).
 
     torchrun --standalone --nproc_per_node 2 examples/torch_ddp.py
 
-The same work as examples/torch_horovod.py. Rank 0 prints the loss every 20 steps and the
-hook's figures at the end.
+The same work as examples/torch_horovod.py, with the same default: given the optimizer, the hook
+has each worker take 8 steps of its own SGD (register() makes opt.step() the round's local step),
+then send the top 10% of its weight matrix's delta plus residual; `local_steps: 1` exchanges 0.1%
+of the gradient every step instead. Rank 0 prints the loss every 20 steps and the hook's figures
+at the end.
 """
 import json
 

@@ -396,7 +396,8 @@ def test_local_steps_keep_momentum_local_and_name_what_cannot_apply():
 
 
 def test_local_steps_auto_settles_where_the_exchange_is_built():
-    """``local_steps: auto`` (RedSync's default): 8 steps under PyTorch's Horovod optimizer with an
+    """``local_steps: auto`` (RedSync's default): 8 steps under PyTorch's Horovod optimizer and the DDP
+    hook with an
     exchange of 8 x density but at least 0.1 (the default's too, after a dump and a second parse),
     Golomb-coded positions, int8 values under SGD, one shared Adam variance under Adam, and DGC's
     correction off;
@@ -419,19 +420,21 @@ def test_local_steps_auto_settles_where_the_exchange_is_built():
         "torch", "horovod", sgd=True).message.quantize == "none"
     assert parse_compression({"method": "redsync", "selection": "radix"}).settle(
         "torch", "horovod", sgd=True).message.quantize == "fp16"
-    assert auto.settle("torch", "ddp", sgd=True).message.quantize == "fp16"
+    assert auto.settle("torch", "fsdp", sgd=True).message.quantize == "fp16"
+    assert auto.settle("torch", "ddp", sgd=True) == auto.settle("torch", "horovod", sgd=True)   # the hook steps too
     # under Adam/AdamW one shared variance, sent factored; a variance given, or every step, keeps its own
     assert (here.adam_variance, auto.settle("torch", "horovod", adam=True).adam_variance) == ("own", "shared_factored")
     assert parse_compression({"method": "redsync", "adam_variance": "of_average"}).settle(
         "torch", "horovod", adam=True).adam_variance == "of_average"
-    assert auto.settle("torch", "ddp", adam=True).adam_variance == "own"
+    assert auto.settle("torch", "fsdp", adam=True).adam_variance == "own"
+    assert auto.settle("torch", "ddp", adam=True).adam_variance == "shared_factored"
     budget = parse_compression({"method": "redsync", "selection": "radix", "policy": {"mode": "budget"}})
     assert budget.settle("torch", "horovod").local_steps == 1 and budget.per_step_knobs() == ["policy.mode: budget"]
     more = parse_compression({"method": "redsync", "local_steps": "auto", "density": 0.05})
     assert more.settle("torch", "horovod").density == 0.4   # a density that asks for more than 0.1 an exchange
     refuse(here, "torch", "horovod")
     assert auto.settle("torch", "horovod", elastic=True).local_steps == 1   # Elastic's reset broadcasts one model
-    for framework, engine in [("torch", "ddp"), ("torch", "fsdp"), ("tensorflow", "horovod")]:
+    for framework, engine in [("torch", "fsdp"), ("tensorflow", "horovod")]:
         there = auto.settle(framework, engine)
         assert (there.local_steps, there.density, there.corrects_momentum) == (1, 0.002, True)
         refuse(there, framework, engine)
@@ -448,12 +451,13 @@ def test_local_steps_auto_settles_where_the_exchange_is_built():
     assert unset.local_steps == "auto" and parse_compression({"method": "topk"}).local_steps == 1
     for config in (unset, parse_compression(unset.model_dump(mode="json"))):   # as the runner hands it over
         assert config.settle("torch", "horovod").density == AUTO_EXCHANGE_DENSITY
-    assert parse_compression({"method": "redsync", "local_steps": "auto"}).settle("torch", "ddp").density == 0.001
+    assert parse_compression({"method": "redsync", "local_steps": "auto"}).settle("torch", "fsdp").density == 0.001
     assert parse_compression({"method": "topk", "local_steps": "auto", "density": 0.5}).settle(
         "torch", "horovod").density == 1.0   # an exchange sends at most the whole delta
     assert [exchange_every(c) for c in ({"method": "redsync", "local_steps": "auto"}, {"method": "sbc"},
                                         {"method": "redsync", "local_steps": 1}, None)] == [AUTO_LOCAL_STEPS, 10, 1, 1]
-    assert exchange_every({"method": "redsync", "local_steps": "auto"}, "torch", "ddp") == 1
+    assert exchange_every({"method": "redsync", "local_steps": "auto"}, "torch", "fsdp") == 1
+    assert exchange_every({"method": "redsync", "local_steps": "auto"}, "torch", "ddp") == AUTO_LOCAL_STEPS
     assert parse_compression({"method": "redsync", "local_steps": 4}).settle("torch", "ddp").local_steps == 4
     for bad in ("sometimes", 0):
         with pytest.raises(ValueError, match="local_steps"):

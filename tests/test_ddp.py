@@ -27,6 +27,7 @@ DENSE = [
     # RedSync at density 1, no quantisation, no momentum correction: exactly dense
     {
         "method": "redsync",
+        "local_steps": 1,
         "density": 1.0,
         "message": {"quantize": "none"},
         "dgc": {"momentum_correction": False},
@@ -36,6 +37,7 @@ DENSE = [
     # masking at density 1 is plain momentum SGD
     {
         "method": "redsync",
+        "local_steps": 1,
         "density": 1.0,
         "message": {"quantize": "none"},
         "dgc": {"momentum_correction": True, "momentum_masking": False},
@@ -45,7 +47,7 @@ DENSE = [
     # IWP at density 1: the leader's broadcast indices cover everything
     {"method": "iwp", "density": 1.0, "policy": {"min_compress_numel": 0}},
     # the cost model on a 1 Pbit/s, 1 us link: nothing pays, every layer dense, DDP's own reduction
-    {"method": "redsync", "density": 0.01, "dgc": {"momentum_correction": False},
+    {"method": "redsync", "density": 0.01, "local_steps": 1, "dgc": {"momentum_correction": False},
      "policy": {"mode": "cost_model", "min_compress_numel": 0, "latency_s": 1e-6, "bandwidth_gbit": 1e6}},
 ]
 
@@ -66,6 +68,7 @@ def test_ddp_conservation_sent_plus_residual_equals_inputs():
         [
             {
                 "method": "redsync",
+                "local_steps": 1,
                 "density": 0.05,
                 "dgc": {"momentum_correction": False},
                 "policy": {"min_compress_numel": 100},
@@ -89,7 +92,8 @@ def test_ddp_conservation_sent_plus_residual_equals_inputs():
 
 def test_ddp_resume_is_bit_identical():
     _run_all("ddp_resume.py", [
-        {"method": "redsync", "density": 0.05, "policy": {"min_compress_numel": 100}},   # residuals and velocities
+        {"method": "redsync", "density": 0.05, "local_steps": 1,                 # residuals and velocities
+         "policy": {"min_compress_numel": 100}},
         {"method": "redsync", "density": 0.05, "policy": {"min_compress_numel": 100},    # ... by reduce-scatter
          "aggregation": "sparse_reduce_scatter"},
         {"method": "randomk", "density": 0.1},                               # positions drawn per step
@@ -163,10 +167,27 @@ def test_local_steps_need_the_optimizer_and_refuse_a_grad_scaler(one_rank):
     saved = state.state_dict()
     assert saved["exchange"]["delay"] == {"local": 0, "snapshot": None, "outer": {}}
     other = _ddp()
-    every = rddp.register(other, {"method": "redsync", "density": 0.1},
+    every = rddp.register(other, {"method": "redsync", "density": 0.1, "local_steps": 1},
                           optimizer=torch.optim.SGD(other.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="local steps"):
         every.load_state_dict(saved)
+
+
+def test_local_steps_auto_under_the_hook_steps_the_optimizer_given(one_rank):
+    """RedSync's default under DDP: 8 local steps with int8 values under SGD and the shared variance
+    under AdamW, said in the notes layers.log prints; with no optimizer to step, every step."""
+    from redsync_hvd.torch import ddp as rddp
+    for make, values, variance in [(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "int8", "own"),
+                                   (lambda ps: torch.optim.AdamW(ps, lr=1e-3), "fp16", "shared_factored")]:
+        model = _ddp()
+        state = rddp.register(model, {"method": "redsync"}, optimizer=make(model.parameters()))
+        config = state.config
+        assert (state.rounds.steps, config.density, config.message.quantize, config.adam_variance) == \
+            (8, 0.1, values, variance)
+        assert any("compression.local_steps: 8 (auto)" in note for note in state.exchange.policy.notes)
+    state = rddp.register(_ddp(), {"method": "redsync", "dgc": {"momentum_correction": False}})
+    assert state.rounds is None and state.config.local_steps == 1
+    assert any("given no optimizer" in note for note in state.exchange.policy.notes)
 
 
 def test_state_from_another_method_is_refused(one_rank):
@@ -184,7 +205,8 @@ def test_momentum_correction_takes_momentum_and_decay_out_of_the_optimizer(one_r
     model = _ddp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4, nesterov=True)
     state = rddp.register(
-        model, {"method": "redsync", "density": 0.5, "policy": {"min_compress_numel": 0}}, optimizer=opt
+        model, {"method": "redsync", "density": 0.5, "local_steps": 1, "policy": {"min_compress_numel": 0}},
+        optimizer=opt
     )
     assert [(g["momentum"], g["weight_decay"], g["nesterov"]) for g in opt.param_groups] == [(0.0, 0.0, False)]
     assert state.exchange.memory.nesterov and set(state._decay.values()) == {1e-4}
@@ -215,7 +237,7 @@ def test_grad_scaler_skips_an_overflow_step_and_the_residuals_stay(one_rank):
     gradients, the scaler skips the step, residuals and velocities stay; the next step trains.
     The fast path with check_finite set leaves overflows to the scaler instead of raising."""
     from redsync_hvd.torch import ddp as rddp
-    for compression in ({"method": "redsync", "density": 0.5, "policy": {"min_compress_numel": 0}},
+    for compression in ({"method": "redsync", "density": 0.5, "local_steps": 1, "policy": {"min_compress_numel": 0}},
                         {"method": "none", "check_finite": True}):
         torch.manual_seed(0)
         model = DDP(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)))
@@ -265,16 +287,16 @@ def ddp_run(tmp_path_factory):
     """The digits CNN under torchrun --nproc_per_node 2, Gloo, checkpoints every 20 steps."""
     out = tmp_path_factory.mktemp("ddp_runs")
     train(out, "configs/digits/redsync.yaml", *RUN, "engine=ddp", "training.checkpoint_every=20", "output.name=ddp",
-          launcher="torchrun", timeout=240)
+          "compression.local_steps=1", launcher="torchrun", timeout=240)
     return out
 
 
 def test_runner_under_torchrun_trains_as_the_horovod_engine_bit_for_bit(ddp_run):
-    """The same config under horovodrun (engine: horovod, bf16 as well; every step, as local_steps: auto
-    settles under the DDP hook) ends with the same weights,
+    """The same config under horovodrun (engine: horovod, bf16 as well; every step on both) ends with
+    the same weights,
     residuals, velocities and figures: the engines differ only in who carries the bytes."""
     train(ddp_run, "configs/digits/redsync.yaml", *RUN, "output.name=horovod",
-          "compression.local_steps=1", timeout=240)   # auto: 8 local steps here, every step under the DDP hook
+          "compression.local_steps=1", timeout=240)
     a, b = summary(ddp_run / "ddp"), summary(ddp_run / "horovod")
     assert a["final_accuracy"] > 0.3 and a["steps"] == 40 and a["workers"] == 2, a
     for key in ("final_accuracy", "final_loss", "wire_bytes", "dense_bytes"):
@@ -314,7 +336,8 @@ def test_local_steps_under_torchrun_train_as_the_horovod_engine_bit_for_bit(tmp_
 
 def test_runner_resumes_under_torchrun_bit_for_bit(ddp_run):
     train(ddp_run, "configs/digits/redsync.yaml", *RUN, "engine=ddp", "output.name=resumed",
-          f"training.resume={ddp_run}/ddp/checkpoint-step20-rank{{rank}}.pt", launcher="torchrun", timeout=240)
+          "compression.local_steps=1", f"training.resume={ddp_run}/ddp/checkpoint-step20-rank{{rank}}.pt",
+          launcher="torchrun", timeout=240)
     assert summary(ddp_run / "resumed")["wire_bytes"] == summary(ddp_run / "ddp")["wire_bytes"]
     for rank in (0, 1):
         a, b = _checkpoint(ddp_run / "ddp", rank), _checkpoint(ddp_run / "resumed", rank)

@@ -582,9 +582,11 @@ _LOCAL_STEPS = ("optimizer steps each worker takes on its own between exchanges 
                 "pseudo-gradient with error feedback); momentum and Adam's moments stay in each worker's "
                 "optimizer. local_steps times fewer collectives, and the delta of many steps is sent at once, so "
                 "a higher density per exchange pays (docs/redsync.md, 'Local steps'). Workers drift apart "
-                "between exchanges. PyTorch under engine: horovod; 1: every step (topk's default) | auto (redsync's "
-                "default): 8 where the delayed step runs (PyTorch under engine: horovod, allgather, none of the "
-                "per-step knobs below set, not under Horovod Elastic), each exchange sending 8 x density of the "
+                "between exchanges. PyTorch under engine: horovod or ddp (the DDP hook then sends nothing and "
+                "register() makes the optimizer's step the round's); 1: every step (topk's default) | auto "
+                "(redsync's default): 8 where the delayed step runs (PyTorch under engine: horovod, or ddp with "
+                "the optimizer given to register(); allgather, none of the per-step knobs below set, not under "
+                "Horovod Elastic), each exchange sending 8 x density of the "
                 "delta but at least 0.1 of it (below 0.1 the text cells lost perplexity), with Golomb-coded "
                 "positions (raw under radix); every step elsewhere, at density. The choice is in layers.log")
 
@@ -616,6 +618,7 @@ _ADAM_VARIANCE = ("where each worker takes its own Adam or AdamW steps (feedback
                   "mean (Adafactor's factored second moment, Shazeer and Stern 2018): rows + columns numbers a "
                   "round instead of rows x columns")
 
+LOCAL_STEPS_RUN = (("torch", "horovod"), ("torch", "ddp"))   # where local_steps: auto takes local steps
 AUTO_LOCAL_STEPS = 8   # docs/benchmarks.md, "Local steps": 8 steps held the cells the per-step default misses
 AUTO_EXCHANGE_DENSITY = 0.1   # the least an exchange of auto's local steps sends of each delta (ibid.)
 
@@ -722,9 +725,11 @@ class AllgatherConfig(ResidualConfig):
     def settle(self, framework: str, engine: str, elastic: bool = False, sgd: bool = False,
                adam: bool = False) -> "AllgatherConfig":
         """``local_steps: auto`` made concrete where the exchange is built (a set count is kept):
-        1. Local steps run only in PyTorch's DistributedOptimizer under horovodrun, by allgather,
-           with none of ``per_step_knobs``, outside Horovod Elastic (whose reset broadcasts one
-           model); anywhere else auto is every step at ``density``.
+        1. Local steps run in PyTorch's DistributedOptimizer under horovodrun and under the DDP hook
+           (which makes the optimizer's step the round's), by allgather, with none of
+           ``per_step_knobs``, outside Horovod Elastic (whose reset broadcasts one model); anywhere
+           else (FSDP2, whose shards no worker could step alone; TensorFlow) auto is every step at
+           ``density``.
         2. There it is ``AUTO_LOCAL_STEPS`` steps, and an exchange sends ``AUTO_LOCAL_STEPS x density``
            of each delta, but at least ``AUTO_EXCHANGE_DENSITY``: below 0.1 an exchange the text cells
            lost perplexity (docs/benchmarks.md, "Local steps"). ``density`` keeps its meaning of what
@@ -747,7 +752,7 @@ class AllgatherConfig(ResidualConfig):
            "Each worker's own Adam variance"). A set local_steps keeps the variance given."""
         if self.local_steps != "auto":
             return self
-        if (framework, engine) != ("torch", "horovod") or elastic or self.per_step_knobs():   # 1.
+        if (framework, engine) not in LOCAL_STEPS_RUN or elastic or self.per_step_knobs():    # 1.
             return self.model_copy(update={"local_steps": 1})
         steps = AUTO_LOCAL_STEPS
         density = min(1.0, max(AUTO_EXCHANGE_DENSITY, self.density * steps))                          # 2.

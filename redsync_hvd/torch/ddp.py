@@ -76,11 +76,14 @@ import torch.distributed as dist
 from ..comm.torch_dist import TorchDistCommunicator
 from ..compressors.base import Compressor
 from ..core.stats import CommStats
-from ..engine import build_exchange, check_same_everywhere, parse, refuse
+from ..engine import AdamSpec, build_exchange, check_same_everywhere, parse, refuse
 from ..exchange import NonFiniteGradientError
-from .delayed import LOCAL_STEPS_SCALER, LocalRounds
+from .delayed import LOCAL_STEPS_SCALER, LocalRounds, local_auto_note
 from .params import layers_of, take_momentum
 from .update_units import UpdateUnitsStep, local_adam, take_moments
+
+NO_OPTIMIZER_NOTE = ("compression.local_steps: 1 (auto): register() was given no optimizer, which local steps would "
+                     "step: pass optimizer=opt for 8 local steps (docs/redsync.md, 'Local steps')")
 
 
 class DDPCompressionState:
@@ -325,6 +328,9 @@ def register(ddp_model, compression=None, process_group=None, optimizer=None) ->
                                  else getattr(ddp_model, "process_group", None))
     named = _reduced_parameters(ddp_model)
     layers = layers_of(named)
+    auto = getattr(config, "local_steps", None) == "auto" and not isinstance(compression, Compressor)
+    if auto:
+        config = compression = _settle(config, optimizer, named)
     if config.dense_fast_path and not isinstance(compression, Compressor):
         check_same_everywhere(comm, config, layers)
         state = DDPCompressionState(config, comm, named)
@@ -335,6 +341,8 @@ def register(ddp_model, compression=None, process_group=None, optimizer=None) ->
                            take_moments=take and (lambda: take_moments(optimizer, {p: n for n, p in named})))
     decay = built.momentum.weight_decay if built.momentum else {}
     state = DDPCompressionState(built.config, comm, named, built.exchange, decay)
+    if auto:
+        built.exchange.policy.notes.append(local_auto_note(config) if optimizer is not None else NO_OPTIMIZER_NOTE)
     if built.config.delayed:
         _run_local_steps(state, optimizer, named)
         ddp_model.register_comm_hook(state, _local_hook)
@@ -344,6 +352,16 @@ def register(ddp_model, compression=None, process_group=None, optimizer=None) ->
         state.update_units.hook(optimizer)
     ddp_model.register_comm_hook(state, _exchange_hook)
     return state
+
+
+def _settle(config, optimizer, named: list):
+    """``local_steps: auto`` under the hook (``AllgatherConfig.settle``): local steps of ``optimizer``,
+    int8 values under SGD and one shared variance under an Adam this adapter reproduces; every
+    step where no optimizer was given, since local steps step it."""
+    if optimizer is None:
+        return config.model_copy(update={"local_steps": 1})
+    adam = isinstance(take_moments(optimizer, {p: n for n, p in named}), AdamSpec)
+    return config.settle("torch", "ddp", sgd=isinstance(optimizer, torch.optim.SGD), adam=adam)
 
 
 def _run_local_steps(state, optimizer, named: list) -> None:

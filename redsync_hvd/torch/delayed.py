@@ -30,6 +30,26 @@ LOCAL_STEPS_SCALER = ("compression.local_steps: {steps}: a GradScaler skips an o
                       "at the end of the run): set compression.local_steps: 1 to train with fp16 and a GradScaler "
                       "(the runner does so under training.precision: fp16 where local_steps is auto), or use bf16")
 
+LOCAL_AUTO_NOTE = ("compression.local_steps: {steps} (auto): each worker takes {steps} steps of its own optimizer, "
+                   "then sends the top {density:g} of its model delta plus residual (density x {steps}, at least "
+                   "0.1; {coding} positions, {values} values){variance}; DGC's momentum correction is off, the "
+                   "optimizer's momentum stays on each worker (docs/redsync.md, 'Local steps')")
+VARIANCE_NOTE = {"shared_factored": "; Adam's variance shared: averaged at each exchange as each matrix's row and "
+                                     "column means (adam_variance: shared_factored)"}
+LOCAL_AUTO_OFF_NOTE = "compression.local_steps: 1 (auto): {knobs} need an exchange every step"
+
+
+def local_auto_note(spec) -> str:
+    """layers.log's line on what ``local_steps: auto`` settled to, and why."""
+    if not spec.delayed:
+        why = ", ".join(spec.per_step_knobs()) or "Horovod Elastic's reset broadcasts one model, which"
+        return LOCAL_AUTO_OFF_NOTE.format(knobs=why)
+    message = getattr(spec, "message", None)
+    return LOCAL_AUTO_NOTE.format(steps=spec.local_steps, density=spec.density,
+                                  coding=getattr(message, "index_coding", "raw"),
+                                  values=getattr(message, "quantize", "fp32"),
+                                  variance=VARIANCE_NOTE.get(getattr(spec, "adam_variance", "own"), ""))
+
 
 def nonfinite_grads(params: dict) -> list:
     """Names of the layers whose gradient holds NaN/Inf, by one host read (as GradScaler does)."""

@@ -25,7 +25,7 @@ from ..comm import HorovodCommunicator
 from ..compressors.base import Compressor
 from ..engine import AdamSpec, build_exchange, parse
 from .decentralized import DecentralizedOptimizer
-from .delayed import LOCAL_STEPS_SCALER, LocalRounds
+from .delayed import LOCAL_STEPS_SCALER, LocalRounds, local_auto_note
 from .options import (
     HorovodOptions,
     OutsideProcessSet,
@@ -41,28 +41,9 @@ from .update_units import UpdateUnitsStep, local_adam, take_moments
 SPARSE_AUTO_NOTE = ("compression.sparse_update: true (auto under policy.mode: cost_model): the optimizer is plain "
                     "SGD, so step() applies each compressed layer's average straight to its weights; their .grad "
                     "is None after step() (synchronize() first gives dense averages)")
-LOCAL_AUTO_NOTE = ("compression.local_steps: {steps} (auto): each worker takes {steps} steps of its own optimizer, "
-                   "then sends the top {density:g} of its model delta plus residual (density x {steps}, at least "
-                   "0.1; {coding} positions, {values} values){variance}; DGC's momentum correction is off, the "
-                   "optimizer's momentum stays on each worker (docs/redsync.md, 'Local steps')")
-VARIANCE_NOTE = {"shared_factored": "; Adam's variance shared: averaged at each exchange as each matrix's row and "
-                                     "column means (adam_variance: shared_factored)"}
-LOCAL_AUTO_OFF_NOTE = "compression.local_steps: 1 (auto): {knobs} need an exchange every step"
 STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
                    "optimizer.synchronize(): step() uses the gradients synchronize() wrote (horovod.torch would "
                    "exchange them again); wrap step() in `with optimizer.skip_synchronize():`")
-
-
-def local_auto_note(spec) -> str:
-    """layers.log's line on what ``local_steps: auto`` settled to, and why."""
-    if not spec.delayed:
-        why = ", ".join(spec.per_step_knobs()) or "Horovod Elastic's reset broadcasts one model, which"
-        return LOCAL_AUTO_OFF_NOTE.format(knobs=why)
-    message = getattr(spec, "message", None)
-    return LOCAL_AUTO_NOTE.format(steps=spec.local_steps, density=spec.density,
-                                  coding=getattr(message, "index_coding", "raw"),
-                                  values=getattr(message, "quantize", "fp32"),
-                                  variance=VARIANCE_NOTE.get(getattr(spec, "adam_variance", "own"), ""))
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):

@@ -50,6 +50,16 @@ def loss_and_correct(model, x, y, task):
 NORMS = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm, torch.nn.modules.batchnorm._NormBase)
 
 
+def compression_of(cfg: RunConfig) -> dict:
+    """The config's ``compression`` section for the adapters that take local steps: under
+    ``training.precision: fp16`` ``local_steps: auto`` is every step, since a GradScaler skips
+    an overflowing step on one rank only (``set_grad_scaler``)."""
+    compression = cfg.compression.model_dump()
+    if cfg.training.precision == "fp16" and compression.get("local_steps") == "auto":
+        compression["local_steps"] = 1
+    return compression
+
+
 def build_optimizer(cfg: RunConfig, model, size):
     o = cfg.optimizer
     lr = o.lr * (size if o.scale_lr_by_workers else 1)
@@ -129,10 +139,8 @@ class HorovodAdapter(_Unsharded):
 
     def distribute(self, cfg: RunConfig, model, opt) -> tuple:
         """(module the forward runs through, optimizer that steps, what counts the communication)."""
-        compression = cfg.compression.model_dump()
-        if cfg.training.precision == "fp16" and compression.get("local_steps") == "auto":
-            compression["local_steps"] = 1   # a GradScaler skips steps on one rank only (set_grad_scaler)
-        opt = self.rhvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
+        opt = self.rhvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                             compression=compression_of(cfg))
         self.rhvd.broadcast_parameters(model.state_dict(), root_rank=0)
         self.rhvd.broadcast_optimizer_state(opt, root_rank=0, initialize=False)   # no step before the first
         return model, opt, opt
@@ -187,7 +195,7 @@ class DDPAdapter(_Unsharded):
         """DDP broadcasts rank 0's weights as it wraps the model; the hook takes the optimizer's
         momentum and weight decay when the config asks for momentum correction."""
         ddp = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        state = rddp.register(ddp, compression=cfg.compression.model_dump(), optimizer=opt)
+        state = rddp.register(ddp, compression=compression_of(cfg), optimizer=opt)
         return ddp, opt, state
 
     def optimizer_step(self, opt, scaler) -> None:
