@@ -374,11 +374,7 @@ def _run_local_steps(state, optimizer, named: list) -> None:
         raise ValueError(f"compression.local_steps: {config.local_steps}: each worker takes steps of its own "
                          "optimizer and the model deltas are exchanged after them: pass "
                          "register(ddp_model, compression, optimizer=opt), or set local_steps: 1")
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    missing = [n for n, p in named if id(p) not in held]
-    if missing:
-        raise ValueError(f"optimizer does not hold parameters {missing[:5]} of the DDP model: pass the optimizer "
-                         "built on ddp_model.parameters() (local steps exchange what it steps)")
+    _check_holds(optimizer, named, "local steps exchange what it steps")
     inner, share = local_adam(optimizer, {p: n for n, p in named}, config, state.comm)
     state.rounds = LocalRounds(state.exchange, dict(named), config, share)
     own = optimizer.step
@@ -403,14 +399,18 @@ def _momentum_taker(optimizer, named: list):
     memory (its param groups are edited); a DDP hook sees gradients only, so it needs the optimizer."""
     if optimizer is None:
         return None
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    missing = [n for n, p in named if id(p) not in held]
     names = {p: n for n, p in named}
 
     def take():
-        if missing:
-            raise ValueError(f"optimizer does not hold parameters {missing[:5]} of the DDP model: pass the "
-                             "optimizer built on ddp_model.parameters() (momentum correction moves its momentum "
-                             "per parameter)")
+        _check_holds(optimizer, named, "momentum correction moves its momentum per parameter")
         return take_momentum(optimizer.param_groups, names)
     return take
+
+
+def _check_holds(optimizer, named: list, why: str) -> None:
+    """Refuse an optimizer that does not step every parameter DDP reduces."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing = [n for n, p in named if id(p) not in held]
+    if missing:
+        raise ValueError(f"optimizer does not hold parameters {missing[:5]} of the DDP model: pass the optimizer "
+                         f"built on ddp_model.parameters() ({why})")
