@@ -383,8 +383,7 @@ def test_local_steps_keep_momentum_local_and_name_what_cannot_apply():
     assert not off.delayed and off.corrects_momentum and off.in_update_units and "ddp" in off.engines
     for bad, named in [({"dgc": {"momentum_correction": True}}, "dgc.momentum_correction"),
                        ({"feedback_units": "update"}, "feedback_units: update"),
-                       ({"sparse_update": True}, "sparse_update: true"),
-                       ({"aggregation": "sparse_reduce_scatter"}, "aggregation")]:
+                       ({"sparse_update": True}, "sparse_update: true")]:
         with pytest.raises(ValueError, match="local_steps: 1") as info:
             parse_compression({"method": "redsync", "local_steps": 4, **bad})
         assert named in str(info.value)
@@ -393,6 +392,8 @@ def test_local_steps_keep_momentum_local_and_name_what_cannot_apply():
             refuse(on, framework, engine)
     refuse(on, "torch", "horovod")
     refuse(on, "torch", "ddp")
+    for aggregation in ("sparse_reduce_scatter", "auto"):   # the round's deltas meet by either path
+        assert parse_compression({"method": "redsync", "local_steps": 4, "aggregation": aggregation}).delayed
 
 
 def test_local_steps_auto_settles_where_the_exchange_is_built():
@@ -421,6 +422,11 @@ def test_local_steps_auto_settles_where_the_exchange_is_built():
     assert parse_compression({"method": "redsync", "selection": "radix"}).settle(
         "torch", "horovod", sgd=True).message.quantize == "fp16"
     assert auto.settle("torch", "fsdp", sgd=True).message.quantize == "fp16"
+    for aggregation in ("sparse_reduce_scatter", "auto"):   # owners sum raw positions and fp16 values
+        scatter = parse_compression({"method": "redsync", "aggregation": aggregation}).settle(
+            "torch", "horovod", sgd=True)
+        assert (scatter.local_steps, scatter.message.index_coding, scatter.message.quantize) == (
+            AUTO_LOCAL_STEPS, "raw", "fp16")
     assert auto.settle("torch", "ddp", sgd=True) == auto.settle("torch", "horovod", sgd=True)   # the hook steps too
     # under Adam/AdamW one shared variance, sent factored; a variance given, or every step, keeps its own
     assert (here.adam_variance, auto.settle("torch", "horovod", adam=True).adam_variance) == ("own", "shared_factored")

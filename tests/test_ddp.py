@@ -76,6 +76,7 @@ def test_ddp_conservation_sent_plus_residual_equals_inputs():
             # the sparse reduce-scatter: what no owner keeps goes back to its sender's residual
             {
                 "method": "redsync",
+                "local_steps": 1,
                 "density": 0.05,
                 "dgc": {"momentum_correction": False},
                 "policy": {"min_compress_numel": 100},
@@ -94,8 +95,8 @@ def test_ddp_resume_is_bit_identical():
     _run_all("ddp_resume.py", [
         {"method": "redsync", "density": 0.05, "local_steps": 1,                 # residuals and velocities
          "policy": {"min_compress_numel": 100}},
-        {"method": "redsync", "density": 0.05, "policy": {"min_compress_numel": 100},    # ... by reduce-scatter
-         "aggregation": "sparse_reduce_scatter"},
+        {"method": "redsync", "density": 0.05, "local_steps": 1,                  # ... by reduce-scatter
+         "policy": {"min_compress_numel": 100}, "aggregation": "sparse_reduce_scatter"},
         {"method": "randomk", "density": 0.1},                               # positions drawn per step
         {"method": "qsgd", "bits": 2, "residual": True},                     # rounding seeded per step
         {"method": "redsync", "density": 0.3, "local_steps": 2,                # saved in the middle of a round
@@ -311,12 +312,16 @@ def test_runner_under_torchrun_trains_as_the_horovod_engine_bit_for_bit(ddp_run)
         assert any(v.abs().sum() > 0 for v in mine["residual"].values())
 
 
-def test_local_steps_under_torchrun_train_as_the_horovod_engine_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("aggregation", ["allgather", "sparse_reduce_scatter"])
+def test_local_steps_under_torchrun_train_as_the_horovod_engine_bit_for_bit(tmp_path, aggregation):
     """local_steps: 3 under the DDP hook (the hook sends nothing; register() makes optimizer.step the
     round's local step and its exchange of model deltas) and under horovodrun: 40 steps are 13
     rounds and the runner's sync before the last step; both engines end with the same weights on
-    every rank, the same residuals and the same bytes, so between exchanges nothing was sent."""
-    local = [*RUN[:-1], "compression.local_steps=3", "compression.density=0.3"]
+    every rank, the same residuals and the same bytes, so between exchanges nothing was sent. The
+    rounds' deltas meet by allgather or by the sparse reduce-scatter, whose owners return what they
+    do not keep to the senders' residuals."""
+    local = [*RUN[:-1], "compression.local_steps=3", "compression.density=0.3",
+             f"compression.aggregation={aggregation}"]
     train(tmp_path, "configs/digits/redsync.yaml", *local, "engine=ddp", "output.name=ddp", launcher="torchrun",
           timeout=240)
     train(tmp_path, "configs/digits/redsync.yaml", *local, "output.name=horovod", timeout=240)

@@ -585,10 +585,11 @@ _LOCAL_STEPS = ("optimizer steps each worker takes on its own between exchanges 
                 "between exchanges. PyTorch under engine: horovod or ddp (the DDP hook then sends nothing and "
                 "register() makes the optimizer's step the round's); 1: every step (topk's default) | auto "
                 "(redsync's default): 8 where the delayed step runs (PyTorch under engine: horovod, or ddp with "
-                "the optimizer given to register(); allgather, none of the per-step knobs below set, not under "
+                "the optimizer given to register(); none of the per-step knobs below set, not under "
                 "Horovod Elastic), each exchange sending 8 x density of the "
                 "delta but at least 0.1 of it (below 0.1 the text cells lost perplexity), with Golomb-coded "
-                "positions (raw under radix); every step elsewhere, at density. The choice is in layers.log")
+                "positions (raw under radix and the sparse reduce-scatter); every step elsewhere, at density. "
+                "The choice is in layers.log")
 
 _LOCAL_DECAY = ("with local steps: each worker's residual is multiplied by this before its next delta joins it "
                 "(SparseLoCo's error-feedback decay, Sarfi et al. 2025), so what waited longer than about "
@@ -708,8 +709,8 @@ class AllgatherConfig(ResidualConfig):
         if named:
             raise ValueError(f"local_steps: {self.local_steps} sends each worker's model delta after its own "
                              f"optimizer steps, where {', '.join(named)} cannot apply (momentum, clipping and "
-                             "Adam stay in the local optimizer; the average is applied to the weights by "
-                             "allgather): remove them, or set local_steps: 1")
+                             "Adam stay in the local optimizer; the average is applied to the weights): "
+                             "remove them, or set local_steps: 1")
         return self
 
     def per_step_knobs(self) -> list:
@@ -717,7 +718,6 @@ class AllgatherConfig(ResidualConfig):
         clash = {"dgc.clip_norm": self.dgc.clip_norm is not None,
                  "feedback_units: update": self.feedback_units == "update",
                  "sparse_update: true": self.sparse_update is True,
-                 f"aggregation: {self.aggregation}": self.aggregation != "allgather",
                  "residual_lr: own": self.residual_lr == "own",
                  "policy.mode: budget": self.policy.mode == "budget"}   # a byte budget for each step
         return [k for k, bad in clash.items() if bad]
@@ -744,7 +744,8 @@ class AllgatherConfig(ResidualConfig):
            a layer: 1.6x fewer bytes, and every momentum-SGD cell ended where fp16 ends (the Fashion
            CNN at 2.7x PowerSGD's ratio, where fp16 reaches 1.7x). Under AdamW int8 cost the GPT 2%
            perplexity on five seeds, so any other optimizer keeps fp16 (docs/benchmarks.md, "int8
-           values"). A set local_steps keeps the values given.
+           values"). A set local_steps keeps the values given. 4 and 5 apply by allgather only: the
+           sparse reduce-scatter's owners sum raw positions and fp16 values.
         6. Under torch's Adam or AdamW (``adam``: a step the adapter reproduces) ``adam_variance:
            own`` becomes ``shared_factored``: every worker divides its local steps by one variance,
            averaged at each exchange as each matrix's row and column means. Over seeds 0-2 it
@@ -759,7 +760,8 @@ class AllgatherConfig(ResidualConfig):
         update = {"local_steps": steps, "density": density,
                   "dgc": self.dgc.model_copy(update={"momentum_correction": False})}                   # 3.
         message, selection = getattr(self, "message", None), getattr(self, "selection", None)
-        if isinstance(message, MessageConfig) and selection.method != "radix":                        # 4.
+        gathered = self.aggregation == "allgather"   # a reduce-scatter sums raw (position, value) pairs
+        if isinstance(message, MessageConfig) and selection.method != "radix" and gathered:           # 4.
             int8 = sgd and message.quantize == "fp16"                                                  # 5.
             update["message"] = message.model_copy(update={"index_coding": "golomb",
                                                            "quantize": "int8" if int8 else message.quantize})
