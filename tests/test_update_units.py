@@ -270,3 +270,31 @@ def test_moments_follow_on_resize_sum_from_two_workers_to_one(tmp_path):
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(new[key][name], (old[0][key][name] + old[1][key][name]) / 2), (key, name)
         assert torch.allclose(new["residual"][name], (old[0]["residual"][name] + old[1]["residual"][name]) * scale)
+
+
+def test_variance_estimates_read_what_the_workers_share_from_what_each_sees():
+    """experiments/variance_estimate: with independent noise on every worker, shared finds the
+    average's second moment (spread above it and below mean_v: its noise, read from N = 2
+    momenta, is one sample an element); with one gradient on every worker, changing in time,
+    spread and mean_v find it, and shared about 1/N of the part that changes."""
+    from redsync_hvd.experiments.variance_estimate import estimates
+    n, b1, b2, steps, mu = 2, 0.9, 0.95, 3000, 0.5
+    gen = torch.Generator().manual_seed(0)
+    for case in ("noise", "in time"):
+        m, v, dense = torch.zeros(n, 4096), torch.zeros(n, 4096), torch.zeros(4096)
+        for t in range(steps):
+            if case == "noise":
+                g = mu + torch.randn(n, 4096, generator=gen)
+            else:
+                g = (mu + torch.randn(1, 4096, generator=gen)).expand(n, -1)
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            dense.mul_(b2).add_(g.mean(0) ** 2, alpha=1 - b2)
+        got = {k: float(e.mean() / dense.mean()) for k, e in estimates(m, v, b1).items()}
+        truth = mu ** 2 + (1 / n if case == "noise" else 1.0)
+        assert abs(float(dense.mean()) - truth) < 0.1 * truth, (case, float(dense.mean()))
+        if case == "noise":
+            # spread's floor (mean_v / N) lifts the elements whose one-sample noise came out large
+            assert 0.85 < got["shared"] < 1.15 and got["mean_v"] > 1.4 and 1.0 < got["spread"] < got["mean_v"], got
+        else:
+            assert abs(got["spread"] - 1) < 0.05 and got["shared"] < 0.75 and abs(got["mean_v"] - 1) < 0.05, got
