@@ -21,20 +21,17 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from ..compressors.codec import MessageCodec
-from ..config import load_config
 from ..core.select import Contract, select, single
 from ..data import build_datasets
 from ..models import build_model
 from ..torch.training import build_optimizer
-from .jobs import REPO
 from .stats import mean, median
-from .tables import cell, markdown, one_process_report
+from .tables import cell, config_arguments, config_of, markdown, one_process_report
 
 CODECS = {q: MessageCodec(q) for q in ("int8", "fp16")}
 EXACT = Contract("exact", finite=False)
@@ -90,14 +87,12 @@ def table(results: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="configs/austen/gpt-dense.yaml")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    config_arguments(ap, "configs/austen/gpt-dense.yaml")
     ap.add_argument("--local-steps", type=int, default=8)
     ap.add_argument("--density", type=float, default=0.1)
     ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    cfg = load_config(str(REPO / args.config) if not Path(args.config).is_absolute() else args.config, args.overrides)
+    cfg = config_of(args)
     t0 = time.time()
     results = train(cfg, args.local_steps, args.density, args.steps)
     one_process_report(argv, "-m redsync_hvd.experiments.delta_span",

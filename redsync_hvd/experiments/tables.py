@@ -64,6 +64,21 @@ def write_result(path: str, info: dict, rows: list, text: str) -> None:
         Path(path).write_text(text + "\n")
 
 
+def config_arguments(ap, default: str) -> None:
+    """A one-process tool's ``--config`` (a run config, relative to the repo), ``--set`` and ``--out``."""
+    ap.add_argument("--config", default=default)
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--out", default=None)
+
+
+def config_of(args, *extra: str):
+    """The run config ``args.config`` names, with ``extra`` and then ``--set`` applied."""
+    from ..config import load_config
+    from .jobs import REPO
+    path = args.config if Path(args.config).is_absolute() else str(REPO / args.config)
+    return load_config(path, [*extra, *args.overrides])
+
+
 def one_process_report(argv, program: str, what: str, seconds: float, body: str, out: str | None) -> str:
     """A one-process measurement's markdown: the command, ``what`` ran on which machine and
     software, and ``body``; printed, and written to ``out`` where given."""

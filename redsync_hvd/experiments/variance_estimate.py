@@ -28,18 +28,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from ..config import load_config
 from ..data import build_datasets
 from ..models import build_model
 from ..schedule import lr_factor
 from ..torch.training import build_optimizer
-from .jobs import REPO
-from .tables import cell, markdown, one_process_report
+from .tables import cell, config_arguments, config_of, markdown, one_process_report
 
 ESTIMATES = ("shared", "mean_v", "spread")
 
@@ -110,15 +107,12 @@ def table(rows: list) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="configs/austen/gpt-dense.yaml")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    config_arguments(ap, "configs/austen/gpt-dense.yaml")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--every", type=int, default=200)
-    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    cfg = load_config(str(REPO / args.config) if not Path(args.config).is_absolute() else args.config,
-                      [f"training.steps={args.steps}", *args.overrides])
+    cfg = config_of(args, f"training.steps={args.steps}")
     if cfg.optimizer.name not in ("adam", "adamw"):
         ap.error(f"{args.config}: optimizer {cfg.optimizer.name}; this compares Adam's variance estimates")
     t0 = time.time()
