@@ -27,18 +27,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from redsync_hvd.compressors import build_compressor
 from redsync_hvd.compressors.base import Layer
-from redsync_hvd.config import load_config
 from redsync_hvd.data import build_datasets
-from redsync_hvd.experiments.jobs import REPO
 from redsync_hvd.experiments.stats import mean, median
-from redsync_hvd.experiments.tables import cell, markdown, one_process_report
+from redsync_hvd.experiments.tables import cell, config_arguments, config_of, markdown, one_process_report
 from redsync_hvd.memory import ResidualMemory
 from redsync_hvd.models import build_model
 
@@ -121,14 +118,12 @@ def table(results: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="configs/pydoc/base.yaml")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    config_arguments(ap, "configs/pydoc/base.yaml")
     ap.add_argument("--density", type=float, default=0.001)
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--skip", type=int, default=100, help="steps before the figures are recorded")
-    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    cfg = load_config(str(REPO / args.config) if not Path(args.config).is_absolute() else args.config, args.overrides)
+    cfg = config_of(args)
     t0 = time.time()
     results = train(cfg, args.density, args.steps, args.skip)
     one_process_report(argv, "scripts/lm_message_stats.py",
