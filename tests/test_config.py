@@ -422,11 +422,11 @@ def test_local_steps_auto_settles_where_the_exchange_is_built():
     assert parse_compression({"method": "redsync", "selection": "radix"}).settle(
         "torch", "horovod", sgd=True).message.quantize == "fp16"
     assert auto.settle("torch", "fsdp", sgd=True).message.quantize == "fp16"
-    for aggregation in ("sparse_reduce_scatter", "auto"):   # owners sum raw positions and fp16 values
+    for aggregation in ("sparse_reduce_scatter", "auto"):   # coded per owner, decoded before the owners sum
         scatter = parse_compression({"method": "redsync", "aggregation": aggregation}).settle(
             "torch", "horovod", sgd=True)
         assert (scatter.local_steps, scatter.message.index_coding, scatter.message.quantize) == (
-            AUTO_LOCAL_STEPS, "raw", "fp16")
+            AUTO_LOCAL_STEPS, "golomb", "int8")
     assert auto.settle("torch", "ddp", sgd=True) == auto.settle("torch", "horovod", sgd=True)   # the hook steps too
     # under Adam/AdamW one shared variance, sent factored; a variance given, or every step, keeps its own
     assert (here.adam_variance, auto.settle("torch", "horovod", adam=True).adam_variance) == ("own", "shared_factored")

@@ -312,16 +312,20 @@ def test_runner_under_torchrun_trains_as_the_horovod_engine_bit_for_bit(ddp_run)
         assert any(v.abs().sum() > 0 for v in mine["residual"].values())
 
 
-@pytest.mark.parametrize("aggregation", ["allgather", "sparse_reduce_scatter"])
+@pytest.mark.parametrize("aggregation", ["allgather", "sparse_reduce_scatter", "sparse_reduce_scatter+coded"])
 def test_local_steps_under_torchrun_train_as_the_horovod_engine_bit_for_bit(tmp_path, aggregation):
     """local_steps: 3 under the DDP hook (the hook sends nothing; register() makes optimizer.step the
     round's local step and its exchange of model deltas) and under horovodrun: 40 steps are 13
     rounds and the runner's sync before the last step; both engines end with the same weights on
     every rank, the same residuals and the same bytes, so between exchanges nothing was sent. The
     rounds' deltas meet by allgather or by the sparse reduce-scatter, whose owners return what they
-    do not keep to the senders' residuals."""
+    do not keep to the senders' residuals; coded, as int8 codes and Golomb-coded places per owner
+    (what auto settles to under SGD), whose pieces differ in size per rank."""
+    aggregation, _, coded = aggregation.partition("+")
     local = [*RUN[:-1], "compression.local_steps=3", "compression.density=0.3",
              f"compression.aggregation={aggregation}"]
+    if coded:
+        local += ["compression.message.quantize=int8", "compression.message.index_coding=golomb"]
     train(tmp_path, "configs/digits/redsync.yaml", *local, "engine=ddp", "output.name=ddp", launcher="torchrun",
           timeout=240)
     train(tmp_path, "configs/digits/redsync.yaml", *local, "output.name=horovod", timeout=240)

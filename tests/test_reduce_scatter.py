@@ -14,7 +14,8 @@ from launch import finish as finish_job
 
 from redsync_hvd import checkpoint
 from redsync_hvd.comm import LocalCommunicator
-from redsync_hvd.exchange.reduce_scatter import Regions
+from redsync_hvd.exchange.regions import Regions, Shards
+from redsync_hvd.exchange.scatter_wire import ChunkFormat
 
 
 @settings(max_examples=60, deadline=None)
@@ -27,6 +28,47 @@ def test_regions_are_a_permutation_cut_into_equal_ranges(n, size):
     assert counts == regions.sizes() and sum(counts) == n
     assert max(counts) - min(counts) <= 1
     assert len(torch.unique(torch.arange(n) * regions.multiplier % n)) == n   # a bijection
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 5000), size=st.integers(1, 16))
+def test_a_position_and_its_place_in_the_owners_region_map_both_ways(n, size):
+    """Coded positions travel as places in the owner's region: [0, its size), and back."""
+    for regions in (Regions.of(n, size), Shards(n, size)):
+        p = torch.arange(n)
+        owners, places = regions.owners(p), regions.local(p)
+        for o, size_o in enumerate(regions.sizes()):
+            mine = owners == o
+            assert int(mine.sum()) == size_o and bool((places[mine] < size_o).all() and (places[mine] >= 0).all())
+            assert torch.equal(regions.position(places[mine], o), p[mine])
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), golomb=st.booleans(), value=st.sampled_from(["fp32", "fp16", "int8", "sign_mean"]))
+def test_a_chunk_unpacks_to_what_was_packed(data, golomb, value):
+    """scatter_wire's chunk: counts, positions (int32 or Golomb) and values (fp32, fp16, int8 with
+    a scale per layer, or one mean per layer) come back as packed; its length is a multiple of 8."""
+    numels = data.draw(st.lists(st.integers(1, 300), min_size=1, max_size=4))
+    fmt = ChunkFormat(tuple(numels), {"fp16": torch.float16, "int8": torch.int8}.get(value, torch.float32),
+                      golomb, value == "sign_mean")
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 1000)))
+    positions = [torch.sort(torch.randperm(n, generator=gen)[:data.draw(st.integers(0, n))]).values for n in numels]
+    values = [torch.randn(p.numel(), generator=gen) * 10 for p in positions]
+    counts = [p.numel() for p in positions]
+    per_layer = wire = None
+    if value == "sign_mean":
+        per_layer = torch.randn(len(numels), generator=gen)
+        worth = torch.cat([per_layer[l].expand(c) for l, c in enumerate(counts)])
+    else:
+        wire, per_layer, worth = fmt.quantize(values)
+    chunk = fmt.pack(counts, torch.cat(positions), wire, per_layer)
+    lid, got_pos, got_val = fmt.unpack(chunk)
+    assert chunk.numel() % 8 == 0 and lid.tolist() == [l for l, c in enumerate(counts) for _ in range(c)]
+    assert torch.equal(got_pos, torch.cat(positions)) and torch.equal(got_val, worth)
+    if value in ("fp32", "int8"):   # fp32 exact; int8 within half a code of its layer's scale
+        bound = torch.cat([torch.full((c,), 0.0 if value == "fp32" else 0.5001 * float(s))
+                           for c, s in zip(counts, per_layer if value == "int8" else [0.0] * len(counts))])
+        assert bool(((torch.cat(values) - worth).abs() <= bound).all())
 
 
 def test_a_cluster_of_positions_is_spread_over_every_owner():

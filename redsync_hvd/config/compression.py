@@ -266,8 +266,8 @@ class MessageConfig(_Group):
     quantize: Literal["none", "fp16", "int8", "sign_mean"] = Field(
         "fp16", description="fp16: half values (48 bits an element with its index) | none: fp32 values (64 bits) | "
                             "int8: one byte a value and one fp32 scale per layer (40 bits with an int32 index; "
-                            "what rounding loses waits in the residual; allgather and selection by tbs, trimmed, "
-                            "sampled or exact only) | sign_mean: one sign, one mean per layer (32 bits an "
+                            "what rounding loses waits in the residual; selection by tbs, trimmed, sampled or exact "
+                            "only) | sign_mean: one sign, one mean per layer (32 bits an "
                             "element, about 1.7x fewer bytes at the same density; the other sign waits, and one "
                             "mean stands for values that differ)")
     sign_rule: Literal["alternate", "larger"] = Field(
@@ -569,8 +569,9 @@ _AGGREGATION = ("how a bucket's (position, value) messages meet. allgather: ever
                 "Ok-Topk's balanced sparse reduce-scatter: each rank's entries go by alltoall to the owners of "
                 "their positions (hashed regions), each owner sums them and keeps the ceil(k/N) largest per "
                 "layer, an allgather gives every rank those (about 2k(N-1)/N entries received, flat in N; two "
-                "collectives). What an owner does not keep goes back into its sender's residual. Not with "
-                "Golomb index coding or sparse_update | auto: per bucket, the path the cost model predicts "
+                "collectives). What an owner does not keep goes back into its sender's residual. Golomb-coded "
+                "positions and int8 values are coded per owner, decoded before the owners sum. Not with "
+                "sparse_update | auto: per bucket, the path the cost model predicts "
                 "faster for this N, k and network (policy.latency_s / bandwidth_gbit, else probed at start); "
                 "the choice is in the run folder's layers.log")
 
@@ -588,7 +589,7 @@ _LOCAL_STEPS = ("optimizer steps each worker takes on its own between exchanges 
                 "the optimizer given to register(); none of the per-step knobs below set, not under "
                 "Horovod Elastic), each exchange sending 8 x density of the "
                 "delta but at least 0.1 of it (below 0.1 the text cells lost perplexity), with Golomb-coded "
-                "positions (raw under radix and the sparse reduce-scatter); every step elsewhere, at density. "
+                "positions (raw under radix); every step elsewhere, at density. "
                 "The choice is in layers.log")
 
 _LOCAL_DECAY = ("with local steps: each worker's residual is multiplied by this before its next delta joins it "
@@ -744,8 +745,9 @@ class AllgatherConfig(ResidualConfig):
            a layer: 1.6x fewer bytes, and every momentum-SGD cell ended where fp16 ends (the Fashion
            CNN at 2.7x PowerSGD's ratio, where fp16 reaches 1.7x). Under AdamW int8 cost the GPT 2%
            perplexity on five seeds, so any other optimizer keeps fp16 (docs/benchmarks.md, "int8
-           values"). A set local_steps keeps the values given. 4 and 5 apply by allgather only: the
-           sparse reduce-scatter's owners sum raw positions and fp16 values.
+           values"). A set local_steps keeps the values given. 4 and 5 apply to the sparse
+           reduce-scatter too: it codes each owner's positions and values the same way, and the
+           owners decode before they sum (``exchange/scatter_wire.py``).
         6. Under torch's Adam or AdamW (``adam``: a step the adapter reproduces) ``adam_variance:
            own`` becomes ``shared_factored``: every worker divides its local steps by one variance,
            averaged at each exchange as each matrix's row and column means. Over seeds 0-2 it
@@ -760,8 +762,7 @@ class AllgatherConfig(ResidualConfig):
         update = {"local_steps": steps, "density": density,
                   "dgc": self.dgc.model_copy(update={"momentum_correction": False})}                   # 3.
         message, selection = getattr(self, "message", None), getattr(self, "selection", None)
-        gathered = self.aggregation == "allgather"   # a reduce-scatter sums raw (position, value) pairs
-        if isinstance(message, MessageConfig) and selection.method != "radix" and gathered:           # 4.
+        if isinstance(message, MessageConfig) and selection.method != "radix":                        # 4.
             int8 = sgd and message.quantize == "fp16"                                                  # 5.
             update["message"] = message.model_copy(update={"index_coding": "golomb",
                                                            "quantize": "int8" if int8 else message.quantize})
@@ -809,7 +810,7 @@ class AllgatherConfig(ResidualConfig):
                                        "FSDP's reduce-scatter sums (position, value) pairs in fp32 or fp16; set "
                                        "message.quantize: fp16"),
             "message.index_coding: golomb": (getattr(getattr(self, "message", None), "index_coding", "raw") == "golomb",
-                                             "Golomb-coded positions travel by allgather only; set "
+                                             "FSDP's reduce-scatter sends raw positions; set "
                                              "message.index_coding: raw"),
             "policy.mode: budget": (self.policy.mode == "budget", "the budget observes the exchange's buckets; set "
                                                                    "policy.mode: static or cost_model"),
@@ -822,21 +823,13 @@ class AllgatherConfig(ResidualConfig):
         return {what: fix for what, (bad, fix) in problems.items() if bad}
 
     @model_validator(mode="after")
-    def _reduce_scatter_needs_pairs(self):
+    def _reduce_scatter_decodes_into_averages(self):
         if self.aggregation == "allgather":
             return self
         if self.sparse_update is True:
             raise ValueError(f"aggregation={self.aggregation!r} with sparse_update: a reduce-scatter bucket is "
                              "decoded into dense averages, not applied to the weights in step(); set "
                              "sparse_update: false, or aggregation: allgather")
-        if getattr(getattr(self, "message", None), "quantize", None) == "int8":
-            raise ValueError(f"aggregation={self.aggregation!r} sums (position, value) pairs in fp32 or fp16, or "
-                             "sign-mean: int8 codes with one scale per layer travel by allgather only. Set "
-                             "message.quantize: fp16, or aggregation: allgather")
-        if getattr(getattr(self, "message", None), "index_coding", "raw") == "golomb":
-            raise ValueError(f"aggregation={self.aggregation!r} sends (position, value) pairs or sign-mean: "
-                             "Golomb-coded positions travel by allgather only. Set message.index_coding: raw, "
-                             "or aggregation: allgather")
         return self
 
 

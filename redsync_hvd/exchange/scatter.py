@@ -38,11 +38,16 @@ class ScatterBucket(Bucket):
         account(self.stats, layer, msg, counted=False)   # its bytes: what the collectives moved, in finish
 
     def _start(self, st: StepState, messages: list) -> None:
-        if self.rsc is None:   # made with the first step's messages: their value dtype, and sign-mean or not
+        kinds = messages[0].kinds
+        at = kinds.index("scalars" if "scalars" in kinds else "values")   # the values follow the positions
+        golomb = "headers" in kinds
+        if self.rsc is None:   # made with the first step's messages: their value dtype, sign-mean, coding
             self.rsc = SparseReduceScatter(self.comm, [l.numel for l in self.layers], self.name,
-                                           messages[0].tensors[-1].dtype, sign_mean=messages[0].kinds[-1] == "scalars")
-        self._pending = self.rsc.start([m.tensors[0] for m in messages], [m.tensors[-1] for m in messages],
-                                       [l.k for l in self.layers])
+                                           messages[0].tensors[at].dtype, sign_mean=kinds[at] == "scalars",
+                                           index_coding="golomb" if golomb else "raw")
+        scales = [m.tensors[at + 1] for m in messages] if "scales" in kinds else None
+        self._pending = self.rsc.start([_positions(m, golomb) for m in messages], [m.tensors[at] for m in messages],
+                                       [l.k for l in self.layers], scales)
         self.stats.add_bytes({"scalars": 4})
         self._count_handle = self.comm.allreduce_async(self._count(messages), name=f"{self.name}.bad", average=False)
 
@@ -58,6 +63,12 @@ class ScatterBucket(Bucket):
             got.averages[layer.name] = target.copy_(average) if target is not None else average
             self.memory.give_back(layer.name, positions, values)
         return got
+
+
+def _positions(message, golomb: bool) -> torch.Tensor:
+    """A message's positions, raw: Golomb-coded ones are re-coded per owner, in order (as their
+    values travel), so the bucket takes the positions the compressor kept beside the code."""
+    return torch.sort(message.positions.reshape(-1)).values if golomb else message.tensors[0]
 
 
 class ScatterGroup:

@@ -42,7 +42,8 @@ from ..core.layout import k_of
 from ..core.segments import Segments
 from ..core.select import Contract, HistogramRequest, compensate, select
 from ..memory.state import Block, Carried, Pair
-from .reduce_scatter import Shards, SparseReduceScatter
+from .reduce_scatter import SparseReduceScatter
+from .regions import Shards
 
 MAX_LAYOUTS = 16        # layouts (k per piece) kept with their tables: a warm-up changes k a few times
 STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -136,6 +136,17 @@ def golomb_bytes(n: int, density: float) -> int:
     return math.ceil(k * golomb_bits_per_position(p) / 8.0) + 4
 
 
+def coded_bytes(k: int, n: int, method: str) -> float:
+    """Bytes of k entries among n positions in ``method``'s coding (``ENTRY_CODING``), without
+    the count: Golomb-coded or int32 positions, the values, the per-layer scale or mean."""
+    golomb, value, per_layer = ENTRY_CODING[method]
+    if not k:
+        return per_layer
+    p = min(max(k / n, 1e-12), 1 - 1e-12)
+    positions = math.ceil(k * golomb_bits_per_position(p) / 8.0) + 4 if golomb else 4 * k   # 4: the code's bytes
+    return positions + k * value + per_layer
+
+
 def iwp_bytes(n: int, density: float) -> tuple[int, int]:
     """IWP: (bytes of int32 indices broadcast once, bytes of fp32 values allreduced)."""
     return 4 * num_selected(n, density), 4 * num_selected(n, density)
@@ -149,7 +160,13 @@ def quantized_bytes(n: int, bits: int = 8) -> int:
 # The message formats the model prices where no compressor is at hand (the scaling projection of
 # paper-scale models, the network benchmark's predictions): what a method's compressor sends is
 # named by ``message_format`` from its ``wire``; the exchange's own decisions price the wire itself.
-METHODS = ("dense", "dense_fp16", "pairs", "pairs_fp16", "sign_mean", "golomb", "iwp", "decentralized")
+METHODS = ("dense", "dense_fp16", "pairs", "pairs_fp16", "pairs_int8", "sign_mean", "golomb", "golomb_pairs",
+           "golomb_pairs_fp16", "golomb_pairs_int8", "iwp", "decentralized")
+# per entry and layer: (Golomb-coded positions, bytes of a value, bytes per layer besides the count:
+# int8's scale or sign-mean's mean). "golomb" is SBC's and RedSync's sign-mean with coded positions.
+ENTRY_CODING = {"pairs": (False, 4, 0), "pairs_fp16": (False, 2, 0), "pairs_int8": (False, 1, 4),
+                "sign_mean": (False, 0, 4), "golomb": (True, 0, 4), "golomb_pairs": (True, 4, 0),
+                "golomb_pairs_fp16": (True, 2, 0), "golomb_pairs_int8": (True, 1, 4)}
 
 
 def canonical(method: str) -> str:
@@ -172,8 +189,10 @@ def message_bytes(n: int, density: float, method: str) -> float:
     m = canonical(method)
     if m.startswith("dense"):
         return dense_bytes(n, m == "dense_fp16")
-    if m.startswith("pairs"):
+    if m in ("pairs", "pairs_fp16"):
         return sparse_pair_bytes(n, density, m == "pairs_fp16")
+    if m in ENTRY_CODING and m not in ("sign_mean", "golomb"):
+        return coded_bytes(num_selected(n, density), n, m) + PAIR_HEADER_BYTES
     return {"sign_mean": sign_mean_bytes, "golomb": golomb_bytes, "decentralized":
             lambda n, d: quantized_bytes(n), "iwp": lambda n, d: sum(iwp_bytes(n, d)),
             }[m](n, density)
@@ -318,15 +337,15 @@ def predict_message(n: int, wire, collective: str, N: int, net: Network, compute
 
 
 def scatter_format(wire) -> str:
-    """The message format of ``wire`` as the reduce-scatter's pricing knows it: position-value pairs
-    (fp32 or fp16 values), or positions with one mean (sign-mean); "golomb" for anything else
-    (it travels by allgather only)."""
-    dtypes = [str(d).replace("torch.", "") for d in wire.dtypes]
-    if tuple(wire.kinds) == ("indices", "scalars") and wire.counts[-1] == 1:
-        return "sign_mean"
-    if tuple(wire.kinds) == ("indices", "values"):
-        return "pairs_fp16" if dtypes[-1] == "float16" else "pairs"
-    return "golomb"
+    """The message format of ``wire`` as the pricing knows it (``ENTRY_CODING``): position-value
+    pairs (fp32, fp16 or int8 values) or positions with one mean (sign-mean), each with int32 or
+    Golomb-coded positions; "golomb" for coded positions and one mean."""
+    kinds, dtypes = tuple(wire.kinds), [str(d).replace("torch.", "") for d in wire.dtypes]
+    golomb = "headers" in kinds
+    if "scalars" in kinds:
+        return "golomb" if golomb else "sign_mean"
+    value = {"float16": "_fp16", "int8": "_int8"}.get(dtypes[kinds.index("values")], "") if "values" in kinds else ""
+    return ("golomb_pairs" if golomb else "pairs") + value
 
 
 def decide(n: int, density: float, N: int, net: Network, method: str = "sign_mean",
@@ -348,26 +367,36 @@ def fused_dense_share(n: int, N: int, net: Network, fp16: bool = False) -> float
     return ring_allreduce(N, dense_bytes(n, fp16), Network(0.0, net.bandwidth))
 
 
-ALLGATHER_METHODS = ("sign_mean", "pairs", "pairs_fp16", "golomb")
+ALLGATHER_METHODS = tuple(ENTRY_CODING)
 BUCKET_BYTES = 16 * 1024 * 1024  # the exchange's default compression.fusion_bytes
 #: messages of (position, value) pairs or sign-mean that a sparse reduce-scatter can carry
-REDUCE_SCATTER_METHODS = ("sign_mean", "pairs", "pairs_fp16")
+REDUCE_SCATTER_METHODS = tuple(ENTRY_CODING)
 AGGREGATIONS = ("allgather", "sparse_reduce_scatter")
 
 
 def reduce_scatter_bytes(layers, N: int) -> tuple[float, float]:
     """Bytes of one bucket's sparse reduce-scatter (``exchange/reduce_scatter.py``) for
     ``layers`` ((n, density, method)): (what a worker puts into the alltoall, its own share
-    included: every selected entry, an int32 count per layer and owner, sign-mean's fp32 mean
-    per layer and owner; what each owner puts into the allgather: ceil(k/N) int32 positions
-    and values per layer, fp16 for fp16 messages, else fp32)."""
+    included: per layer and owner an int32 count and k/N entries in the method's coding; what
+    each owner puts into the allgather: ceil(k/N) int32 positions and values per layer, fp16 for
+    fp16 messages, else fp32, or where positions or values are coded, a count and ceil(k/N)
+    entries in that coding)."""
     alltoall_bytes, owner_bytes = 0.0, 0.0
     for n, d, m in layers:
         m = canonical(m)
-        k = num_selected(n, d)
-        value = {"pairs": 4, "pairs_fp16": 2, "sign_mean": 0}[m]
-        alltoall_bytes += k * (4 + value) + N * 4 * (2 if m == "sign_mean" else 1)
-        owner_bytes += math.ceil(k / N) * (4 + (2 if m == "pairs_fp16" else 4))
+        k, (golomb, value, per_layer) = num_selected(n, d), ENTRY_CODING[m]
+        if golomb:   # each owner's k/N positions coded apart, as places among its n/N: at density k/n
+            share = k / N
+            positions = N * (math.ceil(share * golomb_bits_per_position(min(max(k / n, 1e-12), 1 - 1e-12)) / 8)
+                             + 4) if k else 0
+        else:
+            positions = 4 * k
+        alltoall_bytes += positions + k * value + N * (4 + per_layer)
+        c = math.ceil(k / N)
+        if golomb or m == "pairs_int8":
+            owner_bytes += 4 + coded_bytes(c, math.ceil(n / N), "golomb_pairs" if m == "golomb" else m)
+        else:
+            owner_bytes += c * (4 + (2 if m == "pairs_fp16" else 4))
     return alltoall_bytes, owner_bytes
 
 

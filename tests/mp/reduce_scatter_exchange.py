@@ -7,9 +7,9 @@ references (tests/mp/alltoall.py, tests/mp/reduce_scatter.py), three checks:
 2. a 20-step run of a model (a diagonal quadratic per rank, gradients depend on the weights)
    equals a reference computed in this process from every rank's gradients: each rank's
    residual and top-k, the owners' sums and their ceil(k/N) largest, the return of what no
-   owner kept to its sender, one SGD step on the applied average;
-3. conservation with every codec: after many steps, N * (sum of the applied averages) + every
-   rank's residual == every rank's gradients summed.
+   owner kept to its sender, one SGD step on the applied average (int32 and Golomb-coded positions);
+3. conservation with every codec (int8 codes and Golomb positions too): after many steps,
+   N * (sum of the applied averages) + every rank's residual == every rank's gradients summed.
 
     horovodrun -np 3 python tests/mp/reduce_scatter_exchange.py horovod
     torchrun --nproc_per_node 3 tests/mp/reduce_scatter_exchange.py torch
@@ -22,7 +22,7 @@ from reduce_scatter import check_bucket
 from redsync_hvd.compressors.base import Layer
 from redsync_hvd.core.layout import k_of
 from redsync_hvd.engine import build_exchange
-from redsync_hvd.exchange.reduce_scatter import Regions
+from redsync_hvd.exchange.regions import Regions
 from redsync_hvd.launchers import close_process_group
 
 SPEC = [("w", 600), ("v", 257), ("b", 3)]   # "b" has fewer positions than ranks at N = 4
@@ -37,6 +37,11 @@ CODECS = {
                   "dgc": {"momentum_correction": False}},
     "radix": {"method": "redsync", "selection": "radix", "message": {"quantize": "sign_mean"},
               "dgc": {"momentum_correction": False}},
+    # coded per owner (exchange/scatter_wire.py): Golomb places in the owner's region, int8 codes
+    "none_golomb": {"method": "redsync", "selection": "trimmed", "dgc": {"momentum_correction": False},
+                    "message": {"quantize": "none", "index_coding": "golomb"}},
+    "int8_golomb": {"method": "redsync", "selection": "tbs", "dgc": {"momentum_correction": False},
+                    "message": {"quantize": "int8", "index_coding": "golomb"}},
 }
 
 
@@ -158,7 +163,7 @@ def main():
         comm = TorchDistCommunicator()
     check_bucket(comm)
     dense_equals_allreduce(comm)
-    for codec in ("topk", "none"):
+    for codec in ("topk", "none", "none_golomb"):
         model_equals_reference(comm, codec)
     for codec in CODECS:
         conserves(comm, codec)
