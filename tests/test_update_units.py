@@ -1,6 +1,7 @@
 """Error feedback in update units (``feedback_units: update``) and the density that follows the run
 (``warmup.min_sends``): what the engine builds for each optimizer, the schedule the docs give, the
 resize rules for the moments, and two workers under horovodrun and torchrun against a reference."""
+import copy
 import math
 
 import pytest
@@ -15,6 +16,7 @@ from redsync_hvd.engine import build_exchange
 from redsync_hvd.memory import AdamUnitsMemory, MomentumCorrectionMemory, ResidualMemory
 from redsync_hvd.policy import LayerPolicy
 from redsync_hvd.torch.params import layers_of, take_momentum
+from redsync_hvd.torch.training import param_groups
 from redsync_hvd.torch.update_units import of_average_step, take_moments
 
 UPDATE = {"method": "redsync", "density": 0.01, "feedback_units": "update"}
@@ -298,3 +300,35 @@ def test_variance_estimates_read_what_the_workers_share_from_what_each_sees():
             assert 0.85 < got["shared"] < 1.15 and got["mean_v"] > 1.4 and 1.0 < got["spread"] < got["mean_v"], got
         else:
             assert abs(got["spread"] - 1) < 0.05 and got["shared"] < 0.75 and abs(got["mean_v"] - 1) < 0.05, got
+
+
+def test_local_adam_at_one_local_step_with_the_fresh_denominator_is_dense_adamw():
+    """experiments/local_adam: 1 local step and dense's own v is torch's AdamW on the workers'
+    average gradient (weights, to float rounding); 2 local steps then drift: the workers' weights
+    differ between exchanges and agree after each."""
+    from redsync_hvd.config import load_config
+    from redsync_hvd.experiments.local_adam import Workers
+    cfg = load_config("configs/austen/gpt-dense.yaml", ["optimizer.lr=0.01"])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(param_groups(ref, cfg.optimizer.no_decay), lr=0.01, betas=cfg.optimizer.betas,
+                            eps=cfg.optimizer.eps, weight_decay=cfg.optimizer.weight_decay)
+    for local_steps in (1, 2):
+        group = Workers(cfg, model, 2)
+        gen = torch.Generator().manual_seed(1)
+        for t in range(1, 7):
+            grads = [{n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()} for _ in range(2)]
+            group.step(grads, t, 0.01, "fresh")
+            if local_steps == 1:
+                for n, p in ref.named_parameters():
+                    p.grad = (grads[0][n] + grads[1][n]) / 2
+                opt.step()
+            if t % local_steps == 0:
+                group.average()
+            pairs = zip(group.models[0].parameters(), group.models[1].parameters())
+            apart = any(not torch.equal(a, b) for a, b in pairs)
+            assert apart == (t % local_steps != 0), (local_steps, t)
+        if local_steps == 1:
+            for a, b in zip(group.models[0].parameters(), ref.parameters()):
+                assert torch.allclose(a, b, atol=1e-6), float((a - b).abs().max())
