@@ -17,7 +17,8 @@ worker's moments kept), dividing by one of:
 - ``fresh``: dense AdamW's v of the workers' average gradient, updated every step (each gradient
   at its worker's weights). No real run has it between exchanges: it takes the drift alone.
 - ``stale``: the same v as it was at the last refresh, every ``--refresh`` steps (default: at
-  each exchange). With ``--local-steps 1`` it takes the staleness alone; 1 and fresh is dense AdamW.
+  each exchange), floored as ``shared`` is (below). With ``--local-steps 1`` it takes the
+  staleness alone; 1 and fresh is dense AdamW.
 - ``shared``: what ``adam_variance: shared`` divides by (``memory/adam.py:average_variance``,
   averaged over the workers at each exchange; a worker's own estimate / N where larger).
 - ``own``: each worker's own v.
@@ -92,8 +93,8 @@ class Workers:
             return self.v[i][name] / c2
         if kind == "fresh" or self.frozen is None:
             return self.dense_v[name] / c2 if kind != "shared" else self._own_estimate(name, i, c1, c2)
-        if kind == "stale":
-            return self.frozen[name].clone()
+        # a stale v is about 0 for a gradient the refresh had not seen: both floor it, as the project
+        # does, at the worker's own estimate / N (without it both GPTs diverged within 400 steps)
         return torch.maximum(self.frozen[name], self._own_estimate(name, i, c1, c2) / self.n)
 
     def _own_estimate(self, name: str, i: int, c1: float, c2: float) -> torch.Tensor:
@@ -128,7 +129,7 @@ def perplexity(model, data, batch: int = 256) -> float:
         total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[a:a + batch].reshape(-1),
                                        reduction="sum"))
     model.train()
-    return math.exp(total / y.numel())
+    return math.exp(min(total / y.numel(), 700.0))   # a diverged run reads as about 1e304
 
 
 def train(cfg, workers: int, local_steps: int, denominator: str, refresh: int, steps: int, every: int) -> list:
