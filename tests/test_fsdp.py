@@ -101,7 +101,7 @@ def test_runner_resumes_after_sigterm_bit_identical_under_torchrun(tmp_path):
     (["compression.method=powersgd"], ["two allreduces", "engine: horovod or engine: ddp"]),
     (["compression.method=dcd"], ["decentralized", "engine: horovod"]),
     (["compression.method=iwp"], ["leader", "engine: horovod or engine: ddp"]),
-    (["compression.message.index_coding=golomb"], ["Golomb", "index_coding: raw"]),
+    (["compression.message.index_coding=golomb"], ["raw positions", "index_coding: raw"]),
     (["compression.policy.mode=budget", "compression.selection.method=radix"], ["budget", "static"]),
     (["compression.dgc.clip_norm=1.0"], ["clip_grad_norm_"]),
     (["training.precision=fp16"], ["GradScaler", "bf16"]),

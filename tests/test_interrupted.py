@@ -9,11 +9,17 @@ save is half done (a node that fails). Then the run resumes from its run folder.
 random order and steps come from a seed printed with any failure (``REDSYNC_TEST_SEED``
 replays it).
 
+A signal must reach the job at the step the seed chose, however loaded the machine: ``HOLD`` (below)
+also makes rank 0 wait after it logs the step named in ``$REDSYNC_TEST_HOLD.step`` until the test,
+having sent the signal, removes that file. Polling the log instead let a loaded machine run several
+steps past each chosen one, and the last interruptions past the run's end.
+
 Catching a save half done needs one rank's save to be slow: ``HOLD`` is put on the ranks'
 ``PYTHONPATH`` as ``sitecustomize``; while the file ``$REDSYNC_TEST_HOLD`` exists, rank 1
 waits before it renames its new checkpoint onto its name (a slow disk). Rank 0 finishes
-its save of that step meanwhile, so the kill leaves latest saves of two different steps,
-and the resume must take the newest step every rank holds: rank 0's ``.prev``.
+its save of that step meanwhile and then waits too (so a loaded machine cannot let it save
+once more before the kill), so the kill leaves latest saves of two consecutive saves, and the
+resume must take the newest step every rank holds: rank 0's ``.prev``.
 """
 import json
 import os
@@ -38,16 +44,34 @@ HOLD = '''
 import os, time
 _hold = os.environ.get("REDSYNC_TEST_HOLD")
 _rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("HOROVOD_RANK", os.environ.get("RANK")))
-if _hold and _rank == "1":
+if _hold and _rank in ("0", "1"):
     _replace = os.replace
 
     def replace(src, dst, *args, **kwargs):
-        if os.path.basename(str(dst)) == "checkpoint-rank1.pt" and os.path.exists(_hold):
+        name = os.path.basename(str(dst))
+        if name == "checkpoint-rank1.pt" and os.path.exists(_hold):     # rank 1: before its rename
             open(_hold + ".held", "w").close()
             while os.path.exists(_hold):
                 time.sleep(0.01)
-        return _replace(src, dst, *args, **kwargs)
+        done = _replace(src, dst, *args, **kwargs)
+        if name == "checkpoint-rank0.pt" and os.path.exists(_hold):     # rank 0: after it, no further save
+            open(_hold + ".saved", "w").close()
+            while os.path.exists(_hold):
+                time.sleep(0.01)
+        return done
     os.replace = replace
+if _hold and _rank == "0":
+    import redsync_hvd.runlog as _runlog
+    _metrics = _runlog.RunLog.metrics
+
+    def metrics(self, record):
+        _metrics(self, record)
+        at = _hold + ".step"
+        if "loss" in record and os.path.exists(at) and open(at).read() == str(record.get("step")):
+            open(_hold + ".paused", "w").close()
+            while os.path.exists(at):
+                time.sleep(0.01)
+    _runlog.RunLog.metrics = metrics
 '''
 
 
@@ -97,27 +121,38 @@ def _interrupt(engine, out, kind: str, at: int, hold, seed) -> tuple:
     run = out / "run"
     resume = (f"training.resume={run}",) if (run / "checkpoint-rank0.pt").exists() else ()
     env = {"PYTHONPATH": f"{hold.parent}:{REPO}", "REDSYNC_TEST_HOLD": str(hold)}
+    pause, paused = hold.with_name(hold.name + ".step"), hold.with_name(hold.name + ".paused")
+    if kind != "SIGKILL":   # rank 0 waits at step ``at`` (HOLD) until the signal is on its way
+        pause.with_suffix(".tmp").write_text(str(at))
+        pause.with_suffix(".tmp").rename(pause)
     job = Job(engine, out, "run", *resume, env=env)
     job.running()
-    _wait(lambda: _last_step(run) >= at or job.proc.poll() is not None, f"step {at} (seed {seed})")
-    assert job.proc.poll() is None, f"the run ended before step {at} (seed {seed})"
+    _wait(lambda: (paused.exists() if kind != "SIGKILL" else _last_step(run) >= at) or job.proc.poll() is not None,
+          f"step {at} (seed {seed})")
+    if job.proc.poll() is not None:
+        raise AssertionError(f"the run ended before step {at} (seed {seed}):\n"
+                             f"{finish(job.proc, timeout=10, check=False).stdout[-4000:]}")
     if kind != "SIGKILL":
         os.killpg(job.proc.pid, getattr(signal, kind))   # as Ctrl-C or a scheduler's kill -<pgid>
+        # a head start for the signal before rank 0 goes on: were a handler to run later, the run
+        # would stop a step or two later, which the checks read from the run, not from ``at``
+        time.sleep(0.5)
+        pause.unlink()
         done = finish(job.proc, timeout=120, check=False)
+        paused.unlink()
         return done.stdout, done.returncode
     # the held save must not be the run's first: the resume needs a step saved by both ranks
     # (a first save that only rank 0 finished leaves no step to resume from)
     _wait(lambda: all(checkpoint.latest_path(run, r).exists() for r in (0, 1)) or job.proc.poll() is not None,
           f"a save of both ranks before the SIGKILL (seed {seed})")
     hold.touch()
-    held = hold.with_name(hold.name + ".held")
-    _wait(lambda: held.exists() or job.proc.poll() is not None, f"rank 1 holding a save (seed {seed})")
-    _wait(lambda: checkpoint.load(run, 0)["step"] > checkpoint.load(run, 1)["step"] or job.proc.poll() is not None,
-          f"rank 0's save of the held step (seed {seed})")
+    held, saved = hold.with_name(hold.name + ".held"), hold.with_name(hold.name + ".saved")
+    _wait(lambda: (held.exists() and saved.exists()) or job.proc.poll() is not None,
+          f"rank 1 holding its save of a step rank 0 has saved (seed {seed})")
     kill_session(job.proc)
     done = finish(job.proc, timeout=60, check=False)
-    hold.unlink()
-    held.unlink()
+    for f in (hold, held, saved):
+        f.unlink(missing_ok=True)
     return done.stdout, done.returncode
 
 
