@@ -14,7 +14,7 @@ from launch import finish as finish_job
 
 from redsync_hvd import checkpoint
 from redsync_hvd.comm import LocalCommunicator
-from redsync_hvd.exchange.regions import Regions, Shards
+from redsync_hvd.exchange.regions import Regions
 from redsync_hvd.exchange.scatter_wire import ChunkFormat
 
 
@@ -34,13 +34,12 @@ def test_regions_are_a_permutation_cut_into_equal_ranges(n, size):
 @given(n=st.integers(1, 5000), size=st.integers(1, 16))
 def test_a_position_and_its_place_in_the_owners_region_map_both_ways(n, size):
     """Coded positions travel as places in the owner's region: [0, its size), and back."""
-    for regions in (Regions.of(n, size), Shards(n, size)):
-        p = torch.arange(n)
-        owners, places = regions.owners(p), regions.local(p)
-        for o, size_o in enumerate(regions.sizes()):
-            mine = owners == o
-            assert int(mine.sum()) == size_o and bool((places[mine] < size_o).all() and (places[mine] >= 0).all())
-            assert torch.equal(regions.position(places[mine], o), p[mine])
+    regions, p = Regions.of(n, size), torch.arange(n)
+    owners, places = regions.owners(p), regions.local(p)
+    for o, size_o in enumerate(regions.sizes()):
+        mine = owners == o
+        assert int(mine.sum()) == size_o and bool((places[mine] < size_o).all() and (places[mine] >= 0).all())
+        assert torch.equal(regions.position(places[mine], o), p[mine])
 
 
 @settings(max_examples=60, deadline=None)

@@ -51,10 +51,10 @@ import torch
 
 from ..core.segments import Segments
 from ..core.select import Contract, select
+from ..core.wire import to_wire
 from .regions import Regions
 from .scatter_wire import ChunkFormat, padding, raw_bytes
 
-_FP16_MAX = 65504.0
 TOPK = Contract("exact", finite=False)   # the owners' sums as torch.topk ranks them (NaN passes on)
 
 
@@ -119,11 +119,6 @@ def wait_allgather(comm, handle, pendings: list) -> None:
         p.rows = torch.stack(p.rows) if p.fixed else p.rows
 
 
-def counts_of(lid: torch.Tensor, L: int) -> list:
-    """Entries per layer of a layer-sorted list of layer ids."""
-    return torch.bincount(lid, minlength=L).tolist()
-
-
 class SparseReduceScatter:
     """One bucket's sparse reduce-scatter over ``comm`` (alltoall_async, allgather_async, wait).
 
@@ -170,32 +165,32 @@ class SparseReduceScatter:
         mean per owner (size,); ks: this step's k per layer (the same on every rank); scales: with
         int8, per layer the (1,) fp32 scale a code is worth."""
         L = len(self.numels)
-        pos, lid, own, vals, wire = [], [], [], [], []
+        pos, lid, own, vals, wire, places = [], [], [], [], [], []
         for l, (p, v) in enumerate(zip(positions, values)):
             p = p.reshape(-1).to(torch.int64)
             pos.append(p)
             lid.append(torch.full_like(p, l))
             own.append(self.regions[l].owners(p))
+            places.append(self.regions[l].local(p) if self.sent_format.golomb else p)
             v = v.reshape(-1)
             if self.sign_mean:   # each position's value is its owner's mean (or the layer's one)
                 v = v.float()
                 v = v[own[-1]] if v.numel() == self.size and self.size > 1 else v.expand(p.numel())
             wire.append(v)
             vals.append(v.float() * scales[l].float() if scales is not None else v.float())
-        pos, lid, own, vals, wire = (torch.cat(t) for t in (pos, lid, own, vals, wire))
+        pos, lid, own, vals, wire, places = (torch.cat(t) for t in (pos, lid, own, vals, wire, places))
         flat = torch.tensor(self.offsets[:-1], dtype=torch.int64, device=pos.device)[lid] + pos
         keys = own * self.offsets[-1] + flat
         pending = _Pending(list(ks), (keys, flat, vals))
         if self.sent_format.golomb:   # coded in order of their place in the owner's region
-            pos = torch.cat([r.local(p) for r, p in zip(self.regions, pos.split(counts_of(lid, L)))])
-            order = torch.argsort((own * L + lid) * (max(self.numels) + 1) + pos)
+            order = torch.argsort((own * L + lid) * (max(self.numels) + 1) + places)
         else:
             order = torch.argsort(own * L + lid, stable=True)
         counts = torch.bincount(own * L + lid, minlength=self.size * L).view(self.size, L)
         per_layer = self._means(values) if self.sign_mean else \
             torch.cat([s.reshape(1).float() for s in scales]).expand(self.size, L) if scales is not None else None
-        payload, splits = self._pack(counts, pos[order], None if self.sign_mean else wire[order].to(self.value_dtype),
-                                     per_layer)
+        values_out = None if self.sign_mean else wire[order].to(self.value_dtype)
+        payload, splits = self._pack(counts, places[order], values_out, per_layer)
         mine = splits[self.comm.rank]
         pending.bytes = {"alltoall_sent": sum(splits) - mine}
         pending.handle = self.comm.alltoall_async(payload, splits, name=f"{self.name}.a2a")
@@ -238,8 +233,7 @@ class SparseReduceScatter:
             return self._encode_kept(pending, kept)
         kept_pos = torch.cat([t for l in kept for t in (l[0], l[0].new_zeros(l[2]))])
         kept_val = torch.cat([t for l in kept for t in (l[1], l[1].new_zeros(l[2]))])
-        wire = kept_val.clamp(-_FP16_MAX, _FP16_MAX).to(self.wire_dtype) if self.wire_dtype == torch.float16 \
-            else kept_val
+        wire = to_wire(kept_val, self.wire_dtype)
         if self.wire_dtype == torch.float16:   # the rounding error stays with the owner (exact feedback)
             kept_flat = kept_pos + torch.tensor(self.offsets[:-1], device=kept_pos.device).repeat_interleave(
                 torch.tensor(self.keep(pending.ks), device=kept_pos.device))

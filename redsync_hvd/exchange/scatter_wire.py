@@ -8,9 +8,9 @@ The fixed-size fields come first, so every view stays aligned whatever the codes
 Positions are each layer's own (not the bucket's): int32 each, or per layer the Golomb-Rice code of
 their sorted places in the owner's region (``core/golomb.py``; ``Regions.local``: an owner's share
 of k/N entries among n/N places keeps the layer's density, so a code stays as short whatever N),
-the codes padded together to 4 bytes. A code's Rice parameter is not sent: the receiver derives it
-from the count and the region's size, as the sender chose it (``core/golomb.py:choose_b``). Values are one per
-position in the wire's dtype: fp32, fp16, or int8 codes, worth code * the layer's scale
+the codes padded together to 4 bytes. A code's Rice parameter is not sent: the receiver derives
+it from the count and the region's size, as the sender chose it (``core/golomb.py:choose_b``).
+Values are one per position in the wire's dtype: fp32, fp16, or int8 codes, worth code * the layer's scale
 (``compressors/codec.py``, whose rounding a sender's residual has already kept). Sign-mean sends no
 values: every position of a layer is worth its mean.
 
@@ -93,7 +93,7 @@ class ChunkFormat:
         n = sum(counts)
         if self.golomb:
             sizes = chunk[at:at + 4 * L].view(torch.int32).tolist()
-            bs = [choose_b(c, n) for c, n in zip(counts, ranges or self.numels)]
+            bs = [choose_b(c, places) for c, places in zip(counts, ranges or self.numels)]
             at += 4 * L
         per_layer = None
         if self.scaled or self.sign_mean:

@@ -385,13 +385,10 @@ def reduce_scatter_bytes(layers, N: int) -> tuple[float, float]:
     for n, d, m in layers:
         m = canonical(m)
         k, (golomb, value, per_layer) = num_selected(n, d), ENTRY_CODING[m]
-        if golomb:   # each owner's k/N positions coded apart, as places among its n/N: at density k/n
-            share = k / N
-            positions = N * (math.ceil(share * golomb_bits_per_position(min(max(k / n, 1e-12), 1 - 1e-12)) / 8)
-                             + 4) if k else 0
+        if golomb:   # each owner's k/N entries coded apart, as places among its n/N: at density k/n
+            alltoall_bytes += N * (4 + coded_bytes(math.ceil(k / N), math.ceil(n / N), m))
         else:
-            positions = 4 * k
-        alltoall_bytes += positions + k * value + N * (4 + per_layer)
+            alltoall_bytes += k * (4 + value) + N * (4 + per_layer)
         c = math.ceil(k / N)
         if golomb or m == "pairs_int8":
             owner_bytes += 4 + coded_bytes(c, math.ceil(n / N), "golomb_pairs" if m == "golomb" else m)
