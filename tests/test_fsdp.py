@@ -101,7 +101,6 @@ def test_runner_resumes_after_sigterm_bit_identical_under_torchrun(tmp_path):
     (["compression.method=powersgd"], ["two allreduces", "engine: horovod or engine: ddp"]),
     (["compression.method=dcd"], ["decentralized", "engine: horovod"]),
     (["compression.method=iwp"], ["leader", "engine: horovod or engine: ddp"]),
-    (["compression.message.index_coding=golomb"], ["raw positions", "index_coding: raw"]),
     (["compression.policy.mode=budget", "compression.selection.method=radix"], ["budget", "static"]),
     (["compression.dgc.clip_norm=1.0"], ["clip_grad_norm_"]),
     (["training.precision=fp16"], ["GradScaler", "bf16"]),
@@ -171,3 +170,28 @@ def test_cost_model_compresses_a_big_group_on_a_slow_link_and_leaves_a_small_one
     compressed, dense = sharded_group_time([(1024, 0.01, "pairs"), (32, None, "pairs")], 8, slow)
     assert compressed > dense, (compressed, dense)
     assert sharded_group_time(big, 1, slow) == (0.0, 0.0)
+
+
+def test_auto_codes_positions_under_fsdp_and_the_cost_model_prices_the_coding():
+    """``local_steps: auto`` under engine: fsdp is an exchange every step with Golomb-coded positions
+    (raw where the config names radix or sets local_steps); the cost model prices a group's coded
+    alltoall by what each owner's share takes: int8 below fp16 below raw fp16 pairs, and the
+    header alone where nothing is selected."""
+    from redsync_hvd.config.compression import parse_compression
+    from redsync_hvd.exchange.sharded import message_format
+    from redsync_hvd.policy.costmodel import Network, coded_bytes, sharded_group_time
+    settled = parse_compression({"method": "redsync", "density": 0.01}).settle("torch", "fsdp")
+    assert (settled.local_steps, settled.message.index_coding, settled.message.quantize) == (1, "golomb", "fp16")
+    for given in ({"selection": {"method": "radix"}}, {"local_steps": 1}):
+        settled = parse_compression({"method": "redsync", "density": 0.01, **given}).settle("torch", "fsdp")
+        assert settled.message.index_coding == "raw", given
+    assert [message_format(q, c) for q, c in (("fp16", "raw"), ("fp16", "golomb"), ("int8", "golomb"),
+                                              ("sign_mean", "golomb"))] == \
+        ["pairs_fp16", "golomb_pairs_fp16", "golomb_pairs_int8", "golomb"]
+    slow = Network.from_config(latency_s=0.0, bandwidth_gbit=1.0)
+    times = [sharded_group_time([(4_000_000, 0.01, m)], 8, slow)[0]
+             for m in ("pairs_fp16", "golomb_pairs_fp16", "golomb_pairs_int8")]
+    assert times[0] > times[1] > times[2], times
+    # raw fp16 pairs: 6 bytes an entry and an int32 count per owner, as before the coding was priced
+    n, k = 4_000_000, 40_000
+    assert 8 * (4 + coded_bytes(k // 8, n // 8, "pairs_fp16")) == 6 * k + 32

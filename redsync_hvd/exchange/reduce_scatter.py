@@ -163,7 +163,7 @@ class SparseReduceScatter:
         """positions: per layer, int (this layer's own positions; sorted with Golomb coding); values:
         per layer, one per position (int8 codes with int8), or with sign_mean one mean (1,) or one
         mean per owner (size,); ks: this step's k per layer (the same on every rank); scales: with
-        int8, per layer the (1,) fp32 scale a code is worth."""
+        int8, per layer the fp32 scale a code is worth, (1,) or one per owner (size,)."""
         L = len(self.numels)
         pos, lid, own, vals, wire, places = [], [], [], [], [], []
         for l, (p, v) in enumerate(zip(positions, values)):
@@ -174,10 +174,9 @@ class SparseReduceScatter:
             places.append(self.regions[l].local(p) if self.sent_format.golomb else p)
             v = v.reshape(-1)
             if self.sign_mean:   # each position's value is its owner's mean (or the layer's one)
-                v = v.float()
-                v = v[own[-1]] if v.numel() == self.size and self.size > 1 else v.expand(p.numel())
+                v = self._per_position(v, own[-1]).expand(p.numel())
             wire.append(v)
-            vals.append(v.float() * scales[l].float() if scales is not None else v.float())
+            vals.append(v.float() * self._per_position(scales[l], own[-1]) if scales is not None else v.float())
         pos, lid, own, vals, wire, places = (torch.cat(t) for t in (pos, lid, own, vals, wire, places))
         flat = torch.tensor(self.offsets[:-1], dtype=torch.int64, device=pos.device)[lid] + pos
         keys = own * self.offsets[-1] + flat
@@ -187,8 +186,8 @@ class SparseReduceScatter:
         else:
             order = torch.argsort(own * L + lid, stable=True)
         counts = torch.bincount(own * L + lid, minlength=self.size * L).view(self.size, L)
-        per_layer = self._means(values) if self.sign_mean else \
-            torch.cat([s.reshape(1).float() for s in scales]).expand(self.size, L) if scales is not None else None
+        per_layer = self._per_owner(values if self.sign_mean else scales) \
+            if self.sign_mean or scales is not None else None
         values_out = None if self.sign_mean else wire[order].to(self.value_dtype)
         payload, splits = self._pack(counts, places[order], values_out, per_layer)
         mine = splits[self.comm.rank]
@@ -196,10 +195,16 @@ class SparseReduceScatter:
         pending.handle = self.comm.alltoall_async(payload, splits, name=f"{self.name}.a2a")
         return pending
 
-    def _means(self, values: list) -> torch.Tensor:
-        """(size, L) fp32: the mean each owner gets per layer (one per layer repeated for every owner)."""
+    def _per_position(self, per_layer: torch.Tensor, owners: torch.Tensor) -> torch.Tensor:
+        """A layer's scale (or mean) for each of its positions: its one, or its owner's."""
+        t = per_layer.reshape(-1).float()
+        return t[owners] if t.numel() == self.size and self.size > 1 else t
+
+    def _per_owner(self, per_layer: list) -> torch.Tensor:
+        """(size, L) fp32: the mean or scale each owner gets per layer (one per layer repeated for
+        every owner, or one per layer and owner)."""
         rows = []
-        for v in values:
+        for v in per_layer:
             v = v.reshape(-1).float()
             rows.append(v if v.numel() == self.size and self.size > 1 else
                         (v[:1] if v.numel() else v.new_zeros(1)).expand(self.size))

@@ -10,9 +10,8 @@ nothing to rebalance or checkpoint, and every rank computes the same regions.
 
 **Shards**: FSDP's contiguous shards, where a rank owns what its optimizer updates.
 
-``Regions`` also gives each position's place in its owner's region (``local``) and back
-(``position``): coded positions travel as places, whose density in the region is the layer's
-whatever N. FSDP's reduce-scatter sends raw positions, so ``Shards`` needs no places.
+Both give each position's place in its owner's region (``local``) and back (``position``):
+coded positions travel as places, whose density in the region is the layer's whatever N.
 """
 from __future__ import annotations
 
@@ -79,3 +78,11 @@ class Shards:
     def sizes(self) -> list:
         """Positions each owner holds (the last shards may be short or empty)."""
         return [max(0, min(self.shard, self.numel - o * self.shard)) for o in range(self.size)]
+
+    def local(self, positions: torch.Tensor) -> torch.Tensor:
+        """Each position's place in its owner's shard (int64)."""
+        return positions.to(torch.int64) % self.shard
+
+    def position(self, local: torch.Tensor, owner: int) -> torch.Tensor:
+        """The inverse of :meth:`local` for ``owner``'s shard (int64)."""
+        return local.to(torch.int64) + owner * self.shard

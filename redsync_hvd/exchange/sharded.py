@@ -32,7 +32,7 @@ state as it was); with DGC the velocity likewise. ``residual_dtype: bf16`` store
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -88,7 +88,16 @@ class ShardLayout:
 
 # each message.quantize a group sends, as the cost model names its format (policy/costmodel.py:
 # sharded_group_time prices a group's reduce-scatter by it)
-MESSAGE_FORMATS = {"none": "pairs", "fp16": "pairs_fp16", "sign_mean": "sign_mean"}
+MESSAGE_FORMATS = {"none": "pairs", "fp16": "pairs_fp16", "int8": "pairs_int8", "sign_mean": "sign_mean"}
+
+
+def message_format(quantize: str, index_coding: str = "raw") -> str:
+    """The cost model's name for a group's message: ``MESSAGE_FORMATS``, Golomb-coded or not."""
+    base = MESSAGE_FORMATS[quantize]
+    if index_coding != "golomb":
+        return base
+    return "golomb" if base == "sign_mean" else f"golomb_{base}"
+
 KINDS = ("residual", "velocity", "dense_velocity")   # what a group carries (memory/state.py)
 
 @dataclass
@@ -118,16 +127,19 @@ class ShardedGroup:
 
     layers: the group's parameters as the policy sees them (``Layer``: name, unsharded numel,
     ``compressed``, density); shards: each one's padded piece size; quantize: the group's message
-    ("none", "fp16" or "sign_mean"), sign_rule; comm: alltoall_async, reduce_scatter_async, wait."""
+    ("none", "fp16", "int8" or "sign_mean"), sign_rule; index_coding: "raw" (int32 positions) or
+    "golomb" (each owner's share as the Golomb-Rice code of its places in the owner's shard,
+    ``scatter_wire.py``); comm: alltoall_async, reduce_scatter_async, wait."""
 
     def __init__(self, name: str, layers: list, shards: list, comm, settings: Settings,
-                 quantize: str = "none", sign_rule: str = "alternate", device="cpu", carried: Carried | None = None):
+                 quantize: str = "none", sign_rule: str = "alternate", device="cpu", carried: Carried | None = None,
+                 index_coding: str = "raw"):
         self.name, self.layers, self.comm, self.settings = name, list(layers), comm, settings
         self.layout = ShardLayout(shards, [l.numel for l in layers], comm.size, comm.rank)
         self.compressed = [j for j, l in enumerate(self.layers) if l.compressed]
         self.dense = [j for j, l in enumerate(self.layers) if not l.compressed]
         self.device = torch.device(device)
-        self.codec = MessageCodec(quantize, "raw", sign_rule)
+        self.codec = MessageCodec(quantize, index_coding, sign_rule)
         self.radix = Contract("radix", backend=settings.backend)
         # what it carries is a block of ``carried``, the FSDP state's: one transaction for every group
         self.carried, self.key = (carried if carried is not None else Carried(KINDS)), ("fsdp", name)
@@ -137,7 +149,7 @@ class ShardedGroup:
             N, lay = comm.size, self.layout
             numels = [N * lay.shards[j] for j in self.compressed]
             self.rsc = SparseReduceScatter(comm, numels, f"fsdp.{name}", self.codec.value_dtype, self.codec.mean,
-                                           regions=[Shards(n, N) for n in numels])
+                                           regions=[Shards(n, N) for n in numels], index_coding=index_coding)
             starts = torch.tensor(self.rsc.offsets[:-1], dtype=torch.int64)
             self._bounds = torch.tensor(self.rsc.offsets[1:], dtype=torch.int64, device=self.device)
             self._shift = (torch.tensor([lay.offsets[j] - lay.rank * lay.shards[j] for j in self.compressed])
@@ -243,7 +255,7 @@ class ShardedGroup:
         r + u), fused with the first histogram; exactly k per piece; x -= what the owner decodes,
         the velocity zeroed there; then the row's dense pieces go to ``packed`` (x = 0 there). x
         is the residual's spare half (fp32 storage), or one row of fp32 scratch rounded into it
-        (bf16). Returns [(owner, its Segments, its Selection)]."""
+        (bf16). Returns [(owner, its Segments, its int8 scales or None, its Selection)]."""
         s, lay = self.settings, self.layout
         r, u = self._pairs()
         fp32 = r.cur.dtype == torch.float32
@@ -260,9 +272,10 @@ class ShardedGroup:
             extra = {} if u is None else {"velocity": u_in, "velocity_out": u_out, "momentum": s.momentum,
                                           "nesterov": s.nesterov}
             hist = compensate(r_in, grad[sl], x, first=HistogramRequest(seg, sign, self.radix), **extra)
-            out.append((o, seg, select(seg, x, self.radix, sign=sign, mean=self.codec.mean, first=hist,
-                                       value_dtype=self.codec.value_dtype, update=True,
-                                       velocity=u_out if s.masking and u is not None else None)))
+            sel = select(seg, x, self.radix, sign=sign, mean=self.codec.mean, first=hist, update=True,
+                         value_dtype=torch.float32 if self.codec.scaled else self.codec.value_dtype,
+                         velocity=u_out if s.masking and u is not None else None)
+            out.append((o, seg, *self._codes(x, seg, sel)))
             if packed is not None:   # 5. the dense parameters' pieces of this row leave x
                 packed[o] = x.index_select(0, self._dense_out)
                 x.index_fill_(0, self._dense_out, 0.0)
@@ -271,6 +284,20 @@ class ShardedGroup:
                 if u is not None:
                     u.spare[sl] = u_out
         return out
+
+    def _codes(self, x: torch.Tensor, seg: Segments, sel) -> tuple:
+        """(None, sel), or under int8 each piece's codes with one scale (``MessageCodec.to_wire``):
+        (scales (L,) fp32, sel with the codes as its values). x gets back what the codes round
+        off: the residual keeps it, as it keeps fp16's rounding."""
+        if not self.codec.scaled:
+            return None, sel
+        codes, scales = [], []
+        for j, (pos, val) in enumerate(zip(sel.parts(), sel.parts(sel.values))):
+            code, scale = self.codec.to_wire(val)
+            x.index_add_(0, pos.to(torch.int64) + seg.offsets[j], val - code.float() * scale)
+            codes.append(code)
+            scales.append(scale)
+        return torch.cat(scales), replace(sel, values=torch.cat(codes))
 
     def _own_row(self, acc, grad) -> None:
         """4. The own row needs no wire and no selection: acc = r + g (DGC: u = m u + g, acc = r + u;
@@ -285,23 +312,23 @@ class ShardedGroup:
     def _send(self, sels: list) -> object:
         """3. The selected entries of every compressed parameter, in its pieces' coordinates
         (owner o's piece of parameter j starts at o * s_j), to their owners."""
-        lay, positions, values, counts = self.layout, [], [], []
+        lay, positions, values, counts, scales = self.layout, [], [], [], []
         for j in self.compressed:
             pos, val = [], []
-            for o, seg, sel in sels:
+            for o, seg, _, sel in sels:
                 a, b = seg.kofs[j], seg.kofs[j + 1]
                 pos.append(sel.positions[a:b].to(torch.int64) + o * lay.shards[j])
                 val.append(sel.values[a:b] if sel.values is not None else None)
             positions.append(torch.cat(pos))
             counts.append(positions[-1].numel())
-            if self.codec.mean:   # one mean per owner; the own row's is never read
-                means = torch.zeros(lay.size, dtype=torch.float32, device=positions[-1].device)
-                for o, _, sel in sels:
-                    means[o] = sel.means[j]
-                values.append(means)
-            else:
+            if self.codec.mean or self.codec.scaled:   # one mean or scale per owner; the own row's is never read
+                per_owner = torch.zeros(lay.size, dtype=torch.float32, device=positions[-1].device)
+                for o, _, scale, sel in sels:
+                    per_owner[o] = sel.means[j] if self.codec.mean else scale[j]
+                (values if self.codec.mean else scales).append(per_owner)
+            if not self.codec.mean:
                 values.append(torch.cat(val))
-        return self.rsc.start(positions, values, counts)
+        return self.rsc.start(positions, values, counts, scales or None)
 
     # -- dense parameters ---------------------------------------------------------------------------
     def _finish_dense(self, out: torch.Tensor, packed: torch.Tensor, handle, result: GroupStep) -> None:

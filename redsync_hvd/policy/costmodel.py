@@ -403,9 +403,9 @@ def sharded_group_time(params, N: int, net: Network, compute: ComputeModel | Non
     ``params`` as (n, density, method), density None for a parameter that stays dense. Dense:
     FSDP's reduce-scatter of the flat group, (N-1) rounds of 1/N of it. Compressed: every
     compressed parameter's selection and the owner's sum of about k received entries, the
-    alltoall of the selected entries (an int32 count per parameter and owner; sign-mean: a mean
-    too) and, when some parameters stay dense, their own reduce-scatter. The own shard never
-    travels, on either path."""
+    alltoall of the selected entries (per parameter and owner an int32 count and its share in the
+    message's coding, ``coded_bytes``) and, when some parameters stay dense, their own
+    reduce-scatter. The own shard never travels, on either path."""
     if N <= 1:
         return 0.0, 0.0
     cm = compute or ComputeModel()
@@ -419,7 +419,8 @@ def sharded_group_time(params, N: int, net: Network, compute: ComputeModel | Non
         m = canonical(m)
         k = num_selected(n, d)
         work += cm.select(n, m) + cm.decompress_c0 + cm.decompress_c1 * k
-        sparse += k * (4 + {"pairs": 4, "pairs_fp16": 2, "sign_mean": 0}[m]) + N * 4 * (2 if m == "sign_mean" else 1)
+        # per owner: an int32 count and its share of k among its shard's places, coded
+        sparse += N * (4 + coded_bytes(-(-k // N), -(-n // N), m))
     compressed = work + alltoall(N, sparse, net) + (alltoall(N, rest, net) if rest else 0.0)
     return compressed, dense
 

@@ -33,9 +33,13 @@ has the unsharded group's size, next to the residual; the weight decay, whose we
 owner holds, joins the owner's own row times N (the sum over ranks of each rank's ``wd * w``).
 Every parameter of one group shares one momentum.
 
+With ``local_steps: auto`` (RedSync's default) the exchange runs every step and RedSync's
+positions travel Golomb-coded, each owner's share as places in its shard
+(``AllgatherConfig.settle``); int8 values travel too where the config names them.
+
 Refused, with the engine that runs it named: SBC, the decentralized methods, PowerSGD, IWP and
-the other allreduce methods (``engine.refuse``); Golomb-coded positions, ``policy.mode: budget``
-and ``dgc.clip_norm`` (here); HSDP meshes and custom divide factors (``PREMUL_SUM``).
+the other allreduce methods (``engine.refuse``); ``policy.mode: budget`` and ``dgc.clip_norm``
+(here); HSDP meshes and custom divide factors (``PREMUL_SUM``).
 """
 from __future__ import annotations
 
@@ -64,7 +68,7 @@ from ..engine import (
 )
 from ..engine.decisions import pin
 from ..exchange import NonFiniteGradientError
-from ..exchange.sharded import KINDS, MESSAGE_FORMATS, Settings, ShardedGroup
+from ..exchange.sharded import KINDS, Settings, ShardedGroup, message_format
 from ..memory.state import Carried
 from ..policy import LayerPolicy
 from ..policy.costmodel import sharded_group_time
@@ -257,6 +261,11 @@ class FSDPCompressionState:
         self.policy.load_state_dict(state.get("policy", {}))
 
 
+AUTO_NOTE = ("compression.local_steps: 1 (auto): each rank's optimizer steps only its own shards, so FSDP2 "
+             "exchanges every step; positions travel {coding} (golomb: each owner's share as places in its shard; "
+             "set local_steps: 1 to keep the message as given; docs/fsdp.md)")
+
+
 def register(model, compression=None, optimizer=None, communicator=None) -> FSDPCompressionState:
     """Set the compressed reduce-scatter on every FSDP module under ``model``; return its state.
 
@@ -272,6 +281,9 @@ def register(model, compression=None, optimizer=None, communicator=None) -> FSDP
     optimizer built on the sharded parameters (needed for momentum correction).
     communicator: the collectives to use (default: torch.distributed over FSDP's group)."""
     config = parse(compression)
+    auto = getattr(config, "local_steps", None) == "auto"
+    if auto:   # every step here; RedSync's positions Golomb-coded (AllgatherConfig.settle)
+        config = config.settle("torch", "fsdp")
     refuse(config, "torch", "fsdp")
     modules = _groups(model)
     comm = communicator or TorchDistCommunicator(modules[0][2].mesh_info.shard_process_group)
@@ -294,6 +306,8 @@ def register(model, compression=None, optimizer=None, communicator=None) -> FSDP
         # (under SGD, DGC's correction already is update units)
         policy.notes.append(NO_MOMENTS_NOTE.format(why="engine: fsdp would keep them for every whole layer on "
                                                        "every worker, which is what sharding exists to avoid"))
+    if auto:
+        policy.notes.append(AUTO_NOTE.format(coding=_index_coding(config)))
     refuse_average_variance(config, "engine: fsdp keeps no Adam moments per worker")
     groups, extras, carried = [], [], Carried(KINDS)
     for name, params, mine, pg in per_group:
@@ -378,10 +392,14 @@ def _quantize(config, layer) -> str:
     return layer.quantize or getattr(getattr(config, "message", None), "quantize", "none")
 
 
+def _index_coding(config) -> str:
+    return getattr(getattr(config, "message", None), "index_coding", "raw")
+
+
 def _price_groups(policy: LayerPolicy, per_group: list, size: int, network) -> None:
     for name, _, mine, _ in per_group:
-        shapes = [(l.numel, l.base_density if l.compressed else None, MESSAGE_FORMATS[_quantize(policy.config, l)])
-                  for l in mine]
+        shapes = [(l.numel, l.base_density if l.compressed else None,
+                   message_format(_quantize(policy.config, l), _index_coding(policy.config))) for l in mine]
         compressed, dense = sharded_group_time(shapes, size, network, policy.compute)
         keep = compressed < dense and any(l.compressed for l in mine)
         why = (f"cost model: group {name} compressed {compressed * 1e3:.3f} ms vs FSDP's dense reduce-scatter "
@@ -418,7 +436,8 @@ def _group(config, name: str, params: list, mine: list, comm, spec, carried: Car
                         check_finite=config.finite_check)
     sign_rule = getattr(getattr(config, "message", None), "sign_rule", "alternate")
     return ShardedGroup(name, mine, [math.prod(fp.padded_sharded_param_size) for fp in params], comm, settings,
-                        quantize.pop() if quantize else "none", sign_rule, params[0].sharded_param.device, carried)
+                        quantize.pop() if quantize else "none", sign_rule, params[0].sharded_param.device, carried,
+                        _index_coding(config))
 
 
 def _sum_factor(pg) -> float:

@@ -9,7 +9,8 @@ launch per world size, several checks each (torchrun's start-up dominates a laun
                  (force_sum_reduction), with and without momentum correction
     conserve     at low density, every step: what the owners received (N * their averaged shard)
                  plus every rank's new residual equals every rank's old residual plus gradient,
-                 for fp32 values, fp16 values and sign-mean
+                 for fp32, fp16 and int8 values and sign-mean, with raw and Golomb-coded
+                 positions; the coded messages take fewer bytes
     nonfinite    a NaN on one rank: backward raises the same error on every rank, every residual
                  stays as it was, and the next step trains
     state        state_dict / load_state_dict: a second model given the first's state and weights
@@ -92,13 +93,25 @@ def equal_case(compression, opt_kw, mp=None, force_sum=False, tol=2e-6, steps=4,
     return state
 
 
+def coded(compression: dict, quantize: str, coding: str) -> dict:
+    """``compression`` with this message; FSDP selects exactly k on the device whatever
+    selection.method says, which under int8 or Golomb coding is left to its default (the
+    config refuses radix there: the other engines would code on the host); ``local_steps: 1``
+    keeps raw positions raw (``local_steps: auto`` codes them here)."""
+    out = {**compression, "message": {"quantize": quantize, "index_coding": coding}}
+    if quantize == "int8" or coding == "golomb":
+        out.pop("selection", None)
+    return {**out, "local_steps": 1} if coding == "raw" else out
+
+
 MIXED = {**DENSE1, "policy": {"min_compress_numel": 60}}   # the biases go dense: two collectives a group
 DGC = {**DENSE1, "dgc": {"momentum_correction": True, "momentum_masking": False}}
 
 
 def check_equal_core():
-    """Every parameter compressed; mixed groups with momentum correction and weight decay."""
-    equal_case(DENSE1, {})
+    """Every parameter compressed, positions Golomb-coded in their owners' shards; mixed groups
+    with momentum correction and weight decay."""
+    equal_case(coded(DENSE1, "none", "golomb"), {})
     state = equal_case({**MIXED, "dgc": DGC["dgc"]}, {"momentum": 0.9, "weight_decay": 0.01})
     assert {g.kind for g in state.groups} == {"sparse"} and any(g.dense for g in state.groups)
     print(f"rank {dist.get_rank()}: OK equal-core of {dist.get_world_size()}", flush=True)
@@ -134,11 +147,15 @@ def recorder(group, log):
     group.reduce_scatter = recorded
 
 
+CONSERVE = [("none", "raw"), ("fp16", "raw"), ("sign_mean", "raw"), ("int8", "raw"), ("fp16", "golomb"),
+            ("int8", "golomb"), ("sign_mean", "golomb")]
+
+
 def check_conserve():
     rank, size = dist.get_rank(), dist.get_world_size()
-    for quantize in ("none", "fp16", "sign_mean"):
-        compression = {**DENSE1, "density": 0.05, "message": {"quantize": quantize},
-                       "policy": {"min_compress_numel": 60}}
+    ratios = {}
+    for quantize, coding in CONSERVE:
+        compression = {**coded(DENSE1, quantize, coding), "density": 0.05, "policy": {"min_compress_numel": 60}}
         model = build()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         state = rfsdp.register(model, compression, optimizer=opt)
@@ -156,8 +173,13 @@ def check_conserve():
                 dist.all_gather(every, out)
                 rhs = torch.cat(every) * (size if average else 1)
                 err = (lhs - rhs).abs().max().item()
-                assert err <= 1e-5 * max(1.0, rhs.abs().max().item()), f"{quantize} {group.name} step {step}: {err}"
-        assert state.communication_stats()["compression_ratio"] > 2.0, state.communication_stats()
+                assert err <= 1e-5 * max(1.0, rhs.abs().max().item()), \
+                    f"{quantize} {coding} {group.name} step {step}: {err}"
+        ratios[quantize, coding] = state.communication_stats()["compression_ratio"]
+        assert ratios[quantize, coding] > 2.0, state.communication_stats()
+    # the same entries (Golomb codes losslessly, so the runs select alike) in fewer bytes
+    assert ratios["fp16", "golomb"] > ratios["fp16", "raw"] and ratios["int8", "raw"] > ratios["fp16", "raw"], ratios
+    assert ratios["int8", "golomb"] > ratios["int8", "raw"], ratios
     print(f"rank {rank}: OK conserve of {size}", flush=True)
 
 
