@@ -472,3 +472,31 @@ def test_local_steps_auto_settles_where_the_exchange_is_built():
         parse_compression({"method": "redsync", "local_steps": 1, "local_decay": 0.9})
     assert parse_compression({"method": "redsync", "local_steps": "auto", "local_decay": 0.9}).settle(
         "torch", "horovod").local_decay == 0.9
+
+
+def test_auto_under_adam_runs_every_step_in_gradient_units_when_the_run_sends_each_layer_often():
+    """``local_steps: auto`` under Adam with the run's length given: from ``AUTO_EVERY_STEP_SENDS``
+    sends of a whole layer (density x steps) on, an exchange every step in gradient units with
+    Golomb positions (raw under radix) and the dense layers in fp16; below it, or without a
+    length, under SGD, on FSDP2, or with local_steps set, the rules as before."""
+    from redsync_hvd.config import parse_compression
+    from redsync_hvd.config.compression import AUTO_EVERY_STEP_SENDS, AUTO_LOCAL_STEPS
+    from redsync_hvd.torch.delayed import local_auto_note
+
+    auto = parse_compression({"method": "redsync", "density": 0.005})
+    long = AUTO_EVERY_STEP_SENDS * 200   # 50 sends at 0.005
+    every = auto.settle("torch", "horovod", adam=True, steps=long)
+    assert (every.local_steps, every.feedback_units, every.message.index_coding, every.policy.dense_values,
+            every.density, every.message.quantize) == (1, "gradient", "golomb", "fp16", 0.005, "fp16")
+    assert auto.settle("torch", "ddp", adam=True, steps=long) == every
+    note = local_auto_note(every, long)
+    assert "10000 steps" in note and "50 times" in note and "gradient units" in note, note
+    for kw in ({"steps": long - 1}, {"steps": None}, {"steps": long, "adam": False},
+               {"steps": long, "adam": False, "sgd": True}):
+        settled = auto.settle("torch", "horovod", **{"adam": True, **kw})
+        assert settled.local_steps == AUTO_LOCAL_STEPS, kw
+    radix = parse_compression({"method": "redsync", "density": 0.005, "selection": "radix"})
+    assert radix.settle("torch", "horovod", adam=True, steps=long).message.index_coding == "raw"
+    assert auto.settle("torch", "fsdp", adam=True, steps=long).policy.dense_values == "fp32"   # FSDP's own rule
+    given = parse_compression({"method": "redsync", "density": 0.005, "local_steps": 8})
+    assert given.settle("torch", "horovod", adam=True, steps=long) == given

@@ -134,7 +134,8 @@ def test_local_steps_auto_through_the_runner_ends_on_one_model(tmp_path):
     """``python -m redsync_hvd.train`` under horovodrun -np 2 with ``local_steps: auto``: the config
     reaches the optimizer dumped and parsed again, and auto still settles to 8 local steps
     (layers.log), with int8 values under SGD and fp16 and a shared variance under AdamW; 22 steps are 2 rounds and 6
-    local steps, and the runner's sync before the last step leaves both ranks on the same weights."""
+    local steps, and the runner's sync before the last step leaves both ranks on the same weights.
+    AdamW in a run long enough for its density exchanges every step instead (settle's rule 7)."""
     import torch
 
     train(tmp_path, "configs/digits/dense.yaml", "compression={method: redsync, local_steps: auto}",
@@ -147,6 +148,13 @@ def test_local_steps_auto_through_the_runner_ends_on_one_model(tmp_path):
           "optimizer.name=adamw", "optimizer.lr=0.001", "training.epochs=1", "output.name=adamw")
     log = (tmp_path / "adamw" / "layers.log").read_text()
     assert "golomb positions, fp16 values); Adam's variance shared" in log, log[-1500:]
+    # the runner gives the run's length: 66 steps at density 1 send every layer 66 times, past
+    # AUTO_EVERY_STEP_SENDS, so AdamW's run exchanges every step in gradient units
+    train(tmp_path, "configs/digits/dense.yaml", "compression={method: redsync, density: 1.0}",
+          "optimizer.name=adamw", "optimizer.lr=0.001", "training.epochs=3", "output.name=long")
+    log = (tmp_path / "long" / "layers.log").read_text()
+    assert "compression.local_steps: 1 (auto): under Adam a run of 66 steps sends every layer 66 times" in log \
+        and "gradient units" in log, log[-1500:]
     weights = [torch.load(folder / f"checkpoint-rank{r}.pt", map_location="cpu", weights_only=False)["model"]
                for r in range(2)]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])

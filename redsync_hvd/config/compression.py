@@ -623,6 +623,10 @@ _ADAM_VARIANCE = ("where each worker takes its own Adam or AdamW steps (feedback
 LOCAL_STEPS_RUN = (("torch", "horovod"), ("torch", "ddp"))   # where local_steps: auto takes local steps
 AUTO_LOCAL_STEPS = 8   # docs/benchmarks.md, "Local steps": 8 steps held the cells the per-step default misses
 AUTO_EXCHANGE_DENSITY = 0.1   # the least an exchange of auto's local steps sends of each delta (ibid.)
+# sends of a whole layer (density x the run's steps) from which auto under Adam runs every step in
+# gradient units: the long GPT held dense at 50 and 100, the 800-step GPT lost 46% at 8
+# (docs/benchmarks.md, "Gradient units on long runs under AdamW")
+AUTO_EVERY_STEP_SENDS = 50
 
 
 class AllgatherConfig(ResidualConfig):
@@ -724,7 +728,7 @@ class AllgatherConfig(ResidualConfig):
         return [k for k, bad in clash.items() if bad]
 
     def settle(self, framework: str, engine: str, elastic: bool = False, sgd: bool = False,
-               adam: bool = False) -> "AllgatherConfig":
+               adam: bool = False, steps: int | None = None) -> "AllgatherConfig":
         """``local_steps: auto`` made concrete where the exchange is built (a set count is kept):
         1. Local steps run in PyTorch's DistributedOptimizer under horovodrun and under the DDP hook
            (which makes the optimizer's step the round's), by allgather, with none of
@@ -756,15 +760,20 @@ class AllgatherConfig(ResidualConfig):
            own`` becomes ``shared_factored``: every worker divides its local steps by one variance,
            averaged at each exchange as each matrix's row and column means. Over seeds 0-2 it
            halved the default's gap on both GPT cells at about the same ratio (docs/benchmarks.md,
-           "Each worker's own Adam variance"). A set local_steps keeps the variance given."""
+           "Each worker's own Adam variance"). A set local_steps keeps the variance given.
+        7. But under Adam or AdamW, where 1. takes local steps, a run long enough to send every
+           layer ``AUTO_EVERY_STEP_SENDS`` times at ``density`` (``steps``: the run's length, where
+           the caller knows it; the runner does) exchanges every step instead: error feedback in
+           gradient units, AdamW stepping once on the average as under PowerSGD; Golomb-coded
+           positions (raw under radix); the layers that go dense in fp16. On the long GPT it
+           ended below dense at 125x, where 6. ends 8.9% above; the 800-step GPT lost 46% so
+           (docs/benchmarks.md, "Gradient units on long runs under AdamW")."""
         if self.local_steps != "auto":
             return self
         if (framework, engine) not in LOCAL_STEPS_RUN or elastic or self.per_step_knobs():    # 1.
-            update = {"local_steps": 1}
-            message = getattr(self, "message", None)
-            if engine == "fsdp" and isinstance(message, MessageConfig) and self.selection.method != "radix":
-                update["message"] = message.model_copy(update={"index_coding": "golomb"})
-            return self.model_copy(update=update)
+            return self.model_copy(update={"local_steps": 1, **(self._golomb() if engine == "fsdp" else {})})
+        if adam and steps and self.density * steps >= AUTO_EVERY_STEP_SENDS:                          # 7.
+            return self._every_step_in_gradient_units()
         steps = AUTO_LOCAL_STEPS
         density = min(1.0, max(AUTO_EXCHANGE_DENSITY, self.density * steps))                          # 2.
         update = {"local_steps": steps, "density": density,
@@ -777,6 +786,20 @@ class AllgatherConfig(ResidualConfig):
         if adam and self.adam_variance == "own":                                                      # 6.
             update["adam_variance"] = "shared_factored"
         return self.model_copy(update=update)
+
+    def _every_step_in_gradient_units(self) -> "AllgatherConfig":
+        """``settle``'s rule 7: an exchange every step, error feedback in gradient units, Golomb
+        positions (raw under radix, as in 4) and the dense layers in fp16."""
+        return self.model_copy(update={"local_steps": 1, "feedback_units": "gradient", **self._golomb(),
+                                       "policy": self.policy.model_copy(update={"dense_values": "fp16"})})
+
+    def _golomb(self) -> dict:
+        """The update that Golomb-codes RedSync's positions (none under radix, which keeps the
+        step on the device, nor for a method without RedSync's message)."""
+        message, selection = getattr(self, "message", None), getattr(self, "selection", None)
+        if isinstance(message, MessageConfig) and selection.method != "radix":
+            return {"message": message.model_copy(update={"index_coding": "golomb"})}
+        return {}
 
     @model_validator(mode="after")
     def _average_variance_needs_own_steps(self):

@@ -23,8 +23,9 @@ shard (the DDP/Horovod ``sparse_reduce_scatter`` keeps only ceil(k/N) per layer 
 residual is exactly what was not delivered: sent + new residual = old residual + gradient, with
 fp16 values' and int8 codes' rounding and sign-mean's error left in the residual (step 2
 subtracts what the owner decodes). Positions travel as int32 or, Golomb-coded, as places in the
-owner's shard (``scatter_wire.py``); either way the owner sums the same entries. Groups whose parameters all go dense take FSDP's own reduce-scatter (and, under
-momentum correction, a shard-sized velocity applied to the average).
+owner's shard (``scatter_wire.py``); either way the owner sums the same entries. Groups whose
+parameters all go dense take FSDP's own reduce-scatter (and, under momentum correction, a
+shard-sized velocity applied to the average).
 
 Memory per rank: a residual of the unsharded group's size, double-buffered (a step writes the
 spare; ``commit`` at the step's end swaps, ``rollback`` drops it: a NaN on any rank leaves the

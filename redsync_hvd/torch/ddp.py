@@ -308,7 +308,8 @@ def _allreduce_hook(state, bucket):
     return state.reduce_bucket(bucket)
 
 
-def register(ddp_model, compression=None, process_group=None, optimizer=None) -> DDPCompressionState:
+def register(ddp_model, compression=None, process_group=None, optimizer=None,
+             total_steps=None) -> DDPCompressionState:
     """Register the compression hook on ``ddp_model``; return its state (stats, checkpoints).
 
     1. parse the config and refuse what a gradient hook cannot run, naming the Horovod path;
@@ -321,6 +322,8 @@ def register(ddp_model, compression=None, process_group=None, optimizer=None) ->
     compression: a dict like the YAML ``compression:`` section, a config object, or a Compressor.
     process_group: the group to reduce over (default: the DDP model's own group).
     optimizer: the optimizer that will step ``ddp_model``; needed for momentum correction.
+    total_steps: the run's length, where known (``DistributedOptimizer``'s: RedSync's
+    ``local_steps: auto`` under Adam runs every step in gradient units in a long enough run).
     """
     config = parse(compression)
     refuse(config, "torch", "ddp")
@@ -330,7 +333,7 @@ def register(ddp_model, compression=None, process_group=None, optimizer=None) ->
     layers = layers_of(named)
     auto = getattr(config, "local_steps", None) == "auto" and not isinstance(compression, Compressor)
     if auto:
-        config = compression = _settle(config, optimizer, named)
+        config = compression = _settle(config, optimizer, named, total_steps)
     if config.dense_fast_path and not isinstance(compression, Compressor):
         check_same_everywhere(comm, config, layers)
         state = DDPCompressionState(config, comm, named)
@@ -342,7 +345,8 @@ def register(ddp_model, compression=None, process_group=None, optimizer=None) ->
     decay = built.momentum.weight_decay if built.momentum else {}
     state = DDPCompressionState(built.config, comm, named, built.exchange, decay)
     if auto:
-        built.exchange.policy.notes.append(local_auto_note(config) if optimizer is not None else NO_OPTIMIZER_NOTE)
+        built.exchange.policy.notes.append(local_auto_note(config, total_steps) if optimizer is not None
+                                           else NO_OPTIMIZER_NOTE)
     if built.config.delayed:
         _run_local_steps(state, optimizer, named)
         ddp_model.register_comm_hook(state, _local_hook)
@@ -354,14 +358,14 @@ def register(ddp_model, compression=None, process_group=None, optimizer=None) ->
     return state
 
 
-def _settle(config, optimizer, named: list):
+def _settle(config, optimizer, named: list, total_steps: int | None = None):
     """``local_steps: auto`` under the hook (``AllgatherConfig.settle``): local steps of ``optimizer``,
     int8 values under SGD and one shared variance under an Adam this adapter reproduces; every
     step where no optimizer was given, since local steps step it."""
     if optimizer is None:
         return config.model_copy(update={"local_steps": 1})
     adam = isinstance(take_moments(optimizer, {p: n for n, p in named}), AdamSpec)
-    return config.settle("torch", "ddp", sgd=isinstance(optimizer, torch.optim.SGD), adam=adam)
+    return config.settle("torch", "ddp", sgd=isinstance(optimizer, torch.optim.SGD), adam=adam, steps=total_steps)
 
 
 def _run_local_steps(state, optimizer, named: list) -> None:

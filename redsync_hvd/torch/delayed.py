@@ -37,10 +37,20 @@ LOCAL_AUTO_NOTE = ("compression.local_steps: {steps} (auto): each worker takes {
 VARIANCE_NOTE = {"shared_factored": "; Adam's variance shared: averaged at each exchange as each matrix's row and "
                                      "column means (adam_variance: shared_factored)"}
 LOCAL_AUTO_OFF_NOTE = "compression.local_steps: 1 (auto): {knobs} need an exchange every step"
+EVERY_STEP_NOTE = ("compression.local_steps: 1 (auto): under Adam a run of {steps} steps sends every layer {sends:.0f} "
+                   "times at density {density:g} (at least {least}), so the exchange runs every step with error "
+                   "feedback in gradient units (Adam steps once on the average), {coding} positions and the layers "
+                   "that go dense in fp16 (docs/redsync.md, 'Local steps')")
 
 
-def local_auto_note(spec) -> str:
-    """layers.log's line on what ``local_steps: auto`` settled to, and why."""
+def local_auto_note(spec, steps: int | None = None) -> str:
+    """layers.log's line on what ``local_steps: auto`` settled to, and why (``steps``: the run's
+    length, where the caller gave it)."""
+    if not spec.delayed and steps and spec.feedback_units == "gradient" and not spec.per_step_knobs():
+        from ..config.compression import AUTO_EVERY_STEP_SENDS
+        return EVERY_STEP_NOTE.format(steps=steps, sends=spec.density * steps, density=spec.density,
+                                      least=AUTO_EVERY_STEP_SENDS,
+                                      coding=getattr(getattr(spec, "message", None), "index_coding", "raw"))
     if not spec.delayed:
         why = ", ".join(spec.per_step_knobs()) or "Horovod Elastic's reset broadcasts one model, which"
         return LOCAL_AUTO_OFF_NOTE.format(knobs=why)

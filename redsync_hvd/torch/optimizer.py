@@ -48,7 +48,7 @@ STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize()
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, comm,
-                 options: HorovodOptions):
+                 options: HorovodOptions, total_steps: int | None = None):
         super(self.__class__, self).__init__(params)
         check_passes(backward_passes_per_step)
         self.backward_passes_per_step = backward_passes_per_step
@@ -59,7 +59,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         spec = parse(compression)
         auto = getattr(spec, "local_steps", None) == "auto" and not isinstance(compression, Compressor)
         if auto:   # local_steps: auto is settled here, the one place local steps run
-            spec = compression = self._settle(spec)
+            spec = compression = self._settle(spec, total_steps)
         self._horovod_options(options, comm, spec)
         sparse = {n for n, p in named if makes_sparse_grads(self, p)}
         rows = {n: p for n, p in named if n in sparse and not (options.sparse_as_dense or self._delayed)}
@@ -73,7 +73,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                take_moments=lambda: take_moments(self, self._names))
         self._exchange, self.compression_config = built.exchange, built.config
         if auto:
-            self._exchange.policy.notes.append(local_auto_note(spec))
+            self._exchange.policy.notes.append(local_auto_note(spec, total_steps))
         # feedback_units: update: compressed layers arrive as Adam steps, applied here (update_units.py)
         self._units = UpdateUnitsStep(self, self._names, built.exchange.memory) if built.moments else None
         if built.config.follows_own_lr:
@@ -107,12 +107,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._landing, self._layout = self._grad_views(self._landing_named), 0
         self._attach()
 
-    def _settle(self, spec):
+    def _settle(self, spec, total_steps: int | None):
         """``local_steps: auto`` made concrete for this optimizer: int8 values under SGD, one shared
-        Adam variance under an Adam this adapter reproduces (``AllgatherConfig.settle``)."""
+        Adam variance under an Adam this adapter reproduces, or in a long enough run
+        (``total_steps``) an exchange every step in gradient units (``AllgatherConfig.settle``)."""
         return spec.settle("torch", "horovod", elastic=os.environ.get("HOROVOD_ELASTIC") == "1",
                            sgd=isinstance(self, torch.optim.SGD),
-                           adam=isinstance(take_moments(self, self._names), AdamSpec))
+                           adam=isinstance(take_moments(self, self._names), AdamSpec), steps=total_steps)
 
     def _choose_sparse_update(self, config, options: HorovodOptions) -> bool:
         """``sparse_update: auto`` under the cost model: on where this optimizer is plain SGD (as it is
@@ -386,7 +387,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step=1,
                          op=None, gradient_predivide_factor=1.0, num_groups=0, groups=None, sparse_as_dense=False,
-                         process_set=None, communicator=None):
+                         process_set=None, communicator=None, total_steps=None):
     """Wrap ``optimizer`` so gradients are compressed and averaged across workers.
 
     compression: a dict like the YAML ``compression:`` section, e.g.
@@ -398,6 +399,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         ``horovod.torch.DistributedOptimizer`` (hvd.Average or hvd.Sum; Adasum is refused), in
         the same positions; docs/horovod_api.md says what each does here.
     communicator: the transport (default Horovod's, over ``process_set``), for tests and benchmarks.
+    total_steps: the run's length in optimizer steps, where known (as ``OneCycleLR`` takes it):
+        RedSync's ``local_steps: auto`` under Adam runs every step in gradient units when the run
+        sends every layer often enough (``AllgatherConfig.settle``, rule 7); without it, local steps.
     """
     options = resolve(op, gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set)
     config = parse(compression)
@@ -418,4 +422,4 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     given = compression if isinstance(compression, Compressor) else config
     given = with_group_hint(given, options.groups, trainable)
     cls = type(name, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
-    return cls(optimizer.param_groups, named_parameters, given, backward_passes_per_step, comm, options)
+    return cls(optimizer.param_groups, named_parameters, given, backward_passes_per_step, comm, options, total_steps)

@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Subset, default_collate
 
 from ..config import RunConfig
 from ..models import build_model
-from ..schedule import lr_factor
+from ..schedule import lr_factor, total_steps
 from . import ddp as rddp
 from . import fsdp as rfsdp
 
@@ -137,10 +137,11 @@ class HorovodAdapter(_Unsharded):
     def trainer(self, cfg: RunConfig, data, rank: int, size: int) -> "TorchTrainer":
         return TorchTrainer(cfg, data, rank, size, self)
 
-    def distribute(self, cfg: RunConfig, model, opt) -> tuple:
-        """(module the forward runs through, optimizer that steps, what counts the communication)."""
+    def distribute(self, cfg: RunConfig, model, opt, total: int | None = None) -> tuple:
+        """(module the forward runs through, optimizer that steps, what counts the communication);
+        ``total``: the run's steps (``local_steps: auto`` reads it under Adam)."""
         opt = self.rhvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                             compression=compression_of(cfg))
+                                             compression=compression_of(cfg), total_steps=total)
         self.rhvd.broadcast_parameters(model.state_dict(), root_rank=0)
         self.rhvd.broadcast_optimizer_state(opt, root_rank=0, initialize=False)   # no step before the first
         return model, opt, opt
@@ -191,11 +192,11 @@ class DDPAdapter(_Unsharded):
     def trainer(self, cfg: RunConfig, data, rank: int, size: int) -> "TorchTrainer":
         return TorchTrainer(cfg, data, rank, size, self)
 
-    def distribute(self, cfg: RunConfig, model, opt) -> tuple:
+    def distribute(self, cfg: RunConfig, model, opt, total: int | None = None) -> tuple:
         """DDP broadcasts rank 0's weights as it wraps the model; the hook takes the optimizer's
         momentum and weight decay when the config asks for momentum correction."""
         ddp = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        state = rddp.register(ddp, compression=compression_of(cfg), optimizer=opt)
+        state = rddp.register(ddp, compression=compression_of(cfg), optimizer=opt, total_steps=total)
         return ddp, opt, state
 
     def optimizer_step(self, opt, scaler) -> None:
@@ -212,7 +213,7 @@ class FSDPAdapter(DDPAdapter):
     """Start-up of a PyTorch process under torchrun (``engine: fsdp``): FSDP2's sharded training."""
     framework, engine = "torch", "fsdp"
 
-    def distribute(self, cfg: RunConfig, model, opt) -> tuple:
+    def distribute(self, cfg: RunConfig, model, opt, total: int | None = None) -> tuple:
         """1. rank 0's weights on every rank (FSDP shards what each rank holds); 2. ``fully_shard``
         on every module that holds parameters itself, then on the model; 3. the optimizer again,
         on the sharded parameters; 4. the compressed reduce-scatter on every group."""
@@ -249,7 +250,8 @@ class TorchTrainer:
         base = build_optimizer(cfg, self.net, size)
         self.lr0 = base.param_groups[0]["lr"]   # scaled for this run's workers
         # model: what the forward runs through (the DDP wrapper); comm: what reports the exchange
-        self.model, self.opt, self.comm = adapter.distribute(cfg, self.net, base)
+        total = total_steps(cfg, self.train_size // cfg.training.batch_size)   # the runner's count (runner.py)
+        self.model, self.opt, self.comm = adapter.distribute(cfg, self.net, base, total)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.training.precision == "fp16")
         if self.scaler.is_enabled():
             self.comm.set_grad_scaler(self.scaler)
