@@ -20,7 +20,8 @@ from redsync_hvd.exchange.sharded import ShardLayout
 from redsync_hvd.train import engine_problem
 
 
-@pytest.mark.parametrize("nproc, checks", [(2, "equal conserve nonfinite state policy"), (3, "equal-core"),
+@pytest.mark.parametrize("nproc, checks", [(2, "equal conserve nonfinite state policy dense16"),
+                                           (3, "equal-core"),
                                            (4, "equal-core conserve")])
 def test_fsdp_equals_its_own_reduce_scatter_at_density_1_and_conserves(nproc, checks):
     """N = 2, 3, 4: FSDP2's sharded gradients and weights equal its own reduce-scatter's at density
@@ -28,7 +29,7 @@ def test_fsdp_equals_its_own_reduce_scatter_at_density_1_and_conserves(nproc, ch
     bf16 and fp16 reduce dtypes, SUM; N = 3, 4: all compressed, and mixed groups with momentum
     correction and weight decay); sent + new residuals == old residuals + gradients every step;
     a NaN on one rank raises on all with the residuals kept; a restored state takes the same step;
-    the cost model decides per group."""
+    the cost model decides per group; policy.dense_values: fp16 halves the dense pieces' bytes."""
     out = run_torch_script("fsdp_checks.py", *checks.split(), nproc=nproc, timeout=400).stdout
     for check in checks.split():
         assert out.count(f"OK {check} of {nproc}") == nproc, out[-4000:]

@@ -16,7 +16,7 @@ of the shard its optimizer updates. Here the same buffer travels compressed (``S
     4. own row     this rank's own row needs no wire and no selection: the owner adds all of
                    r + g (DGC: r + u, the velocity unmasked), and its residual becomes 0
     5. dense       parameters the policy leaves dense (biases) travel in one dense reduce-scatter
-                   of their pieces; x = 0 there
+                   of their pieces (fp16 under policy.dense_values: fp16); x = 0 there
 
 Every entry sent is delivered: FSDP has no second phase, so an owner keeps the whole sum of its
 shard (the DDP/Horovod ``sparse_reduce_scatter`` keeps only ceil(k/N) per layer of it). The new
@@ -43,6 +43,7 @@ from ..core.compensate import corrected, torch_compensate, velocity
 from ..core.layout import k_of
 from ..core.segments import Segments
 from ..core.select import Contract, HistogramRequest, compensate, select
+from ..core.wire import to_wire
 from ..memory.state import Block, Carried, Pair
 from .reduce_scatter import SparseReduceScatter
 from .regions import Shards
@@ -122,6 +123,7 @@ class Settings:
     storage: str = "fp32"          # residual_dtype
     backend: str = "auto"          # radix select backend
     check_finite: bool = True
+    dense_fp16: bool = False       # policy.dense_values: fp16 (the dense parameters' reduce-scatters)
 
 
 class ShardedGroup:
@@ -159,6 +161,16 @@ class ShardedGroup:
         if self.compressed and self.dense:   # the dense parameters' columns in a row
             self._dense_out = torch.cat([torch.arange(self.layout.offsets[j], self.layout.offsets[j + 1])
                                          for j in self.dense]).to(self.device)
+
+    @property
+    def _dense_dtype(self) -> torch.dtype:
+        """How the dense parameters' pieces travel (``policy.dense_values``)."""
+        return torch.float16 if self.settings.dense_fp16 else torch.float32
+
+    def _dense_wire(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` as the dense reduce-scatter carries them: as they are, or (fp16) each
+        clamped so that the sum of N stays finite; the non-finite check reads them before."""
+        return to_wire(values, torch.float16, summands=self.layout.size) if self.settings.dense_fp16 else values
 
     @property
     def kind(self) -> str:
@@ -230,14 +242,15 @@ class ShardedGroup:
         pending = self._send(sels)                                    # 3. to their owners
         self._own_row(acc, grad)                                      # 4. the own row, all of it
         dense = None if packed is None else \
-            self.comm.reduce_scatter_async(packed.reshape(-1), name=f"fsdp.{self.name}.dense", average=False)
+            self.comm.reduce_scatter_async(self._dense_wire(packed), name=f"fsdp.{self.name}.dense", average=False)
         keys, sums = self.rsc.owner_sums(pending)                     # 3. what the others sent
         acc.index_add_(0, keys + self._shift[torch.searchsorted(self._bounds, keys, right=True)], sums)
         bad = torch.zeros((), dtype=torch.bool, device=acc.device)
         if s.check_finite:
             lo, hi = torch.aminmax(acc)
             bad = torch.stack([sel.nonfinite.any() for *_, sel in sels] +
-                              [~(torch.isfinite(lo) & torch.isfinite(hi))]).any()
+                              [~(torch.isfinite(lo) & torch.isfinite(hi))] +
+                              ([~torch.isfinite(packed).all()] if packed is not None and s.dense_fp16 else [])).any()
         result = GroupStep(bad, pending.bytes["alltoall_sent"], pending.bytes["alltoall_received"],
                            (lay.size - 1) * lay.row * grad.element_size(), {"alltoall": pending.bytes["alltoall_sent"]})
         if dense is not None:                                         # 5. dense parameters
@@ -335,21 +348,25 @@ class ShardedGroup:
     # -- dense parameters ---------------------------------------------------------------------------
     def _finish_dense(self, out: torch.Tensor, packed: torch.Tensor, handle, result: GroupStep) -> None:
         """5. The dense parameters' pieces of every other rank's row, summed by one reduce-scatter."""
-        out.index_add_(0, self._dense_out, self.comm.wait(handle))
-        share = (self.layout.size - 1) * packed.shape[1] * packed.element_size()
+        out.index_add_(0, self._dense_out, self.comm.wait(handle).float())
+        share = (self.layout.size - 1) * packed.shape[1] * self._dense_dtype.itemsize
         result.sent += share
         result.received += share
         result.kinds["values"] = share
 
     def _dense(self, out: torch.Tensor, grad: torch.Tensor, average: bool, factor: float, decay) -> GroupStep:
-        """A group whose parameters all go dense: FSDP's own reduce-scatter; under momentum
+        """A group whose parameters all go dense: FSDP's own reduce-scatter (fp16 on the wire under
+        ``dense_values: fp16``, each value clamped so that the sum of N stays finite); under momentum
         correction the weight decay joins the average and u = m u + avg on the shard (DGC's rule
         for dense layers: the average of the ranks' velocities is the velocity of the average),
         and the shard gets u (Nesterov: avg + m u)."""
         s, lay = self.settings, self.layout
-        self.comm.wait(self.comm.reduce_scatter_async(grad.reshape(-1), name=f"fsdp.{self.name}", average=average,
-                                                      out=out))
-        share = (lay.size - 1) * lay.row * grad.element_size()
+        wire = self._dense_wire(grad.reshape(-1))
+        got = self.comm.wait(self.comm.reduce_scatter_async(wire, name=f"fsdp.{self.name}", average=average,
+                                                            out=None if s.dense_fp16 else out))
+        if s.dense_fp16:
+            out.copy_(got)
+        share = (lay.size - 1) * lay.row * wire.element_size()
         bad = torch.zeros((), dtype=torch.bool)
         if s.check_finite and grad.numel():
             lo, hi = torch.aminmax(grad)
@@ -360,4 +377,4 @@ class ShardedGroup:
                 avg += decay if average else decay * factor
             u = self._block().pairs["dense_velocity"]
             out.copy_(corrected(avg, velocity(avg, u.cur, s.momentum, out=u.spare), s.momentum, s.nesterov))
-        return GroupStep(bad, share, share, share, {"values": share})
+        return GroupStep(bad, share, share, (lay.size - 1) * lay.row * grad.element_size(), {"values": share})

@@ -392,6 +392,11 @@ def _quantize(config, layer) -> str:
     return layer.quantize or getattr(getattr(config, "message", None), "quantize", "none")
 
 
+def _dense_fp16(config) -> bool:
+    """``policy.dense_values: fp16``: the dense parameters' reduce-scatters carry fp16."""
+    return getattr(getattr(config, "policy", None), "dense_values", "fp32") == "fp16"
+
+
 def _index_coding(config) -> str:
     return getattr(getattr(config, "message", None), "index_coding", "raw")
 
@@ -400,7 +405,8 @@ def _price_groups(policy: LayerPolicy, per_group: list, size: int, network) -> N
     for name, _, mine, _ in per_group:
         shapes = [(l.numel, l.base_density if l.compressed else None,
                    message_format(_quantize(policy.config, l), _index_coding(policy.config))) for l in mine]
-        compressed, dense = sharded_group_time(shapes, size, network, policy.compute)
+        compressed, dense = sharded_group_time(shapes, size, network, policy.compute,
+                                               2 if _dense_fp16(policy.config) else 4)
         keep = compressed < dense and any(l.compressed for l in mine)
         why = (f"cost model: group {name} compressed {compressed * 1e3:.3f} ms vs FSDP's dense reduce-scatter "
                f"{dense * 1e3:.3f} ms")
@@ -433,7 +439,7 @@ def _group(config, name: str, params: list, mine: list, comm, spec, carried: Car
     settings = Settings(momentum=momentum.pop(), nesterov=bool(spec and spec.nesterov), masking=bool(masking),
                         storage=getattr(config, "residual_dtype", "fp32"),
                         backend=getattr(getattr(config, "selection", None), "radix_backend", "auto"),
-                        check_finite=config.finite_check)
+                        check_finite=config.finite_check, dense_fp16=_dense_fp16(config))
     sign_rule = getattr(getattr(config, "message", None), "sign_rule", "alternate")
     return ShardedGroup(name, mine, [math.prod(fp.padded_sharded_param_size) for fp in params], comm, settings,
                         quantize.pop() if quantize else "none", sign_rule, params[0].sharded_param.device, carried,

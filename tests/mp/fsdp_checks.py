@@ -16,8 +16,9 @@ launch per world size, several checks each (torchrun's start-up dominates a laun
     state        state_dict / load_state_dict: a second model given the first's state and weights
                  takes the same next step bit for bit (residuals in bf16 storage too)
     policy       the cost model's choice per group, on a slow and a fast link
+    dense16      policy.dense_values: fp16: the dense pieces at half the bytes, within fp16's rounding
 
-    torchrun --nproc_per_node 2 tests/mp/fsdp_checks.py equal conserve nonfinite state policy
+    torchrun --nproc_per_node 2 tests/mp/fsdp_checks.py equal conserve nonfinite state policy dense16
     torchrun --nproc_per_node 3 tests/mp/fsdp_checks.py equal-core    (two of equal's layouts)
 """
 import sys
@@ -132,6 +133,19 @@ def check_equal():
     equal_case(dgc, {"momentum": 0.9, "weight_decay": 0.01}, force_sum=True)   # the decay in SUM's units
     equal_case({"method": "none"}, {}, tol=0.0, sparse=False)   # FSDP's own call: bit for bit
     print(f"rank {dist.get_rank()}: OK equal of {dist.get_world_size()}", flush=True)
+
+
+def check_dense16():
+    """policy.dense_values: fp16: the biases of a mixed group and every parameter of an all-dense
+    group travel fp16, at half the bytes of fp32, and the steps stay within fp16's rounding of
+    FSDP's own; dense_bytes still counts FSDP's fp32 reduce-scatter."""
+    for base, sparse in ((MIXED, True), ({**DENSE1, "policy": {"min_compress_numel": 10_000}}, False)):
+        fp32 = equal_case(base, {}, sparse=sparse).communication_stats()
+        fp16 = equal_case({**base, "policy": {**base["policy"], "dense_values": "fp16"}}, {}, tol=2e-3,
+                          sparse=sparse).communication_stats()
+        assert fp16["bytes_values"] * 2 == fp32["bytes_values"] > 0, (fp16, fp32)
+        assert fp16["dense_bytes"] == fp32["dense_bytes"] and fp16["wire_bytes"] < fp32["wire_bytes"], (fp16, fp32)
+    print(f"rank {dist.get_rank()}: OK dense16 of {dist.get_world_size()}", flush=True)
 
 
 def recorder(group, log):
@@ -261,5 +275,5 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     for check in sys.argv[1:]:
         {"equal": check_equal, "equal-core": check_equal_core, "conserve": check_conserve,
-         "nonfinite": check_nonfinite, "state": check_state, "policy": check_policy}[check]()
+         "nonfinite": check_nonfinite, "dense16": check_dense16, "state": check_state, "policy": check_policy}[check]()
     close_process_group()
