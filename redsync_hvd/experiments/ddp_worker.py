@@ -108,9 +108,9 @@ class CountedDDPAdapter(DDPAdapter):
         super().__init__()
         self.args = args
 
-    def distribute(self, cfg, model, opt) -> tuple:
+    def distribute(self, cfg, model, opt, total: int | None = None) -> tuple:
         if self.args.hook == "ours":
-            return super().distribute(cfg, model, opt)
+            return super().distribute(cfg, model, opt, total)
         ddp = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         counter = ByteCounter()
         a = self.args
