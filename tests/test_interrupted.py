@@ -19,7 +19,10 @@ Catching a save half done needs one rank's save to be slow: ``HOLD`` is put on t
 waits before it renames its new checkpoint onto its name (a slow disk). Rank 0 finishes
 its save of that step meanwhile and then waits too (so a loaded machine cannot let it save
 once more before the kill), so the kill leaves latest saves of two consecutive saves, and the
-resume must take the newest step every rank holds: rank 0's ``.prev``.
+resume must take the newest step every rank holds: rank 0's ``.prev``. The hold is put in
+place while rank 0 is paused between two saves, so that both ranks' next save meets it (put
+in place at any moment, it could come between rank 0's rename and rank 1's, and neither the
+test nor the job would go on).
 """
 import json
 import os
@@ -35,10 +38,11 @@ from redsync_hvd import checkpoint
 
 CONFIG = "configs/digits/redsync.yaml"
 STEPS = 100
+CHECKPOINT_EVERY = 6
 # a cosine schedule over STEPS, tbs selection with threshold reuse, density warm-up, sign-mean
 # messages (the config's): all of it in the checkpoint; a periodic save every 6 steps to catch
 COMMON = (f"training.steps={STEPS}", "training.eval_every=1000", "training.log_every=1",
-          "training.checkpoint_every=6", "training.checkpoint_every_s=0")
+          f"training.checkpoint_every={CHECKPOINT_EVERY}", "training.checkpoint_every_s=0")
 PLAN = ("SIGTERM", "SIGINT", "SIGKILL", "SIGTERM", "SIGINT")
 HOLD = '''
 import os, time
@@ -117,22 +121,25 @@ class Job:
 
 def _interrupt(engine, out, kind: str, at: int, hold, seed) -> tuple:
     """One launch of run, resumed from its folder if it has one, interrupted by ``kind`` once rank 0
-    logged step ``at``: (its output, its exit code)."""
+    logged step ``at`` (SIGKILL: at the save after it): (its output, its exit code). A failed check
+    kills the job, so that no run is left to load the machine for the tests after it."""
     run = out / "run"
     resume = (f"training.resume={run}",) if (run / "checkpoint-rank0.pt").exists() else ()
     env = {"PYTHONPATH": f"{hold.parent}:{REPO}", "REDSYNC_TEST_HOLD": str(hold)}
     pause, paused = hold.with_name(hold.name + ".step"), hold.with_name(hold.name + ".paused")
-    if kind != "SIGKILL":   # rank 0 waits at step ``at`` (HOLD) until the signal is on its way
-        pause.with_suffix(".tmp").write_text(str(at))
-        pause.with_suffix(".tmp").rename(pause)
+    if kind == "SIGKILL":
+        at = _between_saves(run, at)
+    pause.with_suffix(".tmp").write_text(str(at))   # rank 0 waits at step ``at`` (HOLD)
+    pause.with_suffix(".tmp").rename(pause)
     job = Job(engine, out, "run", *resume, env=env)
-    job.running()
-    _wait(lambda: (paused.exists() if kind != "SIGKILL" else _last_step(run) >= at) or job.proc.poll() is not None,
-          f"step {at} (seed {seed})")
-    if job.proc.poll() is not None:
-        raise AssertionError(f"the run ended before step {at} (seed {seed}):\n"
-                             f"{finish(job.proc, timeout=10, check=False).stdout[-4000:]}")
-    if kind != "SIGKILL":
+    try:
+        job.running()
+        _wait(lambda: paused.exists() or job.proc.poll() is not None, f"step {at} (seed {seed})")
+        if job.proc.poll() is not None:
+            raise AssertionError(f"the run ended before step {at} (seed {seed}):\n"
+                                 f"{finish(job.proc, timeout=10, check=False).stdout[-4000:]}")
+        if kind == "SIGKILL":
+            return _kill_during_save(job, hold, pause, paused, seed)
         os.killpg(job.proc.pid, getattr(signal, kind))   # as Ctrl-C or a scheduler's kill -<pgid>
         # a head start for the signal before rank 0 goes on: were a handler to run later, the run
         # would stop a step or two later, which the checks read from the run, not from ``at``
@@ -141,17 +148,33 @@ def _interrupt(engine, out, kind: str, at: int, hold, seed) -> tuple:
         done = finish(job.proc, timeout=120, check=False)
         paused.unlink()
         return done.stdout, done.returncode
-    # the held save must not be the run's first: the resume needs a step saved by both ranks
-    # (a first save that only rank 0 finished leaves no step to resume from)
-    _wait(lambda: all(checkpoint.latest_path(run, r).exists() for r in (0, 1)) or job.proc.poll() is not None,
-          f"a save of both ranks before the SIGKILL (seed {seed})")
+    finally:
+        if job.proc.poll() is None:
+            kill_session(job.proc)
+            finish(job.proc, timeout=60, check=False)
+
+
+def _between_saves(run, at: int) -> int:
+    """Where rank 0 pauses before the SIGKILL: not at a save step (there rank 1 may be renaming
+    its file while rank 0 has yet to save, and the hold would catch one rank only), and past the
+    run's first save (the resume needs a step that both ranks saved)."""
+    if not (run / "checkpoint-rank0.pt").exists():
+        at = max(at, CHECKPOINT_EVERY + 1)
+    return at + 1 if at % CHECKPOINT_EVERY == 0 else at
+
+
+def _kill_during_save(job, hold, pause, paused, seed) -> tuple:
+    """Rank 0 is paused between saves, so no save is under way on either rank: with ``hold`` in
+    place, rank 1 holds its next save before the rename and rank 0 finishes its own and waits;
+    then every process of the job is killed."""
     hold.touch()
+    pause.unlink()
     held, saved = hold.with_name(hold.name + ".held"), hold.with_name(hold.name + ".saved")
     _wait(lambda: (held.exists() and saved.exists()) or job.proc.poll() is not None,
           f"rank 1 holding its save of a step rank 0 has saved (seed {seed})")
     kill_session(job.proc)
     done = finish(job.proc, timeout=60, check=False)
-    for f in (hold, held, saved):
+    for f in (hold, held, saved, paused):
         f.unlink(missing_ok=True)
     return done.stdout, done.returncode
 
