@@ -14,11 +14,11 @@ Imports nothing outside the standard library at load: horovodrun's process impor
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
-import importlib.machinery
 import io
 import socket
 import sys
+
+from .launch_patches import after_launch
 
 SAME_VERSIONS = ("install the same versions on every host: one virtualenv on a shared filesystem, or "
                  "scripts/install.sh from the same checkout on each host (docs/cluster.md)")
@@ -82,28 +82,12 @@ def one_line_per_host(check):
     return checked
 
 
-class _PatchLaunch(importlib.abc.MetaPathFinder):
-    """Wraps the ssh check of ``horovod.runner.launch`` as soon as that module has run."""
-    MODULE = "horovod.runner.launch"
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != self.MODULE:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return None
-        run_module = spec.loader.exec_module
-
-        def exec_module(module):
-            run_module(module)
-            check = getattr(module, "_check_all_hosts_ssh_successful", None)
-            if check is not None:
-                module._check_all_hosts_ssh_successful = one_line_per_host(check)
-        spec.loader.exec_module = exec_module
-        return spec
+def _one_line_ssh_check(module) -> None:
+    check = getattr(module, "_check_all_hosts_ssh_successful", None)
+    if check is not None:
+        module._check_all_hosts_ssh_successful = one_line_per_host(check)
 
 
 def hook_ssh_check() -> None:
     """In horovodrun's process, before it imports its launcher."""
-    if not any(isinstance(finder, _PatchLaunch) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _PatchLaunch())
+    after_launch(_one_line_ssh_check)
