@@ -9,7 +9,7 @@ from launch import REPO, horovodrun
 from redsync_hvd import launch_patches
 
 # which launcher started this rank, as the rank sees it (redsync_hvd.launchers.kind)
-KIND = "from redsync_hvd.launchers import kind; import horovod.torch as hvd; hvd.init(); print('kind', kind())"
+KIND = "from redsync_hvd.launchers import kind; import horovod.torch as hvd; hvd.init(); print(f'kind {kind()}')"
 
 
 def test_an_answer_is_asked_once_then_read_and_verbose_always_asks(tmp_path):
