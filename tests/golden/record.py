@@ -15,6 +15,12 @@ weights in all 36 runs under AVX2 (and other wire bytes in the six RedSync runs 
 selections see those weights). A machine of another capability keeps its values in
 ``digits-<capability>.json``, recorded from that commit (``--record-capability`` writes the runs
 that differ), and ``--check`` compares with digits.json overlaid by it.
+
+The capability does not say everything: oneDNN's and MKL's kernels also choose by the CPU's
+vendor and finer instruction sets (AMX, AVX512-BF16), and two machines that both report AVX512
+end every run on other weights. Such a machine keeps its values in
+``digits-<capability>-<cpu model>.json`` (``--record-machine``, from the commit that last recorded
+digits.json), and ``--check`` reads that file where it exists instead of the capability's.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -33,7 +40,21 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 GOLDEN = Path(__file__).with_name("digits.json")
 CAPABILITY = torch.backends.cpu.get_cpu_capability()
-OVERLAY = Path(__file__).with_name(f"digits-{CAPABILITY}.json")
+
+
+def cpu_model() -> str:
+    """This CPU's model name as part of a file name ("Intel(R) Xeon(R) Processor": intel-xeon-processor)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    name = next((line.split(":", 1)[1] for line in lines if line.startswith("model name")), "unknown")
+    return re.sub(r"[^a-z0-9]+", "-", re.sub(r"\((r|tm)\)", "", name.lower())).strip("-")
+
+
+CAPABILITY_OVERLAY = Path(__file__).with_name(f"digits-{CAPABILITY}.json")
+MACHINE_OVERLAY = Path(__file__).with_name(f"digits-{CAPABILITY}-{cpu_model()}.json")
+OVERLAY = MACHINE_OVERLAY if MACHINE_OVERLAY.exists() else CAPABILITY_OVERLAY
 SEEDS = (0, 1)
 BYTES = ("wire_bytes", "dense_bytes", "steps")
 
@@ -70,44 +91,58 @@ def run(config: Path, seed: int, out: Path) -> dict:
     return record
 
 
+def run_all(only, golden: dict | None = None) -> tuple:
+    """Every config (or ``only`` these stems) at every seed: ({run: record}, [what differs from ``golden``])."""
+    got, differ = {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        for config in configs():
+            if only and config.stem not in only:
+                continue
+            for seed in SEEDS:
+                key = f"{config.stem}-s{seed}"
+                got[key] = run(config, seed, Path(tmp))
+                same = golden is not None and golden.get(key) == got[key]
+                print(f"{key:24s} {got[key]['wire_bytes']:>14} {got[key]['weights_rank0'][:12]}"
+                      + ("" if golden is None else "  same" if same else "  DIFFERS"), flush=True)
+                if golden is not None and not same:
+                    differ.append(f"{key}: golden {golden.get(key)} now {got[key]}")
+    return got, differ
+
+
+def record_overlay(target: Path, only) -> int:
+    """Write the runs that differ from digits.json here to ``target`` (kept: its runs not rerun)."""
+    base = json.loads(GOLDEN.read_text())
+    got, _ = run_all(only)
+    moved = {k: v for k, v in got.items() if base.get(k) != v}
+    kept = json.loads(target.read_text()) if target.exists() else {}
+    kept = {k: v for k, v in kept.items() if k not in got}
+    target.write_text(json.dumps({**kept, **moved}, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {len(moved)} runs that differ from {GOLDEN.name} here to {target}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="compare with digits.json instead of writing it")
     ap.add_argument("--only", nargs="*", default=None, help="config stems to run (default: all)")
     ap.add_argument("--record-capability", action="store_true",
-                    help=f"write the runs that differ from digits.json to {OVERLAY.name} (this machine's kind)")
+                    help=f"write the runs that differ from digits.json to {CAPABILITY_OVERLAY.name} (this kind of CPU)")
+    ap.add_argument("--record-machine", action="store_true",
+                    help=f"write the runs that differ from digits.json to {MACHINE_OVERLAY.name} (this CPU model)")
     args = ap.parse_args()
+    if args.record_machine or args.record_capability:
+        return record_overlay(MACHINE_OVERLAY if args.record_machine else CAPABILITY_OVERLAY, args.only)
     golden = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
-    overlay = json.loads(OVERLAY.read_text()) if OVERLAY.exists() else {}
-    if args.check or args.record_capability:
-        golden = {**golden, **overlay}
-    got, differ = {}, []
-    with tempfile.TemporaryDirectory() as tmp:
-        for config in configs():
-            if args.only and config.stem not in args.only:
-                continue
-            for seed in SEEDS:
-                key = f"{config.stem}-s{seed}"
-                got[key] = run(config, seed, Path(tmp))
-                same = golden.get(key) == got[key]
-                print(f"{key:24s} {got[key]['wire_bytes']:>14} {got[key]['weights_rank0'][:12]}"
-                      + ("" if not args.check else "  same" if same else "  DIFFERS"), flush=True)
-                if args.check and not same:
-                    differ.append(f"{key}: golden {golden.get(key)} now {got[key]}")
-    if args.check:
-        against = GOLDEN.name + (f" + {OVERLAY.name}" if overlay else "")
-        print("\n".join(differ) if differ else f"all {len(got)} runs bit-identical to {against}")
-        return 1 if differ else 0
-    if args.record_capability:
-        base = json.loads(GOLDEN.read_text())
-        moved = {k: v for k, v in got.items() if base.get(k) != v}
-        kept = {k: v for k, v in overlay.items() if k not in got}
-        OVERLAY.write_text(json.dumps({**kept, **moved}, indent=1, sort_keys=True) + "\n")
-        print(f"wrote {len(moved)} runs that differ under {CAPABILITY} to {OVERLAY}")
+    if not args.check:
+        got, _ = run_all(args.only)
+        GOLDEN.write_text(json.dumps({**golden, **got}, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {len(got)} runs to {GOLDEN}")
         return 0
-    GOLDEN.write_text(json.dumps({**golden, **got}, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {len(got)} runs to {GOLDEN}")
-    return 0
+    overlay = json.loads(OVERLAY.read_text()) if OVERLAY.exists() else {}
+    got, differ = run_all(args.only, {**golden, **overlay})
+    against = GOLDEN.name + (f" + {OVERLAY.name}" if overlay else "")
+    print("\n".join(differ) if differ else f"all {len(got)} runs bit-identical to {against}")
+    return 1 if differ else 0
 
 
 if __name__ == "__main__":
