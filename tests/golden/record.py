@@ -16,9 +16,8 @@ selections see those weights). A machine of another capability keeps its values 
 ``digits-<capability>.json``, recorded from that commit (``--record-capability`` writes the runs
 that differ), and ``--check`` compares with digits.json overlaid by it.
 
-The capability does not say everything: oneDNN's and MKL's kernels also choose by the CPU's
-vendor and finer instruction sets (AMX, AVX512-BF16), and two machines that both report AVX512
-end every run on other weights. Such a machine keeps its values in
+The capability does not name every kernel a run takes: two machines that both report AVX512 (an
+AMD EPYC and an Intel Xeon with AMX) end every run on other weights. Such a machine keeps its values in
 ``digits-<capability>-<cpu model>.json`` (``--record-machine``, from the commit that last recorded
 digits.json), and ``--check`` reads that file where it exists instead of the capability's.
 """
