@@ -10,8 +10,8 @@
    answers depend only on the installed files, so they are kept under the size and modification
    time of Horovod's extension libraries, the frameworks' packages and the Python that loads them
    (:func:`fingerprint`): reinstalling any of them asks afresh. ``horovodrun --verbose`` always asks
-   (it prints each answer as it finds it). Where the cache cannot be written, horovodrun asks as
-   before.
+   (it prints each answer as it finds it). Where the cache cannot be written, or with
+   ``REDSYNC_BUILD_CHECK_CACHE=off`` in the environment, horovodrun asks as before.
 3. The same for its check of which MPI ``mpirun`` is: ``mpirun --version``, run through a
    spawned helper process that imports horovodrun's launcher again (1 s more of each launch).
    That answer is kept under the size and modification time of the ``mpirun`` the launch's PATH
@@ -37,6 +37,7 @@ MPI_RUN = "horovod.runner.mpi_run"
 # the build checks horovod.runner.launch imports from horovod.common.util; each forks an import
 BUILD_CHECKS = ("extension_available", "mpi_built", "gloo_built", "nccl_built", "ddl_built", "ccl_built")
 FRAMEWORKS = ("torch", "tensorflow", "mxnet")
+OFF_SWITCH = "REDSYNC_BUILD_CHECK_CACHE"
 
 
 class _AfterLaunch(importlib.abc.MetaPathFinder):
@@ -163,5 +164,7 @@ def cache_build_checks(module) -> None:
 
 
 def hook_build_check() -> None:
-    """In horovodrun's process, before it imports its launcher."""
-    after_launch(cache_build_checks)
+    """In horovodrun's process, before it imports its launcher (not with
+    ``REDSYNC_BUILD_CHECK_CACHE=off``)."""
+    if os.environ.get(OFF_SWITCH, "").lower() not in ("off", "0", "false", "no"):
+        after_launch(cache_build_checks)

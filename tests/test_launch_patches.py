@@ -76,7 +76,8 @@ def test_a_reinstalled_extension_changes_the_fingerprint(tmp_path):
 
 def test_horovodrun_launches_as_its_cached_answers_say(tmp_path):
     """A real horovodrun writes its answers (built with MPI, Open MPI's mpirun); the next launch
-    reads them: told the build has no MPI but has Gloo, it starts the ranks under Gloo."""
+    reads them: told the build has no MPI but has Gloo, it starts the ranks under Gloo; with
+    REDSYNC_BUILD_CHECK_CACHE=off it asks afresh, and starts them under mpirun again."""
     env = {"XDG_CACHE_HOME": str(tmp_path)}
     out = horovodrun(["python", "-c", KIND], env=env, timeout=120).stdout
     assert out.count("kind mpirun") == 2, out[-2000:]
@@ -87,3 +88,5 @@ def test_horovodrun_launches_as_its_cached_answers_say(tmp_path):
     path.write_text(json.dumps({**answers, "mpi_built": False, "gloo_built": True}))
     out = horovodrun(["python", "-c", KIND], env=env, timeout=120).stdout
     assert out.count("kind gloo") == 2, out[-2000:]
+    out = horovodrun(["python", "-c", KIND], env={**env, "REDSYNC_BUILD_CHECK_CACHE": "off"}, timeout=120).stdout
+    assert out.count("kind mpirun") == 2, out[-2000:]
