@@ -3,7 +3,7 @@ from the cache (``redsync_hvd/launch_patches.py``) and asked afresh
 (``REDSYNC_BUILD_CHECK_CACHE=off``), the two interleaved over rounds; beside them ``mpirun`` alone,
 the floor. Prints each one's median and range, and the ratio of the medians.
 
-    .venv/bin/python scripts/bench_launch.py --rounds 10
+    .venv/bin/python -m redsync_hvd.experiments.launch_bench --rounds 10
 """
 from __future__ import annotations
 
