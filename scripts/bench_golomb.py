@@ -15,6 +15,7 @@ Times are the best of --repeats runs (wall clock, single process).
 
     python scripts/bench_golomb.py                     # n = 1M, 16M, 64M; p = 0.01, 0.001
     python scripts/bench_golomb.py --sizes 1e6 --densities 0.01 --repeats 3
+    REDSYNC_NO_NATIVE=1 python scripts/bench_golomb.py    # numpy's coder, the reference
 """
 import argparse
 import os
@@ -23,6 +24,7 @@ import time
 import numpy as np
 import torch
 
+from redsync_hvd.core import golomb
 from redsync_hvd.core.golomb import (
     decode_positions,
     encode_positions,
@@ -60,7 +62,8 @@ def main(argv=None):
     print(
         f"# Golomb-Rice position coding: {cpu_name()}, "
         f"{os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-        f"numpy {np.__version__}, best of {args.repeats}\n"
+        f"numpy {np.__version__}, best of {args.repeats}, coder: "
+        f"{'native (core/_native)' if golomb._coder() is not None else 'numpy (REDSYNC_NO_NATIVE=1 or not built)'}\n"
     )
     print(
         "| n | p | positions | b | encode ms | encode Mpos/s | encode MB/s | decode ms | decode Mpos/s "

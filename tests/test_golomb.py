@@ -341,3 +341,60 @@ def test_density_argument_sets_b():
     np.testing.assert_array_equal(decode_positions(payload, pos.size, b).numpy(), pos)
     with pytest.raises(ValueError):
         encode_positions(pos, 1_000_000, density=2.0)
+
+
+# --------------------------------------------------------------------------- #
+# The native coder (core/_native/golomb_kernels.cpp) against numpy's reference
+# --------------------------------------------------------------------------- #
+needs_native = pytest.mark.skipif(golomb._coder() is None, reason="the native module is not built")
+
+
+def _both_decode(payload, count, b):
+    """(native-or-fallback result, reference result); each a tensor or the ValueError's type."""
+    out = []
+    reference = golomb._decode_reference
+    for fn in (lambda: decode(payload, count, b), lambda: reference(golomb._as_bytes(payload), count, b)):
+        try:
+            out.append(fn())
+        except ValueError:
+            out.append(ValueError)
+    return out
+
+
+@needs_native
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_native_coder_writes_and_reads_the_references_bytes(data):
+    """Byte for byte the same payload as numpy's encoder, the same positions back, at every b the
+    native coder takes (including b = 0, gaps far past 2**b and b = NATIVE_MAX_B)."""
+    b = data.draw(st.one_of(st.integers(0, 12), st.just(golomb.NATIVE_MAX_B)), label="b")
+    gaps = data.draw(st.lists(st.one_of(st.integers(1, 40), st.integers(1, 1 << 20)), min_size=1, max_size=300))
+    pos = np.cumsum(np.asarray(gaps, dtype=np.int64)) - 1
+    native = encode(pos, b)
+    reference = golomb._encode_reference(pos, b)
+    assert native.dtype == torch.uint8 and bytes(native.numpy()) == bytes(reference.numpy()) == reference_bytes(pos, b)
+    got, want = _both_decode(native, pos.size, b)
+    assert torch.equal(got, want) and torch.equal(got, torch.from_numpy(pos))
+
+
+@needs_native
+@pytest.mark.parametrize("b", [0, 1, 3, 9])
+@pytest.mark.parametrize("seed", range(6))
+def test_native_coder_fails_where_the_reference_fails_on_a_corrupt_payload(seed, b):
+    """Flipped bits, a cut payload, a count past the codes: the native decode returns what the
+    reference returns, or the reference's ValueError (never other positions, never a crash)."""
+    rng = np.random.default_rng(seed)
+    pos = np.sort(rng.choice(50_000, size=400, replace=False)).astype(np.int64)
+    payload = encode(pos, b).numpy().copy()
+    flipped = payload.copy()
+    flipped[rng.integers(0, payload.size, size=3)] ^= np.uint8(1 << int(rng.integers(0, 8)))
+    for data, count in ((flipped, pos.size), (payload[: payload.size // 2], pos.size), (payload, pos.size + 1),
+                        (np.zeros(8, dtype=np.uint8), 3)):
+        got, want = _both_decode(data, count, b)
+        assert (got is want is ValueError) or (isinstance(got, torch.Tensor) and torch.equal(got, want)), (data, count)
+
+
+@needs_native
+def test_native_encode_refuses_a_payload_past_the_limit_as_the_reference_does():
+    with pytest.raises(ValueError, match="max_payload_bytes"):
+        encode([0, 10_000_000], 0, max_payload_bytes=1000)

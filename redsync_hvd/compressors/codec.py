@@ -83,10 +83,11 @@ class MessageCodec:
         [the one mean (1,)] with sign_mean. Golomb-coded positions go in order, their values with them."""
         if not self.golomb:
             return [positions.to(layer.index_dtype), *value]
-        order = torch.argsort(positions)
-        positions = positions[order]
-        if not self.mean:
-            value = [value[0][order], *value[1:]]
+        if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):   # a threshold select's
+            order = torch.argsort(positions)                                              # are ascending already
+            positions = positions[order]
+            if not self.mean:
+                value = [value[0][order], *value[1:]]
         payload, b = encode_positions(positions.cpu(), layer.numel)
         meta = torch.tensor([positions.numel(), b], dtype=torch.int32)
         return [payload.to(positions.device), meta.to(positions.device), *value]

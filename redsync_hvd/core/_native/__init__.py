@@ -21,7 +21,7 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAME = "_redsync_select"
-KERNELS = 4   # select_kernels.cpp's version: raised where a function's arguments change
+KERNELS = 5   # select_kernels.cpp's version: raised where a function's arguments change
 
 
 def torch_tag(version: str) -> str:

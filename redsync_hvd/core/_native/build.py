@@ -49,7 +49,7 @@ def build(verbose: bool = False) -> str:
     tmp = tempfile.mkdtemp(prefix="redsync_native_")
     ext = CppExtension(
         name,
-        [os.path.join(HERE, f) for f in ("select_kernels.cpp", "exact_kernels.cpp")],
+        [os.path.join(HERE, f) for f in ("select_kernels.cpp", "exact_kernels.cpp", "golomb_kernels.cpp")],
         extra_compile_args=["-O3", "-fopenmp", "-std=c++17", "-Wno-psabi"],
         extra_link_args=["-fopenmp"],
     )

@@ -744,10 +744,11 @@ std::tuple<at::Tensor, at::Tensor, int64_t, bool, double, double> compensate_sca
 namespace py = pybind11;
 
 void register_exact(py::module& m);   // exact_kernels.cpp: exactly k among a layer's candidates
+void register_golomb(py::module& m);  // golomb_kernels.cpp: Golomb-Rice positions, code by code
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "redsync_hvd fused selection passes (CPU)";
-  m.attr("KERNELS") = 4;   // the loader refuses a module built from an older version of this file
+  m.attr("KERNELS") = 5;   // the loader refuses a module built from an older version of this file
   m.def("stats", &stats, "(max key, sum of keys) in one pass; the sum is inf where x is not finite", py::arg("x"),
         py::arg("side") = 0);
   m.def("count_multi", &count_multi, "#{key > t_j} for every threshold, one pass", py::arg("x"), py::arg("thr"),
@@ -764,4 +765,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("thr"), py::arg("cap"), py::arg("check_finite"), py::arg("with_values") = false,
         py::arg("side") = 0);
   register_exact(m);
+  register_golomb(m);
 }
