@@ -143,6 +143,23 @@ def test_wide_figures_are_the_fp32_ones_where_finite_and_finite_where_those_over
     assert torch.isnan(finite_evidence(torch.tensor([1.0, math.nan, 2.0])))
 
 
+@settings(max_examples=60, deadline=None)
+@given(values=st.lists(st.one_of(st.floats(width=32), st.sampled_from([math.inf, -math.inf, math.nan, -0.0])),
+                       max_size=40),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+def test_finite_evidence_is_the_largest_magnitude_as_the_inf_norm_gives_it(values, dtype):
+    """The CPU's one aminmax pass gives the inf-norm's number (its dtype, its NaN, its inf; 0 for
+    nothing), for one tensor and for a list as the local steps' check reads it."""
+    from redsync_hvd.core.wire import finite_peaks
+    x = torch.tensor(values, dtype=torch.float32).to(dtype)
+    got = finite_evidence(x)
+    want = torch.linalg.vector_norm(x, ord=math.inf) if values else x.new_zeros(())
+    assert got.dtype == want.dtype and got.shape == want.shape == ()
+    assert torch.equal(got, want) or (torch.isnan(got) and torch.isnan(want)), (values, got, want)
+    peaks = finite_peaks([x, x.flip(0), x.reshape(-1, 1) if x.numel() else x])
+    assert all(torch.equal(p, got) or (torch.isnan(p) and torch.isnan(got)) for p in peaks)
+
+
 @pytest.mark.parametrize("value_dtype", [torch.float16, torch.bfloat16])
 def test_the_radix_reference_sends_the_clamped_value_and_keeps_the_rest(value_dtype):
     """The exact-k torch reference (the Triton kernel's twin, compared bit for bit in

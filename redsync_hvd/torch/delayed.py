@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from ..core.wire import finite_peaks
 from ..exchange import NonFiniteGradientError
 
 ROLLED_BACK = (" Under local steps: a worker's step with such a gradient was skipped on that worker, the "
@@ -66,7 +67,7 @@ def nonfinite_grads(params: dict) -> list:
     named = [(n, p.grad) for n, p in params.items() if p.grad is not None]
     if not named:
         return []
-    peaks = torch._foreach_norm([g.detach() for _, g in named], float("inf"))   # NaN propagates, no overflow
+    peaks = finite_peaks([g.detach() for _, g in named])   # NaN propagates, no overflow
     finite = torch.isfinite(torch.stack([p.float() for p in peaks])).tolist()
     return [n for (n, _), ok in zip(named, finite) if not ok]
 
