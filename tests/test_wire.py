@@ -149,15 +149,20 @@ def test_wide_figures_are_the_fp32_ones_where_finite_and_finite_where_those_over
        dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
 def test_finite_evidence_is_the_largest_magnitude_as_the_inf_norm_gives_it(values, dtype):
     """The CPU's one aminmax pass gives the inf-norm's number (its dtype, its NaN, its inf; 0 for
-    nothing), for one tensor and for a list as the local steps' check reads it."""
-    from redsync_hvd.core.wire import finite_peaks
+    nothing); the local steps' check names exactly the layers that hold NaN or Inf, and leaves
+    every gradient's values as they were (a NaN stays a NaN)."""
+    from redsync_hvd.torch.delayed import nonfinite_grads
     x = torch.tensor(values, dtype=torch.float32).to(dtype)
     got = finite_evidence(x)
     want = torch.linalg.vector_norm(x, ord=math.inf) if values else x.new_zeros(())
     assert got.dtype == want.dtype and got.shape == want.shape == ()
     assert torch.equal(got, want) or (torch.isnan(got) and torch.isnan(want)), (values, got, want)
-    peaks = finite_peaks([x, x.flip(0), x.reshape(-1, 1) if x.numel() else x])
-    assert all(torch.equal(p, got) or (torch.isnan(p) and torch.isnan(got)) for p in peaks)
+    params = {name: torch.nn.Parameter(torch.zeros(t.shape, dtype=t.dtype)) for name, t in
+              (("x", x), ("ok", torch.ones(3, dtype=dtype)), ("ok32", torch.ones(2)))}
+    for name, t in (("x", x), ("ok", torch.ones(3, dtype=dtype)), ("ok32", torch.ones(2))):
+        params[name].grad = t.clone()
+    assert nonfinite_grads(params) == ([] if bool(torch.isfinite(got)) else ["x"])
+    torch.testing.assert_close(params["x"].grad, x, rtol=0, atol=0, equal_nan=True)   # NaN stays NaN
 
 
 @pytest.mark.parametrize("value_dtype", [torch.float16, torch.bfloat16])

@@ -95,10 +95,3 @@ def finite_evidence(values: torch.Tensor) -> torch.Tensor:
     low, high = torch.aminmax(values)
     return torch.maximum(high, -low)
 
-
-def finite_peaks(tensors: list) -> list:
-    """:func:`finite_evidence` of each of ``tensors``: on a GPU one fused ``_foreach_norm``
-    (one launch for all; it refuses an empty tensor), on the CPU one ``aminmax`` pass each."""
-    if tensors and tensors[0].device.type != "cpu" and all(t.numel() for t in tensors):
-        return list(torch._foreach_norm(tensors, float("inf")))
-    return [finite_evidence(t) for t in tensors]
