@@ -232,3 +232,15 @@ def test_powersgd_with_extreme_finite_gradients_keeps_a_finite_residual(values):
     r = residual(ex)
     assert torch.isfinite(sent).all() and torch.isfinite(r).all()
     assert torch.equal(r, g - sent)
+
+
+def test_the_local_steps_check_reads_a_sparse_gradient_by_its_values():
+    """An Embedding(sparse=True) under local steps steps on a sparse gradient: the check names it
+    when a looked-up row holds NaN, and passes it otherwise (neither fused op takes sparse tensors)."""
+    from redsync_hvd.torch.delayed import nonfinite_grads
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    assert emb.weight.grad.is_sparse and nonfinite_grads(dict(emb.named_parameters())) == []
+    emb.weight.grad = torch.sparse_coo_tensor([[3]], torch.tensor([[1.0, math.nan, 0.0, 0.0]]), (10, 4),
+                                             check_invariants=True)
+    assert nonfinite_grads(dict(emb.named_parameters())) == ["weight"]

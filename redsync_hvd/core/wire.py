@@ -94,4 +94,3 @@ def finite_evidence(values: torch.Tensor) -> torch.Tensor:
         return torch.linalg.vector_norm(values, ord=float("inf"))
     low, high = torch.aminmax(values)
     return torch.maximum(high, -low)
-

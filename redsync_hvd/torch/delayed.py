@@ -66,8 +66,10 @@ def nonfinite_grads(params: dict) -> list:
     """Names of the layers whose gradient holds NaN/Inf, by one host read (as GradScaler does):
     GradScaler's own check, one fused op per device and dtype that flags NaN and Inf (and
     multiplies by 1.0, which leaves every value as it was), as fast as one pass on the CPU, where
-    torch's inf-norm ran 8x slower; the layers are named only when a flag is set."""
+    torch's inf-norm ran 8x slower; the layers are named only when a flag is set. A sparse gradient
+    (an ``Embedding(sparse=True)`` under local steps) is checked by its values."""
     named = [(n, p.grad.detach()) for n, p in params.items() if p.grad is not None]
+    named = [(n, g.coalesce()._values() if g.is_sparse else g) for n, g in named]
     groups: dict = {}
     for _, g in named:
         groups.setdefault((g.device, g.dtype), []).append(g)
