@@ -10,9 +10,11 @@ random order and steps come from a seed printed with any failure (``REDSYNC_TEST
 replays it).
 
 A signal must reach the job at the step the seed chose, however loaded the machine: ``HOLD`` (below)
-also makes rank 0 wait after it logs the step named in ``$REDSYNC_TEST_HOLD.step`` until the test,
-having sent the signal, removes that file. Polling the log instead let a loaded machine run several
-steps past each chosen one, and the last interruptions past the run's end.
+also makes ranks 0 and 1 wait after they log the step named in ``$REDSYNC_TEST_HOLD.step`` until the
+test, having sent the signal, removes that file. Polling the log instead let a loaded machine run
+several steps past each chosen one, and the last interruptions past the run's end. Both ranks wait:
+under local steps (the config's ``local_steps: auto`` takes 8) the ranks meet only every 8 steps, so
+one may be several steps, and a save, ahead of the other.
 
 Catching a save half done needs one rank's save to be slow: ``HOLD`` is put on the ranks'
 ``PYTHONPATH`` as ``sitecustomize``; while the file ``$REDSYNC_TEST_HOLD`` exists, rank 1
@@ -20,9 +22,11 @@ waits before it renames its new checkpoint onto its name (a slow disk). Rank 0 f
 its save of that step meanwhile and then waits too (so a loaded machine cannot let it save
 once more before the kill), so the kill leaves latest saves of two consecutive saves, and the
 resume must take the newest step every rank holds: rank 0's ``.prev``. The hold is put in
-place while rank 0 is paused between two saves, so that both ranks' next save meets it (put
-in place at any moment, it could come between rank 0's rename and rank 1's, and neither the
-test nor the job would go on).
+place while both ranks are paused at one step between two saves, so that both ranks' next save
+is of one step and meets it. Put in place at any moment, it could come between rank 0's rename
+and rank 1's; with rank 0 alone paused, rank 1 could be past the next save already (local
+steps), rank 0 then holding its save and rank 1 waiting for it in the next exchange. Neither the
+test nor the job would go on.
 """
 import json
 import os
@@ -64,7 +68,7 @@ if _hold and _rank in ("0", "1"):
                 time.sleep(0.01)
         return done
     os.replace = replace
-if _hold and _rank == "0":
+if _hold and _rank in ("0", "1"):
     import redsync_hvd.runlog as _runlog
     _metrics = _runlog.RunLog.metrics
 
@@ -72,7 +76,7 @@ if _hold and _rank == "0":
         _metrics(self, record)
         at = _hold + ".step"
         if "loss" in record and os.path.exists(at) and open(at).read() == str(record.get("step")):
-            open(_hold + ".paused", "w").close()
+            open(_hold + ".paused" + _rank, "w").close()
             while os.path.exists(at):
                 time.sleep(0.01)
     _runlog.RunLog.metrics = metrics
@@ -126,7 +130,8 @@ def _interrupt(engine, out, kind: str, at: int, hold, seed) -> tuple:
     run = out / "run"
     resume = (f"training.resume={run}",) if (run / "checkpoint-rank0.pt").exists() else ()
     env = {"PYTHONPATH": f"{hold.parent}:{REPO}", "REDSYNC_TEST_HOLD": str(hold)}
-    pause, paused = hold.with_name(hold.name + ".step"), hold.with_name(hold.name + ".paused")
+    pause = hold.with_name(hold.name + ".step")
+    paused = [hold.with_name(f"{hold.name}.paused{rank}") for rank in (0, 1)]
     if kind == "SIGKILL":
         at = _between_saves(run, at)
     pause.with_suffix(".tmp").write_text(str(at))   # rank 0 waits at step ``at`` (HOLD)
@@ -134,7 +139,7 @@ def _interrupt(engine, out, kind: str, at: int, hold, seed) -> tuple:
     job = Job(engine, out, "run", *resume, env=env)
     try:
         job.running()
-        _wait(lambda: paused.exists() or job.proc.poll() is not None, f"step {at} (seed {seed})")
+        _wait(lambda: all(p.exists() for p in paused) or job.proc.poll() is not None, f"step {at} (seed {seed})")
         if job.proc.poll() is not None:
             raise AssertionError(f"the run ended before step {at} (seed {seed}):\n"
                                  f"{finish(job.proc, timeout=10, check=False).stdout[-4000:]}")
@@ -146,7 +151,8 @@ def _interrupt(engine, out, kind: str, at: int, hold, seed) -> tuple:
         time.sleep(0.5)
         pause.unlink()
         done = finish(job.proc, timeout=120, check=False)
-        paused.unlink()
+        for p in paused:
+            p.unlink()
         return done.stdout, done.returncode
     finally:
         if job.proc.poll() is None:
@@ -164,9 +170,9 @@ def _between_saves(run, at: int) -> int:
 
 
 def _kill_during_save(job, hold, pause, paused, seed) -> tuple:
-    """Rank 0 is paused between saves, so no save is under way on either rank: with ``hold`` in
-    place, rank 1 holds its next save before the rename and rank 0 finishes its own and waits;
-    then every process of the job is killed."""
+    """Both ranks are paused at the same step between saves, so no save is under way on either
+    and their next save is of one step: with ``hold`` in place, rank 1 holds that save before the
+    rename and rank 0 finishes its own and waits; then every process of the job is killed."""
     hold.touch()
     pause.unlink()
     held, saved = hold.with_name(hold.name + ".held"), hold.with_name(hold.name + ".saved")
@@ -174,7 +180,7 @@ def _kill_during_save(job, hold, pause, paused, seed) -> tuple:
           f"rank 1 holding its save of a step rank 0 has saved (seed {seed})")
     kill_session(job.proc)
     done = finish(job.proc, timeout=60, check=False)
-    for f in (hold, held, saved, paused):
+    for f in (hold, held, saved, *paused):
         f.unlink(missing_ok=True)
     return done.stdout, done.returncode
 
