@@ -163,14 +163,16 @@ class StopController:
             return Poll(True, False, "checkpoint_every_s")
         return Poll(False, False, None)
 
-    def poll(self, step: int) -> Poll:
+    def poll(self, step: int, force: bool = False) -> Poll:
         """:meth:`decide` on this step's flags of all ranks, by one collective of its own.
 
         1. Not a polling step (``step % poll_every``, or before the step ``poll_every_s``
-           planned): nothing to do, no collective.
+           planned) and not ``force``d: nothing to do, no collective. ``force`` must be the same
+           on every rank at a step (the runner forces it at its step-based saves: ranks that
+           meet only every few steps, as under local steps, then save each step together).
         2. Allreduce (max) of this rank's flags and its seconds per step since the last poll.
         3. Plan the next poll from the slowest rank's step time (``poll_every_s``); decide."""
-        if (step < self._next_poll) if self.poll_every_s else (step % self.poll_every):
+        if not force and ((step < self._next_poll) if self.poll_every_s else (step % self.poll_every)):
             return Poll(False, False, None)
         now = self.clock()
         per_step = (now - self._last_poll[1]) / max(1, step - self._last_poll[0]) if self._last_poll else 0.0

@@ -325,12 +325,15 @@ class Run:
         self.log.decisions(self.record)
 
     def _checkpoint(self, step: int) -> None:
-        """Save when a step-based or wall-clock checkpoint is due or a stop was agreed."""
-        last = self.carrier.last if self.carrier is not None else None
-        carried = last.carried if last is not None else None
-        decision = self.ctl.decide(carried) if carried is not None else self.ctl.poll(step)
+        """Save when a step-based or wall-clock checkpoint is due or a stop was agreed. A step-based
+        save without this step's carried flags polls first: under local steps the ranks meet only
+        at exchanges, and one rank could otherwise save steps ahead of another, so that a job
+        killed then holds no step on every rank (the resume's ``.prev`` covers one save apart)."""
         every = self.cfg.training.checkpoint_every
         keep = bool(every and step % every == 0)
+        last = self.carrier.last if self.carrier is not None else None
+        carried = last.carried if last is not None else None
+        decision = self.ctl.decide(carried) if carried is not None else self.ctl.poll(step, force=keep)
         if decision.stop:
             self.stopped, self.agreed_at = decision.reason, time.time()
         if keep or decision.save:

@@ -172,7 +172,8 @@ def test_remap_conserves_the_total_and_scales():
 def test_stop_controller_decides_from_carried_flags_and_spaces_its_own_polls():
     """The flags any rank sends, combined by sum (the exchange's finite check) or max: a signal
     anywhere stops everyone, a due checkpoint saves only. Its own polls (poll_every_s=1) come
-    once per second of the slowest rank's steps: steps of 0.1 s -> polls at steps 1, 2, 12, 22."""
+    once per second of the slowest rank's steps: steps of 0.1 s -> polls at steps 1, 2, 12, 22;
+    a forced one at any step."""
     from redsync_hvd.preemption import StopController
     now = [0.0]
     polled = []
@@ -185,8 +186,13 @@ def test_stop_controller_decides_from_carried_flags_and_spaces_its_own_polls():
         now[0] += 0.1
         ctl.poll(step)
     assert len(polled) == 4 and [round(p[-1], 6) for p in polled] == [0.0, 0.1, 0.1, 0.1], polled
+    # a forced poll (the runner's step-based saves) collects between planned ones and plans anew
+    now[0] += 0.1
+    assert ctl.poll(31, force=True) == (False, False, None) and len(polled) == 5
     ctl.request_stop(signal.SIGTERM)
-    assert ctl.flags()[:2] == [1.0, 0.0] and ctl.poll(32).stop and ctl.reason == "SIGTERM"
+    assert ctl.flags()[:2] == [1.0, 0.0]
+    stop = next(step for step in range(32, 60) if ctl.poll(step).stop)   # the next planned poll: 1 s on
+    assert stop in (40, 41, 42) and len(polled) == 6 and ctl.reason == "SIGTERM", (stop, polled)
 
 
 def test_pinned_decisions_follow_the_file_and_refuse_another_model(tmp_path):
