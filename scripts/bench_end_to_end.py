@@ -52,7 +52,14 @@ from redsync_hvd.experiments.jobs import REPO
 from redsync_hvd.experiments.netbench import allocator, netns
 from redsync_hvd.experiments.netbench.launcher import LaunchError, launch
 from redsync_hvd.experiments.netbench.mpi_launcher import launch_mpi
-from redsync_hvd.experiments.netbench.report import MPI_DENSE, build_rows, markdown, plots, skipped_rows
+from redsync_hvd.experiments.netbench.report import (
+    MPI_DENSE,
+    build_rows,
+    markdown,
+    no_exchange_runs,
+    plots,
+    skipped_rows,
+)
 from redsync_hvd.experiments.tables import write_csv
 from redsync_hvd.policy import costmodel as cm
 
@@ -263,6 +270,8 @@ def _launch_model(cfg, net, model, methods, tag, run_dir, log, probe_bytes, laun
     if comm_only:
         runs += [{"label": f"{name}/comm", "compression": comp, "comm_only": True} for name, comp in methods
                  if name in cfg["comm_only"] and int(comp.get("local_steps", 1) or 1) == 1]
+    if comm_only and cfg["comm_only"]:   # the prediction's forward, backward and update (report.launch_compute)
+        runs += no_exchange_runs()
     # Horovod's alpha/B are fitted up to a message of the size that dominates a dense
     # step (the 67 MB FC gradient): the rate of a few-MB allreduce varies between runs of
     # the same link far more than that of the large transfer itself

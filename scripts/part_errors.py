@@ -24,6 +24,7 @@ import csv
 import statistics
 import sys
 
+from redsync_hvd.experiments.netbench import report
 from redsync_hvd.experiments.netbench.report import PARTS, part_errors
 
 
@@ -46,13 +47,7 @@ def local_work(f: dict) -> float | None:
 
 def launch_compute(rows: dict, method: str) -> float | None:
     """``report.py:launch_compute`` from a launch's recorded rows (``rows``: method -> numbers)."""
-    dense, alone, own, run = (rows.get(m) for m in ("dense", "dense/comm", f"{method}/comm", method))
-    if not (dense and alone and own and run) or method.endswith("/comm"):
-        return None
-    works = [local_work(x) for x in (dense, alone, own)]
-    if None in works:
-        return None
-    return max(works[0] - works[1] + works[2] - run["select_s"] - run["decompress_s"], 0.0)
+    return report.launch_compute(rows, method, work=local_work)
 
 
 def rows_of(path: str) -> list:

@@ -116,6 +116,26 @@ def test_the_nominal_compute_is_measured_in_the_launch_where_its_rows_are():
     assert launch_compute({k: v for k, v in runs.items() if k != "dense/comm"}, "redsync") is None
 
 
+def test_with_a_run_without_exchanges_the_compute_takes_dense_allreduces_share_by_bytes():
+    """Forward and backward from the launch's run without exchanges less its update; dense's local
+    work beyond that and its exchange alone is what its allreduce takes from the cores, charged to
+    every method by its bytes on the wire: dense still gets its own local work back."""
+    from redsync_hvd.experiments.netbench.report import NO_EXCHANGE, launch_compute
+
+    def local(seconds, select=0.0, decompress=0.0, comm_only=False, wire=0):
+        return {"per_rank": [{"compute_s": seconds - select - decompress, "select_s": select,
+                              "decompress_s": decompress}], "select_s": select, "decompress_s": decompress,
+                "comm_only": comm_only, "wire_bytes_per_step": wire}
+    runs = {"dense": local(0.30, wire=1000), "dense/comm": local(0.05, comm_only=True, wire=1000),
+            "redsync": local(0.25, 0.02, 0.01, wire=10), "redsync/comm": local(0.07, 0.02, 0.01, True, 10),
+            NO_EXCHANGE: local(0.20), f"{NO_EXCHANGE}/comm": local(0.03, comm_only=True)}
+    # forward and backward 0.20 - 0.03; dense's allreduce takes 0.30 - 0.17 - 0.05 = 0.08 for 1000 bytes
+    assert launch_compute(runs, "redsync") == pytest.approx(0.17 + (0.07 - 0.03) + 0.08 * 10 / 1000)
+    assert launch_compute(runs, "dense") == pytest.approx(0.30)
+    assert launch_compute(runs, NO_EXCHANGE) == pytest.approx(0.20)
+    assert launch_compute(runs, "redsync", work=lambda r: None) is None   # a row without its local work
+
+
 def test_bench_configs_validate():
     sys.path.insert(0, str(REPO / "scripts"))
     import bench_end_to_end as bench

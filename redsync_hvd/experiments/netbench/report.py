@@ -14,6 +14,15 @@ from .predict import fusion_bytes, plan_from_run, predict
 from .predict import network as cm_network
 
 MPI_DENSE = "dense/mpi"   # dense Horovod, launched with the decentralized methods under mpirun
+# forward, backward and the update in the launch, with no exchange: local steps whose round never ends
+NO_EXCHANGE = "no-exchange"
+NO_EXCHANGE_COMPRESSION = {"method": "redsync", "local_steps": 10 ** 9}
+
+
+def no_exchange_runs() -> list:
+    """The launch's runs that give ``launch_compute`` its forward, backward and update."""
+    return [{"label": NO_EXCHANGE, "compression": NO_EXCHANGE_COMPRESSION},
+            {"label": f"{NO_EXCHANGE}/comm", "compression": NO_EXCHANGE_COMPRESSION, "comm_only": True}]
 
 
 def build_rows(cfg, setting, model, result, methods, probe, compute) -> list[dict]:
@@ -26,7 +35,8 @@ def build_rows(cfg, setting, model, result, methods, probe, compute) -> list[dic
     alpha0 = cfg["base_latency_s"] if cfg["base_latency_s"] is not None else (probe.get("rtt_ms", 0.0) / 2e3)
     net = cm_network(bw, lat, alpha0)                       # nominal: tbf rate, added + base latency
     fusion = fusion_bytes(result.get("horovod_env"))
-    labels = [name for name, _ in methods] + [k for k in result["runs"] if k.endswith("/comm") or k == MPI_DENSE]
+    labels = [name for name, _ in methods] + [k for k in result["runs"] if k.endswith("/comm") or
+                                               k in (MPI_DENSE, NO_EXCHANGE)]
     for name in labels:
         r = result["runs"].get(name)
         if r is None:
@@ -100,26 +110,45 @@ def in_run_work(r: dict) -> float:
     return max(x["compute_s"] + x["select_s"] + x["decompress_s"] for x in ranks)
 
 
-def launch_compute(runs: dict, label: str) -> float | None:
+def launch_compute(runs: dict, label: str, work=None) -> float | None:
     """The nominal prediction's compute for run ``label``, measured in its own launch: what a step
     does locally beside the timed selection and decoding (priced from the run's own medians), on
     the cores the launch's workers and their Horovod threads share, each step as long as its
     slowest rank's. None where the launch lacks the rows it is taken from (then compute measured
-    with no communication stands in, as before):
+    with no communication stands in, as before). Local work is a row's step less its waits in
+    collectives (``in_run_work``); ``X/comm`` is run X with no forward and backward.
 
-    1. forward and backward: dense's local work less the local work of dense's exchange alone
-       (``dense/comm``: no forward and backward; both the step less its waits in collectives,
-       ``in_run_work``);
-    2. plus the local work of ``label``'s own exchange alone (``<label>/comm``: its selection,
-       decoding, the copies no phase times, the update), less the run's timed selection and decoding.
+    1. Forward and backward: the local work of the launch's run without exchanges (``no-exchange``:
+       the hooks and Horovod's threads present, no collective) less its update (``no-exchange/comm``).
+    2. Plus ``label``'s exchange and update: the local work of ``label/comm``, less the run's timed
+       selection and decoding.
+    3. Plus what ``label``'s collectives take from the cores beside the backward: dense's local work
+       beyond its steps 1-2, per byte on the wire, times ``label``'s bytes. On the CPU a collective's
+       thread copies and sums on the cores that compute (on VGG-FC at 2 ranks of the 2-core VM,
+       0.03-0.08 s a step for dense's 72 MB); a compressed exchange sends a hundredth of that.
 
-    For dense itself steps 1 and 2 give back dense's own local work: its prediction then checks the
-    collectives alone. The /comm rows are not predicted this way (they have no forward and backward)."""
-    dense, alone, own, run = runs.get("dense"), runs.get("dense/comm"), runs.get(f"{label}/comm"), runs.get(label)
-    if not (dense and alone and own and run) or run.get("comm_only"):
+    For dense itself steps 1-3 give back dense's own local work: its prediction then checks the
+    collectives alone. Launches without the ``no-exchange`` rows take step 1 as dense's local work
+    less ``dense/comm``'s, which holds dense's step 3 for every method. ``work(row)``: a row's local
+    work (default ``in_run_work``; None where a row cannot give it)."""
+    work = work or in_run_work
+    names = ["dense", "dense/comm", f"{label}/comm", label, NO_EXCHANGE, f"{NO_EXCHANGE}/comm"]
+    dense, alone, own, run, base, update = (runs.get(n) for n in names)
+    if not (dense and alone and own and run) or run.get("comm_only") or label.endswith("/comm"):
         return None
-    forward_backward = in_run_work(dense) - in_run_work(alone)
-    return max(forward_backward + in_run_work(own) - run["select_s"] - run["decompress_s"], 0.0)
+    local = {n: work(runs[n]) for n in names[:3] + names[4:] if runs.get(n) is not None}
+    if None in local.values():
+        return None
+    if base and update:
+        forward_backward = local[NO_EXCHANGE] - local[f"{NO_EXCHANGE}/comm"]                      # 1.
+    else:
+        forward_backward = local["dense"] - local["dense/comm"]
+    exchange = local[f"{label}/comm"] - run["select_s"] - run["decompress_s"]                      # 2.
+    if not (base and update):
+        return max(forward_backward + exchange, 0.0)
+    beside = local["dense"] - forward_backward - local["dense/comm"]                                # 3.
+    per_byte = max(beside, 0.0) / dense["wire_bytes_per_step"] if dense.get("wire_bytes_per_step") else 0.0
+    return max(forward_backward + exchange + per_byte * (run.get("wire_bytes_per_step") or 0.0), 0.0)
 
 
 PARTS = ("compute", "overhead", "comm")
