@@ -86,7 +86,26 @@ def summary(rows: list, prefix: str, label: str) -> list:
     return lines
 
 
+def launch_parts(paths: list) -> list:
+    """``report.py:compute_parts`` of every launch with the ``no-exchange`` rows, as table lines."""
+    lines = []
+    for path in paths:
+        launches = {}
+        for r in csv.DictReader(open(path)):
+            if r.get("step_time_s") and r.get("predicted_step_time_s"):
+                launches.setdefault((r["model"], r["bandwidth_mbit"] or "unshaped"), {})[r["method"]] = \
+                    {k: _number(v) for k, v in r.items()}
+        for (model, bw), rows in launches.items():
+            parts = report.compute_parts(rows, work=local_work)
+            if parts and "beside" in parts:
+                lines.append(f"| {path} | {model} | {bw} | " + " | ".join(
+                    f"{parts[k]:.4f}" for k in ("forward_backward", "update", "dense_exchange", "beside")) + " |")
+    return ["| results | model | Mbit/s | forward and backward | update | dense's exchange | dense beside |",
+            "|---|---|---|---|---|---|---|"] + lines if lines else []
+
+
 def main(paths: list) -> int:
+    print("\n".join(launch_parts(paths)))
     rows = [row for p in paths for row in rows_of(p)]
     print("| cell | whole step, alone | " + " | ".join(PARTS) + " | whole step, launch | compute, launch |\n"
           "|---|---|" + "---|" * len(PARTS) + "---|---|")

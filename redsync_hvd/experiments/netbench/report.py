@@ -124,31 +124,42 @@ def launch_compute(runs: dict, label: str, work=None) -> float | None:
        selection and decoding.
     3. Plus what ``label``'s collectives take from the cores beside the backward: dense's local work
        beyond its steps 1-2, per byte on the wire, times ``label``'s bytes. On the CPU a collective's
-       thread copies and sums on the cores that compute (on VGG-FC at 2 ranks of the 2-core VM,
-       0.03-0.08 s a step for dense's 72 MB); a compressed exchange sends a hundredth of that.
+       thread copies and sums on the cores that compute (on VGG-FC at 2 ranks of the 2-core VM, up
+       to 0.03 s a step for dense's 72 MB); a compressed exchange sends a hundredth of that.
 
     For dense itself steps 1-3 give back dense's own local work: its prediction then checks the
     collectives alone. Launches without the ``no-exchange`` rows take step 1 as dense's local work
     less ``dense/comm``'s, which holds dense's step 3 for every method. ``work(row)``: a row's local
     work (default ``in_run_work``; None where a row cannot give it)."""
     work = work or in_run_work
-    names = ["dense", "dense/comm", f"{label}/comm", label, NO_EXCHANGE, f"{NO_EXCHANGE}/comm"]
-    dense, alone, own, run, base, update = (runs.get(n) for n in names)
-    if not (dense and alone and own and run) or run.get("comm_only") or label.endswith("/comm"):
+    run, own, parts = runs.get(label), runs.get(f"{label}/comm"), compute_parts(runs, work)
+    if parts is None or not (run and own) or run.get("comm_only") or label.endswith("/comm"):
         return None
-    local = {n: work(runs[n]) for n in names[:3] + names[4:] if runs.get(n) is not None}
-    if None in local.values():
+    exchange = work(own)                                                                            # 2.
+    if exchange is None:
         return None
-    if base and update:
-        forward_backward = local[NO_EXCHANGE] - local[f"{NO_EXCHANGE}/comm"]                      # 1.
-    else:
-        forward_backward = local["dense"] - local["dense/comm"]
-    exchange = local[f"{label}/comm"] - run["select_s"] - run["decompress_s"]                      # 2.
-    if not (base and update):
-        return max(forward_backward + exchange, 0.0)
-    beside = local["dense"] - forward_backward - local["dense/comm"]                                # 3.
-    per_byte = max(beside, 0.0) / dense["wire_bytes_per_step"] if dense.get("wire_bytes_per_step") else 0.0
-    return max(forward_backward + exchange + per_byte * (run.get("wire_bytes_per_step") or 0.0), 0.0)
+    exchange -= run["select_s"] + run["decompress_s"]
+    per_byte = parts.get("beside_per_byte", 0.0)                                                   # 3.
+    return max(parts["forward_backward"] + exchange + per_byte * (run.get("wire_bytes_per_step") or 0.0), 0.0)
+
+
+def compute_parts(runs: dict, work=None) -> dict | None:
+    """``launch_compute``'s parts of one launch, seconds a step: forward and backward (step 1), and
+    with the ``no-exchange`` rows the update alone, dense's exchange alone, what dense's allreduce
+    takes beside the backward (step 3) and that per byte. None without dense's two rows."""
+    work = work or in_run_work
+    names = ("dense", "dense/comm", NO_EXCHANGE, f"{NO_EXCHANGE}/comm")
+    local = {n: work(runs[n]) for n in names if runs.get(n) is not None}
+    if not ("dense" in local and "dense/comm" in local) or None in local.values():
+        return None
+    if NO_EXCHANGE not in local or f"{NO_EXCHANGE}/comm" not in local:
+        return {"forward_backward": local["dense"] - local["dense/comm"]}
+    forward_backward = local[NO_EXCHANGE] - local[f"{NO_EXCHANGE}/comm"]                          # 1.
+    beside = local["dense"] - forward_backward - local["dense/comm"]
+    wire = runs["dense"].get("wire_bytes_per_step")
+    return {"forward_backward": forward_backward, "update": local[f"{NO_EXCHANGE}/comm"],
+            "dense_exchange": local["dense/comm"], "beside": beside,
+            "beside_per_byte": max(beside, 0.0) / wire if wire else 0.0}
 
 
 PARTS = ("compute", "overhead", "comm")
