@@ -45,11 +45,6 @@ def local_work(f: dict) -> float | None:
     return f["predicted_in_run_s"] - comm
 
 
-def launch_compute(rows: dict, method: str) -> float | None:
-    """``report.py:launch_compute`` from a launch's recorded rows (``rows``: method -> numbers)."""
-    return report.launch_compute(rows, method, work=local_work)
-
-
 def rows_of(path: str) -> list:
     launches, out = {}, []
     for r in csv.DictReader(open(path)):
@@ -64,7 +59,7 @@ def rows_of(path: str) -> list:
                          "predicted_comm_s": f["predicted_comm_s"]}
             local = local_work(f)
             row = {"cell": f"{cell[0]} N={cell[1]} {cell[2]}M {method}", **part_errors(f, predicted, local)}
-            c = launch_compute(rows, method)
+            c = report.launch_compute(rows, method, work=local_work)
             if c is not None:
                 after = part_errors(f, {**predicted, "predicted_compute_s": c}, local)
                 row.update({f"launch_{k}": v for k, v in after.items()})
@@ -86,26 +81,8 @@ def summary(rows: list, prefix: str, label: str) -> list:
     return lines
 
 
-def launch_parts(paths: list) -> list:
-    """``report.py:compute_parts`` of every launch with the ``no-exchange`` rows, as table lines."""
-    lines = []
-    for path in paths:
-        launches = {}
-        for r in csv.DictReader(open(path)):
-            if r.get("step_time_s") and r.get("predicted_step_time_s"):
-                launches.setdefault((r["model"], r["bandwidth_mbit"] or "unshaped"), {})[r["method"]] = \
-                    {k: _number(v) for k, v in r.items()}
-        for (model, bw), rows in launches.items():
-            parts = report.compute_parts(rows, work=local_work)
-            if parts and "beside" in parts:
-                lines.append(f"| {path} | {model} | {bw} | " + " | ".join(
-                    f"{parts[k]:.4f}" for k in ("forward_backward", "update", "dense_exchange", "beside")) + " |")
-    return ["| results | model | Mbit/s | forward and backward | update | dense's exchange | dense beside |",
-            "|---|---|---|---|---|---|---|"] + lines if lines else []
-
-
 def main(paths: list) -> int:
-    print("\n".join(launch_parts(paths)))
+    print("\n".join(report.parts_table(paths, local_work, _number)))
     rows = [row for p in paths for row in rows_of(p)]
     print("| cell | whole step, alone | " + " | ".join(PARTS) + " | whole step, launch | compute, launch |\n"
           "|---|---|" + "---|" * len(PARTS) + "---|---|")
