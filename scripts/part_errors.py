@@ -45,13 +45,19 @@ def local_work(f: dict) -> float | None:
     return f["predicted_in_run_s"] - comm
 
 
-def rows_of(path: str) -> list:
-    launches, out = {}, []
+def launches_of(path: str) -> dict:
+    """(model, hosts, Mbit/s, latency) -> {method: the row's numbers}: the rows of one launch."""
+    launches = {}
     for r in csv.DictReader(open(path)):
         if r.get("step_time_s") and r.get("predicted_step_time_s"):
             f = {k: _number(v) for k, v in r.items()}
             launches.setdefault((r["model"], r["hosts"], r["bandwidth_mbit"], r["latency_ms"]), {})[r["method"]] = f
-    for cell, rows in launches.items():
+    return launches
+
+
+def rows_of(path: str) -> list:
+    out = []
+    for cell, rows in launches_of(path).items():
         for method, f in rows.items():
             comm_only = method.endswith("/comm")
             predicted = {"predicted_compute_s": 0.0 if comm_only else f["compute_nproc_s"],
@@ -82,7 +88,8 @@ def summary(rows: list, prefix: str, label: str) -> list:
 
 
 def main(paths: list) -> int:
-    print("\n".join(report.parts_table(paths, local_work, _number)))
+    print("\n".join(report.parts_table({(p, *c): rows for p in paths for c, rows in launches_of(p).items()},
+                                       local_work)))
     rows = [row for p in paths for row in rows_of(p)]
     print("| cell | whole step, alone | " + " | ".join(PARTS) + " | whole step, launch | compute, launch |\n"
           "|---|---|" + "---|" * len(PARTS) + "---|---|")

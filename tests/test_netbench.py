@@ -120,7 +120,7 @@ def test_with_a_run_without_exchanges_the_compute_takes_dense_allreduces_share_b
     """Forward and backward from the launch's run without exchanges less its update; dense's local
     work beyond that and its exchange alone is what its allreduce takes from the cores, charged to
     every method by its bytes on the wire: dense still gets its own local work back."""
-    from redsync_hvd.experiments.netbench.report import NO_EXCHANGE, launch_compute
+    from redsync_hvd.experiments.netbench.report import NO_EXCHANGE, in_run_work, launch_compute, parts_table
 
     def local(seconds, select=0.0, decompress=0.0, comm_only=False, wire=0):
         return {"per_rank": [{"compute_s": seconds - select - decompress, "select_s": select,
@@ -134,6 +134,9 @@ def test_with_a_run_without_exchanges_the_compute_takes_dense_allreduces_share_b
     assert launch_compute(runs, "dense") == pytest.approx(0.30)
     assert launch_compute(runs, NO_EXCHANGE) == pytest.approx(0.20)
     assert launch_compute(runs, "redsync", work=lambda r: None) is None   # a row without its local work
+    # part_errors.py's table: one line per launch (results file, model, hosts, Mbit/s, latency)
+    lines = parts_table({("r.csv", "m", 2, None, 0.0): runs, ("r.csv", "m", 4, None, 0.0): {}}, in_run_work)
+    assert lines[2:] == ["| r.csv | m | 2 | unshaped | 0.0 | 0.1700 | 0.0300 | 0.0500 | 0.0800 |"]
 
 
 def test_bench_configs_validate():

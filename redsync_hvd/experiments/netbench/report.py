@@ -162,25 +162,18 @@ def compute_parts(runs: dict, work=None) -> dict | None:
             "beside_per_byte": max(beside, 0.0) / wire if wire else 0.0}
 
 
-def parts_table(paths: list, work, number) -> list:
-    """Markdown lines of :func:`compute_parts` for every launch in the ``results.csv`` files at
-    ``paths`` that has the ``no-exchange`` rows (``scripts/part_errors.py``); ``work(row)``: a
-    recorded row's local work, ``number(text)``: a CSV field as a float or None."""
-    import csv
+def parts_table(launches: dict, work) -> list:
+    """Markdown lines of :func:`compute_parts` for every launch that has the ``no-exchange`` rows
+    (``scripts/part_errors.py``): ``launches``: (results file, model, hosts, Mbit/s, latency) ->
+    {method: the row's numbers}; ``work(row)``: a recorded row's local work."""
     lines = []
-    for path in paths:
-        launches = {}
-        for r in csv.DictReader(open(path)):
-            if r.get("step_time_s") and r.get("predicted_step_time_s"):
-                launches.setdefault((r["model"], r["bandwidth_mbit"] or "unshaped"), {})[r["method"]] = \
-                    {k: number(v) for k, v in r.items()}
-        for (model, bw), rows in launches.items():
-            parts = compute_parts(rows, work=work)
-            if parts and "beside" in parts:
-                lines.append(f"| {path} | {model} | {bw} | " + " | ".join(
-                    f"{parts[k]:.4f}" for k in ("forward_backward", "update", "dense_exchange", "beside")) + " |")
-    return ["| results | model | Mbit/s | forward and backward | update | dense's exchange | dense beside |",
-            "|---|---|---|---|---|---|---|"] + lines if lines else []
+    for (path, model, hosts, bw, lat), rows in launches.items():
+        parts = compute_parts(rows, work=work)
+        if parts and "beside" in parts:
+            lines.append(f"| {path} | {model} | {hosts} | {bw or 'unshaped'} | {lat} | " + " | ".join(
+                f"{parts[k]:.4f}" for k in ("forward_backward", "update", "dense_exchange", "beside")) + " |")
+    return ["| results | model | hosts | Mbit/s | latency ms | forward and backward | update | dense's exchange "
+            "| dense beside |", "|---|---|---|---|---|---|---|---|---|"] + lines if lines else []
 
 
 PARTS = ("compute", "overhead", "comm")
