@@ -66,6 +66,12 @@ def test_config_mismatch_across_ranks_is_an_error_not_a_hang():
     assert out.count("OK mismatch detected") == 2, out
 
 
+def test_a_dropped_optimizer_is_freed_and_its_model_trains_on_under_a_new_one():
+    out = run_script("dropped_optimizer.py", "none", "redsync", np=2).stdout
+    for method in ("none", "redsync"):
+        assert out.count(f"OK dropped optimizer {method}") == 2, out
+
+
 def test_nan_gradient_on_one_rank_fails_everywhere_and_keeps_residuals():
     out = run_script("nonfinite.py", np=2).stdout
     assert out.count("raised at step 2") == 2, out

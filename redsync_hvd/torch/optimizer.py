@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -102,6 +103,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._rounds = LocalRounds(self._exchange, self._params, config, share)
         self._hooks = [] if self._local_steps else \
             [p.register_post_accumulate_grad_hook(self._make_hook(n)) for n, p in named]
+        weakref.finalize(self, _remove_hooks, self._hooks)   # a model that outlives us trains on unhooked
         # sparse gradients must stay sparse for their optimizer: no dense buffer for them to land in
         self._landing_named = [] if self._local_steps else [(n, p) for n, p in exchanged if n not in sparse]
         self._landing, self._layout = self._grad_views(self._landing_named), 0
@@ -175,7 +177,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._attach()
 
     def _make_hook(self, name):
+        # a weak reference: the hook lives in autograd's C++ side of the parameter, which the garbage
+        # collector cannot see through, so a strong one kept every dropped optimizer (and through it
+        # its parameters, moments and exchange buffers) alive for the life of the process
+        ref = weakref.ref(self)
+
         def hook(p):
+            self = ref()
+            if self is None:   # the optimizer is gone; its parameter outlived it
+                return
             self._passes[name] += 1
             if self._passes[name] == self.backward_passes_per_step:
                 if self._rows is not None and name in self._rows.params:
@@ -423,3 +433,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     given = with_group_hint(given, options.groups, trainable)
     cls = type(name, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, given, backward_passes_per_step, comm, options, total_steps)
+
+
+def _remove_hooks(handles) -> None:
+    for h in handles:
+        h.remove()
