@@ -16,6 +16,7 @@ import pytest
 
 from redsync_hvd.experiments.netbench import netns
 from redsync_hvd.experiments.netbench.predict import plan_from_run, predict, wire_method
+from redsync_hvd.experiments.netbench.worker import whole_rounds
 from redsync_hvd.policy import costmodel as cm
 
 REPO = Path(__file__).resolve().parent.parent
@@ -319,3 +320,15 @@ def test_mpi_launch_runs_dcd_across_namespaces_then_nothing_left(tmp_path):
     assert dcd["communicate_s"] > 0 and dcd["select_s"] > 0
     log = (tmp_path / "logs" / "mpirun.log").read_text()
     assert "btl tcp,self" in log     # no shared-memory transport between the "hosts"
+
+
+@pytest.mark.parametrize("warmup, steps, every, expected", [
+    (3, 10, 1, (3, 10)),          # an exchange every step: as given
+    (3, 10, 8, (8, 16)),          # local steps: the first exchange in the warm-up, two whole rounds timed
+    (3, 10, 5, (5, 10)),          # sbc's 5: already whole rounds once the warm-up ends on an exchange
+    (0, 8, 8, (8, 8)),            # no warm-up asked: still one round, so the first exchange is not timed
+    (0, 4, 8, (0, 4)),            # a window that never reaches an exchange: as given
+    (3, 10, 10**9, (3, 10)),      # no-exchange: the exchange never comes, nothing to round
+])
+def test_a_method_with_local_steps_is_timed_over_whole_rounds_after_its_first_exchange(warmup, steps, every, expected):
+    assert whole_rounds(warmup, steps, every) == expected
