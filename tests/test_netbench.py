@@ -16,7 +16,8 @@ import pytest
 
 from redsync_hvd.experiments.netbench import netns
 from redsync_hvd.experiments.netbench.predict import plan_from_run, predict, wire_method
-from redsync_hvd.experiments.netbench.worker import whole_rounds
+from redsync_hvd.experiments.netbench.report import NO_EXCHANGE_COMPRESSION
+from redsync_hvd.experiments.netbench.worker import _summarise, whole_rounds
 from redsync_hvd.policy import costmodel as cm
 
 REPO = Path(__file__).resolve().parent.parent
@@ -332,3 +333,17 @@ def test_mpi_launch_runs_dcd_across_namespaces_then_nothing_left(tmp_path):
 ])
 def test_a_method_with_local_steps_is_timed_over_whole_rounds_after_its_first_exchange(warmup, steps, every, expected):
     assert whole_rounds(warmup, steps, every) == expected
+
+
+@pytest.mark.parametrize("compression, statistic", [
+    ({"method": "redsync"}, "mean"),           # auto: 8 local steps, exchanges in the window: a round's mean
+    ({"method": "none"}, "median"),            # every step
+    (NO_EXCHANGE_COMPRESSION, "median"),       # a round that never ends in the window: no exchange to average in
+])
+def test_the_step_statistic_is_the_mean_only_for_rounds_that_end_in_the_window(compression, statistic):
+    steps = [0.15] * 15 + [5.7]   # one descheduled step, as 4 ranks on 2 cores give
+    part = {"steps": steps, "wire": [0.0] * 16, "select": [0.0] * 16, "communicate": [0.0] * 16,
+            "decompress": [0.0] * 16, "parameters": 10, "final_loss": 0.0}
+    row = _summarise("x", compression, [part], 0, 2, window=24)
+    assert row["statistic"] == statistic
+    assert row["step_time_s"] == pytest.approx(0.15 if statistic == "median" else sum(steps) / 16)
