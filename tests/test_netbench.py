@@ -136,6 +136,14 @@ def test_with_a_run_without_exchanges_the_compute_takes_dense_allreduces_share_b
     assert launch_compute(runs, "dense") == pytest.approx(0.30)
     assert launch_compute(runs, NO_EXCHANGE) == pytest.approx(0.20)
     assert launch_compute(runs, "redsync", work=lambda r: None) is None   # a row without its local work
+    # local steps without an exchange alone (sbc): the no-exchange row's own steps, its update included
+    sbc = {**local(0.26, 0.004, 0.001, wire=5), "statistic": "mean"}
+    assert launch_compute({**runs, "sbc": sbc}, "sbc") == pytest.approx(0.17 + 0.03 + 0.08 * 5 / 1000)
+    row = {k: v for k, v in sbc.items() if k != "statistic"}   # results.csv's form: the status says it
+    assert launch_compute({**runs, "sbc": {**row, "status": "ok (mean of 20 steps)"}}, "sbc") == \
+        launch_compute({**runs, "sbc": sbc}, "sbc")
+    # an exchange every step with no exchange alone: nothing in the launch stands for it
+    assert launch_compute({**runs, "topk": {**row, "status": "ok (median of 20 steps)"}}, "topk") is None
     # part_errors.py's table: one line per launch (results file, model, hosts, Mbit/s, latency)
     lines = parts_table({("r.csv", "m", 2, None, 0.0): runs, ("r.csv", "m", 4, None, 0.0): {}}, in_run_work)
     assert lines[2:] == ["| r.csv | m | 2 | unshaped | 0.0 | 0.1700 | 0.0300 | 0.0500 | 0.0800 |"]

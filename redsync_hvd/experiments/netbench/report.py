@@ -127,20 +127,32 @@ def launch_compute(runs: dict, label: str, work=None) -> float | None:
        thread copies and sums on the cores that compute (on VGG-FC at 2 ranks of the 2-core VM, up
        to 0.03 s a step for dense's 72 MB); a compressed exchange sends a hundredth of that.
 
+    2'. A method with local steps that has no ``/comm`` row (SBC: its exchange spans local steps) runs
+       the no-exchange row's own local steps: its update is ``no-exchange/comm``'s. What its
+       exchange step does beside the timed phases is then left out, spread over its round.
+
     For dense itself steps 1-3 give back dense's own local work: its prediction then checks the
     collectives alone. Launches without the ``no-exchange`` rows take step 1 as dense's local work
     less ``dense/comm``'s, which holds dense's step 3 for every method. ``work(row)``: a row's local
     work (default ``in_run_work``; None where a row cannot give it)."""
     work = work or in_run_work
     run, own, parts = runs.get(label), runs.get(f"{label}/comm"), compute_parts(runs, work)
-    if parts is None or not (run and own) or run.get("comm_only") or label.endswith("/comm"):
+    if parts is None or not run or run.get("comm_only") or label.endswith("/comm"):
         return None
-    exchange = work(own)                                                                            # 2.
-    if exchange is None:
+    if own is None and "update" in parts and _local_steps(run):
+        exchange = parts["update"]   # 2'. local steps with no exchange alone (sbc): no-exchange's own steps
+    elif own is None or (exchange := work(own)) is None:                                            # 2.
         return None
-    exchange -= run["select_s"] + run["decompress_s"]
+    else:
+        exchange -= run["select_s"] + run["decompress_s"]
     per_byte = parts.get("beside_per_byte", 0.0)                                                   # 3.
     return max(parts["forward_backward"] + exchange + per_byte * (run.get("wire_bytes_per_step") or 0.0), 0.0)
+
+
+def _local_steps(run: dict) -> bool:
+    """A run timed as the mean over whole rounds of local steps (a result's ``statistic``, or a
+    results.csv row's ``status``)."""
+    return run.get("statistic") == "mean" or str(run.get("status", "")).startswith("ok (mean")
 
 
 def compute_parts(runs: dict, work=None) -> dict | None:
