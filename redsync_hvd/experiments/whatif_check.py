@@ -27,7 +27,7 @@ import torch
 import yaml
 
 from redsync_hvd.compressors.base import Layer
-from redsync_hvd.config import parse_compression
+from redsync_hvd.config import exchange_every, parse_compression
 from redsync_hvd.config.compression import DECENTRALIZED, MOVED, expand_shorthands
 from redsync_hvd.experiments.netbench.worker import DEFAULTS, build
 from redsync_hvd.experiments.whatif import price
@@ -48,13 +48,14 @@ class Cell:
     specs: dict = field(default_factory=dict)     # method label -> its compression settings
 
 
-def current(spec: dict) -> dict:
+def current(spec: dict, rounds: bool = False) -> dict:
     """A compression section of an older sweep with its flat keys where they live now
-    (``threshold_reuse: 5`` -> ``selection: {threshold_reuse: 5}``). The recorded sweeps ran
-    RedSync every step, before ``local_steps: auto`` became its default: a section that does not
-    name ``local_steps`` is priced as it ran."""
+    (``threshold_reuse: 5`` -> ``selection: {threshold_reuse: 5}``). Sweeps recorded before
+    ``local_steps: auto`` became RedSync's default ran it every step: a section that does not name
+    ``local_steps`` is priced as it ran, every step unless its row was timed over rounds of local
+    steps (``rounds``: the row's status says "mean")."""
     out = expand_shorthands({k: v for k, v in spec.items() if k not in MOVED or k == "layers"})
-    if out.get("method") == "redsync":
+    if out.get("method") == "redsync" and not rounds:
         out.setdefault("local_steps", 1)
     for key, value in spec.items():
         if key in MOVED and key != "layers":
@@ -88,7 +89,7 @@ def cells(path: Path) -> list:
                             models[row["model"]], int(row["hosts"]), Network(alpha, mbit * 1e6 / 8),
                             float(row["compute_nproc_s"]))
         out[key].rows[row["method"]] = row
-        out[key].specs[row["method"]] = current(spec)
+        out[key].specs[row["method"]] = current(spec, rounds=row.get("status", "").startswith("ok (mean"))
     return list(out.values())
 
 
@@ -103,17 +104,19 @@ def layers_of(model: dict) -> list:
 
 
 def recorded_rates(row: dict, spec: dict, layers: list) -> ComputeModel | None:
-    """The method's measured selection and decoding per step, per element of the layers it
+    """The method's measured selection and decoding per exchange, per element of the layers it
     compressed (the ``compressed_layers`` largest; every layer its size floor admits where the row
-    counts none, as for PowerSGD, whose factors travel as an allreduce); None for none."""
+    counts none, as for PowerSGD, whose factors travel as an allreduce); None for none. A row with
+    local steps recorded them per step, a round's mean: ``price`` spreads an exchange over its round."""
     config = parse_compression(spec)
+    every = exchange_every(spec)
     if config.method == "none":
         return None
     count = int(_number(row.get("compressed_layers")) or 0)
     floor = getattr(getattr(config, "policy", None), "min_compress_numel", 0)
     sizes = sorted((l.numel for l in layers), reverse=True)
     chosen = sizes[:count] if count else [n for n in sizes if n >= floor]
-    local = float(row["select_s"]) + float(row["decompress_s"])
+    local = (float(row["select_s"]) + float(row["decompress_s"])) * every
     return ComputeModel(select_c0=0.0, select_c1=local / max(sum(chosen), 1), decompress_c0=0.0, decompress_c1=0.0)
 
 
