@@ -29,6 +29,7 @@ import yaml
 from redsync_hvd.compressors.base import Layer
 from redsync_hvd.config import exchange_every, parse_compression
 from redsync_hvd.config.compression import DECENTRALIZED, MOVED, expand_shorthands
+from redsync_hvd.experiments.netbench.report import timed_over_rounds
 from redsync_hvd.experiments.netbench.worker import DEFAULTS, build
 from redsync_hvd.experiments.whatif import price
 from redsync_hvd.policy.costmodel import ComputeModel, Network
@@ -89,7 +90,7 @@ def cells(path: Path) -> list:
                             models[row["model"]], int(row["hosts"]), Network(alpha, mbit * 1e6 / 8),
                             float(row["compute_nproc_s"]))
         out[key].rows[row["method"]] = row
-        out[key].specs[row["method"]] = current(spec, rounds=row.get("status", "").startswith("ok (mean"))
+        out[key].specs[row["method"]] = current(spec, rounds=timed_over_rounds(row))
     return list(out.values())
 
 

@@ -139,7 +139,7 @@ def launch_compute(runs: dict, label: str, work=None) -> float | None:
     run, own, parts = runs.get(label), runs.get(f"{label}/comm"), compute_parts(runs, work)
     if parts is None or not run or run.get("comm_only") or label.endswith("/comm"):
         return None
-    if own is None and "update" in parts and _local_steps(run):
+    if own is None and "update" in parts and timed_over_rounds(run):
         exchange = parts["update"]   # 2'. local steps with no exchange alone (sbc): no-exchange's own steps
     elif own is None or (exchange := work(own)) is None:                                            # 2.
         return None
@@ -149,7 +149,7 @@ def launch_compute(runs: dict, label: str, work=None) -> float | None:
     return max(parts["forward_backward"] + exchange + per_byte * (run.get("wire_bytes_per_step") or 0.0), 0.0)
 
 
-def _local_steps(run: dict) -> bool:
+def timed_over_rounds(run: dict) -> bool:
     """A run timed as the mean over whole rounds of local steps (a result's ``statistic``, or a
     results.csv row's ``status``)."""
     return run.get("statistic") == "mean" or str(run.get("status", "")).startswith("ok (mean")
