@@ -153,6 +153,24 @@ def test_conservation_with_every_quantiser(n, steps, density, quantize, coding, 
     assert torch.allclose(sent + mem.residual["w"].double(), total, atol=1e-4)
 
 
+@pytest.mark.parametrize("quantize", ["fp16", "int8", "sign_mean"])
+def test_the_residual_update_takes_the_positions_it_encoded_as_a_receiver_decodes_them(quantize):
+    # exact top-k returns its positions unordered; Golomb coding sends them ascending with their values:
+    # the memory's update (no second decode of its own payload) equals a receiver's decode, bit for bit
+    comp, _ = build_compressor({"method": "redsync", "density": 0.05, "selection": {"method": "exact"},
+                                "message": {"quantize": quantize, "index_coding": "golomb"},
+                                "dgc": {"momentum_correction": False}})
+    x = torch.randn(4000, generator=torch.Generator().manual_seed(3))
+    lay = layer(4000, 0.05)
+    msg = comp.compress(x, lay, 0)
+    assert bool((msg.positions[1:] > msg.positions[:-1]).all())
+    decoded = x.clone()
+    comp.decompress_add(decoded, msg.tensors, lay, alpha=-1.0)
+    updated = x.clone()
+    ResidualMemory().update(lay, updated, msg, comp)
+    assert torch.equal(updated, decoded) and not torch.equal(updated, x)
+
+
 def test_momentum_correction_masks_sent_velocity_and_rolls_back():
     mem = MomentumCorrectionMemory(0.9, masking=True)
     v = mem.compensate("w", torch.ones(4)).x

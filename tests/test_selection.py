@@ -290,6 +290,25 @@ def test_reuse_researches_when_count_leaves_band(method, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("method", ("trimmed", "tbs", "sampled"))
+def test_reuse_above_the_band_takes_the_rank_1_5k_value_of_what_it_counted(method, backend):
+    # the count at the old threshold is past 2k: the new threshold is the ~1.5k-th largest |x| among
+    # the elements counted (torch.topk's, ties included), and tbs/sampled send the elements above it
+    x, k = torch.round(sample("laplace", 50000, seed=5) * 64) / 64, 50   # rounded: ties at every rank
+    s = SelectionState()
+    select_topk(x, k, method, state=s, threshold_reuse=100, backend=backend)
+    y = x * 1.5
+    counted = y.abs()[y.abs() > s.threshold]
+    idx = select_topk(y, k, method, state=s, threshold_reuse=100, backend=backend)
+    assert 2 * k < counted.numel() <= max(8 * k, 1024) and s.searches == 2   # within the pass's cap: no new pass
+    assert s.threshold == float(torch.topk(counted, k + (k + 1) // 2 + 1).values.min())
+    if method == "trimmed":
+        assert idx.numel() == k
+    else:
+        assert torch.equal(torch.sort(idx).values, (y.abs() > s.threshold).nonzero().flatten())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("method", ("trimmed", "tbs", "sampled"))
 def test_reuse_low_count_inside_band_loosens_without_search(method, backend):
     x, k = sample("gauss", 50000, seed=4), 100  # a tail where thr * 0.8 is a moderate step
     s = SelectionState()

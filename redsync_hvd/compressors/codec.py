@@ -78,16 +78,19 @@ class MessageCodec:
         """The float32 values that :meth:`to_wire`'s list (or sign_mean's [mean]) stands for."""
         return value[0].float() * value[1].float() if self.scaled else value[0].float()
 
+    def in_order(self, positions: torch.Tensor, value: list) -> tuple:
+        """(positions, value) as :meth:`encode` sends them: Golomb-coded positions go ascending, their
+        values with them (a threshold select's are ascending already); raw ones as selected."""
+        if not self.golomb or positions.numel() < 2 or bool((positions[1:] > positions[:-1]).all()):
+            return positions, value
+        order = torch.argsort(positions)
+        return positions[order], value if self.mean else [value[0][order], *value[1:]]
+
     def encode(self, positions: torch.Tensor, value: list, layer) -> list:
         """[positions (int32 or Golomb-coded), *value]; ``value``: :meth:`to_wire`'s list, or
-        [the one mean (1,)] with sign_mean. Golomb-coded positions go in order, their values with them."""
+        [the one mean (1,)] with sign_mean; both as :meth:`in_order` gives them."""
         if not self.golomb:
             return [positions.to(layer.index_dtype), *value]
-        if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):   # a threshold select's
-            order = torch.argsort(positions)                                              # are ascending already
-            positions = positions[order]
-            if not self.mean:
-                value = [value[0][order], *value[1:]]
         payload, b = encode_positions(positions.cpu(), layer.numel)
         meta = torch.tensor([positions.numel(), b], dtype=torch.int32)
         return [payload.to(positions.device), meta.to(positions.device), *value]
@@ -99,9 +102,12 @@ class MessageCodec:
         count, b = (int(v) for v in tensors[1].tolist())
         return decode_positions(tensors[0].cpu(), count, b).to(tensors[0].device)
 
-    def decode_add(self, out: torch.Tensor, tensors: list, layer, alpha: float = 1.0) -> None:
-        """out += alpha * the message, out flat float32 of the layer's size."""
-        idx = self.positions(tensors, layer).to(out.device)
+    def decode_add(self, out: torch.Tensor, tensors: list, layer, alpha: float = 1.0,
+                   positions: torch.Tensor | None = None) -> None:
+        """out += alpha * the message, out flat float32 of the layer's size. ``positions``: the int64
+        positions the message carries, where the caller has them (its own message, as :meth:`in_order`
+        gave them): the payload is then not decoded again."""
+        idx = (self.positions(tensors, layer) if positions is None else positions).to(out.device)
         if not idx.numel():
             return
         value = self.values(tensors).to(device=out.device, dtype=out.dtype)

@@ -111,6 +111,7 @@ class RedSyncCompressor(Compressor):
 
     def _message(self, idx: torch.Tensor, value: list, layer: Layer, selected: int) -> Message:
         codec = self.codec_of(layer)
+        idx, value = codec.in_order(idx, value)
         return Message(codec.encode(idx, value, layer), codec.kinds, selected=selected, k=layer.k,
                        positions=idx)
 
@@ -163,6 +164,10 @@ class RedSyncCompressor(Compressor):
     # -- decompress -----------------------------------------------------------
     def decompress_add(self, out, tensors, layer, alpha=1.0, ctx=None):
         self.codec_of(layer).decode_add(out, tensors, layer, alpha)
+
+    def subtract_sent(self, x, message, layer):
+        # the positions as encoded (``_message``): a Golomb payload is not decoded again
+        self.codec_of(layer).decode_add(x, message.tensors, layer, -1.0, positions=message.positions)
 
     # -- state ----------------------------------------------------------------
     def state_dict(self) -> dict:

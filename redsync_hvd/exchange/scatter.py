@@ -67,8 +67,9 @@ class ScatterBucket(Bucket):
 
 def _positions(message, golomb: bool) -> torch.Tensor:
     """A message's positions, raw: Golomb-coded ones are re-coded per owner, in order (as their
-    values travel), so the bucket takes the positions the compressor kept beside the code."""
-    return torch.sort(message.positions.reshape(-1)).values if golomb else message.tensors[0]
+    values travel), so the bucket takes the positions the compressor kept beside the code, ascending
+    as the codec sent them (``MessageCodec.in_order``)."""
+    return message.positions.reshape(-1) if golomb else message.tensors[0]
 
 
 class ScatterGroup:

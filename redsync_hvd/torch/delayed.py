@@ -134,9 +134,10 @@ class LocalRounds:
             for name, p in self.params.items():
                 if averaged is None:
                     p.copy_(self.snapshot[name])
-                elif name in averaged:
-                    p.copy_(self.snapshot[name] + self.outer_step(name, averaged[name].view(p.shape)).to(p.dtype))
-                    self.snapshot[name].copy_(p)
+                elif name in averaged:   # W += step, in place: two passes over the weights fewer than W + step
+                    w = self.snapshot[name]
+                    w.add_(self.outer_step(name, averaged[name].view(p.shape)).to(p.dtype))
+                    p.copy_(w)
         self.local, self.sync_next = 0, False
         self.nonfinite.clear()
 
