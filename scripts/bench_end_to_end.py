@@ -53,7 +53,10 @@ from redsync_hvd.experiments.netbench import allocator, netns
 from redsync_hvd.experiments.netbench.launcher import LaunchError, launch
 from redsync_hvd.experiments.netbench.mpi_launcher import launch_mpi
 from redsync_hvd.experiments.netbench.report import (
+    MPI,
     MPI_DENSE,
+    NO_EXCHANGE,
+    NO_EXCHANGE_MPI,
     build_rows,
     markdown,
     no_exchange_runs,
@@ -65,7 +68,7 @@ from redsync_hvd.policy import costmodel as cm
 
 WORKER = "redsync_hvd.experiments.netbench.worker"
 
-COLUMNS = ["model", "method", "hosts", "bandwidth_mbit", "latency_ms", "step_time_s", "speedup_vs_dense",
+COLUMNS = ["model", "method", "launch", "hosts", "bandwidth_mbit", "latency_ms", "step_time_s", "speedup_vs_dense",
            "wire_bytes_per_step", "dense_bytes_per_step", "compression_ratio", "compute_s", "select_s",
            "communicate_s", "decompress_s", "overhead_pct_of_compute", "compute_alone_s", "compute_nproc_s",
            "compute_launch_s", "compute_source",
@@ -250,28 +253,27 @@ def run_setting(cfg, net_cfg, models, methods, run_dir: Path, log) -> tuple[list
                 # mpi4py's neighbour exchange needs an MPI world: these methods, and dense
                 # Horovod as their same-launch baseline ("dense/mpi"), run under mpirun
                 mine = [(MPI_DENSE, {"method": "none"})] + dec_methods
-                extra = _launch_model(cfg, net, model, mine, tag, run_dir, log, probe_bytes, launch_mpi, "-mpi",
-                                      comm_only=False)
+                extra = _launch_model(cfg, net, model, mine, tag, run_dir, log, probe_bytes, launch_mpi, "-mpi")
                 if extra is not None:
                     for entry in extra["runs"].values():
-                        entry["network_probe"] = extra.get("network_probe")
+                        entry.update(network_probe=extra.get("network_probe"), launch=MPI)
                     result = result or {"runs": {}, "size": hosts}
                     result["runs"].update(extra["runs"])
             results.append((model, result))
     return results, probe
 
 
-def _launch_model(cfg, net, model, methods, tag, run_dir, log, probe_bytes, launcher, suffix, comm_only=True):
-    """One worker launch for ``model``: every method in ``methods`` (and its "/comm" twin),
-    interleaved over rounds. Returns rank 0's result, or None after two failed tries."""
+def _launch_model(cfg, net, model, methods, tag, run_dir, log, probe_bytes, launcher, suffix):
+    """One worker launch for ``model``: every method in ``methods`` (and its "/comm" twin where
+    ``comm_only`` names it; "dense/mpi" goes with "dense"), interleaved over rounds. Returns rank 0's
+    result, or None after two failed tries."""
     if not methods:
         return None
     runs = [{"label": name, "compression": comp} for name, comp in methods]
-    if comm_only:
-        runs += [{"label": f"{name}/comm", "compression": comp, "comm_only": True} for name, comp in methods
-                 if name in cfg["comm_only"] and int(comp.get("local_steps", 1) or 1) == 1]
-    if comm_only and cfg["comm_only"]:   # the prediction's forward, backward and update (report.launch_compute)
-        runs += no_exchange_runs()
+    runs += [{"label": f"{name}/comm", "compression": comp, "comm_only": True} for name, comp in methods
+             if name.removesuffix("/mpi") in cfg["comm_only"] and int(comp.get("local_steps", 1) or 1) == 1]
+    if cfg["comm_only"]:   # the prediction's forward, backward and update (report.launch_compute)
+        runs += no_exchange_runs(NO_EXCHANGE_MPI if launcher is launch_mpi else NO_EXCHANGE)
     # Horovod's alpha/B are fitted up to a message of the size that dominates a dense
     # step (the 67 MB FC gradient): the rate of a few-MB allreduce varies between runs of
     # the same link far more than that of the large transfer itself

@@ -50,7 +50,7 @@ def launches_of(path: str) -> dict:
     launches = {}
     for r in csv.DictReader(open(path)):
         if r.get("step_time_s") and r.get("predicted_step_time_s"):
-            f = {k: _number(v) for k, v in r.items()} | {"status": r.get("status", "")}
+            f = {k: _number(v) for k, v in r.items()} | {"status": r.get("status", ""), "launch": r.get("launch", "")}
             launches.setdefault((r["model"], r["hosts"], r["bandwidth_mbit"], r["latency_ms"]), {})[r["method"]] = f
     return launches
 

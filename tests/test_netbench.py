@@ -122,7 +122,15 @@ def test_with_a_run_without_exchanges_the_compute_takes_dense_allreduces_share_b
     """Forward and backward from the launch's run without exchanges less its update; dense's local
     work beyond that and its exchange alone is what its allreduce takes from the cores, charged to
     every method by its bytes on the wire: dense still gets its own local work back."""
-    from redsync_hvd.experiments.netbench.report import NO_EXCHANGE, in_run_work, launch_compute, parts_table
+    from redsync_hvd.experiments.netbench.report import (
+        MPI,
+        MPI_DENSE,
+        NO_EXCHANGE,
+        NO_EXCHANGE_MPI,
+        in_run_work,
+        launch_compute,
+        parts_table,
+    )
 
     def local(seconds, select=0.0, decompress=0.0, comm_only=False, wire=0):
         return {"per_rank": [{"compute_s": seconds - select - decompress, "select_s": select,
@@ -144,9 +152,21 @@ def test_with_a_run_without_exchanges_the_compute_takes_dense_allreduces_share_b
         launch_compute({**runs, "sbc": sbc}, "sbc")
     # an exchange every step with no exchange alone: nothing in the launch stands for it
     assert launch_compute({**runs, "topk": {**row, "status": "ok (median of 20 steps)"}}, "topk") is None
-    # part_errors.py's table: one line per launch (results file, model, hosts, Mbit/s, latency)
-    lines = parts_table({("r.csv", "m", 2, None, 0.0): runs, ("r.csv", "m", 4, None, 0.0): {}}, in_run_work)
-    assert lines[2:] == ["| r.csv | m | 2 | unshaped | 0.0 | 0.1700 | 0.0300 | 0.0500 | 0.0800 |"]
+    # the mpirun launch beside it (the decentralized methods, dense/mpi): its own rows, never the Gloo launch's
+    mpi = {label: {**row, "launch": MPI} for label, row in {
+        MPI_DENSE: local(0.40, wire=1000), f"{MPI_DENSE}/comm": local(0.06, comm_only=True, wire=1000),
+        "dcd": local(0.33, 0.05, wire=100), "dcd/comm": local(0.09, 0.05, comm_only=True, wire=100),
+        NO_EXCHANGE_MPI: local(0.26), f"{NO_EXCHANGE_MPI}/comm": local(0.04, comm_only=True)}.items()}
+    both = {**runs, **mpi}
+    # forward and backward 0.26 - 0.04; dense/mpi's allreduce takes 0.40 - 0.22 - 0.06 = 0.12 for 1000 bytes
+    assert launch_compute(both, "dcd") == pytest.approx(0.22 + (0.09 - 0.05) + 0.12 * 100 / 1000)
+    assert launch_compute(both, MPI_DENSE) == pytest.approx(0.40)
+    assert launch_compute(both, "redsync") == launch_compute(runs, "redsync")
+    assert launch_compute({**runs, "dcd": mpi["dcd"]}, "dcd") is None   # no mpirun rows: compute alone stands in
+    # part_errors.py's table: one line per launch (results file, model, hosts, Mbit/s, latency, launch)
+    lines = parts_table({("r.csv", "m", 2, None, 0.0): both, ("r.csv", "m", 4, None, 0.0): {}}, in_run_work)
+    assert lines[2:] == ["| r.csv | m | 2 | unshaped | 0.0 | gloo | 0.1700 | 0.0300 | 0.0500 | 0.0800 |",
+                         "| r.csv | m | 2 | unshaped | 0.0 | mpi | 0.2200 | 0.0400 | 0.0600 | 0.1200 |"]
 
 
 def test_bench_configs_validate():

@@ -16,13 +16,21 @@ from .predict import network as cm_network
 MPI_DENSE = "dense/mpi"   # dense Horovod, launched with the decentralized methods under mpirun
 # forward, backward and the update in the launch, with no exchange: local steps whose round never ends
 NO_EXCHANGE = "no-exchange"
+NO_EXCHANGE_MPI = "no-exchange/mpi"   # the same in the mpirun launch
 NO_EXCHANGE_COMPRESSION = {"method": "redsync", "local_steps": 10 ** 9}
+MPI = "mpi"   # a result entry's (and a results.csv row's) ``launch`` where it ran under mpirun
 
 
-def no_exchange_runs() -> list:
+def no_exchange_runs(label: str = NO_EXCHANGE) -> list:
     """The launch's runs that give ``launch_compute`` its forward, backward and update."""
-    return [{"label": NO_EXCHANGE, "compression": NO_EXCHANGE_COMPRESSION},
-            {"label": f"{NO_EXCHANGE}/comm", "compression": NO_EXCHANGE_COMPRESSION, "comm_only": True}]
+    return [{"label": label, "compression": NO_EXCHANGE_COMPRESSION},
+            {"label": f"{label}/comm", "compression": NO_EXCHANGE_COMPRESSION, "comm_only": True}]
+
+
+def launch_rows(run: dict) -> tuple:
+    """(dense's label, the no-exchange row's label) in the launch that ran ``run``: the mpirun
+    launch's (the decentralized methods) or the Gloo launch's."""
+    return (MPI_DENSE, NO_EXCHANGE_MPI) if run.get("launch") == MPI else ("dense", NO_EXCHANGE)
 
 
 def build_rows(cfg, setting, model, result, methods, probe, compute) -> list[dict]:
@@ -36,7 +44,7 @@ def build_rows(cfg, setting, model, result, methods, probe, compute) -> list[dic
     net = cm_network(bw, lat, alpha0)                       # nominal: tbf rate, added + base latency
     fusion = fusion_bytes(result.get("horovod_env"))
     labels = [name for name, _ in methods] + [k for k in result["runs"] if k.endswith("/comm") or
-                                               k in (MPI_DENSE, NO_EXCHANGE)]
+                                               k in (MPI_DENSE, NO_EXCHANGE, NO_EXCHANGE_MPI)]
     for name in labels:
         r = result["runs"].get(name)
         if r is None:
@@ -54,7 +62,8 @@ def build_rows(cfg, setting, model, result, methods, probe, compute) -> list[dic
         c_launch = launch_compute(result["runs"], name)
         p = predict(r, hosts, net, c_n if c_launch is None else c_launch, fusion)
         row = dict(
-            base, method=name, step_time_s=r["step_time_s"], wire_bytes_per_step=r["wire_bytes_per_step"],
+            base, method=name, launch=r.get("launch", "gloo"), step_time_s=r["step_time_s"],
+            wire_bytes_per_step=r["wire_bytes_per_step"],
             dense_bytes_per_step=r["dense_bytes_per_step"], compression_ratio=r.get("compression_ratio"),
             compute_s=r["compute_s"], select_s=r["select_s"], communicate_s=r["communicate_s"],
             decompress_s=r["decompress_s"],
@@ -85,10 +94,11 @@ def speedups(rows: list, methods) -> list:
     methods ran under mpirun with "dense/mpi", the /comm rows against "dense/comm", the others
     under Gloo with "dense"."""
     by = {row["method"]: row for row in rows}
-    mpi_launch = {n for n, c in methods if (c or {}).get("method") in DECENTRALIZED} | {MPI_DENSE}
+    mpi_launch = {n for n, c in methods if (c or {}).get("method") in DECENTRALIZED} | {MPI_DENSE, NO_EXCHANGE_MPI}
     for row in rows:
-        base_label = "dense/comm" if row["method"].endswith("/comm") else (
-            MPI_DENSE if row["method"] in mpi_launch else "dense")
+        name = row["method"].removesuffix("/comm")
+        dense = MPI_DENSE if name in mpi_launch or row.get("launch") == MPI else "dense"
+        base_label = f"{dense}/comm" if row["method"].endswith("/comm") else dense
         dense = by.get(base_label)
         if dense and row.get("step_time_s") and dense.get("step_time_s"):
             row["speedup_vs_dense"] = dense["step_time_s"] / row["step_time_s"]
@@ -136,8 +146,11 @@ def launch_compute(runs: dict, label: str, work=None) -> float | None:
     less ``dense/comm``'s, which holds dense's step 3 for every method. ``work(row)``: a row's local
     work (default ``in_run_work``; None where a row cannot give it)."""
     work = work or in_run_work
-    run, own, parts = runs.get(label), runs.get(f"{label}/comm"), compute_parts(runs, work)
-    if parts is None or not run or run.get("comm_only") or label.endswith("/comm"):
+    run, own = runs.get(label), runs.get(f"{label}/comm")
+    if not run or run.get("comm_only") or label.endswith("/comm"):
+        return None
+    parts = compute_parts(runs, work, *launch_rows(run))
+    if parts is None:
         return None
     if own is None and "update" in parts and timed_over_rounds(run):
         exchange = parts["update"]   # 2'. local steps with no exchange alone (sbc): no-exchange's own steps
@@ -155,22 +168,23 @@ def timed_over_rounds(run: dict) -> bool:
     return run.get("statistic") == "mean" or str(run.get("status", "")).startswith("ok (mean")
 
 
-def compute_parts(runs: dict, work=None) -> dict | None:
-    """``launch_compute``'s parts of one launch, seconds a step: forward and backward (step 1), and
-    with the ``no-exchange`` rows the update alone, dense's exchange alone, what dense's allreduce
-    takes beside the backward (step 3) and that per byte. None without dense's two rows."""
+def compute_parts(runs: dict, work=None, dense: str = "dense", no_exchange: str = NO_EXCHANGE) -> dict | None:
+    """``launch_compute``'s parts of one launch (its rows ``dense`` and ``no_exchange``: the Gloo
+    launch's, or ``launch_rows``' of the mpirun launch), seconds a step: forward and backward (step
+    1), and with the no-exchange rows the update alone, dense's exchange alone, what dense's
+    allreduce takes beside the backward (step 3) and that per byte. None without dense's two rows."""
     work = work or in_run_work
-    names = ("dense", "dense/comm", NO_EXCHANGE, f"{NO_EXCHANGE}/comm")
+    names = (dense, f"{dense}/comm", no_exchange, f"{no_exchange}/comm")
     local = {n: work(runs[n]) for n in names if runs.get(n) is not None}
-    if not ("dense" in local and "dense/comm" in local) or None in local.values():
+    if not (dense in local and f"{dense}/comm" in local) or None in local.values():
         return None
-    if NO_EXCHANGE not in local or f"{NO_EXCHANGE}/comm" not in local:
-        return {"forward_backward": local["dense"] - local["dense/comm"]}
-    forward_backward = local[NO_EXCHANGE] - local[f"{NO_EXCHANGE}/comm"]                          # 1.
-    beside = local["dense"] - forward_backward - local["dense/comm"]
-    wire = runs["dense"].get("wire_bytes_per_step")
-    return {"forward_backward": forward_backward, "update": local[f"{NO_EXCHANGE}/comm"],
-            "dense_exchange": local["dense/comm"], "beside": beside,
+    if no_exchange not in local or f"{no_exchange}/comm" not in local:
+        return {"forward_backward": local[dense] - local[f"{dense}/comm"]}
+    forward_backward = local[no_exchange] - local[f"{no_exchange}/comm"]                          # 1.
+    beside = local[dense] - forward_backward - local[f"{dense}/comm"]
+    wire = runs[dense].get("wire_bytes_per_step")
+    return {"forward_backward": forward_backward, "update": local[f"{no_exchange}/comm"],
+            "dense_exchange": local[f"{dense}/comm"], "beside": beside,
             "beside_per_byte": max(beside, 0.0) / wire if wire else 0.0}
 
 
@@ -180,12 +194,13 @@ def parts_table(launches: dict, work) -> list:
     {method: the row's numbers}; ``work(row)``: a recorded row's local work."""
     lines = []
     for (path, model, hosts, bw, lat), rows in launches.items():
-        parts = compute_parts(rows, work=work)
-        if parts and "beside" in parts:
-            lines.append(f"| {path} | {model} | {hosts} | {bw or 'unshaped'} | {lat} | " + " | ".join(
-                f"{parts[k]:.4f}" for k in ("forward_backward", "update", "dense_exchange", "beside")) + " |")
-    return ["| results | model | hosts | Mbit/s | latency ms | forward and backward | update | dense's exchange "
-            "| dense beside |", "|---|---|---|---|---|---|---|---|---|"] + lines if lines else []
+        for launch in ("gloo", MPI):
+            parts = compute_parts(rows, work, *launch_rows({"launch": launch}))
+            if parts and "beside" in parts:
+                lines.append(f"| {path} | {model} | {hosts} | {bw or 'unshaped'} | {lat} | {launch} | " + " | ".join(
+                    f"{parts[k]:.4f}" for k in ("forward_backward", "update", "dense_exchange", "beside")) + " |")
+    return ["| results | model | hosts | Mbit/s | latency ms | launch | forward and backward | update "
+            "| dense's exchange | dense beside |", "|---|---|---|---|---|---|---|---|---|---|"] + lines if lines else []
 
 
 PARTS = ("compute", "overhead", "comm")
