@@ -156,7 +156,8 @@ def test_conservation_with_every_quantiser(n, steps, density, quantize, coding, 
 @pytest.mark.parametrize("quantize", ["fp16", "int8", "sign_mean"])
 def test_the_residual_update_takes_the_positions_it_encoded_as_a_receiver_decodes_them(quantize):
     # exact top-k returns its positions unordered; Golomb coding sends them ascending with their values:
-    # the memory's update (no second decode of its own payload) equals a receiver's decode, bit for bit
+    # the memory's update (the sender's tensors know their positions: no second decode of its own
+    # payload) equals a receiver's decode of the same tensors as a plain list, bit for bit
     comp, _ = build_compressor({"method": "redsync", "density": 0.05, "selection": {"method": "exact"},
                                 "message": {"quantize": quantize, "index_coding": "golomb"},
                                 "dgc": {"momentum_correction": False}})
@@ -165,7 +166,7 @@ def test_the_residual_update_takes_the_positions_it_encoded_as_a_receiver_decode
     msg = comp.compress(x, lay, 0)
     assert bool((msg.positions[1:] > msg.positions[:-1]).all())
     decoded = x.clone()
-    comp.decompress_add(decoded, msg.tensors, lay, alpha=-1.0)
+    comp.decompress_add(decoded, list(msg.tensors), lay, alpha=-1.0)
     updated = x.clone()
     ResidualMemory().update(lay, updated, msg, comp)
     assert torch.equal(updated, decoded) and not torch.equal(updated, x)

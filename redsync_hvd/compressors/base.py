@@ -161,12 +161,6 @@ class Compressor(ABC):
                        ctx: Any = None) -> None:
         """out += alpha * decode(tensors); out is flat fp32 of layer.numel elements."""
 
-    def subtract_sent(self, x: torch.Tensor, message: Message, layer: Layer) -> None:
-        """x -= what receivers will decode from this rank's own ``message`` (the memory's update).
-        A compressor that kept what it encoded (the positions, in the payload's order) overrides it,
-        so as not to decode its own message again."""
-        self.decompress_add(x, message.tensors, layer, alpha=-1.0, ctx=message.ctx)
-
     def commit(self) -> None:  # noqa: B027 (stateless compressors keep nothing)
         """Every rank finished the step: keep the state it changed (PowerSGD's warm Q)."""
 

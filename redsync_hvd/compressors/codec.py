@@ -25,6 +25,17 @@ VALUE_DTYPES = {"none": torch.float32, "fp16": torch.float16, "int8": torch.int8
 INT8_LEVELS = 127   # codes in [-127, 127]: symmetric, so a value and its negation round alike
 
 
+class Encoded(list):
+    """An encoded message's wire tensors as its sender holds them, with the int64 positions they
+    encode (in the payload's order) beside them: the sender's own decode (the memory's update, x -=
+    what receivers decode) reads them instead of decoding its Golomb payload again. What a receiver
+    cuts out of the gathered payload is a plain list, decoded."""
+
+    def __init__(self, tensors: list, positions: torch.Tensor):
+        super().__init__(tensors)
+        self.positions = positions.to(torch.int64)
+
+
 class MessageCodec:
     """Encode and decode one layer's (positions, values) message; see the module docstring."""
 
@@ -90,24 +101,24 @@ class MessageCodec:
         """[positions (int32 or Golomb-coded), *value]; ``value``: :meth:`to_wire`'s list, or
         [the one mean (1,)] with sign_mean; both as :meth:`in_order` gives them."""
         if not self.golomb:
-            return [positions.to(layer.index_dtype), *value]
+            return Encoded([positions.to(layer.index_dtype), *value], positions)
         payload, b = encode_positions(positions.cpu(), layer.numel)
         meta = torch.tensor([positions.numel(), b], dtype=torch.int32)
-        return [payload.to(positions.device), meta.to(positions.device), *value]
+        return Encoded([payload.to(positions.device), meta.to(positions.device), *value], positions)
 
     def positions(self, tensors: list, layer) -> torch.Tensor:
-        """The int64 positions of an encoded message."""
+        """The int64 positions of an encoded message (its sender's :class:`Encoded` knows them)."""
+        known = getattr(tensors, "positions", None)
+        if known is not None:
+            return known
         if not self.golomb:
             return tensors[0].to(torch.int64)
         count, b = (int(v) for v in tensors[1].tolist())
         return decode_positions(tensors[0].cpu(), count, b).to(tensors[0].device)
 
-    def decode_add(self, out: torch.Tensor, tensors: list, layer, alpha: float = 1.0,
-                   positions: torch.Tensor | None = None) -> None:
-        """out += alpha * the message, out flat float32 of the layer's size. ``positions``: the int64
-        positions the message carries, where the caller has them (its own message, as :meth:`in_order`
-        gave them): the payload is then not decoded again."""
-        idx = (self.positions(tensors, layer) if positions is None else positions).to(out.device)
+    def decode_add(self, out: torch.Tensor, tensors: list, layer, alpha: float = 1.0) -> None:
+        """out += alpha * the message, out flat float32 of the layer's size."""
+        idx = self.positions(tensors, layer).to(out.device)
         if not idx.numel():
             return
         value = self.values(tensors).to(device=out.device, dtype=out.dtype)

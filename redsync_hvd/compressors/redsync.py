@@ -165,10 +165,6 @@ class RedSyncCompressor(Compressor):
     def decompress_add(self, out, tensors, layer, alpha=1.0, ctx=None):
         self.codec_of(layer).decode_add(out, tensors, layer, alpha)
 
-    def subtract_sent(self, x, message, layer):
-        # the positions as encoded (``_message``): a Golomb payload is not decoded again
-        self.codec_of(layer).decode_add(x, message.tensors, layer, -1.0, positions=message.positions)
-
     # -- state ----------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"selection": {n: s.state_dict() for n, s in self.selection_state.items()}}

@@ -103,7 +103,7 @@ class MomentumCorrectionMemory(ResidualMemory):
         sent_u = u.index_select(0, positions)
         # kept where it did not wait long; a multiply, not a boolean index: no read of the count to the host
         fresh = x.index_select(0, positions).abs() * (1.0 - self._m(layer.name)) <= sent_u.abs()
-        compressor.subtract_sent(x, message, layer)
+        compressor.decompress_add(x, message.tensors, layer, alpha=-1.0, ctx=message.ctx)
         u.index_copy_(0, positions, sent_u * fresh)
 
     def mask(self, name: str, indices: torch.Tensor) -> None:

@@ -95,7 +95,7 @@ class ResidualMemory:
     def update(self, layer, x: torch.Tensor, message, compressor) -> None:
         """x (this step's compensated buffer) -= what receivers will decode from ``message``:
         quantisation error stays in the residual."""
-        compressor.subtract_sent(x, message, layer)
+        compressor.decompress_add(x, message.tensors, layer, alpha=-1.0, ctx=message.ctx)
         self.mask(layer.name, message.positions)
 
     def update_aggregate(self, name: str, x: torch.Tensor, average: torch.Tensor) -> None:
