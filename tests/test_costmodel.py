@@ -192,7 +192,9 @@ class FakeComm:
         self.size, self.net, self.clock, self.extra, self.calls = size, net, clock, list(extra), 0
 
     def allreduce_async(self, tensor, name, average=True):
-        return tensor, cm.ring_allreduce(self.size, tensor.numel() * tensor.element_size(), self.net)
+        half = tensor.element_size() == 2 and tensor.is_floating_point()   # an fp16 sum costs the net's half_sum_s
+        return tensor, cm.ring_allreduce(self.size, tensor.numel() * tensor.element_size(), self.net) + \
+            (cm.half_sum(self.size, tensor.numel(), self.net) if half else 0.0)
 
     def wait(self, handle):
         tensor, t = handle
@@ -224,6 +226,34 @@ def test_probe_fit_exact_and_takes_max(monkeypatch):
     hi = cm.probe_network(FakeComm(8, true, clock, slow), repeats=5)
     lo = cm.probe_network(FakeComm(8, true, clock, slow), repeats=5, reduce=min)
     assert hi.alpha > true.alpha * 2 and lo.alpha == pytest.approx(true.alpha, rel=1e-6)
+
+
+def test_an_fp16_allreduce_is_priced_with_the_sum_it_was_measured_to_add(monkeypatch):
+    """Horovod sums fp16 on a CPU through float conversions. The probe times an fp32 and an fp16
+    allreduce of the same bytes, so the link cancels and the sum is left; the pricing adds it per
+    element a rank sums ((N-1)/N of them), to fp16's allreduces only, fused or alone."""
+    clock = [0.0]
+    monkeypatch.setattr(cm.time, "perf_counter", lambda: clock[0])
+    rate, n, N = 30e-9, 1_000_000, 4
+    measured, plain = Network(alpha=3e-5, bandwidth=1.25e9, half_sum_s=rate), Network(alpha=3e-5, bandwidth=1.25e9)
+    assert cm.probe_half_sum(FakeComm(N, measured, clock), nbytes=1 << 20, repeats=3) == pytest.approx(rate)
+    assert cm.probe_half_sum(FakeComm(N, plain, clock), nbytes=1 << 20, repeats=3) == 0.0
+    # a slow fp32 repeat makes fp16 look cheaper than fp32: the sum is never negative
+    slow32 = [0, 1.0, 1.0, 1.0, 0, 0, 0, 0, 0]
+    assert cm.probe_half_sum(FakeComm(N, measured, clock, slow32), nbytes=1 << 20, repeats=3) == 0.0
+    assert cm.probe_half_sum(FakeComm(1, measured, clock)) == 0.0
+    added = 0.75 * n * rate
+    assert cm.comm_time(n, 1.0, N, measured, "dense_fp16") - cm.comm_time(n, 1.0, N, plain, "dense_fp16") == \
+        pytest.approx(added)
+    assert cm.comm_time(n, 1.0, N, measured, "dense") == cm.comm_time(n, 1.0, N, plain, "dense")
+    assert cm.fused_dense_share(n, N, measured, fp16=True) - cm.fused_dense_share(n, N, plain, fp16=True) == \
+        pytest.approx(added)
+    # one fusion buffer of two fp16 layers and an fp32 one, and a bucket of compressed layers: only
+    # the fp16 elements outside the buckets are summed
+    layers = [(n, 1.0, "dense_fp16"), (n // 2, 1.0, "dense_fp16"), (n, 1.0, "dense"), (n, 0.001, "sign_mean")]
+    kw = dict(fusion_bytes=64 << 20, buckets=[[3]], finite_check=True)
+    assert cm.step_time(layers, N, measured, 0.1, **kw) - cm.step_time(layers, N, plain, 0.1, **kw) == \
+        pytest.approx(1.5 * added)
 
 
 sizes = st.floats(min_value=0, max_value=1e10, allow_nan=False)

@@ -72,6 +72,34 @@ def test_prediction_uses_measured_message_sizes():
     assert plan_from_run(psgd) == [(4000, 1.0, "dense"), (1000, 1.0, "dense")]
 
 
+def test_an_fp16_allreduce_is_priced_with_the_sum_its_launch_measured():
+    """A dense layer that sent half its fp32 bytes traveled as fp16 (the fp16 method, or a compressed
+    method's dense layers under ``policy.dense_values: fp16``); its allreduce is priced with the fp16
+    sum its launch's probe measured (``network_probe.half_sum_s``), in the nominal and in-run rows."""
+    from redsync_hvd.experiments.netbench.report import build_rows
+    layers = [{"name": "w", "group": "sparse", "wire_bytes": 4 * 1000 + 4, "dense_bytes": 4 * 1_000_000},
+              {"name": "b", "group": "dense", "wire_bytes": 2000, "dense_bytes": 4000}]
+    run = {"compression": {"method": "redsync", "local_steps": 1, "message": {"quantize": "sign_mean"}},
+           "layers": layers, "buckets": [["w"]]}
+    assert plan_from_run(run)[1] == (1000, 1.0, "dense_fp16")
+    assert plan_from_run(dict(run, layers=[dict(layers[1], wire_bytes=4000)]))[0] == (1000, 1.0, "dense")
+    n = 4_000_000
+    fp16 = {"compression": {"method": "fp16"}, "step_time_s": 1.0, "compute_s": 0.4, "select_s": 0.0,
+            "communicate_s": 0.6, "decompress_s": 0.0, "wire_bytes_per_step": 2 * n, "dense_bytes_per_step": 4 * n,
+            "statistic": "median", "steps_s": [1.0] * 5, "phases_s": {"communicate": [0.6] * 5},
+            "layers": [{"name": "w", "group": "dense", "wire_bytes": 2 * n, "dense_bytes": 4 * n}]}
+    probe = {"alpha_s": 1e-4, "bandwidth_Bps": 1.25e8}
+    compute = {"m": {"1": {"compute_s": 0.4}, "2": {"compute_s": 0.4}}}
+
+    def comm(half):
+        result = {"runs": {"fp16": fp16}, "network_probe": {**probe, "half_sum_s": half}}
+        row = build_rows({"base_latency_s": 1e-4}, {"hosts": 2, "bandwidth_mbit": 1000}, {"name": "m"}, result,
+                         [("fp16", {"method": "fp16"})], {}, compute)[0]
+        return row["predicted_comm_s"], row["predicted_in_run_s"]
+    (nominal0, in_run0), (nominal, in_run) = comm(0.0), comm(25e-9)
+    assert nominal - nominal0 == pytest.approx(0.5 * n * 25e-9) and in_run - in_run0 == pytest.approx(0.5 * n * 25e-9)
+
+
 def test_the_parts_errors_add_up_to_the_steps_and_name_the_part_that_missed(tmp_path):
     from redsync_hvd.experiments.netbench.report import markdown, part_errors, plots
     run = {"step_time_s": 1.0, "select_s": 0.1, "decompress_s": 0.05, "communicate_s": 0.5}

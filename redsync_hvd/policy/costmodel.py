@@ -3,7 +3,8 @@
 Framework-neutral, pure Python (``probe_network`` imports torch on demand).
 Sending m bytes costs ``alpha + m/B`` (alpha: seconds of latency per message,
 B: bytes/s). Assumes a homogeneous, full-duplex, contention-free network, no
-reduction arithmetic and no Horovod negotiation cycle (fold those into alpha).
+no Horovod negotiation cycle (fold it into alpha), and no reduction arithmetic beyond what an
+fp32 allreduce does at its bytes (``Network.half_sum_s`` prices what an fp16 one adds).
 Every collective takes 0 s for N = 1; sizes are bytes per worker per step.
 
 Why per-layer decisions: a ring allgather of m bytes per worker moves (N-1)*m bytes
@@ -32,9 +33,14 @@ FUSION_BYTES = 64 * 1024 * 1024  # Horovod's default HOROVOD_FUSION_THRESHOLD
 
 @dataclass
 class Network:
-    """alpha: seconds of latency per message; bandwidth: bytes per second per link."""
+    """alpha: seconds of latency per message; bandwidth: bytes per second per link; half_sum_s:
+    seconds per fp16 element that an allreduce's sum costs beyond an fp32 allreduce of the same
+    bytes (``probe_half_sum``). Horovod sums fp16 on a CPU one element at a time through float
+    conversions, tens of ns each: on a fast link that, not the halved bytes, sets fp16's time.
+    0 where not measured (NCCL sums fp16 on the GPU at about fp32's cost)."""
     alpha: float
     bandwidth: float
+    half_sum_s: float = 0.0
 
     @classmethod
     def from_config(cls, latency_s: float = 25e-6, bandwidth_gbit: float = 10.0) -> "Network":
@@ -53,6 +59,12 @@ def _log2ceil(n: int) -> int:
 def ring_allreduce(N: int, M: float, net: Network) -> float:
     """Ring allreduce (reduce-scatter + allgather): ``2(N-1)*alpha + 2(N-1)/N * M/B``."""
     return 0.0 if N <= 1 else 2 * (N - 1) * net.alpha + 2.0 * (N - 1) / N * M / net.bandwidth
+
+
+def half_sum(N: int, n: float, net: Network) -> float:
+    """What an fp16 ring allreduce of n elements adds to ``ring_allreduce`` of its bytes: each rank
+    sums (N-1)/N of the elements (its reduce-scatter), ``(N-1)/N * n * half_sum_s``."""
+    return 0.0 if N <= 1 else (N - 1) / N * n * net.half_sum_s
 
 
 def tree_allreduce(N: int, M: float, net: Network) -> float:
@@ -268,7 +280,7 @@ def comm_time(n: int, density: float, N: int, net: Network, method: str,
     if N > 1 and aggregation == "sparse_reduce_scatter" and m in REDUCE_SCATTER_METHODS:
         return reduce_scatter_time([(n, density, m)], N, net, allgather)
     if N <= 1 or m.startswith("dense"):
-        return ring_allreduce(N, message_bytes(n, density, m), net)
+        return ring_allreduce(N, message_bytes(n, density, m), net) + (half_sum(N, n, net) if m == "dense_fp16" else 0)
     if m == "iwp":  # indices once from the leader, then the values reduce
         return tree_broadcast(N, 4 * num_selected(n, density), net) + ring_allreduce(
             N, 4 * num_selected(n, density), net)
@@ -364,7 +376,7 @@ def fused_dense_share(n: int, N: int, net: Network, fp16: bool = False) -> float
     """A dense layer's marginal cost inside a Horovod fusion buffer: the ring allreduce's
     bandwidth term for its bytes (the buffer's latency is shared by all its layers); ``fp16``:
     it would travel as fp16 (``policy.dense_values: fp16``)."""
-    return ring_allreduce(N, dense_bytes(n, fp16), Network(0.0, net.bandwidth))
+    return ring_allreduce(N, dense_bytes(n, fp16), Network(0.0, net.bandwidth)) + (half_sum(N, n, net) if fp16 else 0)
 
 
 ALLGATHER_METHODS = tuple(ENTRY_CODING)
@@ -516,6 +528,8 @@ def step_time(layers, N: int, net: Network, compute_s: float, overlap: bool = Fa
     if finite_check:
         buf += 4
     comm += ring_allreduce(N, buf, net) if buf else 0.0
+    halves = sum(n for i, (n, _, m) in enumerate(layers) if i not in in_bucket and canonical(m) == "dense_fp16")
+    comm += half_sum(N, halves, net)
     scattered = 0
     for b in buckets or ():
         shapes = [layers[i] for i in b]
@@ -594,17 +608,40 @@ def probe_network(comm, sizes=(8, 1 << 20), repeats: int = 5, warmup: int = 1,
     if N <= 1:
         return Network(0.0, math.inf)
     lo, hi = (4 * max(1, s // 4) for s in (min(sizes), max(sizes)))  # whole fp32 elements
-    times = []
-    for s in (lo, hi):
-        buf, ts = torch.zeros(s // 4, dtype=torch.float32), []
-        for r in range(warmup + repeats):
-            t0 = time.perf_counter()
-            comm.wait(comm.allreduce_async(buf, name=f"costmodel.probe.{s}.{r}", average=True))
-            ts.append(time.perf_counter() - t0)
-        times.append(reduce(ts[warmup:]))
-    agreed = comm.wait(comm.allreduce_async(torch.tensor(times, dtype=torch.float64),
-                                            name="costmodel.probe.agree", average=True))
-    (t_s, t_l), f = (float(x) for x in agreed), 2.0 * (N - 1) / N
+    bufs = [torch.zeros(s // 4, dtype=torch.float32) for s in (lo, hi)]
+    (t_s, t_l), f = _agreed_times(comm, bufs, repeats, warmup, reduce, "costmodel.probe"), 2.0 * (N - 1) / N
     inv_b = max((t_l - t_s) / (f * (hi - lo)), 1e-15)
     alpha = max((t_s - f * lo * inv_b) / (2 * (N - 1)), 0.0)
     return Network(alpha=alpha, bandwidth=1.0 / inv_b)
+
+
+def _agreed_times(comm, bufs, repeats: int, warmup: int, reduce, name: str) -> list[float]:
+    """Per tensor of ``bufs``: ``reduce`` of ``repeats`` timed allreduces after ``warmup`` untimed,
+    averaged over ranks by one more allreduce, so every rank fits the same figures."""
+    import torch
+    times = []
+    for i, buf in enumerate(bufs):
+        ts = []
+        for r in range(warmup + repeats):
+            t0 = time.perf_counter()
+            comm.wait(comm.allreduce_async(buf, name=f"{name}.{i}.{buf.numel()}.{r}", average=True))
+            ts.append(time.perf_counter() - t0)
+        times.append(reduce(ts[warmup:]))
+    agreed = comm.wait(comm.allreduce_async(torch.tensor(times, dtype=torch.float64), name=f"{name}.agree",
+                                            average=True))
+    return [float(x) for x in agreed]
+
+
+def probe_half_sum(comm, nbytes: int = 8 << 20, repeats: int = 5, warmup: int = 1, reduce=max) -> float:
+    """``Network.half_sum_s`` measured on ``comm`` (duck-typed as for ``probe_network``): an
+    allreduce of ``nbytes`` as fp32 (nbytes/4 elements) and as fp16 (nbytes/2 elements) move the
+    same bytes over the same link, so what the fp16 one takes beyond the fp32 one is its sum:
+    ``(t16 - t32) / ((N-1)/N * nbytes/2)``, at least 0. N = 1 gives 0 (nothing is summed)."""
+    import torch
+    N = int(comm.size)
+    if N <= 1:
+        return 0.0
+    n32 = max(1, nbytes // 4)
+    bufs = [torch.zeros(n32, dtype=torch.float32), torch.zeros(2 * n32, dtype=torch.float16)]
+    t32, t16 = _agreed_times(comm, bufs, repeats, warmup, reduce, "costmodel.probe_half")
+    return max(t16 - t32, 0.0) / ((N - 1) / N * 2 * n32)

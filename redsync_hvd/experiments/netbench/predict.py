@@ -15,7 +15,8 @@
   HOROVOD_FUSION_THRESHOLD), one ring allreduce each;
 * ``net``: the shaped network, ``alpha = added latency + base one-way latency``
   (half the measured RTT of the unloaded link), ``B`` = the tbf rate (or the measured
-  TCP goodput, for the calibrated variant);
+  TCP goodput, for the calibrated variant), and the launch's measured ``half_sum_s`` (what
+  an fp16 allreduce's sum costs beyond an fp32 one of its bytes: ``costmodel.probe_half_sum``);
 * decentralized methods (DCD/ECD, under ``mpi_launcher``): one message of the measured size
   to each distinct ring neighbour, sent one after the other (``costmodel.neighbor_exchange``);
 * ``buckets``: the run's allgather buckets (``buckets_from_run``): each is one collective
@@ -82,7 +83,9 @@ def plan_from_run(run: dict) -> list:
             # a compressed layer whose message is fp32 allreduced (PowerSGD's factors): its measured bytes
             n = max(1, int(layer["wire_bytes"]) // 4)
         if layer["group"] == "dense" or method.startswith("dense"):
-            plan.append((n, 1.0, dense))
+            # a dense layer of a compressed method travels as fp16 under policy.dense_values: fp16
+            half = layer["group"] == "dense" and 2 * int(layer["wire_bytes"]) == int(layer["dense_bytes"])
+            plan.append((n, 1.0, "dense_fp16" if half else dense))
         else:
             plan.append((n, _density_for_bytes(n, float(layer["wire_bytes"]), method), method))
     return plan
@@ -120,8 +123,9 @@ def predict(run: dict, N: int, net: cm.Network, compute_s: float, fusion: int | 
 
 
 def network(bandwidth_mbit: float | None, latency_ms: float, base_latency_s: float = 0.0,
-            goodput_mbit: float | None = None) -> cm.Network:
-    """alpha = added one-way latency + base; B = the shaped rate (or measured goodput)."""
+            goodput_mbit: float | None = None, half_sum_s: float = 0.0) -> cm.Network:
+    """alpha = added one-way latency + base; B = the shaped rate (or measured goodput); the
+    measured fp16 sum (``half_sum_s``, 0: not priced)."""
     mbit = goodput_mbit if goodput_mbit else bandwidth_mbit
     bw = math.inf if not mbit else mbit * 1e6 / 8
-    return cm.Network(alpha=latency_ms / 1e3 + base_latency_s, bandwidth=bw)
+    return cm.Network(alpha=latency_ms / 1e3 + base_latency_s, bandwidth=bw, half_sum_s=half_sum_s)

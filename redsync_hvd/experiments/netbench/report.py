@@ -41,7 +41,6 @@ def build_rows(cfg, setting, model, result, methods, probe, compute) -> list[dic
     if result is None:
         return [dict(base, method=name, status="failed") for name, _ in methods]
     alpha0 = cfg["base_latency_s"] if cfg["base_latency_s"] is not None else (probe.get("rtt_ms", 0.0) / 2e3)
-    net = cm_network(bw, lat, alpha0)                       # nominal: tbf rate, added + base latency
     fusion = fusion_bytes(result.get("horovod_env"))
     labels = [name for name, _ in methods] + [k for k in result["runs"] if k.endswith("/comm") or
                                                k in (MPI_DENSE, NO_EXCHANGE, NO_EXCHANGE_MPI)]
@@ -52,7 +51,9 @@ def build_rows(cfg, setting, model, result, methods, probe, compute) -> list[dic
             continue
         # Horovod's alpha/B as this launch saw them (costmodel.probe_network); MPI launches have their own
         hp = r.get("network_probe") or result.get("network_probe")
-        net_hvd = cm.Network(hp["alpha_s"], hp["bandwidth_Bps"]) if hp else None
+        half = (hp or {}).get("half_sum_s", 0.0)   # what this launch's fp16 allreduces add: its CPU's sum
+        net = cm_network(bw, lat, alpha0, half_sum_s=half)   # nominal: tbf rate, added + base latency
+        net_hvd = cm.Network(hp["alpha_s"], hp["bandwidth_Bps"], half) if hp else None
         r = {**r, "horovod_env": result.get("horovod_env")}
         if r.get("comm_only"):   # no forward/backward: the exchange and the update only
             c_n = c_alone = 0.0

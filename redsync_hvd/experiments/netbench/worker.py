@@ -188,13 +188,17 @@ def run(spec) -> dict:
     if rhvd is not None and spec["probe_network"]:
         # alpha and B as Horovod itself sees them (negotiation, Gloo, CPU load included):
         # the cost model's own fit from timed allreduces of 8 bytes and probe_bytes; the median
-        # of 9 after 2 untimed, so that one slow round on shared cores does not set alpha
+        # of 9 after 2 untimed, so that one slow round on shared cores does not set alpha;
+        # and what an fp16 allreduce's sum costs here beyond an fp32 one of the same bytes
         from redsync_hvd.comm import HorovodCommunicator
-        from redsync_hvd.policy.costmodel import probe_network
+        from redsync_hvd.policy.costmodel import probe_half_sum, probe_network
         t0 = time.perf_counter()
         net = probe_network(HorovodCommunicator(), sizes=(8, int(spec["probe_bytes"])), repeats=9, warmup=2,
                             reduce=statistics.median)
-        probe = {"alpha_s": net.alpha, "bandwidth_Bps": net.bandwidth, "seconds": time.perf_counter() - t0}
+        half = probe_half_sum(HorovodCommunicator(), int(spec["probe_bytes"]), repeats=5, warmup=1,
+                              reduce=statistics.median)
+        probe = {"alpha_s": net.alpha, "bandwidth_Bps": net.bandwidth, "half_sum_s": half,
+                 "seconds": time.perf_counter() - t0}
     runs = spec["runs"] or [{"label": spec["compression"].get("method", "run"), "compression": spec["compression"]}]
     parts = {r["label"]: [] for r in runs}
     for _ in range(int(spec["rounds"])):
