@@ -91,13 +91,15 @@ def test_an_fp16_allreduce_is_priced_with_the_sum_its_launch_measured():
     probe = {"alpha_s": 1e-4, "bandwidth_Bps": 1.25e8}
     compute = {"m": {"1": {"compute_s": 0.4}, "2": {"compute_s": 0.4}}}
 
-    def comm(half):
+    def comm(half, mbit=1000, link=None):
         result = {"runs": {"fp16": fp16}, "network_probe": {**probe, "half_sum_s": half}}
-        row = build_rows({"base_latency_s": 1e-4}, {"hosts": 2, "bandwidth_mbit": 1000}, {"name": "m"}, result,
-                         [("fp16", {"method": "fp16"})], {}, compute)[0]
+        row = build_rows({"base_latency_s": 1e-4}, {"hosts": 2, "bandwidth_mbit": mbit}, {"name": "m"}, result,
+                         [("fp16", {"method": "fp16"})], link or {}, compute)[0]
         return row["predicted_comm_s"], row["predicted_in_run_s"]
     (nominal0, in_run0), (nominal, in_run) = comm(0.0), comm(25e-9)
     assert nominal - nominal0 == pytest.approx(0.5 * n * 25e-9) and in_run - in_run0 == pytest.approx(0.5 * n * 25e-9)
+    # an unshaped link has no tbf rate: it is priced at what TCP measured on it, not as infinitely fast
+    assert comm(0.0, None, {"goodput_mbit": 1000})[0] == pytest.approx(nominal0)
 
 
 def test_the_parts_errors_add_up_to_the_steps_and_name_the_part_that_missed(tmp_path):

@@ -14,8 +14,8 @@
   fusion buffers of ``fusion_bytes`` (Horovod 0.28's default 128 MiB, or
   HOROVOD_FUSION_THRESHOLD), one ring allreduce each;
 * ``net``: the shaped network, ``alpha = added latency + base one-way latency``
-  (half the measured RTT of the unloaded link), ``B`` = the tbf rate (or the measured
-  TCP goodput, for the calibrated variant), and the launch's measured ``half_sum_s`` (what
+  (half the measured RTT of the unloaded link), ``B`` = the tbf rate (an unshaped link's
+  measured TCP goodput), and the launch's measured ``half_sum_s`` (what
   an fp16 allreduce's sum costs beyond an fp32 one of its bytes: ``costmodel.probe_half_sum``);
 * decentralized methods (DCD/ECD, under ``mpi_launcher``): one message of the measured size
   to each distinct ring neighbour, sent one after the other (``costmodel.neighbor_exchange``);

@@ -52,7 +52,8 @@ def build_rows(cfg, setting, model, result, methods, probe, compute) -> list[dic
         # Horovod's alpha/B as this launch saw them (costmodel.probe_network); MPI launches have their own
         hp = r.get("network_probe") or result.get("network_probe")
         half = (hp or {}).get("half_sum_s", 0.0)   # what this launch's fp16 allreduces add: its CPU's sum
-        net = cm_network(bw, lat, alpha0, half_sum_s=half)   # nominal: tbf rate, added + base latency
+        # nominal: the tbf rate (an unshaped link has none: what TCP measured on it), added + base latency
+        net = cm_network(bw, lat, alpha0, None if bw else probe.get("goodput_mbit"), half)
         net_hvd = cm.Network(hp["alpha_s"], hp["bandwidth_Bps"], half) if hp else None
         r = {**r, "horovod_env": result.get("horovod_env")}
         if r.get("comm_only"):   # no forward/backward: the exchange and the update only
