@@ -22,8 +22,8 @@ Output, in ``<output_dir>/<name>-<timestamp>/``:
   rate and latency with the local work measured in the same launch from the ``<method>/comm`` rows
   (``netbench/report.py:launch_compute``; compute-only compute where the launch lacks them,
   ``compute_source``) (``predicted_step_time_s``), and each part's error; Horovod's
-  probed alpha and B (``predicted_calibrated_s``); those and each step's slowest rank's
-  own local work (``predicted_in_run_s``, see ``netbench/report.py:in_run_work``);
+  probed alpha and B (``predicted_calibrated_s``; all three price its fp16 sum, ``half_sum_ns``); those and each
+  step's slowest rank's own local work (``predicted_in_run_s``, see ``netbench/report.py:in_run_work``);
 * ``models.csv``: parameters, compute time at 1 and N processes and the
   compute/communication ratio of dense fp32 at each setting;
 * ``speedup_vs_bandwidth.png``, ``time_breakdown.png``, ``predicted_vs_measured.png``;

@@ -17,7 +17,7 @@ import pytest
 from redsync_hvd.experiments.netbench import netns
 from redsync_hvd.experiments.netbench.predict import plan_from_run, predict, wire_method
 from redsync_hvd.experiments.netbench.report import NO_EXCHANGE_COMPRESSION
-from redsync_hvd.experiments.netbench.worker import _summarise, whole_rounds
+from redsync_hvd.experiments.netbench.worker import _summarise, sends_fp16, whole_rounds
 from redsync_hvd.policy import costmodel as cm
 
 REPO = Path(__file__).resolve().parent.parent
@@ -82,6 +82,8 @@ def test_an_fp16_allreduce_is_priced_with_the_sum_its_launch_measured():
     run = {"compression": {"method": "redsync", "local_steps": 1, "message": {"quantize": "sign_mean"}},
            "layers": layers, "buckets": [["w"]]}
     assert plan_from_run(run)[1] == (1000, 1.0, "dense_fp16")
+    assert sends_fp16({"method": "fp16"}) and sends_fp16({"method": "redsync", "policy": {"dense_values": "fp16"}})
+    assert not sends_fp16({"method": "none"}) and not sends_fp16(None)   # the launch probes its fp16 sum only then
     assert plan_from_run(dict(run, layers=[dict(layers[1], wire_bytes=4000)]))[0] == (1000, 1.0, "dense")
     n = 4_000_000
     fp16 = {"compression": {"method": "fp16"}, "step_time_s": 1.0, "compute_s": 0.4, "select_s": 0.0,
@@ -322,7 +324,9 @@ def test_two_namespaces_two_workers_then_nothing_left(tmp_path):
     out = tmp_path / "result.json"
     spec = {"model": "mlp", "input_shape": [64], "batch_size": 32, "steps": 3, "warmup": 1, "threads": 1,
             "runs": [{"label": "dense", "compression": {"method": "none"}},
-                     {"label": "topk", "compression": {"method": "topk", "density": 0.05}}]}
+                     {"label": "topk", "compression": {"method": "topk", "density": 0.05}},
+                     {"label": "fp16", "compression": {"method": "fp16"}}],
+            "probe_network": True, "probe_bytes": 1 << 16}
     try:
         with net:
             names = netns.list_namespaces(prefix)
@@ -347,6 +351,10 @@ def test_two_namespaces_two_workers_then_nothing_left(tmp_path):
     # both ranks took part, each in its own namespace, through the shaped eth0
     assert [p["rank"] for p in dense["per_rank"]] == [0, 1]
     assert result["horovod_env"]["HOROVOD_GLOO_IFACE"] == "eth0"
+    # the probe ran through Horovod on both ranks: alpha, B, and (an fp16 run is in the launch) the fp16 sum
+    probe = result["network_probe"]
+    assert probe["bandwidth_Bps"] > 0 and probe["alpha_s"] >= 0 and 0 <= probe["half_sum_s"] < 1e-6
+    assert result["runs"]["fp16"]["wire_bytes_per_step"] < 0.51 * dense["wire_bytes_per_step"]   # and a 4-byte flag
 
 
 @needs_netns

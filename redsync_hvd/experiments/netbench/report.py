@@ -72,7 +72,8 @@ def build_rows(cfg, setting, model, result, methods, probe, compute) -> list[dic
             overhead_pct_of_compute=100 * (r["select_s"] + r["decompress_s"]) / r["compute_s"]
             if r["compute_s"] > 0 else None,
             compute_alone_s=c_alone, compute_nproc_s=c_n, compute_launch_s=c_launch,
-            compute_source="alone" if c_launch is None else "launch", predicted_step_time_s=p["predicted_step_time_s"],
+            compute_source="alone" if c_launch is None else "launch", half_sum_ns=half * 1e9,
+            predicted_step_time_s=p["predicted_step_time_s"],
             prediction_error_pct=_err(p["predicted_step_time_s"], r["step_time_s"]),
             predicted_overlap_s=p["predicted_overlap_s"], predicted_comm_s=p["predicted_comm_s"],
             compressed_layers=sum(1 for _, _, m in plan_from_run(r) if not m.startswith("dense")),

@@ -174,6 +174,33 @@ def _summarise(label, compression, parts, rank, size, window: int):
     }
 
 
+def sends_fp16(compression: dict | None) -> bool:
+    """Whether a run allreduces fp16 values: the fp16 method, or dense layers under
+    ``policy.dense_values: fp16``."""
+    c = compression or {}
+    return c.get("method") == "fp16" or (c.get("policy") or {}).get("dense_values") == "fp16"
+
+
+def _probe(spec, runs) -> dict:
+    """alpha and B as Horovod itself sees them (negotiation, Gloo, CPU load included): the cost
+    model's own fit from timed allreduces of 8 bytes and probe_bytes, the median of 9 after 2
+    untimed, so that one slow round on shared cores does not set alpha. Where a run allreduces
+    fp16, also what the fp16 sum costs here beyond an fp32 allreduce of the same bytes, at the
+    model's size (at most 64 MB): the size its fused fp16 buffer has."""
+    from redsync_hvd.comm import HorovodCommunicator
+    from redsync_hvd.policy.costmodel import probe_half_sum, probe_network
+    t0 = time.perf_counter()
+    net = probe_network(HorovodCommunicator(), sizes=(8, int(spec["probe_bytes"])), repeats=9, warmup=2,
+                        reduce=statistics.median)
+    half = 0.0
+    if any(sends_fp16(r.get("compression")) for r in runs):
+        numel = sum(p.numel() for p in build(spec).parameters())
+        half = probe_half_sum(HorovodCommunicator(), min(2 * numel, 64 << 20), repeats=5, warmup=1,
+                              reduce=statistics.median)
+    return {"alpha_s": net.alpha, "bandwidth_Bps": net.bandwidth, "half_sum_s": half,
+            "seconds": time.perf_counter() - t0}
+
+
 def run(spec) -> dict:
     """Every entry of ``spec["runs"]`` (or the single ``spec["compression"]``), ``rounds`` times,
     interleaved (run A, run B, run A, run B...) so a change in background load hits all alike."""
@@ -184,22 +211,8 @@ def run(spec) -> dict:
         import redsync_hvd.torch as rhvd
         rhvd.init()
         rank, size = rhvd.rank(), rhvd.size()
-    probe = None
-    if rhvd is not None and spec["probe_network"]:
-        # alpha and B as Horovod itself sees them (negotiation, Gloo, CPU load included):
-        # the cost model's own fit from timed allreduces of 8 bytes and probe_bytes; the median
-        # of 9 after 2 untimed, so that one slow round on shared cores does not set alpha;
-        # and what an fp16 allreduce's sum costs here beyond an fp32 one of the same bytes
-        from redsync_hvd.comm import HorovodCommunicator
-        from redsync_hvd.policy.costmodel import probe_half_sum, probe_network
-        t0 = time.perf_counter()
-        net = probe_network(HorovodCommunicator(), sizes=(8, int(spec["probe_bytes"])), repeats=9, warmup=2,
-                            reduce=statistics.median)
-        half = probe_half_sum(HorovodCommunicator(), int(spec["probe_bytes"]), repeats=5, warmup=1,
-                              reduce=statistics.median)
-        probe = {"alpha_s": net.alpha, "bandwidth_Bps": net.bandwidth, "half_sum_s": half,
-                 "seconds": time.perf_counter() - t0}
     runs = spec["runs"] or [{"label": spec["compression"].get("method", "run"), "compression": spec["compression"]}]
+    probe = _probe(spec, runs) if rhvd is not None and spec["probe_network"] else None
     parts = {r["label"]: [] for r in runs}
     for _ in range(int(spec["rounds"])):
         for r in runs:
