@@ -254,6 +254,12 @@ def test_an_fp16_allreduce_is_priced_with_the_sum_it_was_measured_to_add(monkeyp
     kw = dict(fusion_bytes=64 << 20, buckets=[[3]], finite_check=True)
     assert cm.step_time(layers, N, measured, 0.1, **kw) - cm.step_time(layers, N, plain, 0.1, **kw) == \
         pytest.approx(1.5 * added)
+    # a bucket of dense layers (what the exchange records for fp16 and none) is one ring allreduce, not an allgather
+    # (and the finite check, with no dense layer outside a bucket, travels alone)
+    sparse_alone = cm.step_time(layers[3:], N, plain, 0.0, buckets=[[0]], fusion_bytes=64 << 20)
+    fused = cm.ring_allreduce(N, 2 * 1.5 * n + 4 * n, plain) + 1.5 * added + cm.ring_allreduce(N, 4, plain)
+    assert cm.step_time(layers, N, measured, 0.0, **dict(kw, buckets=[[0, 1, 2], [3]])) - sparse_alone == \
+        pytest.approx(fused)
 
 
 sizes = st.floats(min_value=0, max_value=1e10, allow_nan=False)

@@ -502,7 +502,9 @@ def step_time(layers, N: int, net: Network, compute_s: float, overlap: bool = Fa
     default 64 MiB), one ring allreduce per buffer.
 
     ``buckets``: lists of indices into ``layers`` that travel as one allgather
-    (the exchange's buckets, ``sparse_buckets``): a bucket pays one collective's
+    (the exchange's buckets, ``sparse_buckets``; a bucket of dense layers, as the exchange
+    records for dense methods and for a method's dense layers, is one ring allreduce of their
+    bytes, fp16 ones with their sum): a bucket pays one collective's
     latency for the sum of its layers' messages plus an 8-byte header per layer
     (the header allgather is issued with the payload, so it shares the round);
     its layers still pay their own select and decompress (``bucket_time``; with
@@ -533,6 +535,10 @@ def step_time(layers, N: int, net: Network, compute_s: float, overlap: bool = Fa
     scattered = 0
     for b in buckets or ():
         shapes = [layers[i] for i in b]
+        if all(canonical(m).startswith("dense") for _, _, m in shapes):   # a dense bucket is one fused allreduce
+            comm += ring_allreduce(N, sum(message_bytes(*s) for s in shapes), net) + \
+                half_sum(N, sum(n for n, _, m in shapes if canonical(m) == "dense_fp16"), net)
+            continue
         path = choose_aggregation(shapes, N, net, compute, allgather)[0] if aggregation == "auto" else aggregation
         comm += bucket_time(shapes, N, net, path, compute, allgather)
         scattered += path == "sparse_reduce_scatter" and all(canonical(m) in REDUCE_SCATTER_METHODS
