@@ -71,7 +71,7 @@ WORKER = "redsync_hvd.experiments.netbench.worker"
 COLUMNS = ["model", "method", "launch", "hosts", "bandwidth_mbit", "latency_ms", "step_time_s", "speedup_vs_dense",
            "wire_bytes_per_step", "dense_bytes_per_step", "compression_ratio", "compute_s", "select_s",
            "communicate_s", "decompress_s", "overhead_pct_of_compute", "compute_alone_s", "compute_nproc_s",
-           "compute_launch_s", "compute_source",
+           "compute_launch_s", "compute_source", "half_sum_ns",
            "predicted_step_time_s", "prediction_error_pct", "compute_error_pct", "overhead_error_pct",
            "comm_error_pct", "predicted_calibrated_s", "calibrated_error_pct",
            "predicted_in_run_s", "in_run_error_pct", "predicted_overlap_s", "predicted_comm_s",
