@@ -2,7 +2,7 @@
 
 Framework-neutral, pure Python (``probe_network`` imports torch on demand).
 Sending m bytes costs ``alpha + m/B`` (alpha: seconds of latency per message,
-B: bytes/s). Assumes a homogeneous, full-duplex, contention-free network, no
+B: bytes/s). Assumes a homogeneous, full-duplex, contention-free network,
 no Horovod negotiation cycle (fold it into alpha), and no reduction arithmetic beyond what an
 fp32 allreduce does at its bytes (``Network.half_sum_s`` prices what an fp16 one adds).
 Every collective takes 0 s for N = 1; sizes are bytes per worker per step.
@@ -65,6 +65,11 @@ def half_sum(N: int, n: float, net: Network) -> float:
     """What an fp16 ring allreduce of n elements adds to ``ring_allreduce`` of its bytes: each rank
     sums (N-1)/N of the elements (its reduce-scatter), ``(N-1)/N * n * half_sum_s``."""
     return 0.0 if N <= 1 else (N - 1) / N * n * net.half_sum_s
+
+
+def layers_half_sum(N: int, layers, net: Network) -> float:
+    """``half_sum`` of the fp16 dense layers among ``layers`` ((n, density, method))."""
+    return half_sum(N, sum(n for n, _, m in layers if canonical(m) == "dense_fp16"), net)
 
 
 def tree_allreduce(N: int, M: float, net: Network) -> float:
@@ -530,14 +535,12 @@ def step_time(layers, N: int, net: Network, compute_s: float, overlap: bool = Fa
     if finite_check:
         buf += 4
     comm += ring_allreduce(N, buf, net) if buf else 0.0
-    halves = sum(n for i, (n, _, m) in enumerate(layers) if i not in in_bucket and canonical(m) == "dense_fp16")
-    comm += half_sum(N, halves, net)
+    comm += layers_half_sum(N, [layer for i, layer in enumerate(layers) if i not in in_bucket], net)
     scattered = 0
     for b in buckets or ():
         shapes = [layers[i] for i in b]
         if all(canonical(m).startswith("dense") for _, _, m in shapes):   # a dense bucket is one fused allreduce
-            comm += ring_allreduce(N, sum(message_bytes(*s) for s in shapes), net) + \
-                half_sum(N, sum(n for n, _, m in shapes if canonical(m) == "dense_fp16"), net)
+            comm += ring_allreduce(N, sum(message_bytes(*s) for s in shapes), net) + layers_half_sum(N, shapes, net)
             continue
         path = choose_aggregation(shapes, N, net, compute, allgather)[0] if aggregation == "auto" else aggregation
         comm += bucket_time(shapes, N, net, path, compute, allgather)

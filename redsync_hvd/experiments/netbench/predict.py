@@ -19,7 +19,8 @@
   an fp16 allreduce's sum costs beyond an fp32 one of its bytes: ``costmodel.probe_half_sum``);
 * decentralized methods (DCD/ECD, under ``mpi_launcher``): one message of the measured size
   to each distinct ring neighbour, sent one after the other (``costmodel.neighbor_exchange``);
-* ``buckets``: the run's allgather buckets (``buckets_from_run``): each is one collective
+* ``buckets``: the run's buckets (``buckets_from_run``; one of dense layers is one ring
+  allreduce, fp16 ones with their sum), each of compressed layers one collective
   round for all its layers' messages and headers, as the exchange sends them (one
   header + one payload allgather, issued together), or with ``aggregation`` the sparse
   reduce-scatter's alltoall and allgather; the one-float finite check rides in
