@@ -1,5 +1,6 @@
 """Alpha-beta cost model: closed forms, monotonicity, decisions, probe fit."""
 import math
+import statistics
 import time
 
 import pytest
@@ -221,8 +222,9 @@ def test_probe_fit_exact_and_takes_max(monkeypatch):
     fit = cm.probe_network(FakeComm(8, true, clock), sizes=(8, 1 << 20), repeats=5)
     assert fit.alpha == pytest.approx(true.alpha, rel=1e-6)
     assert fit.bandwidth == pytest.approx(true.bandwidth, rel=1e-6)
-    # one slow repeat per size (calls 3 and 9): the max keeps it, min ignores it
-    slow = [0, 0, 0, 1e-3, 0, 0, 0, 0, 0, 1e-3, 0, 0, 0]
+    # one slow repeat per size (calls 3 and 6: the sizes alternate within a round): the max keeps it,
+    # min ignores it
+    slow = [0, 0, 0, 1e-3, 0, 0, 1e-3, 0, 0, 0, 0, 0, 0]
     hi = cm.probe_network(FakeComm(8, true, clock, slow), repeats=5)
     lo = cm.probe_network(FakeComm(8, true, clock, slow), repeats=5, reduce=min)
     assert hi.alpha > true.alpha * 2 and lo.alpha == pytest.approx(true.alpha, rel=1e-6)
@@ -238,9 +240,15 @@ def test_an_fp16_allreduce_is_priced_with_the_sum_it_was_measured_to_add(monkeyp
     measured, plain = Network(alpha=3e-5, bandwidth=1.25e9, half_sum_s=rate), Network(alpha=3e-5, bandwidth=1.25e9)
     assert cm.probe_half_sum(FakeComm(N, measured, clock), nbytes=1 << 20, repeats=3) == pytest.approx(rate)
     assert cm.probe_half_sum(FakeComm(N, plain, clock), nbytes=1 << 20, repeats=3) == 0.0
-    # a slow fp32 repeat makes fp16 look cheaper than fp32: the sum is never negative
-    slow32 = [0, 1.0, 1.0, 1.0, 0, 0, 0, 0, 0]
+    # a slow fp32 allreduce in every round makes fp16 look cheaper than fp32: the sum is never negative
+    slow32 = [0, 0, 1.0, 0, 1.0, 0, 1.0, 0]
     assert cm.probe_half_sum(FakeComm(N, measured, clock, slow32), nbytes=1 << 20, repeats=3) == 0.0
+    # load that changes between rounds hits both allreduces of a round alike, so it cancels in every
+    # pair, whichever the reduction (timing all fp32 rounds before all fp16 ones read it as the sum)
+    drift = [0, 0, 0.1, 0.1, 0.3, 0.3, 0.2, 0.2]
+    for reduce in (max, min, statistics.median):
+        probed = cm.probe_half_sum(FakeComm(N, measured, clock, drift), nbytes=1 << 20, repeats=3, reduce=reduce)
+        assert probed == pytest.approx(rate)
     assert cm.probe_half_sum(FakeComm(1, measured, clock)) == 0.0
     added = 0.75 * n * rate
     assert cm.comm_time(n, 1.0, N, measured, "dense_fp16") - cm.comm_time(n, 1.0, N, plain, "dense_fp16") == \

@@ -624,28 +624,41 @@ def probe_network(comm, sizes=(8, 1 << 20), repeats: int = 5, warmup: int = 1,
     return Network(alpha=alpha, bandwidth=1.0 / inv_b)
 
 
-def _agreed_times(comm, bufs, repeats: int, warmup: int, reduce, name: str) -> list[float]:
-    """Per tensor of ``bufs``: ``reduce`` of ``repeats`` timed allreduces after ``warmup`` untimed,
-    averaged over ranks by one more allreduce, so every rank fits the same figures."""
-    import torch
-    times = []
-    for i, buf in enumerate(bufs):
-        ts = []
-        for r in range(warmup + repeats):
+def _timed_rounds(comm, bufs, repeats: int, warmup: int, name: str) -> list[list[float]]:
+    """``repeats`` rounds after ``warmup`` untimed ones, each timing one allreduce of every tensor of
+    ``bufs`` in turn: interleaved, so a change in the machine's load hits every tensor alike. Per
+    round, the seconds of each tensor."""
+    rounds = []
+    for r in range(warmup + repeats):
+        times = []
+        for i, buf in enumerate(bufs):
             t0 = time.perf_counter()
             comm.wait(comm.allreduce_async(buf, name=f"{name}.{i}.{buf.numel()}.{r}", average=True))
-            ts.append(time.perf_counter() - t0)
-        times.append(reduce(ts[warmup:]))
-    agreed = comm.wait(comm.allreduce_async(torch.tensor(times, dtype=torch.float64), name=f"{name}.agree",
+            times.append(time.perf_counter() - t0)
+        rounds.append(times)
+    return rounds[warmup:]
+
+
+def _agreed(comm, values: list[float], name: str) -> list[float]:
+    """``values`` averaged over ranks by one allreduce, so every rank fits the same figures."""
+    import torch
+    agreed = comm.wait(comm.allreduce_async(torch.tensor(values, dtype=torch.float64), name=f"{name}.agree",
                                             average=True))
     return [float(x) for x in agreed]
+
+
+def _agreed_times(comm, bufs, repeats: int, warmup: int, reduce, name: str) -> list[float]:
+    """Per tensor of ``bufs``: ``reduce`` of its ``_timed_rounds``, agreed over ranks."""
+    rounds = _timed_rounds(comm, bufs, repeats, warmup, name)
+    return _agreed(comm, [reduce(ts) for ts in zip(*rounds)], name)
 
 
 def probe_half_sum(comm, nbytes: int = 8 << 20, repeats: int = 5, warmup: int = 1, reduce=max) -> float:
     """``Network.half_sum_s`` measured on ``comm`` (duck-typed as for ``probe_network``): an
     allreduce of ``nbytes`` as fp32 (nbytes/4 elements) and as fp16 (nbytes/2 elements) move the
     same bytes over the same link, so what the fp16 one takes beyond the fp32 one is its sum:
-    ``(t16 - t32) / ((N-1)/N * nbytes/2)``, at least 0. N = 1 gives 0 (nothing is summed)."""
+    ``reduce`` over rounds of ``(t16 - t32) / ((N-1)/N * nbytes/2)``, at least 0. N = 1 gives 0
+    (nothing is summed)."""
     import torch
     N = int(comm.size)
     if N <= 1:
@@ -654,5 +667,8 @@ def probe_half_sum(comm, nbytes: int = 8 << 20, repeats: int = 5, warmup: int = 
     # gradient-like values, not zeros: Gloo converts a zero by a shortcut, 3-4x faster than a normal float
     values = torch.randn(2 * n32, generator=torch.Generator().manual_seed(0))
     bufs = [values[:n32].clone(), values.half()]
-    t32, t16 = _agreed_times(comm, bufs, repeats, warmup, reduce, "costmodel.probe_half")
-    return max(t16 - t32, 0.0) / ((N - 1) / N * 2 * n32)
+    # one fp32 and one fp16 allreduce a round, the difference per round: the link's and the load's
+    # drift between rounds cancels within a pair, where separate figures per dtype kept it
+    extra = [t16 - t32 for t32, t16 in _timed_rounds(comm, bufs, repeats, warmup, "costmodel.probe_half")]
+    (added,) = _agreed(comm, [reduce(extra)], "costmodel.probe_half")
+    return max(added, 0.0) / ((N - 1) / N * 2 * n32)

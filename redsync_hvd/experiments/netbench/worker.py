@@ -186,7 +186,7 @@ def _probe(spec, runs) -> dict:
     model's own fit from timed allreduces of 8 bytes and probe_bytes, the median of 9 after 2
     untimed, so that one slow round on shared cores does not set alpha. Where a run allreduces
     fp16, also what the fp16 sum costs here beyond an fp32 allreduce of the same bytes, at the
-    model's size (at most 64 MB): the size its fused fp16 buffer has."""
+    model's size (at most 64 MB): the size its fused fp16 buffer has; the median of 9 paired rounds."""
     from redsync_hvd.comm import HorovodCommunicator
     from redsync_hvd.policy.costmodel import probe_half_sum, probe_network
     t0 = time.perf_counter()
@@ -195,7 +195,7 @@ def _probe(spec, runs) -> dict:
     half = 0.0
     if any(sends_fp16(r.get("compression")) for r in runs):
         numel = sum(p.numel() for p in build(spec).parameters())
-        half = probe_half_sum(HorovodCommunicator(), min(2 * numel, 64 << 20), repeats=5, warmup=1,
+        half = probe_half_sum(HorovodCommunicator(), min(2 * numel, 64 << 20), repeats=9, warmup=1,
                               reduce=statistics.median)
     return {"alpha_s": net.alpha, "bandwidth_Bps": net.bandwidth, "half_sum_s": half,
             "seconds": time.perf_counter() - t0}
