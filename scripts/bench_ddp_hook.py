@@ -2,8 +2,7 @@
 """DDP step time: plain DDP against redsync_hvd's hooks, and torch's PowerSGD hook against ours, on the same work.
 
     torchrun --standalone --nproc_per_node 2 scripts/bench_ddp_hook.py            # Gloo on CPU
-    torchrun --standalone --nproc_per_node 2 scripts/bench_ddp_hook.py --models cnn --rounds 15 \
-        --out docs/results/ddp_hook.md
+    torchrun --standalone --nproc_per_node 2 scripts/bench_ddp_hook.py --models cnn --rounds 15 --out ddp_hook.md
     torchrun --standalone --nproc_per_node 2 scripts/bench_ddp_hook.py --variants compressed --models cnn
     torchrun --standalone --nproc_per_node 2 scripts/bench_ddp_hook.py --variants cost_model --models cnn
 
@@ -18,9 +17,8 @@ other jobs share the cores, since waiting costs none). Rank 0 prints the medians
 median ratios with their interquartile ranges over rounds, and the machine, as a Markdown
 table; ``--out FILE`` also writes it there, with the command that made it. The target is a
 ratio within 1.05 for ``hook none`` (wall clock, on a machine with nothing else running).
-``--variants cost_model``: RedSync's hook under ``policy.mode: cost_model`` on a link where dense
-wins (the probes decide) should send dense and cost no more than 1/0.97 of plain DDP; the table
-says how many layers it compressed.
+``--variants cost_model``: RedSync's hook under ``policy.mode: cost_model`` on a link where dense wins (the probes
+decide) should send dense and cost no more than 1/0.97 of plain DDP; the table says how many layers it compressed.
 """
 from __future__ import annotations
 
@@ -64,6 +62,7 @@ VARIANT_SETS = {
         "torch powerSGD_hook": "torch_powersgd",       # rank 2, start_powerSGD_iter 2
         "hook powersgd": {"method": "powersgd", "rank": 2, "start_iter": 2},   # configs/digits/powersgd.yaml
         "hook redsync": REDSYNC,
+        "hook redsync, one round": {**REDSYNC, "policy": {**REDSYNC["policy"], "dense_in_gather_bytes": 4096}},
     },
     "cost_model": {
         "plain DDP": None,
@@ -72,7 +71,8 @@ VARIANT_SETS = {
 }
 # the ratios each set is judged by: (variant, against)
 JUDGED = {"hook": [("hook none", "plain DDP")],
-          "compressed": [("hook powersgd", "torch powerSGD_hook"), ("hook redsync", "plain DDP")],
+          "compressed": [("hook powersgd", "torch powerSGD_hook"), ("hook redsync", "plain DDP"),
+                         ("hook redsync, one round", "plain DDP")],
           "cost_model": [("hook redsync cost_model", "plain DDP")]}
 COMPRESSED: dict = {}   # {(model, variant): "k/n layers compressed"} of our hooks, for the table
 

@@ -82,6 +82,14 @@ def test_ddp_conservation_sent_plus_residual_equals_inputs():
                 "policy": {"min_compress_numel": 100},
                 "aggregation": "sparse_reduce_scatter",
             },
+            # the dense biases ride in the allgather's capacity row (one collective round a step)
+            {
+                "method": "redsync",
+                "local_steps": 1,
+                "density": 0.05,
+                "dgc": {"momentum_correction": False},
+                "policy": {"min_compress_numel": 100, "dense_in_gather_bytes": 1024},
+            },
             {"method": "signsgd"},
             {"method": "qsgd", "residual": True},
             # the worked example of docs/extending.md, known only to config/registry.py

@@ -252,6 +252,65 @@ def _local_exchange(compression, layers, memory, size=2):
     return GradientExchange(layers, comp, comm, LayerPolicy(cfg), memory, fusion_bytes=cfg.fusion_bytes)
 
 
+class CountingComm:
+    """A LocalCommunicator that counts the collectives each step starts, by kind."""
+
+    def __init__(self, size):
+        from redsync_hvd.comm import LocalCommunicator
+        self.inner, self.started = LocalCommunicator(size), []
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if name.startswith(("allreduce", "allgather")) and name != "allgather_object":
+            def counted(*args, **kw):
+                self.started.append(name.rstrip("_").replace("_async", ""))
+                return attr(*args, **kw)
+            return counted
+        return attr
+
+
+@pytest.mark.parametrize("values", ["fp32", "fp16"])
+def test_dense_layers_ride_in_the_allgather_where_their_bytes_fit(values):
+    """policy.dense_in_gather_bytes: the dense layers' flat buffer, with its non-finite count and the
+    caller's carry slots, travels inside the compressed layers' allgather: one collective a step
+    instead of two, the same averages and carried sums bit for bit, and a NaN in a dense layer
+    still fails the step. Over the cap, or at 0, the dense layers keep their allreduce."""
+    from redsync_hvd.exchange import GradientExchange, NonFiniteGradientError
+    gen = torch.Generator().manual_seed(4)
+    spec = [("b0", 10), ("w1", 5000), ("b1", 40), ("w2", 3000)]
+    grads = [{n: torch.randn(m, generator=gen) for n, m in spec} for _ in range(3)]
+
+    def run(cap, bad=None):
+        comm = CountingComm(2)
+        comp, cfg = build_compressor({"method": "redsync", "density": 0.01, "policy": {
+            "min_compress_numel": 100, "dense_values": values, "dense_in_gather_bytes": cap}}, comm)
+        ex = GradientExchange([Layer(n, (m,), m, i) for i, (n, m) in enumerate(spec)], comp, comm,
+                              LayerPolicy(cfg), ResidualMemory(), fusion_bytes=cfg.fusion_bytes)
+        ex.carry = lambda: [1.0, 0.5]
+        got = []
+        for g in grads:
+            comm.started.clear()
+            for name, _ in reversed(spec):
+                ex.submit(name, g[name].clone() if name != bad else torch.full_like(g[name], float("nan")))
+            result = ex.finish()
+            got.append(({k: v.clone() for k, v in result.averages.items()}, result.carried, list(comm.started)))
+        return ex, got
+
+    fits = (4 if values == "fp32" else 2) * 50   # b0 and b1: 50 elements
+    _, apart = run(0)
+    ex, riding = run(fits)
+    assert [b.kind for b in ex.buckets if getattr(b, "ride", None) is not None] == ["reduce"]
+    for (a, carried_a, rounds_a), (b, carried_b, rounds_b) in zip(apart, riding):
+        # tbs: a header allgather and the payload's, then the dense allreduce, which riding drops
+        assert rounds_a == ["allgather", "allgather", "allreduce"] and rounds_b == ["allgather", "allgather"]
+        assert carried_a == carried_b == [2.0, 1.0]
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    over, _ = run(fits - 1)
+    assert all(b.ride is None for b in over.buckets if b.kind == "reduce")
+    with pytest.raises(NonFiniteGradientError, match="non-finite"):
+        run(fits, bad="b1")
+
+
 def test_momentum_correction_sends_dense_layers_momentum_not_zeros():
     """Regression: a dense layer's message aliased the memory buffer that the residual
     update then zeroed, so with momentum correction small layers sent zeros."""

@@ -23,7 +23,8 @@ from ..core import layout
 from ..core.stats import CommStats
 from ..memory import NoMemory
 from . import nonfinite, redecide
-from .buckets import Buffers, GatherBucket, ReduceBucket
+from .buckets import Buffers, ReduceBucket
+from .gather import GatherBucket
 from .planned import PlannedBucket
 from .scatter import ScatterBucket, ScatterGroup
 from .step import StepResult, StepState
@@ -90,10 +91,12 @@ class GradientExchange:
         self.bucket_of = {n: b for b in self.buckets for n in b.names}
         self.planned = [b for b in self.buckets if b.kind == "planned"]
         scatter = [b for b in self.buckets if b.kind == "scatter"]
-        # finish() order: the reduce buckets, the scatter group, the gathered ones
-        self.finishing = [b for b in self.buckets if b.kind == "reduce"] + \
+        # finish() order: the reduce buckets, the scatter group, the gathered ones, the reduce buckets
+        # that rode in an allgather (they sum what it brought)
+        reduce = [b for b in self.buckets if b.kind == "reduce"]
+        self.finishing = [b for b in reduce if b.ride is None] + \
             ([ScatterGroup(scatter, self.comm, self.stats)] if scatter else []) + \
-            [b for b in self.buckets if b.kind in ("gather", "planned")]
+            [b for b in self.buckets if b.kind in ("gather", "planned")] + [b for b in reduce if b.ride is not None]
         # blocking buckets are compressed in finish(), in the order their last layer registered
         self.blocking = sorted((b for b in self.buckets if getattr(b, "blocking", False)),
                                key=lambda b: max(l.index for l in b.layers))
@@ -113,7 +116,22 @@ class GradientExchange:
                 group = tuple(layers[j] for j in part)
                 out.append(self._bucket(len(out), group, collective, cuda_graph, first_reduce=not any(
                     b.kind == "reduce" for b in out)))
+        self._seat_riders(out)
         return out
+
+    def _seat_riders(self, buckets: list) -> None:
+        """``policy.dense_in_gather_bytes``: where the dense layers' bytes fit, their reduce buckets
+        ride in the allgather of the gather bucket whose first layer comes in last (in backward, the
+        one that starts last anyway), so the step has one collective round fewer."""
+        cap = self.policy.config.policy.dense_in_gather_bytes
+        dense = [b for b in buckets if b.kind == "reduce" and not b.layers[0].compressed]
+        hosts = [b for b in buckets if b.kind == "gather"]
+        nbytes = (2 if self.dense_fp16 else 4) * sum(l.numel for b in dense for l in b.layers)
+        if not (cap and dense and hosts) or nbytes > cap:
+            return
+        host = min(hosts, key=lambda b: min(l.index for l in b.layers))
+        for bucket in dense:
+            host.take_rider(bucket)
 
     def _compressor_of(self, layer: Layer) -> Compressor:
         return self.compressor if layer.compressed else self.dense

@@ -51,6 +51,8 @@ def run(compression):
         err = (out - size * averaged[n]).abs().max().item()
         scale = averaged[n].abs().max().item() + 1e-12
         assert err <= 1e-5 * max(1.0, scale * size), f"{n}: sent + residual != inputs by {err}"
+    riders = [b.index for b in state.exchange.buckets if getattr(b, "ride", None) is not None]
+    assert bool(riders) == bool(compression.get("policy", {}).get("dense_in_gather_bytes")), riders
     stats = state.communication_stats()
     assert stats["compression_ratio"] > 1.5, stats
     print(f"rank {rank}: OK conservation {json.dumps(compression)} ratio {stats['compression_ratio']:.1f}")
