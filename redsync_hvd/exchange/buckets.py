@@ -242,6 +242,7 @@ class ReduceBucket(Bucket):
         self.carrier, self.passthrough, self.momentum = carrier, passthrough, momentum
         self.slots = 1 + (CARRY_SLOTS if carrier else 0)
         self.ride = None   # the GatherBucket it rides in, if any (gather.py:GatherBucket.take_rider)
+        self.seat = slice(0)   # where, riding, its flat buffers sit among that bucket's rider tensors
 
     def clear(self) -> None:
         super().clear()
