@@ -2,6 +2,8 @@
 into one byte payload (``comm/packing.py``) and allgathered, with a header of their sizes where those
 vary (or, on torch.distributed, one row of a bounded size). Dense reduce buckets may ride along in
 the same payload (``policy.dense_in_gather_bytes``): a step then has one collective round, not two.
+Their sizes are fixed and known to every rank, so no header carries them: the wire's bytes are the
+messages', the riders' flat buffers and nothing else.
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ class GatherBucket(Bucket):
 
     @property
     def control_bytes(self) -> int:
-        return 4 if self.wire is Sizes.FIXED else 8   # the count, and its size in the header
+        return 4 if self.wire is Sizes.FIXED else 8   # the count, and its size in the header (riders': none)
 
     def clear(self) -> None:
         super().clear()
@@ -102,6 +104,7 @@ class GatherBucket(Bucket):
         sizes first); 3. the payload's allgather."""
         tensors = [t for m in messages for t in m.tensors] + riding + [self._count(messages).to(torch.int32)]   # 1.
         header, payload = pack(tensors, device=self.layers[0].device)
+        header = self._without_riders(header)
         size, sizes = self.comm.size, None
         self._sent = messages
         if self.wire is Sizes.ROWS:                                                                      # 2.
@@ -120,11 +123,24 @@ class GatherBucket(Bucket):
             self.stats.add_bytes({"headers": header.numel() * 4})
             flight.header = self.comm.allgather_async(header, name=f"{self.name}.hdr", sizes=[header.numel()] * size)
             if getattr(self.comm, "needs_sizes", False):
-                flight.headers, flight.header = self.comm.wait(flight.header), None
+                flight.headers, flight.header = self._with_riders(self.comm.wait(flight.header)), None
                 sizes = [payload_bytes(c, self.dtypes) for c in flight.headers.view(size, -1).tolist()]
         self.stats.add_bytes({"scalars": 4})
         flight.data = self.comm.allgather_async(payload, name=self.name, sizes=sizes)                     # 3.
         self._flight = flight
+
+    def _without_riders(self, header: torch.Tensor) -> torch.Tensor:
+        """The header as sent: the riders' counts left out (fixed, known to every rank)."""
+        riders = len(self._rider_sizes)
+        return torch.cat([header[:-1 - riders], header[-1:]]) if riders else header
+
+    def _with_riders(self, headers: torch.Tensor) -> torch.Tensor:
+        """Every rank's header as received, with the riders' counts put back in their place."""
+        if not self._rider_sizes:
+            return headers
+        rows = headers.view(self.comm.size, -1)
+        fixed = torch.tensor([n for _, n in self._rider_sizes], dtype=rows.dtype, device=rows.device)
+        return torch.cat([rows[:, :-1], fixed.expand(rows.shape[0], -1), rows[:, -1:]], dim=1).reshape(-1)
 
     def _counts(self) -> list:
         return [n for l in self.layers for n in self.compressor.wire(l).counts] + \
@@ -133,12 +149,11 @@ class GatherBucket(Bucket):
     def _capacity_row(self, header: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
         """[the header's int32 counts | the payload | zeros up to the capacity's payload], uint8: the
         same size on every rank, so one allgather carries sizes and data (``_open_rows`` cuts it)."""
-        capacity = [n for l in self.layers for n in self.compressor.wire(l).capacity] + \
-            [n for _, n in self._rider_sizes]
+        capacity = [n for l in self.layers for n in self.compressor.wire(l).capacity]
         if any(int(c) > cap for c, cap in zip(header.tolist(), capacity)):
             raise RuntimeError(f"{type(self.compressor).__name__} declared at most {capacity} elements per wire "
                                f"tensor for bucket {self.index} but sent {header.tolist()[:-1]}")
-        most = payload_bytes(capacity + [1], self.dtypes)
+        most = payload_bytes(capacity + [n for _, n in self._rider_sizes] + [1], self.dtypes)
         row = torch.zeros(4 * header.numel() + most, dtype=torch.uint8, device=payload.device)
         row[:4 * header.numel()] = header.to(payload.device).view(torch.uint8)
         row[4 * header.numel():4 * header.numel() + payload.numel()] = payload
@@ -147,8 +162,8 @@ class GatherBucket(Bucket):
     def _open_rows(self, rows: torch.Tensor) -> tuple:
         """Every rank's capacity row -> (the gathered headers, the payloads back to back)."""
         rows = rows.view(self.comm.size, -1)
-        width = 4 * len(self.dtypes)
-        header = rows[:, :width].contiguous().view(torch.int32).reshape(-1)
+        width = 4 * (len(self.dtypes) - len(self._rider_sizes))
+        header = self._with_riders(rows[:, :width].contiguous().view(torch.int32).reshape(-1))
         counts = header.view(self.comm.size, -1).tolist()
         payload = torch.cat([rows[r, width:width + payload_bytes(c, self.dtypes)] for r, c in enumerate(counts)])
         return header, payload
@@ -157,7 +172,7 @@ class GatherBucket(Bucket):
         """(the gathered headers, or None where the sizes are fixed or inside the rows; the gathered
         payload or rows)."""
         flight = self._flight
-        headers = flight.headers if flight.header is None else self.comm.wait(flight.header)
+        headers = flight.headers if flight.header is None else self._with_riders(self.comm.wait(flight.header))
         return headers, self.comm.wait(flight.data)
 
     def _arrived(self, header, payload) -> list:
