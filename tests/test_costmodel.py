@@ -159,6 +159,25 @@ def test_buckets_share_one_round():
         cm.ring_allreduce(8, 4, NET))
 
 
+def test_dense_layers_riding_in_a_bucket_pay_their_copies_not_a_round():
+    """policy.dense_in_gather_bytes: dense layers listed in a bucket of compressed ones ride in its
+    allgather, N-1 copies of their bytes and no round; the finite flag rides with them. Where
+    ``seat_riders`` seats them (at most alpha x B), riding never costs more than the allreduce."""
+    layers = [(10**6, 0.001, "sign_mean")] * 2 + [(1000, 1.0, "dense"), (500, 1.0, "dense")]
+    apart = cm.step_time(layers, 8, NET, 0.0, buckets=[[1, 0], [2, 3]], finite_check=True)
+    riding = cm.step_time(layers, 8, NET, 0.0, buckets=[[1, 0, 2, 3]], finite_check=True)
+    gather = cm.step_time(layers[:2], 8, NET, 0.0, buckets=[[1, 0]])
+    assert riding == pytest.approx(gather + 7 * 6000 / NET.bandwidth)
+    assert apart == pytest.approx(gather + cm.ring_allreduce(8, 6000, NET) + cm.ring_allreduce(8, 4, NET))
+    assert cm.ride_cap(NET) == pytest.approx(NET.alpha * NET.bandwidth) == pytest.approx(10_000)
+    assert cm.seat_riders(layers, [[1], [0]], cm.ride_cap(NET)) == [[1], [0, 2, 3]]
+    assert cm.seat_riders(layers, [[1], [0]], 5999) == [[1], [0]]
+    for N in (2, 3, 8, 64, 1024):   # at the cap: the copies cost at most half the latency saved
+        cap = [(10**6, 0.001, "sign_mean"), (2500, 1.0, "dense")]   # 10,000 bytes
+        saved = cm.step_time(cap, N, NET, 0.0, buckets=[[0], [1]]) - cm.step_time(cap, N, NET, 0.0, buckets=[[0, 1]])
+        assert saved >= (N - 1) * NET.alpha * (1 - 1e-9)
+
+
 def test_sparse_buckets_mirror_the_exchange():
     # reverse registration order, a new bucket once the next layer passes the dense-byte limit,
     # dense and IWP layers left out

@@ -67,6 +67,18 @@ def half_sum(N: int, n: float, net: Network) -> float:
     return 0.0 if N <= 1 else (N - 1) / N * n * net.half_sum_s
 
 
+def ride_cap(net: Network) -> float:
+    """``policy.dense_in_gather_bytes: auto``: dense bytes that may ride in an allgather, alpha x B.
+    Riding b bytes adds N-1 copies received, ``(N-1) * b / B``, and saves a ring allreduce,
+    ``2(N-1) * alpha`` and more; at b <= alpha x B the cost is at most half that latency, at any N."""
+    return net.alpha * net.bandwidth
+
+
+def ride_time(N: int, nbytes: float, net: Network) -> float:
+    """What ``nbytes`` of dense layers add to the allgather they ride in: N-1 copies, no round."""
+    return 0.0 if N <= 1 else (N - 1) * nbytes / net.bandwidth
+
+
 def layers_half_sum(N: int, layers, net: Network) -> float:
     """``half_sum`` of the fp16 dense layers among ``layers`` ((n, density, method))."""
     return half_sum(N, sum(n for n, _, m in layers if canonical(m) == "dense_fp16"), net)
@@ -516,8 +528,11 @@ def step_time(layers, N: int, net: Network, compute_s: float, overlap: bool = Fa
     ``aggregation`` sparse_reduce_scatter or auto, a bucket travels by the sparse
     reduce-scatter, or by the path ``choose_aggregation`` picks; the reduce-scatter buckets'
     second steps share one allgather round, as in the exchange). Layers in no bucket travel alone.
+    Dense layers in a bucket of compressed ones ride in its allgather (``policy.dense_in_gather_bytes``):
+    no round of their own, N-1 copies of their bytes (``ride_time``).
     ``finite_check``: the exchange's one-float agreement that every
-    gradient was finite, fused by Horovod into the last dense buffer (or alone)."""
+    gradient was finite, fused by Horovod into the last dense buffer (or alone; with riders
+    and no other dense layer, in their allgather)."""
     layers = list(layers)
     in_bucket = {i for b in (buckets or ()) for i in b}
     comm, buf = 0.0, 0
@@ -532,24 +547,40 @@ def step_time(layers, N: int, net: Network, compute_s: float, overlap: bool = Fa
         if buf and buf + nb > fusion_bytes:
             comm, buf = comm + ring_allreduce(N, buf, net), 0
         buf += nb
-    if finite_check:
+    rides = any(_riders(layers, b) and len(_riders(layers, b)) < len(b) for b in buckets or ())
+    if finite_check and not (rides and not buf):   # with riders and no other dense buffer it rides too
         buf += 4
     comm += ring_allreduce(N, buf, net) if buf else 0.0
     comm += layers_half_sum(N, [layer for i, layer in enumerate(layers) if i not in in_bucket], net)
-    scattered = 0
-    for b in buckets or ():
-        shapes = [layers[i] for i in b]
-        if all(canonical(m).startswith("dense") for _, _, m in shapes):   # a dense bucket is one fused allreduce
+    comm += _buckets_time(layers, buckets or (), N, net, compute, allgather, aggregation)
+    return max(compute_s, comm) if overlap else compute_s + comm
+
+
+def _riders(layers, bucket) -> list:
+    """The dense layers among a bucket's: all of them for a dense bucket, else the riders
+    (``policy.dense_in_gather_bytes``), which travel in the bucket's allgather."""
+    return [i for i in bucket if canonical(layers[i][2]).startswith("dense")]
+
+
+def _buckets_time(layers, buckets, N: int, net: Network, compute, allgather: str, aggregation: str) -> float:
+    """``step_time``'s buckets: every bucket's collectives and its layers' select and decode (see there)."""
+    comm, scattered = 0.0, 0
+    for b in buckets:
+        dense = _riders(layers, b)
+        if len(dense) == len(b):   # a dense bucket is one fused allreduce
+            shapes = [layers[i] for i in b]
             comm += ring_allreduce(N, sum(message_bytes(*s) for s in shapes), net) + layers_half_sum(N, shapes, net)
             continue
+        riders = [layers[i] for i in dense]   # every rank sums all N rows of what rode
+        comm += ride_time(N, sum(message_bytes(*s) for s in riders), net) + N * layers_half_sum(N, riders, net)
+        shapes = [layers[i] for i in b if i not in dense]
         path = choose_aggregation(shapes, N, net, compute, allgather)[0] if aggregation == "auto" else aggregation
         comm += bucket_time(shapes, N, net, path, compute, allgather)
         scattered += path == "sparse_reduce_scatter" and all(canonical(m) in REDUCE_SCATTER_METHODS
                                                             for _, _, m in shapes)
     # the exchange sends every reduce-scatter bucket's kept entries in one allgather: one round
     gather = ring_allgather if allgather == "ring" else recursive_doubling_allgather
-    comm -= max(scattered - 1, 0) * gather(N, 0.0, net)
-    return max(compute_s, comm) if overlap else compute_s + comm
+    return comm - max(scattered - 1, 0) * gather(N, 0.0, net)
 
 
 def plan_layers(numels, method: str, density: float, N: int, net: Network,
@@ -564,11 +595,23 @@ def plan_layers(numels, method: str, density: float, N: int, net: Network,
              else "dense") for n in numels]
 
 
+def seat_riders(layers, buckets: list, cap: float) -> list:
+    """The exchange's riders (``policy.dense_in_gather_bytes``) in ``step_time``'s terms: where the
+    dense layers' bytes total at most ``cap``, they join the allgather bucket holding the lowest
+    index (in backward, the one that starts last anyway). ``buckets``: lists of indices into
+    ``layers`` ((n, density, method)), of compressed layers; the same lists, riders added."""
+    dense = [i for i, (_, _, m) in enumerate(layers) if canonical(m).startswith("dense")]
+    if not (buckets and dense) or sum(message_bytes(*layers[i]) for i in dense) > cap:
+        return buckets
+    host = min(range(len(buckets)), key=lambda j: min(buckets[j]))
+    return [b + dense if j == host else b for j, b in enumerate(buckets)]
+
+
 def project_speedup(layer_shapes, N_values, bandwidths, method: str, density: float,
                     compute_s, latency_s: float = 25e-6, overlap: bool = False,
                     per_layer: bool = True, compute: ComputeModel | None = None,
                     fusion_bytes: float = FUSION_BYTES, bucket_bytes: float = BUCKET_BYTES,
-                    aggregation: str = "allgather") -> list[dict]:
+                    aggregation: str = "allgather", ride: bool = True) -> list[dict]:
     """Predicted speedup of ``method`` over dense fp32 ring allreduce.
 
     ``layer_shapes``: {model name: [numel per parameter tensor]}; ``bandwidths``
@@ -576,7 +619,8 @@ def project_speedup(layer_shapes, N_values, bandwidths, method: str, density: fl
     Dense layers (the whole baseline, and layers the per-layer rule leaves dense)
     go through ``fusion_bytes`` fusion buffers; allgather-compressed layers travel
     in the exchange's buckets of ``bucket_bytes`` dense bytes (``sparse_buckets``;
-    0: one allgather per layer), with the exchange's finite check; ``aggregation``:
+    0: one allgather per layer), with the exchange's finite check and, with ``ride``, the dense
+    layers riding in an allgather where ``dense_in_gather_bytes: auto`` seats them; ``aggregation``:
     allgather | sparse_reduce_scatter | auto (per bucket, the cheaper). One row per
     (model, bandwidth, N): model, N, bandwidth_gbit, method, density, dense_s,
     method_s, speedup, compressed_layers."""
@@ -591,6 +635,8 @@ def project_speedup(layer_shapes, N_values, bandwidths, method: str, density: fl
                 kw = dict(overlap=overlap, compute=compute, fusion_bytes=fusion_bytes)
                 dense = step_time([(n, 1.0, "dense") for n in numels], N, net, cs, **kw)
                 buckets = sparse_buckets(plan, bucket_bytes) if bucket_bytes else None
+                if buckets and ride and aggregation == "allgather":
+                    buckets = seat_riders(plan, buckets, ride_cap(net))
                 t = step_time(plan, N, net, cs, buckets=buckets, finite_check=True, aggregation=aggregation, **kw)
                 rows.append(dict(model=model, N=N, bandwidth_gbit=bw, method=canonical(method),
                                  density=density, dense_s=dense, method_s=t, speedup=dense / t,
