@@ -82,13 +82,14 @@ def test_ddp_conservation_sent_plus_residual_equals_inputs():
                 "policy": {"min_compress_numel": 100},
                 "aggregation": "sparse_reduce_scatter",
             },
-            # the dense biases ride in the allgather's capacity row (one collective round a step)
+            # the first config's dense biases ride in the allgather's capacity row (the default); here
+            # they keep an allreduce of their own
             {
                 "method": "redsync",
                 "local_steps": 1,
                 "density": 0.05,
                 "dgc": {"momentum_correction": False},
-                "policy": {"min_compress_numel": 100, "dense_in_gather_bytes": 1024},
+                "policy": {"min_compress_numel": 100, "dense_in_gather_bytes": 0},
             },
             {"method": "signsgd"},
             {"method": "qsgd", "residual": True},

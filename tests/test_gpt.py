@@ -216,7 +216,9 @@ def test_gpt_adamw_trains_under_every_method_and_engine(gpt_runs, engine, method
     decisions = json.loads((folder / "decisions.json").read_text())
     if method in ("redsync", "topk", "dct", "demo"):   # auto: own AdamW moments, the residual holds AdamW steps
         assert log.startswith("[note] compression.feedback_units: update: each worker keeps its own Adam")
-        assert len(decisions["notes"]) == 1, decisions["notes"]
+        # and the dense layers riding in the allgather (policy.dense_in_gather_bytes: auto)
+        assert len([n for n in decisions["notes"] if not n.startswith("policy.dense_in_gather")]) == 1, \
+            decisions["notes"]
     elif method == "redsync-gradient":   # momentum correction is on by default; AdamW has no momentum for it
         assert log.startswith("[note] compression.dgc.momentum_correction") and decisions["notes"]
     else:

@@ -117,8 +117,8 @@ def test_redsync_exchange_matches_every_ranks_message(case):
 
 
 def test_redsync_exchange_4_workers():
-    # the dense layer rides in the allgather: each rank sums 4 rows where the ring allreduce summed
-    options = {"density": 0.01, "selection": "tbs", "policy": {"min_compress_numel": 100, "dense_in_gather_bytes": 256}}
+    # the dense layer rides in the allgather (the default): each rank sums 4 rows where the ring allreduce summed
+    options = {"density": 0.01, "selection": "tbs", "policy": {"min_compress_numel": 100}}
     out = run_script("redsync_exchange.py", json.dumps(options), np=4).stdout
     assert out.count("OK redsync exchange") == 4, out
 

@@ -273,7 +273,7 @@ class CountingComm:
 def test_dense_layers_ride_in_the_allgather_where_their_bytes_fit(values):
     """policy.dense_in_gather_bytes: the dense layers' flat buffer, with its non-finite count and the
     caller's carry slots, travels inside the compressed layers' allgather: one collective a step
-    instead of two, the same averages and carried sums bit for bit, and a NaN in a dense layer
+    instead of two, the same averages, carried sums and bytes bit for bit, and a NaN in a dense layer
     still fails the step. Over the cap, or at 0, the dense layers keep their allreduce."""
     from redsync_hvd.exchange import GradientExchange, NonFiniteGradientError
     gen = torch.Generator().manual_seed(4)
@@ -293,22 +293,51 @@ def test_dense_layers_ride_in_the_allgather_where_their_bytes_fit(values):
             for name, _ in reversed(spec):
                 ex.submit(name, g[name].clone() if name != bad else torch.full_like(g[name], float("nan")))
             result = ex.finish()
-            got.append(({k: v.clone() for k, v in result.averages.items()}, result.carried, list(comm.started)))
+            got.append(({k: v.clone() for k, v in result.averages.items()}, result.carried, list(comm.started),
+                        ex.stats.last["wire_bytes"]))
         return ex, got
 
     fits = (4 if values == "fp32" else 2) * 50   # b0 and b1: 50 elements
     _, apart = run(0)
     ex, riding = run(fits)
     assert [b.kind for b in ex.buckets if getattr(b, "ride", None) is not None] == ["reduce"]
-    for (a, carried_a, rounds_a), (b, carried_b, rounds_b) in zip(apart, riding):
+    for (a, carried_a, rounds_a, bytes_a), (b, carried_b, rounds_b, bytes_b) in zip(apart, riding):
         # tbs: a header allgather and the payload's, then the dense allreduce, which riding drops
         assert rounds_a == ["allgather", "allgather", "allreduce"] and rounds_b == ["allgather", "allgather"]
         assert carried_a == carried_b == [2.0, 1.0]
+        assert bytes_a == bytes_b   # the riders' sizes are known to all: no header entry for them
         assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
     over, _ = run(fits - 1)
     assert all(b.ride is None for b in over.buckets if b.kind == "reduce")
     with pytest.raises(NonFiniteGradientError, match="non-finite"):
         run(fits, bad="b1")
+
+
+def test_dense_in_gather_auto_rides_the_bytes_one_rounds_latency_buys():
+    """The default, ``dense_in_gather_bytes: auto``: the cap is alpha x B of the network the policy
+    planned for (31,250 bytes at the cost model's 25 us and 10 Gbit/s where nothing was measured).
+    Biases ride; a dense layer whose bytes pass the cap keeps its allreduce; a slower-latency
+    network the cost model measured raises the cap; the run's layers.log says when they ride."""
+    from redsync_hvd.comm import LocalCommunicator
+    from redsync_hvd.exchange import GradientExchange
+
+    def built(dense_numel, network=None):
+        spec = [("b0", 10), ("w1", 50_000), ("d1", dense_numel)]
+        comp, cfg = build_compressor({"method": "redsync", "density": 0.01,
+                                      "policy": {"layers": [{"pattern": "d1", "dense": True}]}}, LocalCommunicator(4))
+        assert cfg.policy.dense_in_gather_bytes == "auto"
+        policy = LayerPolicy(cfg)
+        ex = GradientExchange([Layer(n, (m,), m, i) for i, (n, m) in enumerate(spec)], comp, LocalCommunicator(4),
+                              policy, ResidualMemory(), fusion_bytes=cfg.fusion_bytes, network=network)
+        return [b.ride is not None for b in ex.buckets if b.kind == "reduce"], policy.notes
+
+    fits = 31_250 // 4 - 10   # d1 and b0 together at the cap, in fp32
+    assert built(fits) == ([True], [f"policy.dense_in_gather_bytes: the dense layers' {4 * (fits + 10)} bytes "
+                                    "ride in the compressed layers' allgather (at most 31250): one collective "
+                                    "round a step fewer"])
+    assert built(fits + 1) == ([False], [])
+    slow = Network.from_config(latency_s=250e-6, bandwidth_gbit=10.0)   # ten times the latency: ten times the cap
+    assert built(312_500 // 4 - 10, slow)[0] == [True] and built(312_500 // 4 - 9, slow)[0] == [False]
 
 
 def test_momentum_correction_sends_dense_layers_momentum_not_zeros():

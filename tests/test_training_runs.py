@@ -96,7 +96,9 @@ def test_run_folder_contents(digits_runs):
     assert {"step_wire_bytes", "select", "communicate", "decompress", "selected", "k"} <= set(steps[-1])
     assert (folder / "checkpoint-rank0.pt").is_file() and (folder / "checkpoint-rank1.pt").is_file()
     layers = (folder / "layers.log").read_text().splitlines()   # the decisions: here, not on the terminal
-    assert len(layers) == 8 and "classifier.1.weight: compressed" in layers[4], layers
+    # the dense layers ride in the allgather (policy.dense_in_gather_bytes: auto), and the note says so
+    assert layers[0].startswith("[note] policy.dense_in_gather_bytes: the dense layers'"), layers
+    assert len(layers) == 9 and "classifier.1.weight: compressed" in layers[5], layers
 
 
 def test_plot_script_writes_pngs(digits_runs, tmp_path):

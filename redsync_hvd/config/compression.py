@@ -25,6 +25,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeInt,
     PrivateAttr,
     ValidationError,
     field_serializer,
@@ -169,13 +170,16 @@ class PolicyConfig(_Group):
         "fp32", description="how the layers that go dense travel: fp32 (the exact average) | fp16 (half the "
                             "bytes; the rounding, 11 significant bits, is not fed back). At 100x compression "
                             "the dense biases can cost as much as every compressed layer together")
-    dense_in_gather_bytes: int = Field(
-        0, ge=0, description="the layers that go dense travel inside the compressed layers' allgather, not in an "
-                             "allreduce of their own, where their bytes total at most this (0: never). One "
-                             "collective round a step fewer (a small Gloo allreduce costs about 0.4 ms on 2 CPU "
-                             "cores), for N-1 copies of those bytes received instead of 2(N-1)/N: for biases and "
-                             "norms, not for a large dense layer on many workers. Where the exchange allgathers "
-                             "(not the sparse reduce-scatter, exact-k plans or FSDP)")
+    dense_in_gather_bytes: Union[Literal["auto"], NonNegativeInt] = Field(
+        "auto", description="the layers that go dense travel inside the compressed layers' allgather, not in an "
+                            "allreduce of their own, where their bytes total at most this (0: never). One "
+                            "collective round a step fewer (a small Gloo allreduce costs about 0.4 ms on 2 CPU "
+                            "cores), for N-1 copies of those bytes received instead of 2(N-1)/N. auto: the bytes "
+                            "one round's latency buys, alpha x bandwidth of the network the cost model planned "
+                            "for (31,250 bytes at its 25 us and 10 Gbit/s where nothing was measured): below it "
+                            "riding costs at most half the latency it saves, at any N; biases and norms ride, a "
+                            "large dense layer does not. Where the exchange allgathers (not the sparse "
+                            "reduce-scatter, exact-k plans or FSDP)")
     layers: list[LayerOverride] = Field(default_factory=list, description="per-layer overrides")
     latency_s: Optional[float] = Field(None, ge=0, description="cost_model: cost of one collective round "
                                                                "(None: measured at start)")

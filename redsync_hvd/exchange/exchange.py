@@ -22,6 +22,7 @@ from ..compressors.dense import FP16Compressor, NoneCompressor
 from ..core import layout
 from ..core.stats import CommStats
 from ..memory import NoMemory
+from ..policy.costmodel import Network, ride_cap
 from . import nonfinite, redecide
 from .buckets import Buffers, ReduceBucket
 from .gather import GatherBucket
@@ -122,16 +123,23 @@ class GradientExchange:
     def _seat_riders(self, buckets: list) -> None:
         """``policy.dense_in_gather_bytes``: where the dense layers' bytes fit, their reduce buckets
         ride in the allgather of the gather bucket whose first layer comes in last (in backward, the
-        one that starts last anyway), so the step has one collective round fewer."""
+        one that starts last anyway), so the step has one collective round fewer. auto: the bytes
+        one round's latency buys on the network the policy planned for (``costmodel.ride_cap``)."""
         cap = self.policy.config.policy.dense_in_gather_bytes
+        if cap == "auto":
+            cap = int(ride_cap(self.policy.network or Network.from_config()))
         dense = [b for b in buckets if b.kind == "reduce" and not b.layers[0].compressed]
         hosts = [b for b in buckets if b.kind == "gather"]
         nbytes = (2 if self.dense_fp16 else 4) * sum(l.numel for b in dense for l in b.layers)
-        if not (cap and dense and hosts) or nbytes > cap:
+        if not (cap and dense and hosts) or nbytes > cap or self.comm.size < 2:
             return
         host = min(hosts, key=lambda b: min(l.index for l in b.layers))
         for bucket in dense:
             host.take_rider(bucket)
+        note = (f"policy.dense_in_gather_bytes: the dense layers' {nbytes} bytes ride in the compressed layers' "
+                f"allgather (at most {cap}): one collective round a step fewer")
+        if note not in self.policy.notes:
+            self.policy.notes.append(note)
 
     def _compressor_of(self, layer: Layer) -> Compressor:
         return self.compressor if layer.compressed else self.dense
