@@ -4,6 +4,7 @@ prices every method for a cluster this machine is not."""
 import subprocess
 import sys
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,7 +17,7 @@ from redsync_hvd.compressors.base import Layer
 from redsync_hvd.exchange import GradientExchange
 from redsync_hvd.memory import ResidualMemory
 from redsync_hvd.policy import LayerPolicy
-from redsync_hvd.policy.costmodel import ComputeModel, Network, ring_allreduce
+from redsync_hvd.policy.costmodel import ComputeModel, Network, half_sum, ride_time, ring_allreduce
 from redsync_hvd.policy.review import BucketVerdict, Review, review_log_lines
 
 
@@ -214,6 +215,26 @@ def test_whatif_prices_dense_and_fp16_as_the_allreduce_of_their_bytes_with_no_me
     eight = price({**golomb, "local_steps": 8}, layers, 8, net, rates, 0.0, 0.0)
     every = price({**golomb, "local_steps": 1}, layers, 8, net, rates, 0.0, 0.0)
     assert auto == eight and auto["step_s"] == every["step_s"] / 8   # priced as horovodrun settles it
+
+
+def test_whatif_prices_the_fp16_sum_it_is_given_and_the_dense_layers_riding():
+    """``--half-sum``: an fp16 allreduce adds its sum, (N-1)/N of the elements at the given cost
+    each (0 by default: NCCL's). The dense layers riding in RedSync's allgather (the default,
+    ``policy.dense_in_gather_bytes: auto``) cost N-1 copies of their bytes, not a ring allreduce."""
+    from redsync_hvd.config import load_config
+    from redsync_hvd.experiments.whatif import model_and_batch, price
+    model = model_and_batch(load_config(REPO / "configs/digits/redsync.yaml"))[0]
+    layers = [Layer(n, tuple(p.shape), p.numel(), i, torch.device("cpu"))
+              for i, (n, p) in enumerate(model.named_parameters())]
+    numel, net = sum(l.numel for l in layers), Network(25e-6, 10e9 / 8, half_sum_s=20e-9)
+    assert price({"method": "fp16"}, layers, 8, net, None, 0.0, 0.0)["exchange_s"] == \
+        ring_allreduce(8, 2 * numel, net) + half_sum(8, numel, net)
+    rates, every = ComputeModel(select_c0=1e-3, select_c1=0.0), {"method": "redsync", "local_steps": 1}
+    riding = price(every, layers, 8, net, rates, 0.0, 0.0)["exchange_s"]
+    apart = price({**every, "policy": {"dense_in_gather_bytes": 0}}, layers, 8, net, rates, 0.0, 0.0)["exchange_s"]
+    dense = 4 * sum(l.numel for l in layers if l.numel < 4096)   # RedSync's floor: these go dense
+    assert 0 < dense <= 31_250 and apart - riding == pytest.approx(
+        ring_allreduce(8, dense, net) - ride_time(8, dense, net))
 
 
 def test_whatif_picks_what_the_recorded_sweeps_measured_fastest():

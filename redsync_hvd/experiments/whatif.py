@@ -43,13 +43,13 @@ from redsync_hvd.exchange import GradientExchange
 from redsync_hvd.memory import ResidualMemory
 from redsync_hvd.models import build_model
 from redsync_hvd.policy import LayerPolicy
-from redsync_hvd.policy.costmodel import ComputeModel, Network, ring_allreduce
+from redsync_hvd.policy.costmodel import ComputeModel, Network, half_sum, ride_time, ring_allreduce
 from redsync_hvd.policy.review import bucket_prediction
 from redsync_hvd.torch.training import loss_and_correct
 
 BASELINES = ("none", "fp16", "topk", "powersgd", "redsync", "sbc", "iwp", "qsgd", "signsgd")
 _BANDWIDTH = re.compile(r"^(\d+(?:\.\d+)?)(gbit|mbit|kbit)$")
-_LATENCY = re.compile(r"^(\d+(?:\.\d+)?)(s|ms|us)$")
+_LATENCY = re.compile(r"^(\d+(?:\.\d+)?)(s|ms|us|ns)$")
 
 
 def bandwidth(text: str) -> float:
@@ -65,9 +65,9 @@ def latency(text: str) -> float:
     """Seconds of ``25us``, ``1ms``, ``0.002s``."""
     m = _LATENCY.match(text.strip().lower())
     if not m:
-        raise argparse.ArgumentTypeError(f"--latency {text!r}: write a number and a unit, s, ms or us "
-                                         "(25us, 1ms, 0.002s)")
-    return float(m.group(1)) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[m.group(2)]
+        raise argparse.ArgumentTypeError(f"{text!r}: write a number and a unit, s, ms, us or ns "
+                                         "(25us, 1ms, 0.002s, 20ns)")
+    return float(m.group(1)) * {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}[m.group(2)]
 
 
 def positive(text: str) -> int:
@@ -112,10 +112,22 @@ def as_horovod_runs(spec: dict, sgd: bool = False) -> dict:
     return spec
 
 
+def dense_seconds(nbytes: float, numel: int, N: int, net: Network, rides: bool) -> tuple[float, float]:
+    """(seconds backward may hide, seconds it cannot) of a bucket that sends every element: the ring
+    allreduce of its bytes, or, riding in an allgather (``policy.dense_in_gather_bytes``), N-1
+    copies of them. fp16 (2 bytes an element) adds its sum at ``net.half_sum_s`` an element
+    (``--half-sum``): the ring's (N-1)/N of the elements, or every rank's N rows riding."""
+    half = half_sum(N, numel, net) if nbytes == 2 * numel else 0.0
+    if rides:
+        return 0.0, ride_time(N, nbytes, net) + N * half
+    return ring_allreduce(N, nbytes, net) + half, 0.0
+
+
 def price(spec: dict, layers: list, N: int, net: Network, rates, compute_s: float, overlap: float) -> dict:
     """Predicted seconds of one step under ``spec`` (step 3): the exchange's own buckets and
     decisions for N workers, each priced. A bucket that sends every element (dense layers, and
-    every bucket of a ``dense_wire`` method: none, fp16) is the ring allreduce of its bytes; fp16
+    every bucket of a ``dense_wire`` method: none, fp16) is the ring allreduce of its bytes (dense
+    layers riding in an allgather, ``policy.dense_in_gather_bytes``: N-1 copies of them); fp16
     also converts every element down and back (``rates``: its measured cost per element; a bucket's
     fixed cost, which none has too and is priced without, is left out; none sends the gradient
     itself and has no rate). ``rates`` prices the selecting methods' buckets."""
@@ -137,12 +149,14 @@ def price(spec: dict, layers: list, N: int, net: Network, rates, compute_s: floa
     dense_s, comm_s = 0.0, 0.0
     for bucket in ex.buckets:
         numels = [l.numel for l in bucket.layers]
-        if comp.dense_wire:
-            dense_s += ring_allreduce(N, sum(comp.wire(l).nbytes(N) for l in bucket.layers), net)
-            if rates is not None and not comp.passthrough:   # fp16's casts; none's message is the gradient
+        if comp.dense_wire or not bucket.layers[0].compressed:
+            nbytes = sum(comp.wire(l).nbytes(N) for l in bucket.layers) if comp.dense_wire else \
+                (2 if cfg.policy.dense_values == "fp16" else 4) * sum(numels)
+            hidden, exposed = dense_seconds(nbytes, sum(numels), N, net, bucket.kind == "reduce" and
+                                            bucket.ride is not None)
+            dense_s, comm_s = dense_s + hidden, comm_s + exposed
+            if comp.dense_wire and rates is not None and not comp.passthrough:   # fp16's casts
                 comm_s += rates.select_c1 * sum(numels)   # per element: a bucket's fixed cost none has too
-        elif not bucket.layers[0].compressed:
-            dense_s += ring_allreduce(N, (2 if cfg.policy.dense_values == "fp16" else 4) * sum(numels), net)
         else:
             wires = [policy._wire(l, l.base_density) for l in bucket.layers]
             comm_s += bucket_prediction(numels, wires, comp.collective, N, net, rates, overlap)[1]
@@ -229,6 +243,9 @@ def parse_args(argv):
     ap.add_argument("--hosts", type=positive, required=True)
     ap.add_argument("--bandwidth", type=bandwidth, required=True, help="per link: 10gbit, 100mbit, ...")
     ap.add_argument("--latency", type=latency, default=25e-6, help="per collective round: 25us (default), 1ms")
+    ap.add_argument("--half-sum", type=latency, default=0.0,
+                    help="what summing fp16 adds per element beyond fp32 (0, the default: NCCL on GPUs; about 15-30ns "
+                         "for Gloo on a CPU, as the end-to-end bench's probe_half_sum measures)")
     ap.add_argument("--np-per-host", "--gpus-per-host", dest="per_host", type=positive, default=1)
     ap.add_argument("--overlap", type=float, default=0.0, help="fraction of a dense allreduce hidden by backward")
     ap.add_argument("--methods", default=",".join(BASELINES), help="baselines to price, comma-separated")
@@ -255,7 +272,7 @@ def main(argv=None) -> int:
     compute_s = statistics.median(computes)
     layers = [Layer(n, tuple(p.shape), p.numel(), i, torch.device("cpu"))
               for i, (n, p) in enumerate(model.named_parameters()) if p.requires_grad]
-    N, net = args.hosts * args.per_host, Network(args.latency, args.bandwidth)
+    N, net = args.hosts * args.per_host, Network(args.latency, args.bandwidth, args.half_sum)
     rows, skipped = [], []
     for label, spec in candidates(cfg, names):
         try:

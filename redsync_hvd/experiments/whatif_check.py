@@ -8,7 +8,8 @@
    the gradient exchange (no ``<method>/comm`` rows; the decentralized methods are not whatif's);
 3. prices each method with ``whatif.price`` on the model's own layers, from what the sweep recorded
    and nothing timed here: N, the link (the tbf rate, or the measured goodput where unshaped;
-   alpha half the unloaded RTT plus the added latency), the compute of N processes, and the
+   alpha half the unloaded RTT plus the added latency; the launch's measured fp16 sum, where the
+   sweep recorded ``half_sum_ns``), the compute of N processes, and the
    method's own measured selection and decoding per step as a cost per element of the layers it
    compressed (fp16: its conversions; none: nothing, its row is the allreduce alone);
 4. whatif's pick is the lowest predicted step. It agrees with the cell when it is the method
@@ -87,7 +88,8 @@ def cells(path: Path) -> list:
             mbit = _number(row["bandwidth_mbit"]) or _number(row.get("goodput_mbit"))
             alpha = (_number(row["latency_ms"]) or 0.0) / 1e3 + (_number(row.get("rtt_ms")) or 0.0) / 2e3
             out[key] = Cell(f"{path.parent.name} {row['model']} N={row['hosts']} {row['bandwidth_mbit']} Mbit/s",
-                            models[row["model"]], int(row["hosts"]), Network(alpha, mbit * 1e6 / 8),
+                            models[row["model"]], int(row["hosts"]),
+                            Network(alpha, mbit * 1e6 / 8, (_number(row.get("half_sum_ns")) or 0.0) * 1e-9),
                             float(row["compute_nproc_s"]))
         out[key].rows[row["method"]] = row
         out[key].specs[row["method"]] = current(spec, rounds=timed_over_rounds(row))
