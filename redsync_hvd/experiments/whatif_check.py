@@ -134,13 +134,16 @@ def judge(cell: Cell, layers: list) -> dict:
 
 
 def check(paths) -> list:
-    """Every cell of every results.csv in ``paths`` that has a config.yaml beside it, judged."""
+    """Every cell of every results.csv in ``paths`` that has a config.yaml beside it and two exchange
+    methods or more, judged."""
     built, out = {}, []
     for path in map(Path, paths):
         header = path.read_text().split("\n", 1)[0]
         if not (path.parent / "config.yaml").exists() or "predicted_step_time_s" not in header:
             continue
         for cell in cells(path):
+            if len(cell.rows) < 2:   # one exchange method (a launch that measured MPI's dense): no pick to judge
+                continue
             name = cell.model["name"]
             built.setdefault(name, layers_of(cell.model))
             out.append(judge(cell, built[name]))
