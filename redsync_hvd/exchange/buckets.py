@@ -97,6 +97,8 @@ class Bucket:
         backward passes produce gradients in different orders could deadlock.
     """
     kind = ""   # each kind's own: "reduce", "gather", "scatter", "planned"
+    ride = None     # a reduce bucket's GatherBucket, where it rides in that allgather (ReduceBucket)
+    riders = ()     # a gather bucket's reduce buckets riding in its allgather (GatherBucket.take_rider)
 
     def __init__(self, index: int, layers: tuple, compressor, memory, comm, stats, policy, buffers: Buffers, *,
                  evidence: bool, clip: float | None, together: bool = False):

@@ -112,12 +112,13 @@ def as_horovod_runs(spec: dict, sgd: bool = False) -> dict:
     return spec
 
 
-def dense_seconds(nbytes: float, numel: int, N: int, net: Network, rides: bool) -> tuple[float, float]:
-    """(seconds backward may hide, seconds it cannot) of a bucket that sends every element: the ring
-    allreduce of its bytes, or, riding in an allgather (``policy.dense_in_gather_bytes``), N-1
-    copies of them. fp16 (2 bytes an element) adds its sum at ``net.half_sum_s`` an element
-    (``--half-sum``): the ring's (N-1)/N of the elements, or every rank's N rows riding."""
-    half = half_sum(N, numel, net) if nbytes == 2 * numel else 0.0
+def dense_seconds(wires: list, numel: int, N: int, net: Network, rides: bool) -> tuple[float, float]:
+    """(seconds backward may hide, seconds it cannot) of a bucket that sends every element (``wires``:
+    its layers' messages): the ring allreduce of its bytes, or, riding in an allgather
+    (``policy.dense_in_gather_bytes``), N-1 copies of them. fp16 adds its sum at ``net.half_sum_s``
+    an element (``--half-sum``): the ring's (N-1)/N of the elements, or every rank's N rows riding."""
+    nbytes = sum(w.nbytes(N) for w in wires)
+    half = half_sum(N, numel, net) if any(d == torch.float16 for w in wires for d in w.dtypes) else 0.0
     if rides:
         return 0.0, ride_time(N, nbytes, net) + N * half
     return ring_allreduce(N, nbytes, net) + half, 0.0
@@ -150,9 +151,8 @@ def price(spec: dict, layers: list, N: int, net: Network, rates, compute_s: floa
     for bucket in ex.buckets:
         numels = [l.numel for l in bucket.layers]
         if comp.dense_wire or not bucket.layers[0].compressed:
-            nbytes = sum(comp.wire(l).nbytes(N) for l in bucket.layers) if comp.dense_wire else \
-                (2 if cfg.policy.dense_values == "fp16" else 4) * sum(numels)
-            hidden, exposed = dense_seconds(nbytes, sum(numels), N, net, bucket.kind == "reduce" and
+            sender = comp if comp.dense_wire else ex.dense   # the method's, or how its dense layers travel
+            hidden, exposed = dense_seconds([sender.wire(l) for l in bucket.layers], sum(numels), N, net,
                                             bucket.ride is not None)
             dense_s, comm_s = dense_s + hidden, comm_s + exposed
             if comp.dense_wire and rates is not None and not comp.passthrough:   # fp16's casts

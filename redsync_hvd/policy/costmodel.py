@@ -547,7 +547,7 @@ def step_time(layers, N: int, net: Network, compute_s: float, overlap: bool = Fa
         if buf and buf + nb > fusion_bytes:
             comm, buf = comm + ring_allreduce(N, buf, net), 0
         buf += nb
-    rides = any(_riders(layers, b) and len(_riders(layers, b)) < len(b) for b in buckets or ())
+    rides = any(0 < len(_riders(layers, b)) < len(b) for b in buckets or ())
     if finite_check and not (rides and not buf):   # with riders and no other dense buffer it rides too
         buf += 4
     comm += ring_allreduce(N, buf, net) if buf else 0.0

@@ -143,8 +143,8 @@ def _train(spec, compression, rank, rhvd, comm_only=False):
         ex = getattr(opt, "exchange", None)   # none for the decentralized optimizer
         # how compressed layers were grouped into allgathers (one header + one payload each); a
         # dense bucket that rides in one (policy.dense_in_gather_bytes) is listed with its host
-        out["buckets"] = [[l.name for l in b.layers] + [l.name for r in getattr(b, "riders", ()) for l in r.layers]
-                          for b in (ex.buckets if ex is not None else []) if getattr(b, "ride", None) is None]
+        out["buckets"] = [[l.name for l in b.layers] + [l.name for r in b.riders for l in r.layers]
+                          for b in (ex.buckets if ex is not None else []) if b.ride is None]
         out["compression_ratio"] = stats["compression_ratio"]
     del opt, model
     return out
