@@ -389,6 +389,22 @@ def test_mpi_launch_runs_dcd_across_namespaces_then_nothing_left(tmp_path):
     assert "btl tcp,self" in log     # no shared-memory transport between the "hosts"
 
 
+@needs_netns
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun (openmpi-bin) is not installed")
+def test_mpi_allreduce_probe_goes_over_the_shaped_links_and_counts_them(capsys):
+    """``netbench mpi-allreduce``: MPI's allreduce alone, one rank per namespace. Its bytes go over
+    the hosts' TCP (counted there), so no allreduce beats the ring at the shaped rate."""
+    from redsync_hvd.experiments.netbench.__main__ import main
+    assert main(["mpi-allreduce", "--bandwidth-mbit", "200", "--mb", "4", "--repeats", "2",
+                 "--mca", "coll_tuned_use_dynamic_rules=1", "--mca", "coll_tuned_allreduce_algorithm=3"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["bytes"] == 4_000_000 and result["mca"]["coll_tuned_allreduce_algorithm"] == "3"
+    assert result["ring_at_link_rate_s"] == pytest.approx(4e6 / 25e6)
+    assert len(result["times_s"]) == 2 and min(result["times_s"]) > 0.9 * result["ring_at_link_rate_s"]
+    assert result["TcpOutSegs"] > 2 * 4e6 / 65536 and result["dropped"] >= 0
+    assert main(["mpi-allreduce", "--mca", "no_value"]) == 2   # K=V or a clear refusal
+
+
 @pytest.mark.parametrize("warmup, steps, every, expected", [
     (3, 10, 1, (3, 10)),          # an exchange every step: as given
     (3, 10, 8, (8, 16)),          # local steps: the first exchange in the warm-up, two whole rounds timed
