@@ -14,6 +14,7 @@ from redsync_hvd.comm.packing import pack, unpack_fixed
 from redsync_hvd.compressors import build_compressor
 from redsync_hvd.compressors.base import Layer, Wire
 from redsync_hvd.core.host_reads import HostReads
+from redsync_hvd.core.select import native_available
 from redsync_hvd.engine import MomentumSpec, build_exchange
 from redsync_hvd.exchange import NonFiniteGradientError
 
@@ -212,6 +213,35 @@ def test_the_plan_says_which_path_runs():
     assert ex.paths() == ["bucket 0 (2 layers, 8000 elements): exact-k plan, eager"]
     with pytest.raises(ValueError, match="cuda_graph"):
         make([5000], cuda_graph="sometimes")
+
+
+@pytest.mark.skipif(not native_available(), reason="the native CPU kernels are not built")
+def test_native_backend_started_from_last_steps_kth_key_steps_as_the_reference(monkeypatch):
+    """Large layers (the native backend's candidates path) over 60 steps of error feedback: once
+    each layer's k-th key holds steady (the residual's growth slows after a few tens of steps),
+    the planned bucket's hints start the search (one index pass above it), and every step's
+    averages and residuals equal the torch reference's to the bit."""
+    from redsync_hvd.core.select import native_radix
+    tried = []
+    real = native_radix._from_hint
+
+    def spy(*a):
+        got = real(*a)
+        if a[-1] is not None:   # a hint was there to try
+            tried.append(got is not None)
+        return got
+    monkeypatch.setattr(native_radix, "_from_hint", spy)
+    sizes = [1 << 17, 3000, 1 << 16]
+    runs = [make(sizes, selection={"method": "radix", "radix_backend": backend}, quantize="sign_mean",
+                 momentum=0.0, density=0.002) for backend in ("native", "torch")]
+    for step in range(60):
+        grads = grads_for(runs[0][1], step)
+        outs = [run_step(ex, layers, grads) for ex, layers, _ in runs]
+        for name in outs[0]:
+            assert torch.equal(outs[0][name], outs[1][name]), (step, name)
+        res = [ex.residuals() for ex, _, _ in runs]
+        assert all(torch.equal(res[0][k], res[1][k]) for k in res[0]), step
+    assert len(tried) >= 40 and all(tried), tried   # tried on the later steps, and it found the candidates
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -179,3 +179,39 @@ def test_compensate_then_select_from_its_statistics(sign, mean, monkeypatch):
     assert_same(*got)
     assert got[0][0].nonfinite.tolist() == [False, False, True, False]
     assert passes.count("compensate_sides") == 3 and "stats" not in passes, " ".join(passes)
+
+
+@pytest.mark.parametrize("sign,mean", [(None, False), ("pos", True), ("larger", True)])
+def test_a_step_started_from_the_last_kth_key_gives_the_references_selection(sign, mean, monkeypatch):
+    """With a hints dict kept across steps (as a planned bucket keeps it), a large layer whose k-th
+    key has held steady starts from it: one index pass above HINT_MARGIN times it. Every step's
+    selection and update equal the reference's to the bit, whichever path ran: steady steps (the
+    hint finds the candidates), |x| shrunk 10x (too few above the hint: the search runs), the
+    step after (the key moved: no hint tried), grown back 10x (too many) and a NaN (that layer
+    goes to the reference whole)."""
+    taken = []
+    real = native_radix._from_hint
+
+    def spy(*a):
+        got = real(*a)
+        if a[-1] is not None:
+            taken.append(got is not None)
+        return got
+    monkeypatch.setattr(native_radix, "_from_hint", spy)
+    seg = Segments([3 * BIG, 300, 2 * BIG], [150, 3, 100], align=16)
+    gen, hints = torch.Generator().manual_seed(13), {}
+    sides = 2 if sign == "larger" else 1
+    hit, miss = [True] * sides, [False] * sides   # per large layer: one try per side selected from
+    # step 8: the NaN's layer stops at its first side's miss (x is not finite: the reference takes it)
+    expect = {0: [], 1: [], 2: hit + hit, 3: miss + miss, 4: [], 5: hit + hit, 6: miss + miss, 7: [], 8: hit + [False]}
+    for step, scale in enumerate([1.0, 1.0, 1.0, 0.1, 0.1, 0.1, 1.0, 1.0, 1.0]):
+        x = torch.randn(seg.n, generator=gen) * scale   # a fresh gradient: the k-th key holds steady
+        if step == 8:
+            x[seg.offsets[2] + 5] = float("nan")
+        taken.clear()
+        got = [(select(seg, xx, contract, sign=sign, mean=mean, update=True, state=state), xx, None)
+               for xx, contract, state in ((x.clone(), NATIVE, hints), (x.clone(), TORCH, None))]
+        assert_same(*got)
+        assert taken == expect.get(step, taken), (step, taken)
+    assert got[0][0].nonfinite.tolist() == [False, False, True]
+    assert {key[0] for key in hints} == {3 * BIG, 2 * BIG}

@@ -61,6 +61,7 @@ class PlannedBucket(Bucket):
         self.terms = dict(terms or {})
         self.kinds = ("residual",) + (("velocity",) if self.terms.get("momentum") is not None else ())
         self.key, self.block = ("planned", index), None   # the block of the memory's state: the first step takes it
+        self.hints: dict = {}   # the selection's last k-th keys, where its backend starts from them (native)
         super().__init__(index, layers, compressor, memory, comm, stats, policy, buffers, evidence=False,
                          clip=clip, together=True)
         self.signs = (self.codec.sign(0), self.codec.sign(1))   # the kept sign alternates with the parity, or not
@@ -166,7 +167,7 @@ class PlannedBucket(Bucket):
             self.policy.observe(list(self.layers), seg.views(x), step, [self.views[n] for n in self.names])
         sel = select(seg, x, self.contract, sign=sign, mean=self.codec.mean, first=hist,                     # 2.-3.
                      index_dtype=torch.int32, value_dtype=self.codec.value_dtype, update=m is not None,
-                     velocity=velocity)
+                     velocity=velocity, state=self.hints)
         flag = sel.nonfinite.sum(dtype=torch.int32).reshape(1)
         return pack([sel.positions, sel.means if self.codec.mean else sel.values, flag], grad.device)[1], \
             sel.nonfinite

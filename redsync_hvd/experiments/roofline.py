@@ -99,10 +99,12 @@ class ExactK:
         if self.seg.n != n:   # the gradient must be the bucket's buffer itself, as it is in the exchange
             raise ValueError(f"n={n}: use a multiple of 16 elements (the kernels' alignment)")
         self.r, self.spare = steady_residual(n, k / n, device), torch.zeros(n, device=device)
+        self.hints: dict = {}   # the last k-th key, as a planned bucket keeps it
 
     def __call__(self, g: torch.Tensor) -> int:
         hist = compensate(self.r, g, self.spare, first=HistogramRequest(self.seg, "pos", self.contract))
-        sel = select(self.seg, self.spare, self.contract, sign="pos", mean=True, first=hist, update=True)
+        sel = select(self.seg, self.spare, self.contract, sign="pos", mean=True, first=hist, update=True,
+                     state=self.hints)
         self.r, self.spare = self.spare, self.r
         return sel.positions.numel()
 

@@ -8,10 +8,14 @@ values, means and side as on the whole layer. Per layer of a bucket:
 
     0. ``compensate``: x = r + g (DGC's momentum too) by the native kernel, layer by layer, which
        returns each sign's max and sum of x on the way: the candidates' first statistics pass;
-    1. candidates: trimmed's threshold set (``searches.threshold_set``: a stats pass, a count
-       pass of 7 thresholds, an index pass, over the native CPU passes) of |x|, or with a sign
-       rule of each side's keys (the passes' ``side``: max(x, 0) or max(-x, 0), read from x
-       itself), else the whole layer (small layers, NaN/Inf, fewer than k of a sign);
+    1. candidates: with ``hints`` (the caller's dict, kept from step to step), once a layer's
+       k-th key has held steady, one index pass above the last one times ``HINT_MARGIN``, taken
+       where it holds k to ``HINT_CAP`` k; else trimmed's threshold set (``searches.threshold_set``: a stats pass, a
+       count pass of 7 thresholds, an index pass, over the native CPU passes) of |x|, or with a
+       sign rule of each side's keys (the passes' ``side``: max(x, 0) or max(-x, 0), read from x
+       itself), else the whole layer (small layers, NaN/Inf, fewer than k of a sign). Any set
+       holding k keys of a side holds its top k and their ties, so the result does not depend
+       on which set was found;
     2. a layer with candidates and k > 0: the k-th key, the count and sum above it, and the
        positions taken, by the native kernels over its candidates (``_native/exact_kernels.cpp``:
        the reference's T, need, float64 sum in position order and ties by position);
@@ -25,6 +29,7 @@ a few passes over x. Registered as the ``native`` backend of ``radix`` (CPU floa
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 
@@ -41,6 +46,11 @@ from .searches import threshold_set
 _EMPTY = torch.empty(0)
 _WHOLE_BELOW = 1 << 16      # a layer this small goes to the reference whole: a pass over it is cheap
 _TRIMMED = Contract.of("trimmed")
+# A layer's k-th key moves little from one step to the next under error feedback, so a threshold a
+# little below the last one usually holds k to a few k keys: one index pass instead of the
+# search's count and index passes. Too few or too many and the search runs as without a hint.
+HINT_MARGIN = 0.97
+HINT_CAP = 8
 
 
 class _NonFinite(ValueError):
@@ -64,10 +74,33 @@ def _sides(stats, R: int) -> tuple:
     return (_stats_scan(finite, mp, sp), _stats_scan(finite, mn, sn))
 
 
-def _candidates(mod, v: torch.Tensor, k: int, R: int, active: tuple, first=None) -> torch.Tensor | None:
+def _hint(hints: dict, key: tuple) -> float | None:
+    """The threshold to try first: HINT_MARGIN times the last k-th key, once it has held steady
+    (moved by less than 1 - HINT_MARGIN over the step before). While it grows, as a residual's does
+    over its first steps, a hint would miss and cost a pass."""
+    got = hints.get(key)
+    return HINT_MARGIN * got[0] if got is not None and got[1] else None
+
+
+def _remember(hints: dict, key: tuple, t: float) -> None:
+    last = hints.get(key)
+    hints[key] = (t, last is not None and abs(t - last[0]) <= (1.0 - HINT_MARGIN) * last[0])
+
+
+def _from_hint(mod, v: torch.Tensor, k: int, side: int, t: float | None) -> torch.Tensor | None:
+    """Ascending positions of key > t where they are k to HINT_CAP k of them and x is finite, else None."""
+    if t is None:
+        return None
+    idx, _, count, finite = mod.select_above(v, t, HINT_CAP * k, True, False, side)
+    return idx if finite and k <= count <= HINT_CAP * k else None
+
+
+def _candidates(mod, v: torch.Tensor, k: int, R: int, active: tuple, first=None,
+                hint=lambda s: None) -> torch.Tensor | None:
     """Ascending positions of a threshold set holding at least k of each side selected from (of
     |x| where R == 1; per side, of that side's keys, the other side's being 0), or None: the
-    layer goes to the reference whole. first: the layer's statistics from ``compensate``."""
+    layer goes to the reference whole. first: the layer's statistics from ``compensate``;
+    hint(s): side s's threshold to try first, or None."""
     n = v.numel()
     if n < _WHOLE_BELOW or 8 * k > n:
         return None
@@ -78,11 +111,14 @@ def _candidates(mod, v: torch.Tensor, k: int, R: int, active: tuple, first=None)
         sets, scans = [], _sides(first, R)
         for s in active:     # a side's own set: what the error feedback left there can be far from half
             side = 0 if R == 1 else (1, -1)[s]
-            be = native.NativePasses(mod, v, _NonFinite(), scans[s], side=side)
-            got = threshold_set(v, k, be, _TRIMMED)
+            got = _from_hint(mod, v, k, side, hint(s))
             if got is None:
-                return None
-            sets.append(got[0])
+                be = native.NativePasses(mod, v, _NonFinite(), scans[s], side=side)
+                found = threshold_set(v, k, be, _TRIMMED)
+                if found is None:
+                    return None
+                got = found[0]
+            sets.append(got)
     except _NonFinite:
         return None
     return sets[0] if len(sets) == 1 else torch.unique(torch.cat(sets))
@@ -116,19 +152,29 @@ class NativeRadix:
         zero_padding(seg, out, velocity_out)
         return stats
 
+    takes_hints = True   # radix.select hands it the caller's dict of last k-th keys
+
     @staticmethod
-    def select(seg, x, R, active, k_row, hist, index_dtype, value_dtype, mean, update, velocity):
+    def select(seg, x, R, active, k_row, hist, index_dtype, value_dtype, mean, update, velocity, hints=None):
         mod = native.load()
         views = seg.views(x)
         firsts = hist if isinstance(hist, list) else [None] * len(views)
-        cands = [_candidates(mod, v, k, R, active, f) for v, k, f in zip(views, seg.ks, firsts)]   # 1.
+        looks = [(lambda s, i=i: _hint(hints, (seg.sizes[i], i, s))) if hints is not None else (lambda s: None)
+                 for i in range(len(views))]
+        cands = [_candidates(mod, v, k, R, active, f, h)                                           # 1.
+                 for v, k, f, h in zip(views, seg.ks, firsts, looks)]
         fast = {i for i, (c, k) in enumerate(zip(cands, seg.ks)) if c is not None and k > 0}
         rest = [i for i in range(len(views)) if i not in fast]
         if not fast:   # every layer through the reference at once: its result as it comes            3.
             pos, vals, means, bad, kth, side = _reference(seg, views, cands, rest, R, active, k_row, mean)
         else:
             signed = mean or len(active) == 2   # the reference makes a mean for these only
-            rows = {i: _exact_over(mod, views[i], cands[i], seg.ks[i], R, active, signed) for i in fast}   # 2.
+            rows = {}
+            for i in sorted(fast):                                                                  # 2.
+                rows[i], keys = _exact_over(mod, views[i], cands[i], seg.ks[i], R, active, signed)
+                if hints is not None:
+                    for s, t in keys.items():
+                        _remember(hints, (seg.sizes[i], i, s), t)
             if rest:                                                                                # 3.
                 got = _reference(seg, views, cands, rest, R, active, k_row, mean)
                 ks = [seg.ks[i] for i in rest]
@@ -158,8 +204,11 @@ def _exact_over(mod, v: torch.Tensor, cand: torch.Tensor, k: int, R: int, active
     t, need, mag = stats[s]
     took = mod.take_side(xs, k, s, t, need)
     m = torch.tensor([-mag if s == 1 else mag], dtype=torch.float64).float() if signed else None
+    # each side's k-th key as a float (its bits are T's), by the side index ``_candidates`` loops over
+    keys = {(active[0] if side == -1 else side): struct.unpack("<f", struct.pack("<I", got[0]))[0]
+            for side, got in stats.items()}
     return (cand.index_select(0, took), xs.index_select(0, took), m, torch.zeros(1, dtype=torch.bool),
-            torch.tensor([t], dtype=torch.int32), torch.tensor([max(s, 0)], dtype=torch.int8))
+            torch.tensor([t], dtype=torch.int32), torch.tensor([max(s, 0)], dtype=torch.int8)), keys
 
 
 def _reference(seg, views, cands, rows: list, R, active, k_row, mean) -> tuple:

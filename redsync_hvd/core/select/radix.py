@@ -144,8 +144,12 @@ def select(seg: Segments, x: torch.Tensor, contract, ask) -> Selection:
         raise ValueError(f"first: need the ({len(seg) * R}, {BINS[0]}) int32 histogram that compensate() "
                          f"returns for sign={ask.sign!r}, got {tuple(hist.shape)} {hist.dtype}")
     impl = kernels(contract.backend, x)
+    # ask.state: a dict the caller keeps, where a backend that takes hints keeps each layer's last
+    # k-th key to start the next step's search from (the result does not depend on it)
+    hints = {"hints": ask.state} if isinstance(ask.state, dict) and getattr(impl, "takes_hints", False) else {}
     pos, vals, means, bad, kth, side = impl.select(seg, x, R, active, k_rows(seg, x.device, ask.sign), hist,
-                                                   index_dtype, ask.value_dtype, ask.mean, ask.update, ask.velocity)
+                                                   index_dtype, ask.value_dtype, ask.mean, ask.update, ask.velocity,
+                                                   **hints)
     return Selection(pos, seg.ks, values=None if ask.mean else vals, means=means if ask.mean else None,
                      nonfinite=bad, kth=kth, side=None if ask.sign is None else side)
 
