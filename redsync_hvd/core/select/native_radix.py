@@ -10,12 +10,12 @@ values, means and side as on the whole layer. Per layer of a bucket:
        returns each sign's max and sum of x on the way: the candidates' first statistics pass;
     1. candidates: with ``hints`` (the caller's dict, kept from step to step), once a layer's
        k-th key has held steady, one index pass above the last one times ``HINT_MARGIN``, taken
-       where it holds k to ``HINT_CAP`` k; else trimmed's threshold set (``searches.threshold_set``: a stats pass, a
-       count pass of 7 thresholds, an index pass, over the native CPU passes) of |x|, or with a
-       sign rule of each side's keys (the passes' ``side``: max(x, 0) or max(-x, 0), read from x
-       itself), else the whole layer (small layers, NaN/Inf, fewer than k of a sign). Any set
-       holding k keys of a side holds its top k and their ties, so the result does not depend
-       on which set was found;
+       where it holds k to ``HINT_CAP`` k; else trimmed's threshold set
+       (``searches.threshold_set``: a stats pass, a count pass of 7 thresholds, an index pass,
+       over the native CPU passes) of |x|, or with a sign rule of each side's keys (the passes'
+       ``side``: max(x, 0) or max(-x, 0), read from x itself), else the whole layer (small
+       layers, NaN/Inf, fewer than k of a sign). Any set holding k keys of a side holds its top
+       k and their ties, so the result does not depend on which set was found;
     2. a layer with candidates and k > 0: the k-th key, the count and sum above it, and the
        positions taken, by the native kernels over its candidates (``_native/exact_kernels.cpp``:
        the reference's T, need, float64 sum in position order and ties by position);
@@ -74,11 +74,11 @@ def _sides(stats, R: int) -> tuple:
     return (_stats_scan(finite, mp, sp), _stats_scan(finite, mn, sn))
 
 
-def _hint(hints: dict, key: tuple) -> float | None:
+def _hint(hints: dict | None, key: tuple) -> float | None:
     """The threshold to try first: HINT_MARGIN times the last k-th key, once it has held steady
     (moved by less than 1 - HINT_MARGIN over the step before). While it grows, as a residual's does
     over its first steps, a hint would miss and cost a pass."""
-    got = hints.get(key)
+    got = None if hints is None else hints.get(key)
     return HINT_MARGIN * got[0] if got is not None and got[1] else None
 
 
@@ -95,12 +95,12 @@ def _from_hint(mod, v: torch.Tensor, k: int, side: int, t: float | None) -> torc
     return idx if finite and k <= count <= HINT_CAP * k else None
 
 
-def _candidates(mod, v: torch.Tensor, k: int, R: int, active: tuple, first=None,
-                hint=lambda s: None) -> torch.Tensor | None:
+def _candidates(mod, v: torch.Tensor, k: int, R: int, active: tuple, first=None, hints: dict | None = None,
+                key: tuple = ()) -> torch.Tensor | None:
     """Ascending positions of a threshold set holding at least k of each side selected from (of
     |x| where R == 1; per side, of that side's keys, the other side's being 0), or None: the
     layer goes to the reference whole. first: the layer's statistics from ``compensate``;
-    hint(s): side s's threshold to try first, or None."""
+    hints, key: where side s's last k-th key is kept (``hints[key + (s,)]``), or None."""
     n = v.numel()
     if n < _WHOLE_BELOW or 8 * k > n:
         return None
@@ -111,7 +111,7 @@ def _candidates(mod, v: torch.Tensor, k: int, R: int, active: tuple, first=None,
         sets, scans = [], _sides(first, R)
         for s in active:     # a side's own set: what the error feedback left there can be far from half
             side = 0 if R == 1 else (1, -1)[s]
-            got = _from_hint(mod, v, k, side, hint(s))
+            got = _from_hint(mod, v, k, side, _hint(hints, key + (s,)))
             if got is None:
                 be = native.NativePasses(mod, v, _NonFinite(), scans[s], side=side)
                 found = threshold_set(v, k, be, _TRIMMED)
@@ -159,10 +159,8 @@ class NativeRadix:
         mod = native.load()
         views = seg.views(x)
         firsts = hist if isinstance(hist, list) else [None] * len(views)
-        looks = [(lambda s, i=i: _hint(hints, (seg.sizes[i], i, s))) if hints is not None else (lambda s: None)
-                 for i in range(len(views))]
-        cands = [_candidates(mod, v, k, R, active, f, h)                                           # 1.
-                 for v, k, f, h in zip(views, seg.ks, firsts, looks)]
+        cands = [_candidates(mod, v, k, R, active, f, hints, (v.numel(), i))                         # 1.
+                 for i, (v, k, f) in enumerate(zip(views, seg.ks, firsts))]
         fast = {i for i, (c, k) in enumerate(zip(cands, seg.ks)) if c is not None and k > 0}
         rest = [i for i in range(len(views)) if i not in fast]
         if not fast:   # every layer through the reference at once: its result as it comes            3.
@@ -174,7 +172,7 @@ class NativeRadix:
                 rows[i], keys = _exact_over(mod, views[i], cands[i], seg.ks[i], R, active, signed)
                 if hints is not None:
                     for s, t in keys.items():
-                        _remember(hints, (seg.sizes[i], i, s), t)
+                        _remember(hints, (views[i].numel(), i, s), t)
             if rest:                                                                                # 3.
                 got = _reference(seg, views, cands, rest, R, active, k_row, mean)
                 ks = [seg.ks[i] for i in rest]
