@@ -238,7 +238,8 @@ class SelectionConfig(_Group):
     threshold_reuse: Union[int, Literal["auto"]] = Field(
         "auto", description="re-search a layer's threshold every R steps (or when the count leaves [k/2, 2k]); "
                             "else only count | auto: 5 under policy.mode: cost_model (the setting of the tuned "
-                            "runs: a search costs several counting passes), 1 (a search every step) otherwise")
+                            "runs: a search costs several counting passes), 1 (a search every step) otherwise. "
+                            "trimmed starts from its last threshold whatever R is: its exact top-k is the same")
 
     _reuse_auto: bool = PrivateAttr(False)   # threshold_reuse was auto: a number now, written back as auto
 

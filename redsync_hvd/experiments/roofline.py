@@ -6,9 +6,11 @@ where the mode lets it ride along), the selection, the residual update at the se
 the commit. A mode's floor is the bytes per element any implementation of it must move per step:
 
 * every mode reads g and r and writes the new residual: 12 B;
-* exact-k (radix) and trimmed cannot emit before a full pass has fixed their threshold (the k-th
-  value; max and mean |x|), so x is read once more: 16 B;
-* TBS with threshold reuse emits what passes last step's threshold in the compensating pass: 12 B;
+* exact-k (radix) cannot emit before a full pass has fixed its threshold (the k-th value), so x is
+  read once more: 16 B;
+* TBS with threshold reuse, and trimmed (which starts from its last threshold every step: its
+  exact top-k is the same from any set that holds it), emit what passes last step's threshold in
+  the compensating pass: 12 B;
 * DGC's sampled threshold needs only a strided sample of r + g first (``sample_fraction`` of the
   elements, 8 B each), then one compensating pass that emits: 12 B plus the sample.
 
@@ -77,8 +79,6 @@ class PerLayer:
 
     @property
     def floor(self) -> float:
-        if self.method == "trimmed":
-            return 16.0
         return 12.0 + (8 * SAMPLE_FRACTION if self.method == "sampled" else 0.0)
 
     def __call__(self, g: torch.Tensor) -> int:

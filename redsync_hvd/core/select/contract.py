@@ -63,7 +63,8 @@ class Contract:
     sample_max_retries  sampled: thr *= 0.8 retries before the exact fallback.
     threshold_reuse  R: with a SelectionState, reuse its threshold (one counting pass) for up to
                      R-1 steps after a search; re-search as soon as the reused count leaves
-                     [k/2, 2k]. Ignored by exact and radix.
+                     [k/2, 2k]. Ignored by exact and radix; trimmed starts from its state's
+                     threshold whatever R is (its exact top-k is the same from any set that holds it).
     finite           exact: raise NonFiniteError for NaN/Inf (the searches always check, radix
                      flags them); False: rank them as torch.topk does (the caller checks).
     """

@@ -6,7 +6,8 @@ strategy   how                                                          returns
 =========  ==========================================================  ============
 exact      torch.topk(|x|, k): the reference, slow on big layers        exactly k
 trimmed    counts at thr = mean + r*(max-mean), r = 1-eps, 1-2eps, ...; exactly k:
-           first r with >= k candidates, exact top-k over those         the top-k set
+           first r with >= k candidates, exact top-k over those         the top-k,
+                                                                        ascending
 tbs        binary search on r (at most ``tbs_max_probes`` probes),      k .. 2k
            accept when k <= count <= 2k, else exact top-k over the
            candidates of the last too-low threshold
@@ -18,7 +19,10 @@ The options are the :class:`~.contract.Contract`'s. With a :class:`SelectionStat
 ``threshold_reuse=R > 1`` most calls cost one counting pass: the stored threshold is reused
 for up to R-1 steps after a search; a count in [k/2, k) lowers it by 0.8 (one more pass) to
 honour the contract; after an exact top-k the state keeps the ~1.5k-th largest |x|, so the
-next count lands mid-band.
+next count lands mid-band. Trimmed starts from its state's threshold whatever R is: its answer is
+the exact top-k of any candidate set that holds it (positions ascending, ties at the k-th value to
+the lowest), so a step whose count there holds k to 8k costs the compensating pass alone and gives
+the bits a search would.
 
 The backend (``registry.py:pick``): native (CPU float32/float64: fused OpenMP passes, a TBS
 subtree of probes per count pass; once few enough elements exceed the low end of the
@@ -105,6 +109,20 @@ def _topk_over(flat: torch.Tensor, cand: torch.Tensor, k: int, vals: Optional[to
     return cand[pos], thr
 
 
+def _exactly_k(flat: torch.Tensor, cand: torch.Tensor, k: int, vals: Optional[torch.Tensor],
+               for_state: bool) -> Tuple[torch.Tensor, float]:
+    """Trimmed's answer from a candidate set holding the k largest |x|: their positions ascending,
+    ties at the k-th value going to the lowest positions. The same tensor whichever set held them, so
+    a search and a start from the last threshold give the same bits. Also the ~1.5k-th largest
+    value for a state (nan without)."""
+    vals = flat[cand].abs() if vals is None else vals
+    t = _kth_largest(vals, k)
+    over = vals > t
+    tied = cand[vals == t].sort().values[:k - int(over.sum())]
+    pos = torch.cat([cand[over], tied]).sort().values
+    return pos, (_kth_largest(vals, _state_rank(vals.numel(), k)) if for_state else math.nan)
+
+
 def _exact(flat: torch.Tensor, k: int, err: Optional[ValueError], for_state: bool) -> Tuple[torch.Tensor, float]:
     pos, thr, seen = _top(flat.abs(), k, for_state)
     # torch.topk ranks NaN and Inf above every finite |x|: any present is among `seen`.
@@ -185,11 +203,12 @@ def _tbs(flat, k, be, o) -> Tuple[torch.Tensor, float]:
 def _trimmed(flat, k, be, o) -> Tuple[torch.Tensor, float]:
     hist = _histogram(flat, k, be)
     if hist is not None:
-        return _topk_over(flat, hist[0], k, hist[2], be.for_state)
+        return _exactly_k(flat, hist[0], k, hist[2], be.for_state)
     above = threshold_set(flat, k, be, o)
     if above is None:
-        return _exact(flat, k, be.err, be.for_state)
-    return _topk_over(flat, above[0], k, above[1], be.for_state)
+        pos, thr = _exact(flat, k, be.err, be.for_state)
+        return pos.sort().values, thr
+    return _exactly_k(flat, above[0], k, above[1], be.for_state)
 
 
 def threshold_set(flat, k, be, o) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
@@ -240,9 +259,12 @@ def _reuse_cap(k: int) -> int:
     return max(8 * k, 1024)
 
 
-def _reusing(state: Optional[SelectionState], reuse: int) -> bool:
-    return state is not None and reuse > 1 and state.threshold is not None \
-        and state.steps_since_search + 1 < reuse
+def _reusing(state: Optional[SelectionState], contract: Contract) -> bool:
+    """Whether to start from the state's threshold: for up to R-1 steps after a search, and always
+    for trimmed, whose answer is the exact top-k of any candidate set that holds it."""
+    if state is None or state.threshold is None:
+        return False
+    return contract.strategy == "trimmed" or state.steps_since_search + 1 < int(contract.threshold_reuse)
 
 
 def scan_request(state: Optional[SelectionState], k: int, contract: Contract, numel: int = 0) -> Optional[ScanRequest]:
@@ -254,7 +276,7 @@ def scan_request(state: Optional[SelectionState], k: int, contract: Contract, nu
     method = contract.strategy
     if method in ("exact", "radix") or k <= 0:
         return None
-    if _reusing(state, int(contract.threshold_reuse)):
+    if _reusing(state, contract):
         return ScanRequest(cast(state.threshold, torch.float32), _reuse_cap(k))
     if method == "sampled":
         return ScanRequest(cap=numel, sample=sample_plan(numel, k, contract.sample_fraction)) if k < numel else None
@@ -280,8 +302,8 @@ def _reuse(flat, k, be, state: SelectionState, method: str):
             keep = vals > state.threshold
             if int(keep.sum()) >= k:
                 return idx[keep], True
-        pos, state.threshold, _ = _top(vals, k, True)   # exactly k (trimmed; ties at the threshold)
-        return idx[pos], True
+        pos, state.threshold = _exactly_k(flat, idx, k, vals, True)   # trimmed
+        return pos, True
     tries = 0
     while c < k:  # inside the band but below the contract: loosen, keep reusing
         if tries == 3 or t <= 0.0:
@@ -291,7 +313,9 @@ def _reuse(flat, k, be, state: SelectionState, method: str):
         if idx is None:
             return None
     state.threshold = t
-    if method == "trimmed" or c > 2 * k:
+    if method == "trimmed":
+        return _exactly_k(flat, idx, k, vals, False)[0], False
+    if c > 2 * k:
         return _topk_over(flat, idx, k, vals, True)[0], False
     return idx, False
 
@@ -328,7 +352,7 @@ def search(x: torch.Tensor, k: int, contract: Contract, *, state: Optional[Selec
     be = passes(flat, err, scan)
     be.for_state = state is not None  # only then pay for the reuse threshold
     flat = be.x
-    if _reusing(state, int(contract.threshold_reuse)):
+    if _reusing(state, contract):
         got = _reuse(flat, k, be, state, contract.strategy)
         if got is not None:
             idx, searched = got
@@ -340,6 +364,7 @@ def search(x: torch.Tensor, k: int, contract: Contract, *, state: Optional[Selec
             return idx
     if backend.exact_search:
         idx, thr = _exact(flat, k, err, be.for_state)
+        idx = idx.sort().values if contract.strategy == "trimmed" else idx   # trimmed's positions ascend
     else:
         idx, thr = _SEARCH[contract.strategy](flat, k, be, contract)
     if state is not None:
