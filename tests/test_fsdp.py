@@ -16,20 +16,22 @@ from test_interrupted import _check_signal_stop, _last_step, _wait
 
 from redsync_hvd import checkpoint
 from redsync_hvd.config import load_config
+from redsync_hvd.engine import refuse
 from redsync_hvd.exchange.sharded import ShardLayout
 from redsync_hvd.train import engine_problem
 
 
-@pytest.mark.parametrize("nproc, checks", [(2, "equal conserve nonfinite state policy dense16"),
+@pytest.mark.parametrize("nproc, checks", [(2, "equal conserve nonfinite state policy dense16 dense8"),
                                            (3, "equal-core"),
-                                           (4, "equal-core conserve")])
+                                           (4, "equal-core conserve dense8")])
 def test_fsdp_equals_its_own_reduce_scatter_at_density_1_and_conserves(nproc, checks):
     """N = 2, 3, 4: FSDP2's sharded gradients and weights equal its own reduce-scatter's at density
     1 (N = 2 every layout: all compressed, mixed groups, momentum correction with weight decay,
     bf16 and fp16 reduce dtypes, SUM; N = 3, 4: all compressed, and mixed groups with momentum
     correction and weight decay); sent + new residuals == old residuals + gradients every step;
     a NaN on one rank raises on all with the residuals kept; a restored state takes the same step;
-    the cost model decides per group; policy.dense_values: fp16 halves the dense pieces' bytes."""
+    the cost model decides per group; policy.dense_values: fp16 halves the dense pieces' bytes, and
+    int8 sends them as codes whose rounding the residuals keep."""
     out = run_torch_script("fsdp_checks.py", *checks.split(), nproc=nproc, timeout=400).stdout
     for check in checks.split():
         assert out.count(f"OK {check} of {nproc}") == nproc, out[-4000:]
@@ -110,6 +112,20 @@ def test_what_fsdp_cannot_carry_is_refused_before_any_process_group(overrides, w
     cfg = load_config("configs/digits/redsync.yaml", ["engine=fsdp", *overrides])
     problem = engine_problem(cfg, "configs/digits/redsync.yaml", {"TORCHELASTIC_RUN_ID": "x"})
     assert problem and all(w in problem for w in words), problem
+
+
+def test_int8_dense_values_are_fsdp_only():
+    """An allreduce sums what it carries and cannot add codes of different scales: int8 for the
+    layers that go dense is refused elsewhere (DDP before its process group; Horovod, PyTorch's and
+    TensorFlow's, where the exchange is built), naming the settings that work."""
+    cfg = load_config("configs/digits/redsync.yaml", ["engine=ddp", "compression.policy.dense_values=int8"])
+    problem = engine_problem(cfg, "x.yaml", {"TORCHELASTIC_RUN_ID": "x"})
+    assert problem and "dense_values: int8" in problem and "fp16 or fp32" in problem, problem
+    for framework in ("torch", "tensorflow"):
+        with pytest.raises(ValueError, match="dense_values: int8 .* engine: horovod .* fp16 or fp32"):
+            refuse(cfg.compression, framework, "horovod")
+    cfg = load_config("configs/digits/redsync.yaml", ["engine=fsdp", "compression.policy.dense_values=int8"])
+    assert engine_problem(cfg, "x.yaml", {"TORCHELASTIC_RUN_ID": "x"}) is None
 
 
 def test_bf16_residuals_are_fsdp_only_and_fsdp_needs_torchrun():

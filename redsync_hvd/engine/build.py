@@ -101,13 +101,19 @@ def refuse(config: MethodConfig, framework: str, engine: str) -> None:
                                      "(redsync_hvd.torch.DistributedOptimizer under horovodrun, or engine: horovod "
                                      f"in python -m redsync_hvd.train). Under engine: {engine} use one of "
                                      f"{', '.join(able)}")
-    if engine == "fsdp" or getattr(config, "residual_dtype", "fp32") != "fp32":
+    dense = getattr(getattr(config, "policy", None), "dense_values", "fp32")
+    if engine == "fsdp" or getattr(config, "residual_dtype", "fp32") != "fp32" or dense == "int8":
         refuse_sharded(config, engine)
 
 
 def refuse_sharded(config: MethodConfig, engine: str) -> None:
     """What engine: fsdp's compressed reduce-scatter (exchange/sharded.py) does not do (the
-    config names it: ``sharded_problems``), and ``residual_dtype: bf16`` anywhere else."""
+    config names it: ``sharded_problems``), and what only it does anywhere else:
+    ``residual_dtype: bf16`` and ``policy.dense_values: int8``."""
+    if engine != "fsdp" and getattr(getattr(config, "policy", None), "dense_values", "fp32") == "int8":
+        raise ValueError(f"compression.policy.dense_values: int8 sends the dense layers as codes by FSDP2's "
+                         f"alltoall (engine: fsdp); engine: {engine} sums them in an allreduce, which cannot add codes "
+                         "of different scales: set dense_values: fp16 or fp32")
     if engine != "fsdp":
         raise ValueError(f"compression.residual_dtype: {config.residual_dtype} stores the residuals of engine: fsdp; "
                          f"engine: {engine} keeps them in fp32: set residual_dtype: fp32")

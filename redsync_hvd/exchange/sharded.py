@@ -16,7 +16,9 @@ of the shard its optimizer updates. Here the same buffer travels compressed (``S
     4. own row     this rank's own row needs no wire and no selection: the owner adds all of
                    r + g (DGC: r + u, the velocity unmasked), and its residual becomes 0
     5. dense       parameters the policy leaves dense (biases) travel in one dense reduce-scatter
-                   of their pieces (fp16 under policy.dense_values: fp16); x = 0 there
+                   of their pieces (fp16 under policy.dense_values: fp16); x = 0 there. Under
+                   dense_values: int8 they travel as codes by an alltoall instead, and x keeps
+                   what the codes round off (``dense_wire.py``)
 
 Every entry sent is delivered: FSDP has no second phase, so an owner keeps the whole sum of its
 shard (the DDP/Horovod ``sparse_reduce_scatter`` keeps only ceil(k/N) per layer of it). The new
@@ -43,8 +45,8 @@ from ..core.compensate import corrected, torch_compensate, velocity
 from ..core.layout import k_of
 from ..core.segments import Segments
 from ..core.select import Contract, HistogramRequest, compensate, select
-from ..core.wire import to_wire
 from ..memory.state import Block, Carried, Pair
+from .dense_wire import dense_wire
 from .reduce_scatter import SparseReduceScatter
 from .regions import Shards
 
@@ -123,7 +125,7 @@ class Settings:
     storage: str = "fp32"          # residual_dtype
     backend: str = "auto"          # radix select backend
     check_finite: bool = True
-    dense_fp16: bool = False       # policy.dense_values: fp16 (the dense parameters' reduce-scatters)
+    dense_values: str = "fp32"     # policy.dense_values: fp32, fp16 (the dense reduce-scatters), int8 (codes)
 
 
 class ShardedGroup:
@@ -147,6 +149,8 @@ class ShardedGroup:
         self.radix = Contract("radix", backend=settings.backend)
         # what it carries is a block of ``carried``, the FSDP state's: one transaction for every group
         self.carried, self.key = (carried if carried is not None else Carried(KINDS)), ("fsdp", name)
+        self.wire = dense_wire(settings.dense_values, [self.layout.shards[j] for j in self.dense], comm.size,
+                               comm.rank, self.device) if self.dense else None   # how the dense pieces travel
         self._sizes, self._dtypes = self._kinds()
         self.rsc = None
         if self.compressed:
@@ -163,16 +167,6 @@ class ShardedGroup:
                                          for j in self.dense]).to(self.device)
 
     @property
-    def _dense_dtype(self) -> torch.dtype:
-        """How the dense parameters' pieces travel (``policy.dense_values``)."""
-        return torch.float16 if self.settings.dense_fp16 else torch.float32
-
-    def _dense_wire(self, values: torch.Tensor) -> torch.Tensor:
-        """``values`` as the dense reduce-scatter carries them: as they are, or (fp16) each
-        clamped so that the sum of N stays finite; the non-finite check reads them before."""
-        return to_wire(values, torch.float16, summands=self.layout.size) if self.settings.dense_fp16 else values
-
-    @property
     def kind(self) -> str:
         return "sparse" if self.compressed else "dense"
 
@@ -184,8 +178,9 @@ class ShardedGroup:
         s, lay = self.settings, self.layout
         if self.compressed:
             sizes = {"residual": lay.numel, **({"velocity": lay.numel} if s.momentum else {})}
-        else:
-            sizes = {"dense_velocity": lay.row} if s.momentum else {}
+        else:   # under int8 the codes' rounding waits in a residual
+            sizes = {**({"residual": lay.numel} if self.wire.keeps_residual else {}),
+                     **({"dense_velocity": lay.row} if s.momentum else {})}
         return sizes, {k: torch.float32 if k == "dense_velocity" else STORAGE[s.storage] for k in sizes}
 
     def _block(self) -> Block:
@@ -236,13 +231,11 @@ class ShardedGroup:
             grad = grad.float() if grad.dtype != torch.float32 else grad
             grad[lay.own()] += decay * factor
         acc = out if out.dtype == torch.float32 else torch.empty(lay.row, dtype=torch.float32, device=out.device)
-        packed = torch.zeros(lay.size, len(self._dense_out), dtype=torch.float32, device=acc.device) \
-            if self.dense else None
+        packed = self.wire.buffer(acc.device) if self.dense else None
         sels = self._rows(grad, step, packed, scratch)                # 1.-2. every other rank's row
         pending = self._send(sels)                                    # 3. to their owners
         self._own_row(acc, grad)                                      # 4. the own row, all of it
-        dense = None if packed is None else \
-            self.comm.reduce_scatter_async(self._dense_wire(packed), name=f"fsdp.{self.name}.dense", average=False)
+        dense = self._start_dense(packed)
         keys, sums = self.rsc.owner_sums(pending)                     # 3. what the others sent
         acc.index_add_(0, keys + self._shift[torch.searchsorted(self._bounds, keys, right=True)], sums)
         bad = torch.zeros((), dtype=torch.bool, device=acc.device)
@@ -250,11 +243,11 @@ class ShardedGroup:
             lo, hi = torch.aminmax(acc)
             bad = torch.stack([sel.nonfinite.any() for *_, sel in sels] +
                               [~(torch.isfinite(lo) & torch.isfinite(hi))] +
-                              ([~torch.isfinite(packed).all()] if packed is not None and s.dense_fp16 else [])).any()
+                              self._dense_checked(packed)).any()
         result = GroupStep(bad, pending.bytes["alltoall_sent"], pending.bytes["alltoall_received"],
                            (lay.size - 1) * lay.row * grad.element_size(), {"alltoall": pending.bytes["alltoall_sent"]})
         if dense is not None:                                         # 5. dense parameters
-            self._finish_dense(acc, packed, dense, result)
+            self._finish_dense(acc, dense, result)
         if average:
             acc.div_(lay.size)
         if acc is not out:
@@ -292,8 +285,7 @@ class ShardedGroup:
                          velocity=u_out if s.masking and u is not None else None)
             out.append((o, seg, *self._codes(x, seg, sel)))
             if packed is not None:   # 5. the dense parameters' pieces of this row leave x
-                packed[o] = x.index_select(0, self._dense_out)
-                x.index_fill_(0, self._dense_out, 0.0)
+                self._pack(x, packed[o])
             if not fp32:
                 r.spare[sl] = x
                 if u is not None:
@@ -346,31 +338,44 @@ class ShardedGroup:
         return self.rsc.start(positions, values, counts, scales or None)
 
     # -- dense parameters ---------------------------------------------------------------------------
-    def _finish_dense(self, out: torch.Tensor, packed: torch.Tensor, handle, result: GroupStep) -> None:
-        """5. The dense parameters' pieces of every other rank's row, summed by one reduce-scatter."""
-        out.index_add_(0, self._dense_out, self.comm.wait(handle).float())
-        share = (self.layout.size - 1) * packed.shape[1] * self._dense_dtype.itemsize
-        result.sent += share
-        result.received += share
-        result.kinds["values"] = share
+    def _pack(self, x: torch.Tensor, row: torch.Tensor) -> None:
+        """5. A row's dense pieces into ``row`` of what travels; x keeps what stays (values: 0;
+        int8 codes: their rounding)."""
+        dense = x.index_select(0, self._dense_out)
+        self.wire.pack(dense, row)
+        x.index_copy_(0, self._dense_out, dense)
+
+    def _dense_checked(self, packed: torch.Tensor | None) -> list:
+        """The non-finite flag of what the dense wire carries where the output does not show it."""
+        seen = None if packed is None else self.wire.checked(packed)
+        return [] if seen is None else [~torch.isfinite(seen).all()]
+
+    def _start_dense(self, packed: torch.Tensor | None):
+        return None if packed is None else self.wire.start(self.comm, packed, name=f"fsdp.{self.name}.dense")
+
+    def _finish_dense(self, out: torch.Tensor, handle, result: GroupStep) -> None:
+        """5. The dense parameters' pieces of every other rank's row, summed by the dense wire."""
+        out.index_add_(0, self._dense_out, self.wire.finish(self.comm, handle))
+        result.sent += self.wire.sent
+        result.received += self.wire.sent
+        result.kinds["values"] = self.wire.sent
 
     def _dense(self, out: torch.Tensor, grad: torch.Tensor, average: bool, factor: float, decay) -> GroupStep:
-        """A group whose parameters all go dense: FSDP's own reduce-scatter (fp16 on the wire under
-        ``dense_values: fp16``, each value clamped so that the sum of N stays finite); under momentum
+        """A group whose parameters all go dense, by its dense wire: FSDP's own reduce-scatter of
+        the gradient (fp32 or fp16), or int8 codes of r + g, r keeping their rounding; under momentum
         correction the weight decay joins the average and u = m u + avg on the shard (DGC's rule
         for dense layers: the average of the ranks' velocities is the velocity of the average),
         and the shard gets u (Nesterov: avg + m u)."""
         s, lay = self.settings, self.layout
-        wire = self._dense_wire(grad.reshape(-1))
-        got = self.comm.wait(self.comm.reduce_scatter_async(wire, name=f"fsdp.{self.name}", average=average,
-                                                            out=None if s.dense_fp16 else out))
-        if s.dense_fp16:
-            out.copy_(got)
-        share = (lay.size - 1) * lay.row * wire.element_size()
         bad = torch.zeros((), dtype=torch.bool)
         if s.check_finite and grad.numel():
             lo, hi = torch.aminmax(grad)
             bad = ~(torch.isfinite(lo) & torch.isfinite(hi))
+        r = self._block().pairs["residual"] if self.wire.keeps_residual else None
+        x = grad.reshape(-1) if r is None else r.cur.float() + grad.reshape(-1).float()
+        share = self.wire.reduce(self.comm, x, out, average, name=f"fsdp.{self.name}")
+        if r is not None:
+            r.spare.copy_(x)
         if s.momentum:
             avg = out.float()
             if decay is not None:

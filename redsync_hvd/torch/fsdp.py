@@ -75,6 +75,8 @@ from ..policy.costmodel import sharded_group_time
 from .params import take_momentum
 from .sharding import load_local_state, local_state, shard
 
+DENSE_BYTES = {"fp32": 4, "fp16": 2, "int8": 1}   # a dense parameter's bytes an element on the wire (int8: codes)
+
 __all__ = ["FSDPCompressionState", "load_local_state", "local_state", "register", "shard"]
 
 
@@ -392,9 +394,9 @@ def _quantize(config, layer) -> str:
     return layer.quantize or getattr(getattr(config, "message", None), "quantize", "none")
 
 
-def _dense_fp16(config) -> bool:
-    """``policy.dense_values: fp16``: the dense parameters' reduce-scatters carry fp16."""
-    return getattr(getattr(config, "policy", None), "dense_values", "fp32") == "fp16"
+def _dense_values(config) -> str:
+    """``policy.dense_values``: how the dense parameters travel (fp32, fp16, or int8 codes)."""
+    return getattr(getattr(config, "policy", None), "dense_values", "fp32")
 
 
 def _index_coding(config) -> str:
@@ -406,7 +408,7 @@ def _price_groups(policy: LayerPolicy, per_group: list, size: int, network) -> N
         shapes = [(l.numel, l.base_density if l.compressed else None,
                    message_format(_quantize(policy.config, l), _index_coding(policy.config))) for l in mine]
         compressed, dense = sharded_group_time(shapes, size, network, policy.compute,
-                                               2 if _dense_fp16(policy.config) else 4)
+                                               DENSE_BYTES[_dense_values(policy.config)])
         keep = compressed < dense and any(l.compressed for l in mine)
         why = (f"cost model: group {name} compressed {compressed * 1e3:.3f} ms vs FSDP's dense reduce-scatter "
                f"{dense * 1e3:.3f} ms")
@@ -439,7 +441,7 @@ def _group(config, name: str, params: list, mine: list, comm, spec, carried: Car
     settings = Settings(momentum=momentum.pop(), nesterov=bool(spec and spec.nesterov), masking=bool(masking),
                         storage=getattr(config, "residual_dtype", "fp32"),
                         backend=getattr(getattr(config, "selection", None), "radix_backend", "auto"),
-                        check_finite=config.finite_check, dense_fp16=_dense_fp16(config))
+                        check_finite=config.finite_check, dense_values=_dense_values(config))
     sign_rule = getattr(getattr(config, "message", None), "sign_rule", "alternate")
     return ShardedGroup(name, mine, [math.prod(fp.padded_sharded_param_size) for fp in params], comm, settings,
                         quantize.pop() if quantize else "none", sign_rule, params[0].sharded_param.device, carried,

@@ -17,8 +17,10 @@ launch per world size, several checks each (torchrun's start-up dominates a laun
                  takes the same next step bit for bit (residuals in bf16 storage too)
     policy       the cost model's choice per group, on a slow and a fast link
     dense16      policy.dense_values: fp16: the dense pieces at half the bytes, within fp16's rounding
+    dense8       policy.dense_values: int8: the dense pieces as codes and scales, what was sent plus
+                 the new residuals conserved, within int8's rounding of FSDP's own; a NaN raises
 
-    torchrun --nproc_per_node 2 tests/mp/fsdp_checks.py equal conserve nonfinite state policy dense16
+    torchrun --nproc_per_node 2 tests/mp/fsdp_checks.py equal conserve nonfinite state policy dense16 dense8
     torchrun --nproc_per_node 3 tests/mp/fsdp_checks.py equal-core    (two of equal's layouts)
 """
 import sys
@@ -148,6 +150,71 @@ def check_dense16():
     print(f"rank {dist.get_rank()}: OK dense16 of {dist.get_world_size()}", flush=True)
 
 
+def check_dense8():
+    """policy.dense_values: int8: the biases of a mixed group and every parameter of an all-dense
+    group travel as int8 codes with one fp32 scale per piece (the bytes the layout gives); what
+    the owners received plus every rank's new residual is every rank's old residual plus its
+    gradient, step by step (the codes' rounding waits in the residual); the steps stay within
+    int8's rounding of FSDP's own; a NaN raises on every rank and keeps the residuals."""
+    size = dist.get_world_size()
+    for base, sparse in ((MIXED, True), ({**DENSE1, "policy": {"min_compress_numel": 10_000}}, False)):
+        int8 = {**base, "policy": {**base["policy"], "dense_values": "int8"}}
+        state = equal_case(int8, {}, tol=2e-2, sparse=sparse)
+        stats, coded_groups = state.communication_stats(), [g for g in state.groups if g.dense]
+        assert coded_groups and all(g.wire.sent == (size - 1) * (sum(g.layout.shards[j] for j in g.dense)
+                                                                 + 4 * len(g.dense)) for g in coded_groups)
+        assert stats["bytes_values"] == 4 * sum(g.wire.sent for g in coded_groups), stats   # 4 steps
+        conserved(int8, "int8 dense")
+        nan_keeps_state(int8)
+    print(f"rank {dist.get_rank()}: OK dense8 of {size}", flush=True)
+
+
+def conserved(compression: dict, what: str, steps: int = 5):
+    """Train ``steps`` steps; each step, every group's sent (N x the averaged shards) plus the new
+    residuals equals the old residuals plus the gradients, summed over ranks. Returns the state."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = rfsdp.register(model, compression, optimizer=opt)
+    log = []
+    for g in state.groups:
+        recorder(g, log)
+    for step in range(steps):
+        log.clear()
+        train_step(model, opt, step, rank)
+        opt.step()
+        for group, g, r_old, r_new, out, average in log:
+            lhs = r_old + g - r_new
+            dist.all_reduce(lhs)
+            every = [torch.empty_like(out) for _ in range(size)]
+            dist.all_gather(every, out)
+            rhs = torch.cat(every) * (size if average else 1)
+            err = (lhs - rhs).abs().max().item()
+            assert err <= 1e-5 * max(1.0, rhs.abs().max().item()), f"{what} {group.name} step {step}: {err}"
+    return state
+
+
+def nan_keeps_state(compression: dict) -> None:
+    """A NaN on the last rank: the same error on every rank, every carried buffer as it was."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = rfsdp.register(model, compression, optimizer=opt)
+    train_step(model, opt, 0, rank)
+    opt.step()
+    before = state.state_dict()
+    try:
+        train_step(model, opt, 1, rank, nan=rank == size - 1)
+        raise AssertionError("a NaN on one rank did not stop the step")
+    except NonFiniteGradientError as exc:
+        everyone = [None] * size
+        dist.all_gather_object(everyone, str(exc))
+        assert len(set(everyone)) == 1 and "non-finite" in everyone[0], everyone
+    for name, held in before["groups"].items():
+        for key, t in held.items():
+            assert torch.equal(t, state.state_dict()["groups"][name][key]), f"{name} {key} changed by a failed step"
+
+
 def recorder(group, log):
     run = group.reduce_scatter
 
@@ -170,25 +237,7 @@ def check_conserve():
     ratios = {}
     for quantize, coding in CONSERVE:
         compression = {**coded(DENSE1, quantize, coding), "density": 0.05, "policy": {"min_compress_numel": 60}}
-        model = build()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        state = rfsdp.register(model, compression, optimizer=opt)
-        log = []
-        for g in state.groups:
-            recorder(g, log)
-        for step in range(5):
-            log.clear()
-            train_step(model, opt, step, rank)
-            opt.step()
-            for group, g, r_old, r_new, out, average in log:
-                lhs = r_old + g - r_new
-                dist.all_reduce(lhs)
-                every = [torch.empty_like(out) for _ in range(size)]
-                dist.all_gather(every, out)
-                rhs = torch.cat(every) * (size if average else 1)
-                err = (lhs - rhs).abs().max().item()
-                assert err <= 1e-5 * max(1.0, rhs.abs().max().item()), \
-                    f"{quantize} {coding} {group.name} step {step}: {err}"
+        state = conserved(compression, f"{quantize} {coding}")
         ratios[quantize, coding] = state.communication_stats()["compression_ratio"]
         assert ratios[quantize, coding] > 2.0, state.communication_stats()
     # the same entries (Golomb codes losslessly, so the runs select alike) in fewer bytes
@@ -275,5 +324,6 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     for check in sys.argv[1:]:
         {"equal": check_equal, "equal-core": check_equal_core, "conserve": check_conserve,
-         "nonfinite": check_nonfinite, "dense16": check_dense16, "state": check_state, "policy": check_policy}[check]()
+         "nonfinite": check_nonfinite, "dense16": check_dense16, "dense8": check_dense8, "state": check_state,
+         "policy": check_policy}[check]()
     close_process_group()
