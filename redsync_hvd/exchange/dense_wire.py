@@ -37,6 +37,11 @@ class DenseValues:
         self.width, self.size, self.fp16 = width, size, fp16
         self.sent = (size - 1) * width * (2 if fp16 else 4)   # bytes a step, self excluded
 
+    def how(self, alone: bool) -> str:
+        """For layers.log: how a dense piece travels, in a group of its own kind (``alone``) or not."""
+        half = " in fp16" if self.fp16 else ""
+        return f"dense: FSDP's own{half}" if alone else f"dense, in the group's dense reduce-scatter{half}"
+
     def _wire(self, values: torch.Tensor) -> torch.Tensor:
         """fp16: each value clamped so that the sum of N stays finite (the check reads before)."""
         return to_wire(values, torch.float16, summands=self.size) if self.fp16 else values
@@ -76,6 +81,11 @@ class DenseCodes:
         self.width, self.size, self.rank = int(sum(widths)), size, rank
         self.row_bytes = self.width + 4 * len(widths)     # codes, then one float32 scale a piece
         self.sent = (size - 1) * self.row_bytes
+
+    def how(self, alone: bool) -> str:
+        kept = "their rounding kept in the residual"
+        return f"dense: int8 codes by an alltoall, {kept}" if alone else \
+            f"dense, as int8 codes by the group's alltoall, {kept}"
 
     def buffer(self, device) -> torch.Tensor:
         return torch.zeros(self.size, self.row_bytes, dtype=torch.uint8, device=device)

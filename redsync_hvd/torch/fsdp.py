@@ -214,8 +214,8 @@ class FSDPCompressionState:
         out = []
         for d in self.policy.decisions:
             g = groups[d["name"]]
-            how = ("exactly k per shard piece (radix selection), to the shard's owner" if d["compressed"] else
-                   "dense, in the group's dense reduce-scatter" if g.compressed else "dense: FSDP's own")
+            how = "exactly k per shard piece (radix selection), to the shard's owner" if d["compressed"] else \
+                g.wire.how(alone=not g.compressed)
             out.append({**d, "fsdp_group": g.name, "aggregation": f"FSDP reduce-scatter of group {g.name}",
                         "aggregation_why": how})
         return out

@@ -164,6 +164,8 @@ def check_dense8():
         assert coded_groups and all(g.wire.sent == (size - 1) * (sum(g.layout.shards[j] for j in g.dense)
                                                                  + 4 * len(g.dense)) for g in coded_groups)
         assert stats["bytes_values"] == 4 * sum(g.wire.sent for g in coded_groups), stats   # 4 steps
+        said = [d["aggregation_why"] for d in state.layer_decisions() if not d["compressed"]]
+        assert said and all("int8 codes" in why for why in said), said   # layers.log says how they travel
         conserved(int8, "int8 dense")
         nan_keeps_state(int8)
     print(f"rank {dist.get_rank()}: OK dense8 of {size}", flush=True)
