@@ -196,25 +196,30 @@ def conserved(compression: dict, what: str, steps: int = 5):
     return state
 
 
-def nan_keeps_state(compression: dict) -> None:
-    """A NaN on the last rank: the same error on every rank, every carried buffer as it was."""
+def nan_keeps_state(compression: dict, opt_kw: dict | None = None, steps: int = 1):
+    """``steps`` steps, then a NaN on the last rank: the same error on every rank, every carried
+    buffer and the step count as they were. Returns (model, optimizer, state) to go on with."""
     rank, size = dist.get_rank(), dist.get_world_size()
     model = build()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, **(opt_kw or {}))
     state = rfsdp.register(model, compression, optimizer=opt)
-    train_step(model, opt, 0, rank)
-    opt.step()
+    for step in range(steps):
+        train_step(model, opt, step, rank)
+        opt.step()
     before = state.state_dict()
     try:
-        train_step(model, opt, 1, rank, nan=rank == size - 1)
+        train_step(model, opt, steps, rank, nan=rank == size - 1)
         raise AssertionError("a NaN on one rank did not stop the step")
     except NonFiniteGradientError as exc:
         everyone = [None] * size
         dist.all_gather_object(everyone, str(exc))
         assert len(set(everyone)) == 1 and "non-finite" in everyone[0], everyone
+    after = state.state_dict()
+    assert after["steps"] == before["steps"] == steps
     for name, held in before["groups"].items():
         for key, t in held.items():
-            assert torch.equal(t, state.state_dict()["groups"][name][key]), f"{name} {key} changed by a failed step"
+            assert torch.equal(t, after["groups"][name][key]), f"{name} {key} changed by a failed step"
+    return model, opt, state
 
 
 def recorder(group, log):
@@ -250,26 +255,8 @@ def check_conserve():
 
 def check_nonfinite():
     rank, size = dist.get_rank(), dist.get_world_size()
-    model = build()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    state = rfsdp.register(model, {**DENSE1, "density": 0.1, "dgc": {"momentum_correction": True}}, optimizer=opt)
-    for step in range(2):
-        train_step(model, opt, step, rank)
-        opt.step()
-    before = state.state_dict()
-    try:
-        train_step(model, opt, 2, rank, nan=rank == size - 1)
-        raise AssertionError("a NaN on one rank did not stop the step")
-    except NonFiniteGradientError as exc:
-        message = str(exc)
-    everyone = [None] * size
-    dist.all_gather_object(everyone, message)
-    assert len(set(everyone)) == 1 and "non-finite" in message, everyone
-    after = state.state_dict()
-    assert after["steps"] == before["steps"] == 2
-    for name, held in before["groups"].items():
-        for key, t in held.items():
-            assert torch.equal(t, after["groups"][name][key]), f"{name} {key} changed by a failed step"
+    model, opt, state = nan_keeps_state({**DENSE1, "density": 0.1, "dgc": {"momentum_correction": True}},
+                                        {"momentum": 0.9}, steps=2)
     train_step(model, opt, 3, rank)
     opt.step()
     assert state.steps == 3 and all(torch.isfinite(p.to_local()).all() for p in model.parameters())
