@@ -23,14 +23,29 @@ def test_every_mode_sends_what_its_contract_says_and_carries_its_floor():
 
 
 @pytest.mark.skipif(not native_available(), reason="the native kernel fuses the pass")
-def test_the_fused_sampled_step_sends_what_the_unfused_one_sends():
-    """The same gradients into a fused and an unfused memory: the same positions every step."""
+def test_the_fused_sampled_step_sends_what_the_unfused_one_sends(monkeypatch):
+    """The same gradients into a fused and an unfused memory: the same positions every step. The
+    fused step samples once (the compensating pass, from r + g), the unfused one once (the search,
+    from x): the search takes the fused pass's threshold rather than sample x again."""
+    from redsync_hvd.core.select import native, searches
+    taken = []
+
+    def counted(where, real):
+        def sample(*a, **kw):
+            taken.append(where)
+            return real(*a, **kw)
+        return sample
+    monkeypatch.setattr(native, "sample_threshold", counted("pass", native.sample_threshold))
+    monkeypatch.setattr(searches, "sample_threshold", counted("search", searches.sample_threshold))
     n, k = 1 << 17, 131
     fused, plain = (roofline.PerLayer("sampled", n, k, "cpu", fuse=f) for f in (True, False))
     gen = torch.Generator().manual_seed(2)
     for _ in range(3):
         g = torch.randn(n, generator=gen)
-        assert fused(g) == plain(g)
+        taken.clear()
+        sent = fused(g)
+        assert taken == ["pass"], taken
+        assert sent == plain(g) and taken == ["pass", "search"], taken
         assert torch.equal(fused.memory.residual["g"], plain.memory.residual["g"])
 
 

@@ -242,7 +242,11 @@ def threshold_set(flat, k, be, o) -> Optional[Tuple[torch.Tensor, torch.Tensor]]
 def _sampled(flat, k, be, o) -> Tuple[torch.Tensor, float]:
     n = flat.numel()
     stride, ks = sample_plan(n, k, o.sample_fraction)
-    t = sample_threshold(flat[::stride], ks, flat.dtype)   # the one a fused scan took from r + g, bit for bit
+    scan = getattr(be, "scan", None)   # a fused pass took its threshold from the sample of r + g: take it too
+    if scan is not None and scan.cap == n and math.isfinite(scan.threshold):
+        t = scan.threshold
+    else:
+        t = sample_threshold(flat[::stride], ks, flat.dtype)
     for attempt in range(o.sample_max_retries + 1):
         cand, c, vals = be.select(t, n, attempt == 0, True)
         if c > 1.3 * k:
