@@ -264,10 +264,13 @@ def check_nonfinite():
 
 
 def check_state():
+    """Residuals, velocities and counters restored take the same next step bit for bit: in fp32 and
+    bf16 storage, and under policy.dense_values: int8, whose all-dense group keeps a residual too."""
     rank = dist.get_rank()
-    for storage in ("fp32", "bf16"):
+    for storage, dense in (("fp32", "fp32"), ("bf16", "fp32"), ("fp32", "int8")):
         compression = {**DENSE1, "density": 0.05, "message": {"quantize": "sign_mean"},
-                       "dgc": {"momentum_correction": True}, "residual_dtype": storage}
+                       "dgc": {"momentum_correction": True}, "residual_dtype": storage,
+                       "policy": {"min_compress_numel": 300 if dense == "int8" else 0, "dense_values": dense}}
         models, states, opts = [], [], []
         for _ in range(2):
             model = build()
@@ -283,6 +286,8 @@ def check_state():
         states[1].load_state_dict(states[0].state_dict())
         held = states[1].groups[0].residual.cur
         assert held.dtype == (torch.bfloat16 if storage == "bf16" else torch.float32), held.dtype
+        assert dense == "fp32" or (not states[1].groups[-1].compressed and states[1].groups[-1].residual.cur.abs().sum()
+                                   > 0), "the all-dense group's int8 rounding was not carried over"
         for m, o in zip(models, opts):
             train_step(m, o, 3, rank)
             o.step()
