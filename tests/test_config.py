@@ -497,6 +497,9 @@ def test_auto_under_adam_runs_every_step_in_gradient_units_when_the_run_sends_ea
         assert settled.local_steps == AUTO_LOCAL_STEPS, kw
     radix = parse_compression({"method": "redsync", "density": 0.005, "selection": "radix"})
     assert radix.settle("torch", "horovod", adam=True, steps=long).message.index_coding == "raw"
-    assert auto.settle("torch", "fsdp", adam=True, steps=long).policy.dense_values == "fp32"   # FSDP's own rule
+    sharded = auto.settle("torch", "fsdp", adam=True, steps=long)   # FSDP's own rule: every step, int8 dense layers
+    assert (sharded.local_steps, sharded.message.index_coding, sharded.policy.dense_values) == (1, "golomb", "int8")
+    half = parse_compression({"method": "redsync", "density": 0.005, "policy": {"dense_values": "fp16"}})
+    assert half.settle("torch", "fsdp").policy.dense_values == "fp16"   # a dense format given is kept
     given = parse_compression({"method": "redsync", "density": 0.005, "local_steps": 8})
     assert given.settle("torch", "horovod", adam=True, steps=long) == given

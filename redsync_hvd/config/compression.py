@@ -752,7 +752,9 @@ class AllgatherConfig(ResidualConfig):
            as places in its shard: the same entries in fewer bytes (on the digits CNN 21.5x
            instead of 18.7x, where the dense biases and small layers are most of what is left;
            docs/fsdp.md, "Measured"), for a host encode per group and step (raw where the config
-           names radix, as in 4).
+           names radix, as in 4). And the layers that go dense travel as int8 codes whose rounding
+           the residual keeps (``policy.dense_values: int8`` in place of fp32; fp16 given is kept): a
+           quarter of their bytes, which were four fifths of what the digits CNN sent.
         2. There it is ``AUTO_LOCAL_STEPS`` steps, and an exchange sends ``AUTO_LOCAL_STEPS x density``
            of each delta, but at least ``AUTO_EXCHANGE_DENSITY``: below 0.1 an exchange the text cells
            lost perplexity (docs/benchmarks.md, "Local steps"). ``density`` keeps its meaning of what
@@ -785,7 +787,7 @@ class AllgatherConfig(ResidualConfig):
         if self.local_steps != "auto":
             return self
         if (framework, engine) not in LOCAL_STEPS_RUN or elastic or self.per_step_knobs():    # 1.
-            return self.model_copy(update={"local_steps": 1, **(self._golomb() if engine == "fsdp" else {})})
+            return self.model_copy(update={"local_steps": 1, **(self._sharded() if engine == "fsdp" else {})})
         if adam and steps and self.density * steps >= AUTO_EVERY_STEP_SENDS:                          # 7.
             return self._every_step_in_gradient_units()
         steps = AUTO_LOCAL_STEPS
@@ -806,6 +808,13 @@ class AllgatherConfig(ResidualConfig):
         positions (raw under radix, as in 4) and the dense layers in fp16."""
         return self.model_copy(update={"local_steps": 1, "feedback_units": "gradient", **self._golomb(),
                                        "policy": self.policy.model_copy(update={"dense_values": "fp16"})})
+
+    def _sharded(self) -> dict:
+        """``settle``'s rule 1 under FSDP2: Golomb-coded positions, the dense layers as int8 codes."""
+        update = self._golomb()
+        if self.policy.dense_values == "fp32":   # fp16 given is kept; a set local_steps keeps fp32
+            update["policy"] = self.policy.model_copy(update={"dense_values": "int8"})
+        return update
 
     def _golomb(self) -> dict:
         """The update that Golomb-codes RedSync's positions (none under radix, which keeps the

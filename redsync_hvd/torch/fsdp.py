@@ -264,8 +264,9 @@ class FSDPCompressionState:
 
 
 AUTO_NOTE = ("compression.local_steps: 1 (auto): each rank's optimizer steps only its own shards, so FSDP2 "
-             "exchanges every step; positions travel {coding} (golomb: each owner's share as places in its shard; "
-             "set local_steps: 1 to keep the message as given; docs/fsdp.md)")
+             "exchanges every step; positions travel {coding} (golomb: each owner's share as places in its shard) "
+             "and the layers that go dense as {dense} (int8: codes whose rounding the residual keeps); set "
+             "local_steps: 1 to keep the message as given; docs/fsdp.md")
 
 
 def register(model, compression=None, optimizer=None, communicator=None) -> FSDPCompressionState:
@@ -309,7 +310,7 @@ def register(model, compression=None, optimizer=None, communicator=None) -> FSDP
         policy.notes.append(NO_MOMENTS_NOTE.format(why="engine: fsdp would keep them for every whole layer on "
                                                        "every worker, which is what sharding exists to avoid"))
     if auto:
-        policy.notes.append(AUTO_NOTE.format(coding=_index_coding(config)))
+        policy.notes.append(AUTO_NOTE.format(coding=_index_coding(config), dense=_dense_values(config)))
     refuse_average_variance(config, "engine: fsdp keeps no Adam moments per worker")
     groups, extras, carried = [], [], Carried(KINDS)
     for name, params, mine, pg in per_group:

@@ -34,8 +34,9 @@ from redsync_hvd.exchange import NonFiniteGradientError
 from redsync_hvd.launchers import close_process_group
 from redsync_hvd.torch import fsdp as rfsdp
 
+# local_steps: 1 keeps the message and the dense layers' format as given (auto would code them)
 DENSE1 = {"method": "redsync", "density": 1.0, "message": {"quantize": "none"}, "selection": {"method": "radix"},
-          "dgc": {"momentum_correction": False}, "policy": {"min_compress_numel": 0}}
+          "dgc": {"momentum_correction": False}, "policy": {"min_compress_numel": 0}, "local_steps": 1}
 
 
 def build(mp=None, seed=3):
@@ -99,12 +100,12 @@ def equal_case(compression, opt_kw, mp=None, force_sum=False, tol=2e-6, steps=4,
 def coded(compression: dict, quantize: str, coding: str) -> dict:
     """``compression`` with this message; FSDP selects exactly k on the device whatever
     selection.method says, which under int8 or Golomb coding is left to its default (the
-    config refuses radix there: the other engines would code on the host); ``local_steps: 1``
-    keeps raw positions raw (``local_steps: auto`` codes them here)."""
+    config refuses radix there: the other engines would code on the host); DENSE1's
+    ``local_steps: 1`` keeps the message as given (``local_steps: auto`` codes positions here)."""
     out = {**compression, "message": {"quantize": quantize, "index_coding": coding}}
     if quantize == "int8" or coding == "golomb":
         out.pop("selection", None)
-    return {**out, "local_steps": 1} if coding == "raw" else out
+    return out
 
 
 MIXED = {**DENSE1, "policy": {"min_compress_numel": 60}}   # the biases go dense: two collectives a group
