@@ -752,9 +752,8 @@ class AllgatherConfig(ResidualConfig):
            as places in its shard: the same entries in fewer bytes (on the digits CNN 21.5x
            instead of 18.7x, where the dense biases and small layers are most of what is left;
            docs/fsdp.md, "Measured"), for a host encode per group and step (raw where the config
-           names radix, as in 4). And the layers that go dense travel as int8 codes whose rounding
-           the residual keeps (``policy.dense_values: int8`` in place of fp32; fp16 given is kept): a
-           quarter of their bytes, which were four fifths of what the digits CNN sent.
+           names radix, as in 4); the layers that go dense as int8 codes, their rounding kept in the
+           residual (``_sharded``: int8 in place of fp32, fp16 given kept; docs/fsdp.md, "Measured").
         2. There it is ``AUTO_LOCAL_STEPS`` steps, and an exchange sends ``AUTO_LOCAL_STEPS x density``
            of each delta, but at least ``AUTO_EXCHANGE_DENSITY``: below 0.1 an exchange the text cells
            lost perplexity (docs/benchmarks.md, "Local steps"). ``density`` keeps its meaning of what
@@ -810,7 +809,8 @@ class AllgatherConfig(ResidualConfig):
                                        "policy": self.policy.model_copy(update={"dense_values": "fp16"})})
 
     def _sharded(self) -> dict:
-        """``settle``'s rule 1 under FSDP2: Golomb-coded positions, the dense layers as int8 codes."""
+        """``settle``'s rule 1 under FSDP2: Golomb-coded positions, the dense layers as int8 codes (a
+        quarter of their bytes, which were four fifths of what the digits CNN sent)."""
         update = self._golomb()
         if self.policy.dense_values == "fp32":   # fp16 given is kept; a set local_steps keeps fp32
             update["policy"] = self.policy.model_copy(update={"dense_values": "int8"})
