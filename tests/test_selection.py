@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from redsync_hvd.core.select import (
@@ -650,3 +650,31 @@ def test_exact_over_equal_segments_is_one_batched_topk_with_every_segments_answe
     x[3 * size + 7] = float("nan")
     with pytest.raises(NonFiniteError):
         select(Segments([size] * count, [k] * count), x, Contract("exact"), name="w")
+
+
+@settings(max_examples=300, deadline=None)
+@example([1.0, -1.0, 0.5, -0.5], "larger")   # a tie: the positive side
+@example([3e38, 3e38, -1.0], "larger")       # the positive sum overflows fp32
+@example([0.0, -0.0], "larger")
+@given(st.lists(st.sampled_from([0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 3.0, -3.0, 1e-30, -1e-30, 1e30, -1e30, 3e38, -3e38])
+                | st.floats(-1e6, 1e6, width=32), max_size=64),
+       st.sampled_from(["larger", "pos", "neg", None]))
+def test_sign_rule_and_kept_mean_on_the_cpu_decide_as_the_device_expressions(values, sign):
+    """On the CPU ``keep_side`` reads the two sides' fp32 sums and counts and compares their means on the
+    host, and ``kept_mean`` computes the float64 mean only where the fp32 one overflowed: both give the
+    device expressions' bits, ties (equal means) and overflowing sums included."""
+    from redsync_hvd.core.select.reference import keep_side, kept_mean
+    from redsync_hvd.core.wire import widen
+    x = torch.tensor(values, dtype=torch.float32)
+    pos, neg = x > 0, x < 0
+    if sign == "larger":   # the expression keep_side evaluates off the CPU, without a host read
+        mu_pos = torch.where(pos, x, 0.0).sum() / pos.count_nonzero().clamp(min=1)
+        mu_neg = -torch.where(neg, x, 0.0).sum() / neg.count_nonzero().clamp(min=1)
+        expect = torch.where(mu_pos >= mu_neg, pos, neg)
+    else:
+        expect = {"pos": pos, "neg": neg, None: pos | neg}[sign]
+    assert torch.equal(keep_side(x, sign), expect)
+    kept = x[expect]
+    mean = widen(kept.mean(dtype=torch.float32), kept.mean(dtype=torch.float64)).reshape(1) if kept.numel() \
+        else torch.zeros(1)
+    assert torch.equal(kept_mean(kept).view(torch.int32), mean.view(torch.int32))

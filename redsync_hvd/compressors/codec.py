@@ -117,11 +117,15 @@ class MessageCodec:
         return decode_positions(tensors[0].cpu(), count, b).to(tensors[0].device)
 
     def decode_add(self, out: torch.Tensor, tensors: list, layer, alpha: float = 1.0) -> None:
-        """out += alpha * the message, out flat float32 of the layer's size."""
-        idx = self.positions(tensors, layer).to(out.device)
+        """out += alpha * the message, out flat float32 of the layer's size. Raw positions index as
+        they arrived: ``index_add_`` takes int32 as it takes int64, with the same sums."""
+        idx = tensors[0] if not self.golomb and getattr(tensors, "positions", None) is None \
+            else self.positions(tensors, layer)
         if not idx.numel():
             return
-        value = self.values(tensors).to(device=out.device, dtype=out.dtype)
+        value = self.values(tensors)
+        if idx.device != out.device or value.device != out.device or value.dtype != out.dtype:
+            idx, value = idx.to(out.device), value.to(device=out.device, dtype=out.dtype)
         if self.mean:
             value = value.expand(idx.numel())
         out.index_add_(0, idx, value, alpha=alpha)
@@ -129,5 +133,5 @@ class MessageCodec:
     def sign_mean(self, positions: torch.Tensor, values: torch.Tensor, step: int):
         """(positions kept, their mean as (1,) float32) of one sign, by ``sign(step)``: the sign
         rule applied to a selection (``core/select/reference.py:keep_side``)."""
-        keep = keep_side(values, self.sign(step))
-        return positions[keep], kept_mean(values[keep])
+        kept = keep_side(values, self.sign(step)).nonzero().reshape(-1)   # one nonzero for both
+        return positions.index_select(0, kept), kept_mean(values.index_select(0, kept))

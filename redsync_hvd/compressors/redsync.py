@@ -54,6 +54,7 @@ class RedSyncCompressor(Compressor):
         self.codec = self.codecs[m.quantize]
         self.contracts: dict[str, Contract] = {}   # per selection method (a policy.layers override)
         self._buckets: dict = {}                    # layer names -> the bucket backend's name, or None
+        self._wires: dict = {}                      # what ``wire`` answered, per layer and what it depends on
 
     def codec_of(self, layer: Layer | None) -> MessageCodec:
         """The layer's message format (a ``policy.layers[].quantize`` override), else the config's."""
@@ -61,7 +62,15 @@ class RedSyncCompressor(Compressor):
 
     def wire(self, layer: Layer) -> Wire:
         """About k positions (int32, or Golomb-coded: their expected bytes) and their values or one
-        mean; bounded at CAPACITY * k where the transport needs every rank's size first."""
+        mean; bounded at CAPACITY * k where the transport needs every rank's size first. Asked several
+        times a step per layer (packing, cutting, accounting), so worked out once per layer and k."""
+        key = (layer.name, layer.numel, layer.k, layer.quantize, layer.selection, getattr(self.comm, "needs_sizes", 0))
+        got = self._wires.get(key)
+        if got is None:
+            got = self._wires[key] = self._wire(layer)
+        return got
+
+    def _wire(self, layer: Layer) -> Wire:
         codec, k = self.codec_of(layer), layer.k
         selection = getattr(self.config, "selection", None)
         if not codec.mean and selection is not None and selection.scope != "bucket":   # by bucket: about k

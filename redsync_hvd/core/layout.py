@@ -5,10 +5,12 @@ live here once so that a prediction describes the collectives the exchange reall
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Sequence
 
 
+@functools.lru_cache(maxsize=1 << 16)   # every layer asks several times a step, with few distinct densities
 def k_of(numel: int, density: float) -> int:
     """k = ceil(density * numel): at least 1 for a non-empty layer, at most numel."""
     return 0 if numel <= 0 else min(numel, max(1, math.ceil(density * numel)))

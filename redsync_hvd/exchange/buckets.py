@@ -284,8 +284,10 @@ class ReduceBucket(Bucket):
         n = first.numel() - self.slots
         self._evidence.append(finite_evidence(first[:n]))
         first[n:n + 1] = nonfinite_count(self._evidence)                                            # 2.
-        if self.carrier:
-            carry = st.carry or []   # from pinned memory: a pageable copy would wait for the stream
+        if self.carrier and not st.carry:
+            first[n + 1:].zero_()
+        elif self.carrier:   # from pinned memory: a pageable copy would wait for the stream
+            carry = st.carry
             first[n + 1:].copy_(to_device(torch.tensor(carry + [0.0] * (self.slots - 1 - len(carry)),
                                                        dtype=first.dtype), first.device))
         self.stats.add_bytes({"scalars": 4})   # the count; carried values are the caller's traffic

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..comm.packing import pack, payload_bytes, unpack_fixed, unpack_gathered
+from ..comm.packing import pack, pack_row, payload_bytes, unpack_fixed, unpack_gathered, unpack_rows
 from .buckets import Bucket, ReduceBucket
 from .step import Arrived, StepState
 
@@ -103,15 +103,14 @@ class GatherBucket(Bucket):
         none (fixed), in a capacity row, or a header allgather (read now where the transport needs
         sizes first); 3. the payload's allgather."""
         tensors = [t for m in messages for t in m.tensors] + riding + [self._count(messages).to(torch.int32)]   # 1.
-        header, payload = pack(tensors, device=self.layers[0].device)
-        header = self._without_riders(header)
         size, sizes = self.comm.size, None
         self._sent = messages
         if self.wire is Sizes.ROWS:                                                                      # 2.
-            self.stats.add_bytes({"headers": header.numel() * 4, "scalars": 4})
-            row = self._capacity_row(header, payload)
+            row = self._capacity_row(tensors)
             self._flight = InFlight(self.comm.allgather_async(row, name=self.name, sizes=[row.numel()] * size))
             return
+        header, payload = pack(tensors, device=self.layers[0].device)
+        header = self._without_riders(header)
         flight = InFlight(None)
         if self.wire is Sizes.FIXED:
             counts = self._counts()
@@ -146,27 +145,29 @@ class GatherBucket(Bucket):
         return [n for l in self.layers for n in self.compressor.wire(l).counts] + \
             [n for _, n in self._rider_sizes] + [1]
 
-    def _capacity_row(self, header: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
+    def _capacity_row(self, tensors: list) -> torch.Tensor:
         """[the header's int32 counts | the payload | zeros up to the capacity's payload], uint8: the
-        same size on every rank, so one allgather carries sizes and data (``_open_rows`` cuts it)."""
+        same size on every rank, so one allgather carries sizes and data (``_arrived`` cuts it). The
+        header leaves the riders' counts out (fixed, known to every rank)."""
+        counts = [t.numel() for t in tensors]
+        header = counts[:len(counts) - 1 - len(self._rider_sizes)] + counts[-1:]
         capacity = [n for l in self.layers for n in self.compressor.wire(l).capacity]
-        if any(int(c) > cap for c, cap in zip(header.tolist(), capacity)):
+        if any(c > cap for c, cap in zip(header, capacity)):
             raise RuntimeError(f"{type(self.compressor).__name__} declared at most {capacity} elements per wire "
-                               f"tensor for bucket {self.index} but sent {header.tolist()[:-1]}")
+                               f"tensor for bucket {self.index} but sent {header[:-1]}")
+        self.stats.add_bytes({"headers": 4 * len(header), "scalars": 4})
         most = payload_bytes(capacity + [n for _, n in self._rider_sizes] + [1], self.dtypes)
-        row = torch.zeros(4 * header.numel() + most, dtype=torch.uint8, device=payload.device)
-        row[:4 * header.numel()] = header.to(payload.device).view(torch.uint8)
-        row[4 * header.numel():4 * header.numel() + payload.numel()] = payload
+        row = torch.zeros(4 * len(header) + most, dtype=torch.uint8, device=self.layers[0].device)
+        pack_row(row, header, tensors)
         return row
 
-    def _open_rows(self, rows: torch.Tensor) -> tuple:
-        """Every rank's capacity row -> (the gathered headers, the payloads back to back)."""
+    def _open_rows(self, rows: torch.Tensor) -> list:
+        """Every rank's capacity row -> its wire tensors (views into the row where aligned)."""
         rows = rows.view(self.comm.size, -1)
         width = 4 * (len(self.dtypes) - len(self._rider_sizes))
-        header = self._with_riders(rows[:, :width].contiguous().view(torch.int32).reshape(-1))
-        counts = header.view(self.comm.size, -1).tolist()
-        payload = torch.cat([rows[r, width:width + payload_bytes(c, self.dtypes)] for r, c in enumerate(counts)])
-        return header, payload
+        riders = [n for _, n in self._rider_sizes]
+        counts = [c[:-1] + riders + c[-1:] for c in rows[:, :width].contiguous().view(torch.int32).tolist()]
+        return unpack_rows(rows, width, counts, self.dtypes)
 
     def _wait(self) -> tuple:
         """(the gathered headers, or None where the sizes are fixed or inside the rows; the gathered
@@ -179,7 +180,7 @@ class GatherBucket(Bucket):
         """Every rank's wire tensors, cut out of the gathered payload (by its header, or by the sizes
         known in advance)."""
         if self.wire is Sizes.ROWS:
-            header, payload = self._open_rows(payload)
+            return self._open_rows(payload)
         if self.wire is Sizes.FIXED:
             return unpack_fixed(payload, self._counts(), self.dtypes, self.comm.size)
         return unpack_gathered(header, payload, self.dtypes, self.comm.size)

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import numpy
 import torch
 
-from ..wire import widen
+from ..wire import wide_mean, widen
 
 BINS = 4096                    # bins per level of the two-level histogram
 SHIFT1, SHIFT2 = 19, 7         # 12 bits each of a non-negative float32's 31
@@ -77,7 +78,7 @@ def above(a: torch.Tensor, t: float, cap: int, values: bool = False):
 def keep_side(x: torch.Tensor, sign: Optional[str], among: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The mask of what the sign rule keeps of x (of ``among``, a mask, where given): "pos" x > 0,
     "neg" x < 0, "larger" the side whose mean magnitude is larger (SBC; ties: positive), None
-    both. On the device: no host read."""
+    both. Off the CPU: no host read."""
     def of(mask):
         return mask if among is None else mask & among
     if sign == "pos":
@@ -88,15 +89,28 @@ def keep_side(x: torch.Tensor, sign: Optional[str], among: Optional[torch.Tensor
     pos = of(x > 0)
     if sign is None:
         return pos | neg
+    if x.device.type == "cpu" and x.dtype == torch.float32:   # a host read is free here, a small op is not
+        return pos if _positive_larger(x, pos, neg) else neg
     mu_pos = torch.where(pos, x, 0.0).sum() / pos.count_nonzero().clamp(min=1)
     mu_neg = -torch.where(neg, x, 0.0).sum() / neg.count_nonzero().clamp(min=1)
     return torch.where(mu_pos >= mu_neg, pos, neg)
 
 
+def _positive_larger(x: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor) -> bool:
+    """``keep_side``'s device comparison, made on the host from the same fp32 sums and counts: fp32
+    division is IEEE's on both sides, so the decision is the same bit for bit."""
+    f = numpy.float32
+    sums = float(torch.where(pos, x, 0.0).sum()), float(torch.where(neg, x, 0.0).sum())
+    counts = max(int(pos.count_nonzero()), 1), max(int(neg.count_nonzero()), 1)
+    return bool(f(sums[0]) / f(counts[0]) >= -f(sums[1]) / f(counts[1]))
+
+
 def kept_mean(values: torch.Tensor) -> torch.Tensor:
     """(1,) float32: the signed mean of the kept values (float64 where the fp32 sum overflows on
     finite values, ``wire.py:widen``: bit for bit the fp32 mean elsewhere); 0 for none. No host
-    read (a bucket's selection waits once, for its counts)."""
+    read off the CPU (a bucket's selection waits once, for its counts)."""
     if not values.numel():
         return torch.zeros(1, device=values.device)
+    if values.device.type == "cpu":   # the float64 mean only where the fp32 one overflowed: the same bits
+        return wide_mean(values).reshape(1)
     return widen(values.mean(dtype=torch.float32), values.mean(dtype=torch.float64)).reshape(1)
