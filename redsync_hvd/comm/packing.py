@@ -55,37 +55,60 @@ def payload_bytes(counts: list, dtypes: list) -> int:
 
 
 def pack_row(row: torch.Tensor, header: list, tensors: list) -> None:
-    """Write ``header`` (int32 counts, unpadded) and then ``tensors``' bytes, laid out as
-    :func:`pack`'s payload (each padded to 8 bytes; the padding is the row's zeros), into the
-    zeroed uint8 ``row``, with one copy call: no payload is built first and copied again."""
-    head = torch.tensor(header, dtype=torch.int32).view(torch.uint8)
-    dst, src, at = [row[:head.numel()]], [head.to(row.device)], head.numel()
+    """Write ``header`` (int32 counts, unpadded) and then ``tensors``, laid out as :func:`pack`'s
+    payload (each padded to 8 bytes; the padding is the row's zeros), into the zeroed uint8
+    ``row``, with one copy call: no payload is built first and copied again. Each tensor lands in a
+    slice of the row viewed as its dtype (one view per dtype, not two ops per tensor)."""
+    views = _typed(row, [torch.int32] + [t.dtype for t in tensors])
+    dst = [_slot(views, 0, len(header), torch.int32)]
+    src, at = [torch.tensor(header, dtype=torch.int32, device=row.device)], 4 * len(header)
     for t in tensors:
-        raw = t.contiguous().reshape(-1).view(torch.uint8)
-        if raw.numel():
-            dst.append(row[at:at + raw.numel()])
-            src.append(raw)
-        at += _padded(raw.numel())
+        n, size = t.numel(), t.element_size()
+        if n:
+            slot = _slot(views, at, n, t.dtype)
+            flat = t.reshape(-1) if t.dim() != 1 else t
+            dst.append(slot if slot is not None else row[at:at + n * size])
+            src.append(flat if slot is not None else flat.contiguous().view(torch.uint8))
+        at += _padded(n * size)
     torch._foreach_copy_(dst, src)
 
 
 def unpack_rows(rows: torch.Tensor, at: int, counts: list, dtypes: list) -> list[list]:
     """Every rank's tensors, cut from its row of ``rows`` (uint8 [size, bytes], each rank's
-    :func:`pack_row` from byte ``at``) by that rank's ``counts``: views, copied first only where
-    the row's offset does not suit a dtype's alignment."""
-    align = max((d.itemsize for d in dtypes), default=1)
+    :func:`pack_row` from byte ``at``) by that rank's ``counts``: views of the rows as each dtype,
+    copied out first only where an offset does not suit a dtype's alignment."""
+    width = rows.shape[1]
+    flat = rows.reshape(-1)
+    views = _typed(flat, dtypes)
     out = []
     for r, rank_counts in enumerate(counts):
         nbytes = payload_bytes(rank_counts, dtypes)
-        if at + nbytes > rows.shape[1]:
+        if at + nbytes > width:
             raise RuntimeError(f"rank {r}'s message sizes {rank_counts} describe {nbytes} bytes but its row holds "
-                               f"{rows.shape[1] - at}: ranks disagree on the bucket layout (different models or "
-                               "configs?)")
-        payload = rows[r, at:at + nbytes]
-        if payload.storage_offset() % align:
-            payload = payload.clone()
-        out.append(_cut(payload, [rank_counts], dtypes)[0])
+                               f"{width - at}: ranks disagree on the bucket layout (different models or configs?)")
+        offset, tensors = r * width + at, []
+        for n, dtype in zip(rank_counts, dtypes):
+            piece = _slot(views, offset, n, dtype)
+            tensors.append(piece if piece is not None else flat[offset:offset + n * dtype.itemsize].clone().view(dtype))
+            offset += _padded(n * dtype.itemsize)
+        out.append(tensors)
     return out
+
+
+def _typed(flat: torch.Tensor, dtypes: list) -> dict:
+    """{dtype: the uint8 buffer ``flat`` viewed as it}, for the dtypes whose size its offset and
+    length allow."""
+    return {d: flat.view(d) for d in set(dtypes)
+            if flat.numel() % d.itemsize == 0 and flat.storage_offset() % d.itemsize == 0}
+
+
+def _slot(views: dict, at: int, n: int, dtype: torch.dtype):
+    """n elements of ``dtype`` from byte ``at`` of a :func:`_typed` buffer, or None where ``at``
+    does not suit the dtype (or its view could not be made)."""
+    view, size = views.get(dtype), dtype.itemsize
+    if view is None or at % size:
+        return None
+    return view[at // size:at // size + n]
 
 
 def _cut(payload: torch.Tensor, counts: list, dtypes: list) -> list[list]:

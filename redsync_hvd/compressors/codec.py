@@ -87,7 +87,9 @@ class MessageCodec:
 
     def decoded(self, value: list) -> torch.Tensor:
         """The float32 values that :meth:`to_wire`'s list (or sign_mean's [mean]) stands for."""
-        return value[0].float() * value[1].float() if self.scaled else value[0].float()
+        if self.scaled:
+            return value[0].float() * value[1].float()
+        return value[0] if value[0].dtype == torch.float32 else value[0].float()
 
     def in_order(self, positions: torch.Tensor, value: list) -> tuple:
         """(positions, value) as :meth:`encode` sends them: Golomb-coded positions go ascending, their

@@ -42,8 +42,9 @@ def nonfinite_count(evidence: list, extra: int = 0, device=None) -> torch.Tensor
     norms, flags with inf where set) are not finite, plus ``extra`` known on the host."""
     if not evidence:
         return torch.full((1,), float(extra), device=device)
-    values = torch.cat([e.reshape(-1).float() for e in evidence])
-    return ((~torch.isfinite(values)).sum(dtype=torch.float32) + extra).reshape(1)
+    values = evidence[0].reshape(-1) if len(evidence) == 1 else torch.cat([e.reshape(-1).float() for e in evidence])
+    count = (~torch.isfinite(values)).sum(dtype=torch.float32)
+    return (count + extra if extra else count).reshape(1)
 
 
 def account(stats, layer, msg, counted: bool = True) -> None:
@@ -190,8 +191,10 @@ class Bucket:
         """Flat fp32 gradient (fp16/bf16 accepted), unscaled, locally clipped; finite evidence."""
         flat = self.landing.get(layer.name)
         if flat is None or flat.data_ptr() != grad.data_ptr() or flat.dtype != grad.dtype:
-            flat = grad.detach().reshape(-1)   # (a gradient that landed in its bucket has its flat view ready)
-        flat = flat.float()
+            # (a gradient that landed in its bucket has its flat view ready)
+            flat = (grad.detach() if grad.requires_grad else grad).reshape(-1)
+        if flat.dtype != torch.float32:
+            flat = flat.float()
         if st.grad_scale is not None:
             flat = flat / st.grad_scale
         if self.evidence:   # its largest magnitude: a sum would overflow on huge finite values

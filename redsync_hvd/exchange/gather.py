@@ -166,7 +166,7 @@ class GatherBucket(Bucket):
         rows = rows.view(self.comm.size, -1)
         width = 4 * (len(self.dtypes) - len(self._rider_sizes))
         riders = [n for _, n in self._rider_sizes]
-        counts = [c[:-1] + riders + c[-1:] for c in rows[:, :width].contiguous().view(torch.int32).tolist()]
+        counts = [c[:-1] + riders + c[-1:] for c in rows.view(torch.int32)[:, :width // 4].tolist()]
         return unpack_rows(rows, width, counts, self.dtypes)
 
     def _wait(self) -> tuple:

@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import math
 import types
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -86,6 +87,16 @@ NO_OPTIMIZER_NOTE = ("compression.local_steps: 1 (auto): register() was given no
                      "step: pass optimizer=opt for 8 local steps (docs/redsync.md, 'Local steps')")
 
 
+class BucketViews(NamedTuple):
+    """A DDP bucket as the hook hands it on: its parameters' names, the parameters, their gradients
+    (views of the buffer), the fp32 ones flat (where the exchange decodes in place) and the buffer."""
+    names: list
+    params: list
+    grads: list
+    into: dict
+    buffer: torch.Tensor
+
+
 class DDPCompressionState:
     """What :func:`register` returns: the step's pending buckets, the exchange, and the accessors
     the Horovod optimizer offers (``communication_stats``, ``layer_decisions``,
@@ -100,7 +111,8 @@ class DDPCompressionState:
         self._decay = decay or {}
         self.update_units = None     # feedback_units: update: the optimizer's hooks (update_units.py)
         self.rounds = None           # local steps: the round the wrapped optimizer step is in (delayed.py)
-        self._pending: list = []     # (names, grads, buffer, future) of this step's buckets
+        self._pending: list = []     # (views, future) of this step's buckets
+        self._views: dict = {}       # (bucket index, buffer address) -> that buffer's BucketViews
         self._bucket_bytes: dict = {}    # fast path: (bucket index, buffer address) -> bytes
         self._reduced: list = []         # fast path: (work, buffer, future) of this step's buckets
         # fast path: check only when asked for by name (see the module docstring)
@@ -115,21 +127,36 @@ class DDPCompressionState:
             self._fast = self._all_dense()
         if self._fast:
             return self.reduce_bucket(bucket)
-        params, grads = bucket.parameters(), bucket.gradients()
-        names = self.names_of(params)
+        views = self._bucket_views(bucket)
         try:
-            for name, p, g in zip(names, params, grads):
+            for name, p, g in zip(views.names, views.params, views.grads):
                 self.exchange.submit(name, self._with_decay(name, p, g))
         except BaseException:
             self.exchange.abort()   # the next backward starts a clean step
             self._pending = []
             raise
-        buffer = bucket.buffer()
+        buffer = views.buffer
         fut = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
-        self._pending.append((names, grads, buffer, fut))
+        self._pending.append((views, fut))
         if bucket.is_last():
             self._finish_step()
         return fut
+
+    def _bucket_views(self, bucket) -> BucketViews:
+        """``bucket``'s parameters and names, and its gradients as views of its buffer, made once per
+        buffer: DDP keeps a bucket's buffer from step to step (it rebuilds its buckets once, after the
+        first iteration, into new buffers), and making the views costs small ops per parameter. A
+        rebuilt bucket's old views go, so they keep no old buffer alive."""
+        buffer = bucket.buffer()
+        key = (bucket.index(), buffer.data_ptr(), buffer.numel(), buffer.dtype)
+        views = self._views.get(key)
+        if views is None:
+            params, grads = bucket.parameters(), bucket.gradients()
+            into = {n: g.view(-1) for n, g in zip(self.names_of(params), grads)
+                    if g.dtype == torch.float32 and g.is_contiguous()}
+            self._views = {k: v for k, v in self._views.items() if k[0] != key[0]}
+            views = self._views[key] = BucketViews(self.names_of(params), params, grads, into, buffer)
+        return views
 
     def keep_bucket(self, bucket) -> torch.futures.Future:
         """Local steps: each worker keeps its own gradient, unreduced; the round's exchange of model
@@ -222,20 +249,19 @@ class DDPCompressionState:
     def _finish_step(self) -> None:
         """Finish the exchange, write each average into its bucket view, set every future."""
         pending, self._pending = self._pending, []
-        into = {n: g.view(-1) for names, grads, _, _ in pending for n, g in zip(names, grads)
-                if g.dtype == torch.float32 and g.is_contiguous()}
+        into = pending[0][0].into if len(pending) == 1 else {n: t for v, _ in pending for n, t in v.into.items()}
         try:
             averaged = self.exchange.finish(into=into).averages
         except BaseException as exc:   # the exchange rolled its memory back; every rank raises
-            for *_, fut in pending:
+            for _, fut in pending:
                 fut.set_exception(exc)
             return
-        copies = [(grad, averaged[name]) for names, grads, _, _ in pending for name, grad in zip(names, grads)
+        copies = [(grad, averaged[name]) for v, _ in pending for name, grad in zip(v.names, v.grads)
                   if averaged[name].data_ptr() != grad.data_ptr()]
         if copies:   # one call for every layer not decoded in place (bf16 buckets, planned ones)
             torch._foreach_copy_([g for g, _ in copies], [a.view(g.shape) for g, a in copies])
-        for *_, buffer, fut in pending:
-            fut.set_result(buffer)
+        for v, fut in pending:
+            fut.set_result(v.buffer)
 
     def set_grad_scaler(self, scaler) -> None:
         """fp16 training with ``torch.amp.GradScaler``: buckets hold scaled gradients; residuals

@@ -341,7 +341,7 @@ def search(x: torch.Tensor, k: int, contract: Contract, *, state: Optional[Selec
     k = int(k)
     if k < 0:
         raise ValueError("k must be >= 0, got %d" % k)
-    flat = x.detach().reshape(-1)
+    flat = x if x.dim() == 1 and not x.requires_grad else x.detach().reshape(-1)
     n = flat.numel()
     if k == 0 or n == 0:
         return torch.empty(0, dtype=torch.int64, device=x.device)
@@ -387,7 +387,7 @@ def exact_signed(x: torch.Tensor, k: int, sign: str, mean: bool) -> tuple:
     """The exact strategy's sign rule (SBC, Sattler et al., 2019): the k largest of the kept
     side (torch.topk of x or -x), "larger" keeping the side whose mean over its k is larger
     (ties: positive). Returns (positions, the signed mean (1,) float32 with ``mean``, else None)."""
-    flat = x.detach().reshape(-1)
+    flat = x if x.dim() == 1 and not x.requires_grad else x.detach().reshape(-1)
     pos_vals, pos_idx = torch.topk(flat, k, sorted=False) if sign != "neg" else (None, None)
     neg_vals, neg_idx = torch.topk(-flat, k, sorted=False) if sign != "pos" else (None, None)
     mu_pos = kept_mean(pos_vals) if pos_vals is not None else None
