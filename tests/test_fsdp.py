@@ -212,3 +212,23 @@ def test_auto_codes_positions_under_fsdp_and_the_cost_model_prices_the_coding():
     # raw fp16 pairs: 6 bytes an entry and an int32 count per owner, as before the coding was priced
     n, k = 4_000_000, 40_000
     assert 8 * (4 + coded_bytes(k // 8, n // 8, "pairs_fp16")) == 6 * k + 32
+
+
+def test_auto_sends_int8_values_under_sgd_and_fp16_under_adamw(one_rank):
+    """``local_steps: auto`` under FSDP2 is an exchange every step; ``register`` hands ``settle`` the
+    optimizer, so under torch.optim.SGD RedSync's values travel as int8 codes (settle's rule 5), and
+    under AdamW as fp16 (int8 cost the GPT 2% perplexity there); layers.log's note says which."""
+    from torch.distributed.fsdp import fully_shard
+
+    from redsync_hvd.torch import fsdp as rfsdp
+    got = {}
+    for make in (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), lambda ps: torch.optim.AdamW(ps, lr=1e-3)):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        opt = make(model.parameters())
+        state = rfsdp.register(model, {"method": "redsync"}, optimizer=opt)
+        notes = " ".join(state.policy.notes)
+        got[type(opt).__name__] = (state.config.message.quantize, f"values as {state.config.message.quantize}" in notes)
+    assert got == {"SGD": ("int8", True), "AdamW": ("fp16", True)}

@@ -749,11 +749,10 @@ class AllgatherConfig(ResidualConfig):
            ``per_step_knobs``, outside Horovod Elastic (whose reset broadcasts one model); anywhere
            else (FSDP2, whose shards no worker could step alone; TensorFlow) auto is every step at
            ``density``. Under FSDP2 RedSync's positions are then Golomb-coded, each owner's share
-           as places in its shard: the same entries in fewer bytes (on the digits CNN 21.5x
-           instead of 18.7x, where the dense biases and small layers are most of what is left;
-           docs/fsdp.md, "Measured"), for a host encode per group and step (raw where the config
-           names radix, as in 4); the layers that go dense as int8 codes, their rounding kept in the
-           residual (``_sharded``: int8 in place of fp32, fp16 given kept; docs/fsdp.md, "Measured").
+           as places in its shard: the same entries in fewer bytes, for a host encode per group and
+           step (raw where the config names radix, as in 4); the layers that go dense as int8
+           codes, their rounding kept in the residual (``_sharded``: int8 in place of fp32, fp16
+           given kept), and under SGD the values as in 5 (docs/fsdp.md, "Measured").
         2. There it is ``AUTO_LOCAL_STEPS`` steps, and an exchange sends ``AUTO_LOCAL_STEPS x density``
            of each delta, but at least ``AUTO_EXCHANGE_DENSITY``: below 0.1 an exchange the text cells
            lost perplexity (docs/benchmarks.md, "Local steps"). ``density`` keeps its meaning of what
@@ -786,7 +785,7 @@ class AllgatherConfig(ResidualConfig):
         if self.local_steps != "auto":
             return self
         if (framework, engine) not in LOCAL_STEPS_RUN or elastic or self.per_step_knobs():    # 1.
-            return self.model_copy(update={"local_steps": 1, **(self._sharded() if engine == "fsdp" else {})})
+            return self.model_copy(update={"local_steps": 1, **(self._sharded(sgd) if engine == "fsdp" else {})})
         if adam and steps and self.density * steps >= AUTO_EVERY_STEP_SENDS:                          # 7.
             return self._every_step_in_gradient_units()
         steps = AUTO_LOCAL_STEPS
@@ -808,10 +807,14 @@ class AllgatherConfig(ResidualConfig):
         return self.model_copy(update={"local_steps": 1, "feedback_units": "gradient", **self._golomb(),
                                        "policy": self.policy.model_copy(update={"dense_values": "fp16"})})
 
-    def _sharded(self) -> dict:
+    def _sharded(self, sgd: bool = False) -> dict:
         """``settle``'s rule 1 under FSDP2: Golomb-coded positions, the dense layers as int8 codes (a
-        quarter of their bytes, which were four fifths of what the digits CNN sent)."""
+        quarter of their bytes, which were four fifths of what the digits CNN sent), and under
+        torch.optim.SGD rule 5's int8 values (11-17% more ratio on the four FSDP2 image cells, each
+        still within its target; docs/fsdp.md, "Measured")."""
         update = self._golomb()
+        if sgd and "message" in update and update["message"].quantize == "fp16":
+            update["message"] = update["message"].model_copy(update={"quantize": "int8"})
         if self.policy.dense_values == "fp32":   # fp16 given is kept; a set local_steps keeps fp32
             update["policy"] = self.policy.model_copy(update={"dense_values": "int8"})
         return update

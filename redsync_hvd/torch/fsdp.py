@@ -35,7 +35,8 @@ Every parameter of one group shares one momentum.
 
 With ``local_steps: auto`` (RedSync's default) the exchange runs every step and RedSync's
 positions travel Golomb-coded, each owner's share as places in its shard
-(``AllgatherConfig.settle``); int8 values travel too where the config names them.
+(``AllgatherConfig.settle``); under torch.optim.SGD the values travel as int8 codes, and the
+layers that go dense as int8 codes under any optimizer.
 
 Refused, with the engine that runs it named: SBC, the decentralized methods, PowerSGD, IWP and
 the other allreduce methods (``engine.refuse``); ``policy.mode: budget`` and ``dgc.clip_norm``
@@ -264,8 +265,9 @@ class FSDPCompressionState:
 
 
 AUTO_NOTE = ("compression.local_steps: 1 (auto): each rank's optimizer steps only its own shards, so FSDP2 "
-             "exchanges every step; positions travel {coding} (golomb: each owner's share as places in its shard) "
-             "and the layers that go dense as {dense} (int8: codes whose rounding the residual keeps); set "
+             "exchanges every step; positions travel {coding} (golomb: each owner's share as places in its shard), "
+             "values as {values} (int8 under torch.optim.SGD) and the layers that go dense as {dense} (int8: codes "
+             "whose rounding the residual keeps); set "
              "local_steps: 1 to keep the message as given; docs/fsdp.md")
 
 
@@ -286,7 +288,7 @@ def register(model, compression=None, optimizer=None, communicator=None) -> FSDP
     config = parse(compression)
     auto = getattr(config, "local_steps", None) == "auto"
     if auto:   # every step here; RedSync's positions Golomb-coded (AllgatherConfig.settle)
-        config = config.settle("torch", "fsdp")
+        config = config.settle("torch", "fsdp", sgd=isinstance(optimizer, torch.optim.SGD))
     refuse(config, "torch", "fsdp")
     modules = _groups(model)
     comm = communicator or TorchDistCommunicator(modules[0][2].mesh_info.shard_process_group)
@@ -310,7 +312,8 @@ def register(model, compression=None, optimizer=None, communicator=None) -> FSDP
         policy.notes.append(NO_MOMENTS_NOTE.format(why="engine: fsdp would keep them for every whole layer on "
                                                        "every worker, which is what sharding exists to avoid"))
     if auto:
-        policy.notes.append(AUTO_NOTE.format(coding=_index_coding(config), dense=_dense_values(config)))
+        policy.notes.append(AUTO_NOTE.format(coding=_index_coding(config), dense=_dense_values(config),
+                                             values=getattr(getattr(config, "message", None), "quantize", "fp32")))
     refuse_average_variance(config, "engine: fsdp keeps no Adam moments per worker")
     groups, extras, carried = [], [], Carried(KINDS)
     for name, params, mine, pg in per_group:
