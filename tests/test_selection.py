@@ -659,10 +659,11 @@ def test_exact_over_equal_segments_is_one_batched_topk_with_every_segments_answe
 @given(st.lists(st.sampled_from([0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 3.0, -3.0, 1e-30, -1e-30, 1e30, -1e30, 3e38, -3e38])
                 | st.floats(-1e6, 1e6, width=32), max_size=64),
        st.sampled_from(["larger", "pos", "neg", None]))
-def test_sign_rule_and_kept_mean_on_the_cpu_decide_as_the_device_expressions(values, sign):
-    """On the CPU ``keep_side`` reads the two sides' fp32 sums and counts and compares their means on the
-    host, and ``kept_mean`` computes the float64 mean only where the fp32 one overflowed: both give the
-    device expressions' bits, ties (equal means) and overflowing sums included."""
+def test_sign_rule_and_kept_mean_on_the_host_decide_as_the_device_expressions(values, sign):
+    """With ``host`` (the CPU's per-layer codec) ``keep_side`` reads the two sides' fp32 sums and counts
+    and compares their means on the host, and ``kept_mean`` computes the float64 mean only where the fp32
+    one overflowed: both give the device expressions' bits, ties (equal means) and overflowing sums
+    included."""
     from redsync_hvd.core.select.reference import keep_side, kept_mean
     from redsync_hvd.core.wire import widen
     x = torch.tensor(values, dtype=torch.float32)
@@ -673,8 +674,10 @@ def test_sign_rule_and_kept_mean_on_the_cpu_decide_as_the_device_expressions(val
         expect = torch.where(mu_pos >= mu_neg, pos, neg)
     else:
         expect = {"pos": pos, "neg": neg, None: pos | neg}[sign]
-    assert torch.equal(keep_side(x, sign), expect)
+    for host in (False, True):
+        assert torch.equal(keep_side(x, sign, host=host), expect), host
     kept = x[expect]
     mean = widen(kept.mean(dtype=torch.float32), kept.mean(dtype=torch.float64)).reshape(1) if kept.numel() \
         else torch.zeros(1)
-    assert torch.equal(kept_mean(kept).view(torch.int32), mean.view(torch.int32))
+    for host in (False, True):
+        assert torch.equal(kept_mean(kept, host=host).view(torch.int32), mean.view(torch.int32)), host

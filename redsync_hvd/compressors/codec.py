@@ -135,5 +135,6 @@ class MessageCodec:
     def sign_mean(self, positions: torch.Tensor, values: torch.Tensor, step: int):
         """(positions kept, their mean as (1,) float32) of one sign, by ``sign(step)``: the sign
         rule applied to a selection (``core/select/reference.py:keep_side``)."""
-        kept = keep_side(values, self.sign(step)).nonzero().reshape(-1)   # one nonzero for both
-        return positions.index_select(0, kept), kept_mean(values.index_select(0, kept))
+        host = values.device.type == "cpu"   # a layer at a time on the CPU: reads cost nothing, small ops do
+        kept = keep_side(values, self.sign(step), host=host).nonzero().reshape(-1)   # one nonzero for both
+        return positions.index_select(0, kept), kept_mean(values.index_select(0, kept), host=host)

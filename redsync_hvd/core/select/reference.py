@@ -75,10 +75,12 @@ def above(a: torch.Tensor, t: float, cap: int, values: bool = False):
     return (idx, c, a[idx] if values else None) if c <= cap else (None, c, None)
 
 
-def keep_side(x: torch.Tensor, sign: Optional[str], among: Optional[torch.Tensor] = None) -> torch.Tensor:
+def keep_side(x: torch.Tensor, sign: Optional[str], among: Optional[torch.Tensor] = None,
+              host: bool = False) -> torch.Tensor:
     """The mask of what the sign rule keeps of x (of ``among``, a mask, where given): "pos" x > 0,
     "neg" x < 0, "larger" the side whose mean magnitude is larger (SBC; ties: positive), None
-    both. Off the CPU: no host read."""
+    both. No host read, unless ``host`` (a CPU caller's choice: there a read costs nothing and
+    a small op does) has the "larger" comparison made on the host, to the same decision."""
     def of(mask):
         return mask if among is None else mask & among
     if sign == "pos":
@@ -89,7 +91,7 @@ def keep_side(x: torch.Tensor, sign: Optional[str], among: Optional[torch.Tensor
     pos = of(x > 0)
     if sign is None:
         return pos | neg
-    if x.device.type == "cpu" and x.dtype == torch.float32:   # a host read is free here, a small op is not
+    if host and x.dtype == torch.float32:
         return pos if _positive_larger(x, pos, neg) else neg
     mu_pos = torch.where(pos, x, 0.0).sum() / pos.count_nonzero().clamp(min=1)
     mu_neg = -torch.where(neg, x, 0.0).sum() / neg.count_nonzero().clamp(min=1)
@@ -105,12 +107,13 @@ def _positive_larger(x: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor) -> b
     return bool(f(sums[0]) / f(counts[0]) >= -f(sums[1]) / f(counts[1]))
 
 
-def kept_mean(values: torch.Tensor) -> torch.Tensor:
+def kept_mean(values: torch.Tensor, host: bool = False) -> torch.Tensor:
     """(1,) float32: the signed mean of the kept values (float64 where the fp32 sum overflows on
     finite values, ``wire.py:widen``: bit for bit the fp32 mean elsewhere); 0 for none. No host
-    read off the CPU (a bucket's selection waits once, for its counts)."""
+    read (a bucket's selection waits once, for its counts), unless ``host``: then the float64
+    mean only where the fp32 one overflowed (``wire.py:wide_mean``), the same bits."""
     if not values.numel():
         return torch.zeros(1, device=values.device)
-    if values.device.type == "cpu":   # the float64 mean only where the fp32 one overflowed: the same bits
+    if host:
         return wide_mean(values).reshape(1)
     return widen(values.mean(dtype=torch.float32), values.mean(dtype=torch.float64)).reshape(1)
