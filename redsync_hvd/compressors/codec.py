@@ -121,8 +121,9 @@ class MessageCodec:
     def decode_add(self, out: torch.Tensor, tensors: list, layer, alpha: float = 1.0) -> None:
         """out += alpha * the message, out flat float32 of the layer's size. Raw positions index as
         they arrived: ``index_add_`` takes int32 as it takes int64, with the same sums."""
-        idx = tensors[0] if not self.golomb and getattr(tensors, "positions", None) is None \
-            else self.positions(tensors, layer)
+        idx = getattr(tensors, "positions", None)   # the sender's own, known
+        if idx is None:
+            idx = self.positions(tensors, layer) if self.golomb else tensors[0]
         if not idx.numel():
             return
         value = self.values(tensors)
