@@ -185,6 +185,13 @@ class GatherBucket(Bucket):
             return unpack_fixed(payload, self._counts(), self.dtypes, self.comm.size)
         return unpack_gathered(header, payload, self.dtypes, self.comm.size)
 
+    def _own(self, i: int, arrived: list) -> list:
+        """This rank's message for its ``i``-th layer as it sent it, where it knows the positions it
+        encoded (``codec.Encoded``): the bytes that came back, without decoding their Golomb code
+        again (half the decoding at N = 2); else ``arrived``."""
+        sent = self._sent[i].tensors
+        return sent if getattr(sent, "positions", None) is not None else arrived
+
     def finish(self, into: dict, apply: dict) -> Arrived:
         """1. every rank's message and non-finite count; 2. layers to apply to the weights become
         updates; 3. the others decoded into zeroed buffers (``into``'s where given), rank by rank."""
@@ -200,14 +207,15 @@ class GatherBucket(Bucket):
             exact = size & (size - 1) == 0
             alpha = 1.0 / size if exact else 1.0
             out = {l.name: self.buffers.zeroed(l, into) for l in self.layers if l.name not in apply}
-            for tensors in per_rank:
+            for rank, tensors in enumerate(per_rank):
                 at = 0
-                for layer in self.layers:
+                for i, layer in enumerate(self.layers):
                     n = len(self.compressor.wire(layer).dtypes)
                     part, at = tensors[at:at + n], at + n
                     if layer.name in apply:                                                         # 2.
                         got.updates.append((layer, part, -apply[layer.name][1] / size))
                     else:                                                                           # 3.
+                        part = self._own(i, part) if rank == self.comm.rank else part
                         self.compressor.decompress_add(out[layer.name], part, layer, alpha=alpha)
             if not exact:
                 for t in out.values():

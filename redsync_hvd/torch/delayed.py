@@ -95,6 +95,7 @@ class LocalRounds:
         self.snapshot, self.local, self.sync_next = None, 0, False
         self.outer: dict = {}       # per parameter, the same on every rank (outer_momentum)
         self.nonfinite: set = set()   # this round's layers whose gradient was not finite
+        self.deltas: dict = {}        # per parameter on the CPU, the round's delta (``_delta``)
 
     def step(self, closure, optimizer_step):
         """Step 1, then steps 2-3 when the round ends. ``optimizer_step``: the worker's own step."""
@@ -114,7 +115,7 @@ class LocalRounds:
         if decay != 1.0:   # SparseLoCo: e = decay * e + delta, before the delta joins
             ex.memory.scale(decay)
         for name in ex.order:                                                              # 2.
-            delta = self.params[name].detach() - self.snapshot[name]
+            delta = self._delta(name)
             if name in self.nonfinite:
                 delta.view(-1)[0] = math.nan
             ex.submit(name, delta)
@@ -127,6 +128,19 @@ class LocalRounds:
         if self.share_variance is not None:   # adam_variance: shared (update_units.py)
             ex.stats.add_bytes({"variance": self.share_variance()}, group="variance")
         return loss
+
+    def _delta(self, name: str) -> torch.Tensor:
+        """W_local - W. On the CPU into a buffer kept from round to round: a fresh tensor the
+        model's size is mmapped and page-faulted in every round, twice the subtraction's own time
+        (the exchange is done with it before the round ends). On a GPU the caching allocator
+        reuses the block, and a held one would keep its memory from the local steps' activations."""
+        p, w = self.params[name].detach(), self.snapshot[name]
+        if p.device.type != "cpu":
+            return p - w
+        held = self.deltas.get(name)
+        if held is None or held.shape != p.shape or held.dtype != p.dtype:
+            held = self.deltas[name] = torch.empty_like(p)
+        return torch.sub(p, w, out=held)
 
     def restart(self, averaged: dict | None) -> None:
         """Every worker from W + the average (or, for a failed round, from W), counting anew."""
