@@ -17,7 +17,7 @@ import pytest
 from redsync_hvd.experiments.netbench import netns
 from redsync_hvd.experiments.netbench.predict import plan_from_run, predict, wire_method
 from redsync_hvd.experiments.netbench.report import NO_EXCHANGE_COMPRESSION
-from redsync_hvd.experiments.netbench.worker import _summarise, sends_fp16, whole_rounds
+from redsync_hvd.experiments.netbench.worker import RANK_VARS, _summarise, sends_fp16, whole_rounds
 from redsync_hvd.policy import costmodel as cm
 
 REPO = Path(__file__).resolve().parent.parent
@@ -280,12 +280,15 @@ def test_pinned_worker_runs_on_its_ranks_cpu():
             "import torch\ntorch.set_num_threads(2)\ntorch.ones(1 << 20).sum()\n"
             "tids = os.listdir('/proc/self/task')\n"
             "print(cpu, sorted({c for t in tids for c in os.sched_getaffinity(int(t))}))")
-    for rank in range(3):
-        env = {**os.environ, "PYTHONPATH": str(REPO), "NETBENCH_PIN_WORKERS": "1", "HOROVOD_RANK": str(rank)}
+    # horovodrun's rank, mpirun's (the MPI launch: no HOROVOD_RANK there), the compute-only launch's
+    for rank, var in ((0, "HOROVOD_RANK"), (1, "HOROVOD_RANK"), (2, "HOROVOD_RANK"),
+                      (1, "OMPI_COMM_WORLD_RANK"), (3, "OMPI_COMM_WORLD_RANK"), (1, "NETBENCH_INDEX")):
+        base = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
+        env = {**base, "PYTHONPATH": str(REPO), "NETBENCH_PIN_WORKERS": "1", var: str(rank)}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         want = allowed[rank % len(allowed)]
-        assert out.stdout.strip().split(maxsplit=1) == [str(want), f"[{want}]"]
+        assert out.stdout.strip().split(maxsplit=1) == [str(want), f"[{want}]"], var
     env = {k: v for k, v in os.environ.items() if k != "NETBENCH_PIN_WORKERS"}
     out = subprocess.run([sys.executable, "-c", f"from {WORKER} import pin_to_cpu; print(pin_to_cpu())"],
                          env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)

@@ -237,13 +237,18 @@ def run(spec) -> dict:
             "network_probe": probe, "loadavg": os.getloadavg()}
 
 
+RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "NETBENCH_INDEX")   # horovodrun's, mpirun's, the bench's own
+
+
 def pin_to_cpu(env=os.environ):
-    """With NETBENCH_PIN_WORKERS=1: run on one CPU, the (rank mod #CPUs)-th one allowed.
-    Called before torch or Horovod start a thread, so theirs inherit it."""
+    """With NETBENCH_PIN_WORKERS=1: run on one CPU, the (rank mod #CPUs)-th one allowed, the rank
+    as horovodrun, mpirun or the compute-only launch names it (``RANK_VARS``). Called before torch
+    or Horovod start a thread, so theirs inherit it."""
     if env.get("NETBENCH_PIN_WORKERS") != "1":
         return None
     cpus = sorted(os.sched_getaffinity(0))
-    cpu = cpus[int(env.get("HOROVOD_RANK", env.get("NETBENCH_INDEX", "0"))) % len(cpus)]
+    rank = next((env[v] for v in RANK_VARS if v in env), "0")
+    cpu = cpus[int(rank) % len(cpus)]
     os.sched_setaffinity(0, {cpu})
     return cpu
 
