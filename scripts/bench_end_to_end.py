@@ -49,7 +49,7 @@ import yaml
 from redsync_hvd.config import ConfigError, read_yaml
 from redsync_hvd.config.compression import DECENTRALIZED, expand_shorthands
 from redsync_hvd.experiments.jobs import REPO
-from redsync_hvd.experiments.netbench import allocator, netns
+from redsync_hvd.experiments.netbench import allocator, netns, worker
 from redsync_hvd.experiments.netbench.launcher import LaunchError, launch
 from redsync_hvd.experiments.netbench.mpi_launcher import launch_mpi
 from redsync_hvd.experiments.netbench.report import (
@@ -133,11 +133,11 @@ def load_config(path: str) -> dict:
         raise BenchConfigError(f"{path}: horovod_cycle_time_ms must be a positive number of "
                                f"milliseconds or null (Horovod's default), got {c!r}")
     # one CPU per emulated host (rank i on the i-th allowed CPU, round robin), with its
-    # Horovod thread: hosts stop trading cores, as separate machines would not
+    # Horovod thread: hosts stop trading cores, as separate machines would not (auto: worker.pinned_launch)
     cfg.setdefault("pin_workers", False)
-    for key in ("keep_large_allocations", "pin_workers"):
-        if not isinstance(cfg[key], bool):
-            raise BenchConfigError(f"{path}: {key} must be true or false, got {cfg[key]!r}")
+    for key, ok in (("keep_large_allocations", "true or false"), ("pin_workers", "true, false or auto")):
+        if not (isinstance(cfg[key], bool) or (key == "pin_workers" and cfg[key] == "auto")):
+            raise BenchConfigError(f"{path}: {key} must be {ok}, got {cfg[key]!r}")
     for m in cfg.get("models") or []:
         bad = set(m) - MODEL_KEYS
         if bad or "name" not in m or "model" not in m:
@@ -190,13 +190,13 @@ def worker_spec(cfg: dict, model: dict, **extra) -> dict:
     return spec
 
 
-def worker_vars(cfg) -> dict:
-    """Environment of every benchmark process: torch threads, and the allocator settings."""
+def worker_vars(cfg, procs: int = 1) -> dict:
+    """Environment of each process of a launch of ``procs``: threads, allocator, cycle, pinning."""
     t = str(cfg["threads"])
     extra = allocator.env(os.environ) if cfg["keep_large_allocations"] else {}
     if cfg["horovod_cycle_time_ms"] is not None:
         extra["HOROVOD_CYCLE_TIME"] = str(cfg["horovod_cycle_time_ms"])
-    if cfg["pin_workers"]:
+    if worker.pinned_launch(cfg["pin_workers"], procs):
         extra["NETBENCH_PIN_WORKERS"] = "1"
     return {"OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t, **extra}
 
@@ -204,7 +204,7 @@ def worker_vars(cfg) -> dict:
 def measure_compute(cfg: dict, model: dict, procs: int, run_dir: Path) -> dict:
     """Compute-only step time (no Horovod): ``procs`` identical processes at once."""
     spec = worker_spec(cfg, model, mode="compute", steps=cfg["compute_steps"], rounds=1)
-    env = {**os.environ, **worker_vars(cfg), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, **worker_vars(cfg, procs), "PYTHONPATH": str(REPO)}
     ps, outs = [], []
     for i in range(procs):
         env["NETBENCH_INDEX"] = str(i)   # which CPU with pin_workers, as HOROVOD_RANK in a distributed run
@@ -243,7 +243,7 @@ def run_setting(cfg, net_cfg, models, methods, run_dir: Path, log) -> tuple[list
     dec_methods = [(n, c) for n, c in methods if c.get("method") in DECENTRALIZED]
     probe_bytes = (2 << 20) if (bw or 1e9) < 500 else (32 << 20)
     with netns.ShapedNetwork(hosts=hosts, bandwidth_mbit=bw, latency_ms=lat) as net:
-        log(f"[{tag}] network up: {net.describe()}")
+        log(f"[{tag}] network up: {net.describe()}; pinned: {worker.pinned_launch(cfg['pin_workers'], hosts)}")
         from redsync_hvd.experiments.netbench.probe import measure_link
         probe = measure_link(net, nbytes=(8 << 20) if (bw or 1e9) < 500 else (64 << 20)) if hosts > 1 else {}
         log(f"[{tag}] probe: goodput {probe.get('goodput_mbit', 0):.0f} Mbit/s, RTT {probe.get('rtt_ms', 0):.3f} ms")
@@ -284,7 +284,7 @@ def _launch_model(cfg, net, model, methods, tag, run_dir, log, probe_bytes, laun
         try:
             launcher(net, ["python", "-m", WORKER, "--spec", json.dumps(spec), "--out", str(out)],
                      timeout=cfg["timeout_s"], log_dir=run_dir / f"logs-{model['name']}-{tag}{suffix}-try{attempt}",
-                     env=worker_vars(cfg))
+                     env=worker_vars(cfg, net.hosts))
             break
         except LaunchError as exc:
             log(f"[{tag}] {model['name']}{suffix}: attempt {attempt} failed: {str(exc)[:1500]}")

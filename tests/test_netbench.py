@@ -17,7 +17,7 @@ import pytest
 from redsync_hvd.experiments.netbench import netns
 from redsync_hvd.experiments.netbench.predict import plan_from_run, predict, wire_method
 from redsync_hvd.experiments.netbench.report import NO_EXCHANGE_COMPRESSION
-from redsync_hvd.experiments.netbench.worker import RANK_VARS, _summarise, sends_fp16, whole_rounds
+from redsync_hvd.experiments.netbench.worker import RANK_VARS, _summarise, pinned_launch, sends_fp16, whole_rounds
 from redsync_hvd.policy import costmodel as cm
 
 REPO = Path(__file__).resolve().parent.parent
@@ -263,13 +263,24 @@ def test_allocator_and_cycle_time_reach_the_worker_environment(tmp_path):
     assert "HOROVOD_CYCLE_TIME" not in env and allocator.TUNABLES not in env.get("GLIBC_TUNABLES", "")
     path.write_text(base + "pin_workers: true\n")
     assert bench.worker_vars(bench.load_config(str(path)))["NETBENCH_PIN_WORKERS"] == "1"
+    path.write_text(base + "pin_workers: auto\n")
+    cfg, cpus = bench.load_config(str(path)), len(os.sched_getaffinity(0))
+    assert "NETBENCH_PIN_WORKERS" not in bench.worker_vars(cfg, cpus)
+    assert bench.worker_vars(cfg, cpus + 1)["NETBENCH_PIN_WORKERS"] == "1"
     for bad, key in (("horovod_cycle_time_ms: -1", "horovod_cycle_time_ms"),
                      ("keep_large_allocations: maybe", "keep_large_allocations"),
-                     ("pin_workers: 1", "pin_workers")):
+                     ("pin_workers: 1", "pin_workers"), ("pin_workers: always", "pin_workers")):
         path.write_text(base + bad + "\n")
         with pytest.raises(bench.BenchConfigError, match=key):
             bench.load_config(str(path))
     assert allocator.env({"GLIBC_TUNABLES": "glibc.a=1"})["GLIBC_TUNABLES"] == "glibc.a=1:" + allocator.TUNABLES
+
+
+def test_auto_pins_a_launch_only_where_its_processes_outnumber_the_cpus():
+    decide = pinned_launch
+    assert [decide("auto", procs, cpus=2) for procs in (1, 2, 3, 4)] == [False, False, True, True]
+    assert [decide("auto", 4, cpus=cpus) for cpus in (2, 4, 8)] == [True, False, False]
+    assert decide(True, 1, cpus=2) and not decide(False, 8, cpus=2)
 
 
 def test_pinned_worker_runs_on_its_ranks_cpu():

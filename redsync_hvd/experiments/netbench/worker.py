@@ -253,6 +253,17 @@ def pin_to_cpu(env=os.environ):
     return cpu
 
 
+def pinned_launch(setting, procs: int, cpus: int | None = None) -> bool:
+    """Whether a launch of ``procs`` processes pins each with ``pin_to_cpu`` (the bench's
+    ``pin_workers``: true, false or auto). auto pins where the processes outnumber the CPUs:
+    there the scheduler moved which ranks shared a core from launch to launch, and the 4-host
+    cells' steps by up to 2x; with a CPU a rank, unpinned ranks' Horovod threads use the other
+    core's idle time (docs/benchmarks.md, "The full grid", seventh pass)."""
+    if setting != "auto":
+        return bool(setting)
+    return procs > (cpus if cpus is not None else len(os.sched_getaffinity(0)))
+
+
 def main(argv=None) -> int:
     pin_to_cpu()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
