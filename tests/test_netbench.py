@@ -17,10 +17,13 @@ import pytest
 from redsync_hvd.experiments.netbench import netns
 from redsync_hvd.experiments.netbench.predict import plan_from_run, predict, wire_method
 from redsync_hvd.experiments.netbench.report import NO_EXCHANGE_COMPRESSION
-from redsync_hvd.experiments.netbench.worker import RANK_VARS, _summarise, pinned_launch, sends_fp16, whole_rounds
+from redsync_hvd.experiments.netbench.worker import _summarise, pinned_launch, sends_fp16, whole_rounds
 from redsync_hvd.policy import costmodel as cm
 
 REPO = Path(__file__).resolve().parent.parent
+# every variable a launcher names a rank by (launchers.rank), and the compute-only launch's
+RANK_NAMES = ("OMPI_COMM_WORLD_RANK", "HOROVOD_RANK", "PMIX_RANK", "PMI_RANK", "RANK", "TORCHELASTIC_RUN_ID",
+              "NETBENCH_INDEX")
 WORKER = "redsync_hvd.experiments.netbench.worker"
 
 
@@ -294,7 +297,7 @@ def test_pinned_worker_runs_on_its_ranks_cpu():
     # horovodrun's rank, mpirun's (the MPI launch: no HOROVOD_RANK there), the compute-only launch's
     for rank, var in ((0, "HOROVOD_RANK"), (1, "HOROVOD_RANK"), (2, "HOROVOD_RANK"),
                       (1, "OMPI_COMM_WORLD_RANK"), (3, "OMPI_COMM_WORLD_RANK"), (1, "NETBENCH_INDEX")):
-        base = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
+        base = {k: v for k, v in os.environ.items() if k not in RANK_NAMES}
         env = {**base, "PYTHONPATH": str(REPO), "NETBENCH_PIN_WORKERS": "1", var: str(rank)}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr

@@ -36,6 +36,8 @@ import statistics
 import sys
 import time
 
+from ... import launchers  # the standard library alone: safe before pinning
+
 DEFAULTS = {
     "mode": "distributed", "model": "vgg", "model_options": {}, "input_shape": [3, 32, 32],
     "num_classes": 10, "seq_len": 35, "batch_size": 16, "steps": 8, "warmup": 3, "threads": 1,
@@ -237,18 +239,15 @@ def run(spec) -> dict:
             "network_probe": probe, "loadavg": os.getloadavg()}
 
 
-RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "NETBENCH_INDEX")   # horovodrun's, mpirun's, the bench's own
-
-
 def pin_to_cpu(env=os.environ):
     """With NETBENCH_PIN_WORKERS=1: run on one CPU, the (rank mod #CPUs)-th one allowed, the rank
-    as horovodrun, mpirun or the compute-only launch names it (``RANK_VARS``). Called before torch
-    or Horovod start a thread, so theirs inherit it."""
+    as horovodrun or mpirun names it (``launchers.rank``), else the compute-only launch's
+    NETBENCH_INDEX. Called before torch or Horovod start a thread, so theirs inherit it."""
     if env.get("NETBENCH_PIN_WORKERS") != "1":
         return None
     cpus = sorted(os.sched_getaffinity(0))
-    rank = next((env[v] for v in RANK_VARS if v in env), "0")
-    cpu = cpus[int(rank) % len(cpus)]
+    rank = launchers.rank(env)
+    cpu = cpus[(int(env.get("NETBENCH_INDEX", 0)) if rank is None else rank) % len(cpus)]
     os.sched_setaffinity(0, {cpu})
     return cpu
 
