@@ -478,6 +478,32 @@ def test_local_steps_auto_settles_where_the_exchange_is_built():
         "torch", "horovod").local_decay == 0.9
 
 
+def test_local_steps_search_each_exchange_afresh_where_the_cost_model_chose_threshold_reuse():
+    """settle's rule 8: ``threshold_reuse: auto`` (5 under the cost model) becomes 1 where auto takes
+    local steps, and layers.log says why; a reuse given, a static policy, and the exchange every step
+    (FSDP2, Elastic, rule 7) keep what they had."""
+    from redsync_hvd.config import parse_compression
+    from redsync_hvd.config.compression import AUTO_EVERY_STEP_SENDS, AUTO_LOCAL_STEPS
+    from redsync_hvd.engine.build import auto_notes
+
+    chosen = parse_compression({"method": "redsync", "policy": {"mode": "cost_model"}})
+    assert chosen.selection.threshold_reuse == 5 and chosen.selection.reuse_chosen
+    for engine in ("horovod", "ddp"):
+        local = chosen.settle("torch", engine, sgd=True)
+        assert (local.local_steps, local.selection.threshold_reuse) == (AUTO_LOCAL_STEPS, 1), engine
+        assert local.selection.reuse_chosen and local.model_dump(mode="json")["selection"]["threshold_reuse"] == "auto"
+    assert "(auto under local steps)" in auto_notes(chosen.settle("torch", "horovod"))[0]
+    assert "searched every 5 steps" in auto_notes(chosen)[0]
+    every = [chosen.settle("torch", "fsdp"), chosen.settle("torch", "horovod", elastic=True),
+             parse_compression({"method": "redsync", "density": 0.005, "policy": {"mode": "cost_model"}}).settle(
+                 "torch", "horovod", adam=True, steps=AUTO_EVERY_STEP_SENDS * 200)]
+    assert [(c.local_steps, c.selection.threshold_reuse) for c in every] == [(1, 5)] * 3
+    given = parse_compression({"method": "redsync", "selection": {"threshold_reuse": 5}, "policy": "cost_model"})
+    assert given.settle("torch", "horovod").selection.threshold_reuse == 5   # a number given is kept
+    static = parse_compression({"method": "redsync"})
+    assert static.settle("torch", "horovod").selection == static.selection   # static: 1 already
+
+
 def test_auto_under_adam_runs_every_step_in_gradient_units_when_the_run_sends_each_layer_often():
     """``local_steps: auto`` under Adam with the run's length given: from ``AUTO_EVERY_STEP_SENDS``
     sends of a whole layer (density x steps) on, an exchange every step in gradient units with

@@ -240,7 +240,8 @@ class SelectionConfig(_Group):
     threshold_reuse: Union[int, Literal["auto"]] = Field(
         "auto", description="re-search a layer's threshold every R steps (or when the count leaves [k/2, 2k]); "
                             "else only count | auto: 5 under policy.mode: cost_model (the setting of the tuned "
-                            "runs: a search costs several counting passes), 1 (a search every step) otherwise. "
+                            "runs: a search costs several counting passes), 1 (a search every step) otherwise "
+                            "and for exchanges of local steps (local_steps: auto's rule 8). "
                             "trimmed starts from its last threshold whatever R is: its exact top-k is the same")
 
     _reuse_auto: bool = PrivateAttr(False)   # threshold_reuse was auto: a number now, written back as auto
@@ -781,16 +782,23 @@ class AllgatherConfig(ResidualConfig):
            gradient units, AdamW stepping once on the average as under PowerSGD; Golomb-coded
            positions (raw under radix); the layers that go dense in fp16. On the long GPT it
            ended below dense at 125x, where 6. ends 8.9% above; the 800-step GPT lost 46% so
-           (docs/benchmarks.md, "Gradient units on long runs under AdamW")."""
+           (docs/benchmarks.md, "Gradient units on long runs under AdamW").
+        8. Where 1. takes local steps, ``threshold_reuse: auto`` is 1 (5 under the cost model): each
+           exchange searches afresh, as under the static policy the convergence matrix ran; a reused
+           threshold seldom held a round's count, and the count plus the re-search cost more than a
+           search (docs/benchmarks.md, "Threshold reuse across exchanges of local steps")."""
         if self.local_steps != "auto":
             return self
         if (framework, engine) not in LOCAL_STEPS_RUN or elastic or self.per_step_knobs():    # 1.
             return self.model_copy(update={"local_steps": 1, **(self._sharded(sgd) if engine == "fsdp" else {})})
         if adam and steps and self.density * steps >= AUTO_EVERY_STEP_SENDS:                          # 7.
             return self._every_step_in_gradient_units()
-        steps = AUTO_LOCAL_STEPS
-        density = min(1.0, max(AUTO_EXCHANGE_DENSITY, self.density * steps))                          # 2.
-        update = {"local_steps": steps, "density": density,
+        return self.model_copy(update=self._local_steps_update(sgd, adam))
+
+    def _local_steps_update(self, sgd: bool, adam: bool) -> dict:
+        """``settle``'s rules 2-6 and 8: what ``local_steps: auto`` changes where it takes local steps."""
+        density = min(1.0, max(AUTO_EXCHANGE_DENSITY, self.density * AUTO_LOCAL_STEPS))               # 2.
+        update = {"local_steps": AUTO_LOCAL_STEPS, "density": density,
                   "dgc": self.dgc.model_copy(update={"momentum_correction": False})}                   # 3.
         message, selection = getattr(self, "message", None), getattr(self, "selection", None)
         if isinstance(message, MessageConfig) and selection.method != "radix":                        # 4.
@@ -799,7 +807,9 @@ class AllgatherConfig(ResidualConfig):
                                                            "quantize": "int8" if int8 else message.quantize})
         if adam and self.adam_variance == "own":                                                      # 6.
             update["adam_variance"] = "shared_factored"
-        return self.model_copy(update=update)
+        if getattr(selection, "reuse_chosen", False) and selection.threshold_reuse != 1:                # 8.
+            update["selection"] = selection.resolved(1)
+        return update
 
     def _every_step_in_gradient_units(self) -> "AllgatherConfig":
         """``settle``'s rule 7: an exchange every step, error feedback in gradient units, Golomb

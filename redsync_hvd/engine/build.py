@@ -162,6 +162,10 @@ def auto_notes(config: MethodConfig) -> list:
     if selection is None or not getattr(selection, "reuse_chosen", False) or config.policy.mode != "cost_model":
         return []
     r = selection.threshold_reuse
+    if getattr(config, "delayed", False) and r == 1:   # settle's rule 8
+        return ["compression.selection.threshold_reuse: 1 (auto under local steps): each exchange of local steps "
+                "searches each layer's threshold afresh; a round's delta seldom keeps the last one's count "
+                "(docs/redsync.md, 'Local steps')"]
     return [f"compression.selection.threshold_reuse: {r} (auto under policy.mode: cost_model): each layer's "
             f"threshold is searched every {r} steps and only counted in between (docs/redsync.md)"]
 
