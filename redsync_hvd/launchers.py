@@ -97,7 +97,7 @@ def window_note(environ, step_s: float, save_s: float, relayed: bool = True) -> 
 
 # -- a rank's own start and end -----------------------------------------------------------------
 # the global rank, as each launcher gives it to its workers before they start
-_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "HOROVOD_RANK", "PMIX_RANK", "PMI_RANK")
+RANK_VARS = ("OMPI_COMM_WORLD_RANK", "HOROVOD_RANK", "PMIX_RANK", "PMI_RANK")
 _startup: dict = {}
 _relays: list = []   # this rank's relay (start_relay), told when training starts
 
@@ -105,7 +105,7 @@ _relays: list = []   # this rank's relay (start_relay), told when training start
 def rank(environ=os.environ) -> int | None:
     """This worker's global rank from its launcher's variables (torchrun: RANK), or None (a plain
     process): what decides, before any framework starts, which rank prints a shared error."""
-    names = ("RANK",) if "TORCHELASTIC_RUN_ID" in environ else _RANK_VARS
+    names = ("RANK",) if "TORCHELASTIC_RUN_ID" in environ else RANK_VARS
     for name in names:
         if environ.get(name, "").isdigit():
             return int(environ[name])

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from redsync_hvd import launchers
 from redsync_hvd.experiments.netbench import netns
 from redsync_hvd.experiments.netbench.predict import plan_from_run, predict, wire_method
 from redsync_hvd.experiments.netbench.report import NO_EXCHANGE_COMPRESSION
@@ -21,9 +22,9 @@ from redsync_hvd.experiments.netbench.worker import _summarise, pinned_launch, s
 from redsync_hvd.policy import costmodel as cm
 
 REPO = Path(__file__).resolve().parent.parent
-# every variable a launcher names a rank by (launchers.rank), and the compute-only launch's
-RANK_NAMES = ("OMPI_COMM_WORLD_RANK", "HOROVOD_RANK", "PMIX_RANK", "PMI_RANK", "RANK", "TORCHELASTIC_RUN_ID",
-              "NETBENCH_INDEX")
+# every variable a launcher names a rank by (launchers.rank; torchrun's RANK where TORCHELASTIC_RUN_ID
+# is set), and the compute-only launch's
+RANK_NAMES = (*launchers.RANK_VARS, "RANK", "TORCHELASTIC_RUN_ID", "NETBENCH_INDEX")
 WORKER = "redsync_hvd.experiments.netbench.worker"
 
 
