@@ -410,6 +410,29 @@ def test_native_kernels_directly():
         assert torch.equal(m.select_above(y, 1.5, 10**9, True)[0], (y.abs() > 1.5).nonzero().flatten())
 
 
+@needs_native
+@pytest.mark.parametrize("side", [0, 1, -1])
+@pytest.mark.parametrize("density", [0.001, 0.1, 0.6])
+def test_native_select_above_at_any_density_equals_the_torch_selection(side, density):
+    """Dense messages (local steps send about 10%) take the vector compaction, a capped chunk the
+    scalar one: both give every key above the threshold, in ascending order, with its key."""
+    m = native.load()
+    x = torch.randn(3 * 65536 + 77, generator=torch.Generator().manual_seed(3))
+    x[5], x[6], x[70000] = 0.0, -0.0, 0.0
+    key = x.abs() if side == 0 else (side * x).clamp(min=0.0)
+    thr = float(key.quantile(1 - density)) if density < 0.5 else 0.0
+    ref = (key > thr).nonzero().flatten()
+    for cap in (x.numel(), 65536, ref.numel(), 1000):   # the last two cap inside a chunk
+        idx, vals, c, finite = m.select_above(x, thr, cap, True, True, side)
+        assert finite and c == ref.numel()
+        if cap < c:
+            assert idx.numel() == 0 and vals.numel() == 0
+            continue
+        assert torch.equal(idx, ref) and torch.equal(vals, key[ref])
+    x[x.numel() - 40] = float("nan")   # in a group the vector path reads whole
+    assert not m.select_above(x, thr, x.numel(), True, False, side)[3]
+
+
 def test_loader_can_be_disabled(monkeypatch):
     monkeypatch.setenv("REDSYNC_NO_NATIVE", "1")
     assert native.load(force=True) is None and "REDSYNC_NO_NATIVE" in native.load.error

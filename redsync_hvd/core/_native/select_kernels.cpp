@@ -320,8 +320,113 @@ static inline __attribute__((always_inline)) void select_impl(
   *count = c;
   *finite = smax < inf_bits;
 }
+// ---- select_above, AVX2 compaction ---------------------------------------------------------
+// Where a message is dense (local steps send density x steps, about 10%), nearly every group of
+// 32 holds a hit, and select_impl's compaction (every slot written, ~5 cycles an element) is the
+// pass's cost: 45 ms for 16.8M floats at 10.7%, 2.8 ms at 0.1%. Here each vector of 8 is
+// compacted by one lane permutation from a 256-entry table: its positions and keys are stored 8
+// at a time and the cursor moves by the popcount. The output is select_impl's (ascending
+// positions, their keys), at any density. Within a chunk (kGrain elements) offsets fit int32.
+struct CompactTable {
+  alignas(32) int32_t perm[256][8];
+  CompactTable() {
+    for (int m = 0; m < 256; ++m) {
+      int k = 0;
+      for (int l = 0; l < 8; ++l)
+        if (m >> l & 1) perm[m][k++] = l;
+      for (; k < 8; ++k) perm[m][k] = 0;
+    }
+  }
+};
+static const CompactTable kCompact;
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+static const bool kAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt");
+
+template <int SIDE>
+__attribute__((target("avx2,popcnt"))) static inline __m256i side_key_avx2(__m256i bits) {
+  if constexpr (SIDE == 0) return _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+  const __m256i k = SIDE > 0 ? bits : _mm256_xor_si256(bits, _mm256_set1_epi32(INT32_MIN));
+  return _mm256_max_epi32(k, _mm256_setzero_si256());
+}
+
+template <int SIDE>
+__attribute__((target("avx2,popcnt"))) static void select_avx2(
+    const float* p, int64_t b, int64_t e, float t, bool check, std::vector<int64_t>* out,
+    std::vector<float>* vals, int64_t* count, bool* finite) {
+  if (t == 0) t = 0;  // -0.0 would compare below every +0 in the integer domain
+  int32_t tb;
+  std::memcpy(&tb, &t, 4);
+  const __m256i vt = _mm256_set1_epi32(tb), vm = _mm256_set1_epi32(0x7fffffff);
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), base = _mm256_set1_epi64x(b);
+  __m256i vmax = _mm256_setzero_si256();
+  int64_t w = 0, i = b;
+  for (; i + 32 <= e; i += 32) {
+    __m256i u[4], h[4];
+    for (int q = 0; q < 4; ++q) {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 8 * q));
+      u[q] = side_key_avx2<SIDE>(bits);
+      h[q] = _mm256_cmpgt_epi32(u[q], vt);
+      if (check) vmax = _mm256_max_epi32(vmax, SIDE == 0 ? u[q] : _mm256_and_si256(bits, vm));
+    }
+    const __m256i any = _mm256_or_si256(_mm256_or_si256(h[0], h[1]), _mm256_or_si256(h[2], h[3]));
+    if (_mm256_testz_si256(any, any)) continue;
+    if (w + 32 > static_cast<int64_t>(out->size())) {   // every store writes 8 slots
+      out->resize(std::max<size_t>(w + 32, 2 * out->size()));
+      if (vals) vals->resize(out->size());
+    }
+    for (int q = 0; q < 4; ++q) {
+      const int m = _mm256_movemask_ps(_mm256_castsi256_ps(h[q]));
+      const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompact.perm[m]));
+      const __m256i pos = _mm256_permutevar8x32_epi32(
+          _mm256_add_epi32(iota, _mm256_set1_epi32(static_cast<int32_t>(i + 8 * q - b))), perm);
+      int64_t* o = out->data() + w;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o),
+                          _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(pos)), base));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 4),
+                          _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_extracti128_si256(pos, 1)), base));
+      if (vals)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(vals->data() + w), _mm256_permutevar8x32_epi32(u[q], perm));
+      w += _mm_popcnt_u32(static_cast<unsigned>(m));
+    }
+  }
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), vmax);
+  int32_t smax = 0;
+  for (int l = 0; l < 8; ++l) smax = lanes[l] > smax ? lanes[l] : smax;
+  for (; i < e; ++i) {  // the tail, under 32 elements
+    int32_t bits;
+    std::memcpy(&bits, p + i, 4);
+    smax = (bits & 0x7fffffff) > smax ? (bits & 0x7fffffff) : smax;
+    const int32_t k = side_key_s<SIDE>(bits);
+    if (k > tb) {
+      if (w == static_cast<int64_t>(out->size())) {
+        out->resize(std::max<size_t>(64, 2 * out->size()));
+        if (vals) vals->resize(out->size());
+      }
+      (*out)[w] = i;
+      if (vals) std::memcpy(vals->data() + w, &k, 4);
+      ++w;
+    }
+  }
+  out->resize(w);
+  if (vals) vals->resize(w);
+  *count = w;
+  *finite = smax < 0x7f800000;
+}
+#else
+static const bool kAvx2 = false;
+#endif
+
 RS_CLONES static void select_f(const float* p, int64_t b, int64_t e, float t, int64_t cap, bool ck,
                                std::vector<int64_t>* o, std::vector<float>* v, int64_t* c, bool* fin, int side) {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+  if (kAvx2 && cap >= e - b) {   // uncapped within the chunk: the vector compaction
+    if (side == 0) select_avx2<0>(p, b, e, t, ck, o, v, c, fin);
+    else if (side > 0) select_avx2<1>(p, b, e, t, ck, o, v, c, fin);
+    else select_avx2<-1>(p, b, e, t, ck, o, v, c, fin);
+    return;
+  }
+#endif
   if (side == 0) select_impl<float, 0>(p, b, e, t, cap, ck, o, v, c, fin);
   else if (side > 0) select_impl<float, 1>(p, b, e, t, cap, ck, o, v, c, fin);
   else select_impl<float, -1>(p, b, e, t, cap, ck, o, v, c, fin);
