@@ -704,3 +704,13 @@ def test_sign_rule_and_kept_mean_on_the_host_decide_as_the_device_expressions(va
         else torch.zeros(1)
     for host in (False, True):
         assert torch.equal(kept_mean(kept, host=host).view(torch.int32), mean.view(torch.int32)), host
+
+
+@needs_native
+def test_select_density_experiment_reports_the_share_it_asked_for(monkeypatch, capsys):
+    """experiments/select_density.py: the pass emits the share of |x| its threshold leaves above it."""
+    from redsync_hvd.experiments import select_density
+    monkeypatch.setattr("sys.argv", ["select_density", "--numel", "70000", "--densities", "0.1,0.5", "--repeats", "2"])
+    select_density.main()
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[1].split(",")[0].strip() for line in lines] == ["7000 hits", "35000 hits"], lines
