@@ -117,17 +117,20 @@ def says(environ=os.environ) -> bool:
     return rank(environ) in (None, 0)
 
 
-def note(word: str, environ=os.environ) -> None:
+def note(line: str, environ=os.environ) -> bool:
     """Tell horovodrun's process (:func:`supervise`, through the file it names in
-    ``REDSYNC_JOB_NOTES``) how far rank 0 got: "training", or "said" once it printed the line
-    that ends an interrupted launch."""
+    ``REDSYNC_JOB_NOTES``) how far rank 0 got: "training", "said" once it printed the line that
+    ends an interrupted launch, or "say <line>" for that process to print (:func:`tell`).
+    Returns whether the note was written."""
     path = environ.get("REDSYNC_JOB_NOTES")
     if path and says(environ):
         try:
             with open(path, "a") as f:
-                f.write(word + "\n")
+                f.write(line + "\n")
+            return True
         except OSError:
             pass
+    return False
 
 
 def startup_line(signum: int) -> str:
@@ -302,8 +305,13 @@ def hold_launcher_stderr() -> None:
 
 
 def tell(text: str) -> None:
-    """``text`` on stderr; where mpirun is gone (ended at once by a second signal, as a wrapper such
-    as ``timeout`` sends one), straight into the launcher's stderr, which nobody reads for us now."""
+    """``text``, the line that ends a stopped run, from rank 0. Under horovodrun's process
+    (:func:`supervise`) it goes into that process's notes, and that process prints it once the job
+    has ended: a second signal (a wrapper such as ``timeout`` sends one) ends mpirun at once, and a
+    line handed to mpirun while it was ending was lost. Else on stderr, or where mpirun is gone,
+    straight into the launcher's stderr, which nobody reads for us now."""
+    if note(f"say {text}"):
+        return
     if _launcher_stderr and os.getppid() != _launcher_stderr[0][0]:
         stream = _launcher_stderr[0][1]
     else:
@@ -354,9 +362,11 @@ def supervise(command: list) -> None:
        first, once the shell has ended, ends the orphans at once;
     3. once the shell has ended, ranks it left behind have until the end of their stop window
        (:func:`stop_window`, counted from the signal), then get the SIGKILL mpirun would have sent;
-    4. exit as the shell did, when no process of the job is left; after a signal, with one line
-       of its own if rank 0 said none (it was killed before it could: a Ctrl-C in the first second
-       of a rank's start, a stop that outlasted its window), from what rank 0 noted (:func:`note`)."""
+    4. exit as the shell did, when no process of the job is left: first with the line rank 0 left
+       it to say (:func:`tell`: a stopped run's resume hint, printed after the job's last line);
+       after a signal, with one line of its own if rank 0 said none (it was killed before it
+       could: a Ctrl-C in the first second of a rank's start, a stop that outlasted its window),
+       from what rank 0 noted (:func:`note`)."""
     import ctypes
     import tempfile
     try:
@@ -411,16 +421,21 @@ def _wait_for_job(shell: int, heard: list, window: float) -> tuple:
 
 
 def _say_what_ranks_did_not(heard: list, notes: str) -> None:
+    """Step 4 of :func:`supervise`: the lines rank 0 left to say (:func:`tell`), else one for a
+    signal that left none."""
     try:
         with open(notes) as f:
-            said = f.read().split()
+            said = f.read().splitlines()
         os.unlink(notes)
     except OSError:
         said = []
-    if not heard or "said" in said:
+    told = "".join(f"{n[4:]}\n" for n in said if n.startswith("say "))
+    if not told and (not heard or "said" in said):
         return
-    name = signal.Signals(heard[0][0]).name
-    if "training" in said:
+    name = signal.Signals(heard[0][0]).name if heard else ""
+    if told:
+        line = told
+    elif "training" in said:
         line = (f"interrupted ({name}): the ranks ended before they saved (a stop that outlasted the launcher's "
                 "window; docs/reliability.md); the run folder keeps its last checkpoints\n")
     else:

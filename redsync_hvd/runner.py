@@ -383,8 +383,9 @@ class Run:
         1. one allgather of every rank's save (file, seconds, when it heard the signal): every
            rank has saved before rank 0 says so;
         2. rank 0 records the stop in metrics.jsonl (summary.json's ``stops`` lists them) and
-           prints the resume hint (into the launcher's stderr if mpirun is gone; to a closed
-           stderr: nowhere, quietly);
+           prints the resume hint (under horovodrun its process prints it once the job has ended,
+           so a mpirun that a second signal ends at once cannot drop it; to a closed stderr:
+           nowhere, quietly);
         3. a barrier: rank 0 has said so before any rank exits (a launcher tears the job down
            at the first non-zero exit). No summary (unfinished)."""
         mine = {**self.last_save, "heard_at": self.ctl.heard_at, "agreed_at": getattr(self, "agreed_at", None)}
@@ -394,7 +395,7 @@ class Run:
                           "heard_at": [r["heard_at"] for r in ranks], "agreed_at": [r["agreed_at"] for r in ranks],
                           "saved_at": [r.get("saved_at") for r in ranks]})
         self.log.close()
-        if self.rank == 0:   # into the launch's log even when mpirun is already gone (launchers.tell)
+        if self.rank == 0:   # into the launch's log even where mpirun ends at once (launchers.tell)
             launchers.tell(f"{self.ctl.message(self.step, self.log.dir)} (exit code {EXIT_STOPPED}: saved, not "
                            "finished)")
         self.ctl.barrier()                                                                  # 3.
