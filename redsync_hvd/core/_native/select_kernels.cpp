@@ -323,10 +323,12 @@ static inline __attribute__((always_inline)) void select_impl(
 // ---- select_above, AVX2 compaction ---------------------------------------------------------
 // Where a message is dense (local steps send density x steps, about 10%), nearly every group of
 // 32 holds a hit, and select_impl's compaction (every slot written, ~5 cycles an element) is the
-// pass's cost: 45 ms for 16.8M floats at 10.7%, 2.8 ms at 0.1%. Here each vector of 8 is
-// compacted by one lane permutation from a 256-entry table: its positions and keys are stored 8
-// at a time and the cursor moves by the popcount. The output is select_impl's (ascending
-// positions, their keys), at any density. Within a chunk (kGrain elements) offsets fit int32.
+// pass's cost: 14 ms for 16.8M floats at 10.7%, 2.8 ms at 0.1% (experiments/select_density.py).
+// Here each vector of 8 is compacted by one lane permutation from a 256-entry table: its positions
+// and keys are stored 8 at a time and the cursor moves by the popcount. The output is
+// select_impl's (ascending positions, their keys), at any density. Within a chunk (kGrain
+// elements) offsets fit int32.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 struct CompactTable {
   alignas(32) int32_t perm[256][8];
   CompactTable() {
@@ -339,7 +341,6 @@ struct CompactTable {
   }
 };
 static const CompactTable kCompact;
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 static const bool kAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt");
 
 template <int SIDE>
@@ -360,6 +361,12 @@ __attribute__((target("avx2,popcnt"))) static void select_avx2(
   const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), base = _mm256_set1_epi64x(b);
   __m256i vmax = _mm256_setzero_si256();
   int64_t w = 0, i = b;
+  auto room = [&](int64_t n) {   // slots for n more writes past the cursor
+    if (w + n > static_cast<int64_t>(out->size())) {
+      out->resize(std::max<size_t>(std::max<int64_t>(w + n, 64), 2 * out->size()));
+      if (vals) vals->resize(out->size());
+    }
+  };
   for (; i + 32 <= e; i += 32) {
     __m256i u[4], h[4];
     for (int q = 0; q < 4; ++q) {
@@ -370,10 +377,7 @@ __attribute__((target("avx2,popcnt"))) static void select_avx2(
     }
     const __m256i any = _mm256_or_si256(_mm256_or_si256(h[0], h[1]), _mm256_or_si256(h[2], h[3]));
     if (_mm256_testz_si256(any, any)) continue;
-    if (w + 32 > static_cast<int64_t>(out->size())) {   // every store writes 8 slots
-      out->resize(std::max<size_t>(w + 32, 2 * out->size()));
-      if (vals) vals->resize(out->size());
-    }
+    room(32);   // every store writes 8 slots
     for (int q = 0; q < 4; ++q) {
       const int m = _mm256_movemask_ps(_mm256_castsi256_ps(h[q]));
       const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompact.perm[m]));
@@ -399,10 +403,7 @@ __attribute__((target("avx2,popcnt"))) static void select_avx2(
     smax = (bits & 0x7fffffff) > smax ? (bits & 0x7fffffff) : smax;
     const int32_t k = side_key_s<SIDE>(bits);
     if (k > tb) {
-      if (w == static_cast<int64_t>(out->size())) {
-        out->resize(std::max<size_t>(64, 2 * out->size()));
-        if (vals) vals->resize(out->size());
-      }
+      room(1);
       (*out)[w] = i;
       if (vals) std::memcpy(vals->data() + w, &k, 4);
       ++w;
